@@ -1,0 +1,1 @@
+//! cloud-hypervisor driver (REST API, hybrid vsock).

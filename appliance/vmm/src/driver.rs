@@ -1,0 +1,525 @@
+//! The hypervisor driver trait and the types every driver shares.
+//!
+//! A [`Driver`] boots microVMs from a [`BootSpec`], reaches their guest agent over the
+//! hybrid-vsock convention ([`crate::agent::dial`] on [`Vm::vsock_socket`]), pauses,
+//! snapshots, clones ([`Driver::restore`]) and stops them. Each live VM has one JSON
+//! record `<state_dir>/vms/<id>/vm.json` ([`crate::record`]) holding enough to
+//! re-attach after our own process restarted ([`Driver::attach`]).
+//!
+//! Guarantees every implementation keeps:
+//! - no hypervisor process outlives [`Driver::shutdown`], [`Driver::kill`] or a failed
+//!   [`Driver::boot`] / [`Driver::restore`];
+//! - [`Driver::list`] reports an error as an error, never as an empty list.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::str::FromStr;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+pub use crate::accel::{Accel, AccelPreference};
+use crate::agent::DialError;
+use crate::catalog::{Catalog, CatalogError};
+use crate::record::RecordError;
+pub use crate::size::SizeClass;
+
+/// The guest-agent (silkd) vsock port.
+pub const AGENT_PORT: u32 = 2048;
+
+/// Which hypervisor a driver runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// QEMU `-M microvm`, controlled over QMP; agent over virtio-serial + agent-mux.
+    Qemu,
+    /// cloud-hypervisor, controlled over its REST API; agent over hybrid vsock.
+    CloudHypervisor,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Qemu => "qemu",
+            Backend::CloudHypervisor => "cloud-hypervisor",
+        })
+    }
+}
+
+/// A VM id: 1..=63 chars of `[a-z0-9-]`, starting with a letter or digit. Used as a directory name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct VmId(String);
+
+/// Why a string is not a [`VmId`].
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum VmIdError {
+    /// Empty or longer than 63 characters.
+    #[error("vm id must be 1..=63 characters, got {0}")]
+    Length(usize),
+    /// A character outside `[a-z0-9-]`, or a leading `-`.
+    #[error("vm id {0:?} may only hold [a-z0-9-] and must not start with '-'")]
+    Charset(String),
+}
+
+impl VmId {
+    /// Validates `s` as a VM id.
+    pub fn new(s: impl Into<String>) -> Result<Self, VmIdError> {
+        let s = s.into();
+        if s.is_empty() || s.len() > 63 {
+            return Err(VmIdError::Length(s.len()));
+        }
+        let ok = s
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !s.starts_with('-');
+        if !ok {
+            return Err(VmIdError::Charset(s));
+        }
+        Ok(VmId(s))
+    }
+
+    /// A fresh id `<prefix>-<8 hex>`; `prefix` is sanitised to the id charset and shortened.
+    pub fn generate(prefix: &str) -> Self {
+        let mut p: String = prefix
+            .chars()
+            .map(|c| c.to_ascii_lowercase())
+            .map(|c| if c.is_ascii_lowercase() || c.is_ascii_digit() { c } else { '-' })
+            .take(40)
+            .collect();
+        p = p.trim_matches('-').to_string();
+        if p.is_empty() {
+            p.push_str("vm");
+        }
+        let suffix: u32 = rand::random();
+        VmId(format!("{p}-{suffix:08x}"))
+    }
+
+    /// The id as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for VmId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for VmId {
+    type Err = VmIdError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        VmId::new(s)
+    }
+}
+
+impl TryFrom<String> for VmId {
+    type Error = VmIdError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        VmId::new(s)
+    }
+}
+
+impl From<VmId> for String {
+    fn from(id: VmId) -> String {
+        id.0
+    }
+}
+
+/// Everything needed to boot one VM from a built template.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BootSpec {
+    /// Template name (after alias resolution), e.g. `base`, `rt`.
+    pub name: String,
+    /// Uncompressed PVH `vmlinux`.
+    pub kernel: PathBuf,
+    /// Initramfs (cpio, maybe gzipped) holding `/init` and `silkd`.
+    pub initrd: PathBuf,
+    /// Read-only root disk (erofs), attached as the first virtio-blk disk `/dev/vda`.
+    pub rootfs: Option<PathBuf>,
+    /// Empty ext4 image; each VM gets a writable copy-on-write overlay on it as `/dev/vdb`.
+    pub overlay_base: Option<PathBuf>,
+    /// Extra kernel command-line arguments from the template (the driver adds console etc.).
+    pub cmdline: String,
+    /// vCPUs and memory.
+    pub size: SizeClass,
+    /// Which accelerator to use; `Auto` probes.
+    #[serde(default)]
+    pub accel: AccelPreference,
+}
+
+impl BootSpec {
+    /// Builds a spec from the catalog entry for `name_or_alias` (alias resolved) at `size`,
+    /// with the accelerator preference from `CHRYSALIS_ACCEL` (default `auto`).
+    pub fn from_template(
+        catalog: &Catalog,
+        name_or_alias: &str,
+        size: SizeClass,
+    ) -> Result<Self, CatalogError> {
+        let (name, t) = catalog.resolve(name_or_alias)?;
+        Ok(BootSpec {
+            name: name.to_string(),
+            kernel: t.kernel.clone(),
+            initrd: t.initrd.clone(),
+            rootfs: t.rootfs.clone(),
+            overlay_base: t.overlay_base.clone(),
+            cmdline: t.cmdline.clone(),
+            size,
+            accel: AccelPreference::from_env(),
+        })
+    }
+}
+
+/// One VM a driver started (or re-attached to). Serialised as `vm.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vm {
+    /// The VM id (also its directory name under `<state_dir>/vms/`).
+    pub id: VmId,
+    /// The hypervisor running it.
+    pub backend: Backend,
+    /// The accelerator actually used.
+    pub accel: Accel,
+    /// The hypervisor process id.
+    pub pid: u32,
+    /// Start time of `pid` (field 22 of `/proc/<pid>/stat`, clock ticks since boot), to defeat pid reuse.
+    pub pid_start_time: u64,
+    /// `<state_dir>/vms/<id>/`.
+    pub dir: PathBuf,
+    /// The hypervisor's control socket (QMP for QEMU, REST API for cloud-hypervisor).
+    pub control_socket: PathBuf,
+    /// Hybrid-vsock Unix socket: connect, write `CONNECT <port>\n`, read `OK …\n`.
+    pub vsock_socket: PathBuf,
+    /// Serial console log.
+    pub console_log: PathBuf,
+    /// The spec it was booted from (for a clone: the parent's).
+    pub spec: BootSpec,
+    /// Snapshot directory this VM was restored from, if it is a clone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored_from: Option<PathBuf>,
+    /// Wall-clock creation time, seconds since the Unix epoch.
+    pub created_at_epoch_secs: u64,
+}
+
+/// A VM's saved state on disk: `<dir>/snapshot.json` plus backend-specific files.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// Directory holding the snapshot.
+    pub dir: PathBuf,
+    /// The backend that wrote it (only that backend can restore it).
+    pub backend: Backend,
+    /// Accelerator of the source VM (restore must use the same).
+    pub accel: Accel,
+    /// The id of the VM the snapshot was taken from.
+    pub source: VmId,
+    /// The source VM's boot spec.
+    pub spec: BootSpec,
+    /// Writable disk state of the source at snapshot time (inside `dir`), if it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlay: Option<PathBuf>,
+    /// Wall-clock creation time, seconds since the Unix epoch.
+    pub created_at_epoch_secs: u64,
+}
+
+impl Snapshot {
+    /// File name of the snapshot description inside [`Snapshot::dir`].
+    pub const FILE: &'static str = "snapshot.json";
+
+    /// Reads `<dir>/snapshot.json`.
+    pub fn load(dir: &Path) -> Result<Self, RecordError> {
+        crate::record::read_json(&dir.join(Self::FILE))
+    }
+}
+
+/// What to do with the source VM after a snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AfterSnapshot {
+    /// Leave it paused.
+    Paused,
+    /// Resume it.
+    Resumed,
+}
+
+/// silkd's `info` reply, as the host sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentInfo {
+    /// silkd version string.
+    pub version: String,
+    /// Connection-model version (2 = RPCs back to back on one connection).
+    pub proto: u32,
+    /// Guest uptime in seconds.
+    pub uptime_secs: u64,
+    /// Processes tracked by silkd.
+    #[serde(default)]
+    pub procs: u64,
+    /// Persistent shell sessions.
+    #[serde(default)]
+    pub sessions: u64,
+}
+
+/// Errors of every [`Driver`] operation.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// A filesystem or socket operation failed.
+    #[error("{what}")]
+    Io {
+        /// What we were doing, naming the path.
+        what: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The hypervisor (or a helper like `qemu-img`) could not be started or failed.
+    #[error("running {program} failed: {detail}")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// Exit status / stderr excerpt.
+        detail: String,
+    },
+    /// The hypervisor's control channel (QMP, REST) refused or broke.
+    #[error("vm {vm}: control channel: {message}")]
+    Control {
+        /// The VM.
+        vm: VmId,
+        /// What went wrong.
+        message: String,
+    },
+    /// The hypervisor process exited when it should run.
+    #[error("vm {vm}: hypervisor exited: {detail}")]
+    Exited {
+        /// The VM.
+        vm: VmId,
+        /// Exit status and the end of its console/log.
+        detail: String,
+    },
+    /// An operation did not finish in time.
+    #[error("vm {vm}: timed out after {after:?} waiting for {what}")]
+    Timeout {
+        /// The VM.
+        vm: VmId,
+        /// What we waited for.
+        what: String,
+        /// How long we waited.
+        after: Duration,
+    },
+    /// No live VM with that id under this driver's state dir.
+    #[error("vm {0}: not found (or not alive)")]
+    NotFound(VmId),
+    /// Dialling the guest agent failed.
+    #[error("vm {vm}: agent")]
+    Agent {
+        /// The VM.
+        vm: VmId,
+        /// The cause.
+        #[source]
+        source: DialError,
+    },
+    /// The guest agent answered something we did not expect.
+    #[error("vm {vm}: agent protocol: {message}")]
+    AgentProtocol {
+        /// The VM.
+        vm: VmId,
+        /// What was wrong.
+        message: String,
+    },
+    /// Reading or writing a `vm.json` / `snapshot.json` failed.
+    #[error("state record")]
+    Record(#[from] RecordError),
+    /// The spec or snapshot cannot be used by this driver.
+    #[error("invalid: {0}")]
+    Invalid(String),
+    /// This driver cannot do that (yet).
+    #[error("{backend} driver does not support {what}")]
+    Unsupported {
+        /// The backend.
+        backend: Backend,
+        /// The operation.
+        what: String,
+    },
+}
+
+impl DriverError {
+    /// Shorthand for [`DriverError::Io`].
+    pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
+        DriverError::Io {
+            what: what.into(),
+            source,
+        }
+    }
+}
+
+/// Anything a byte stream to the guest agent can be.
+pub trait AgentIo: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> AgentIo for T {}
+
+/// A connected stream to a guest port, past the `CONNECT`/`OK` handshake.
+pub struct AgentStream(Box<dyn AgentIo>);
+
+impl AgentStream {
+    /// Wraps any byte stream (a Unix socket in production, a duplex pipe in tests).
+    pub fn new(io: impl AgentIo + 'static) -> Self {
+        AgentStream(Box::new(io))
+    }
+}
+
+impl fmt::Debug for AgentStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AgentStream")
+    }
+}
+
+impl AsyncRead for AgentStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut *self.0).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for AgentStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut *self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut *self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut *self.0).poll_shutdown(cx)
+    }
+}
+
+/// How often [`Driver::wait_agent`] retries.
+pub const WAIT_AGENT_INTERVAL: Duration = Duration::from_millis(20);
+
+/// A hypervisor driver. Object safe: use it as `Arc<dyn Driver>`.
+#[async_trait]
+pub trait Driver: Send + Sync {
+    /// Which hypervisor this driver runs.
+    fn backend(&self) -> Backend;
+
+    /// The accelerator this driver uses for [`AccelPreference::Auto`] (probed once at construction).
+    fn accel(&self) -> Accel;
+
+    /// Boots a VM; returns once the hypervisor process runs (the guest may still be booting).
+    async fn boot(&self, spec: &BootSpec) -> Result<Vm, DriverError>;
+
+    /// Dials `port` in the guest: hybrid-vsock `CONNECT port\n` → `OK …\n` on [`Vm::vsock_socket`].
+    async fn connect(&self, vm: &Vm, port: u32) -> Result<AgentStream, DriverError> {
+        crate::agent::dial(&vm.vsock_socket, port)
+            .await
+            .map(AgentStream::new)
+            .map_err(|source| DriverError::Agent {
+                vm: vm.id.clone(),
+                source,
+            })
+    }
+
+    /// Dials the agent and asks `info` every [`WAIT_AGENT_INTERVAL`] until it answers or `timeout` passes.
+    async fn wait_agent(&self, vm: &Vm, timeout: Duration) -> Result<AgentInfo, DriverError> {
+        let deadline = Instant::now() + timeout;
+        let mut last: Option<String> = None;
+        loop {
+            let attempt = async {
+                let mut s = self.connect(vm, AGENT_PORT).await?;
+                crate::agent::info(&mut s)
+                    .await
+                    .map_err(|source| DriverError::Agent {
+                        vm: vm.id.clone(),
+                        source,
+                    })
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left.max(Duration::from_millis(1)), attempt).await {
+                Ok(Ok(info)) => return Ok(info),
+                Ok(Err(e)) => last = Some(crate::error_chain(&e)),
+                Err(_) => {}
+            }
+            if Instant::now() >= deadline {
+                tracing::debug!(vm = %vm.id, last_error = ?last, "agent did not answer");
+                return Err(DriverError::Timeout {
+                    vm: vm.id.clone(),
+                    what: match last {
+                        Some(e) => format!("the guest agent (last error: {e})"),
+                        None => "the guest agent".into(),
+                    },
+                    after: timeout,
+                });
+            }
+            tokio::time::sleep(WAIT_AGENT_INTERVAL).await;
+        }
+    }
+
+    /// Pauses the vCPUs.
+    async fn pause(&self, vm: &Vm) -> Result<(), DriverError>;
+
+    /// Resumes the vCPUs.
+    async fn resume(&self, vm: &Vm) -> Result<(), DriverError>;
+
+    /// Saves the VM's memory, device and disk state into `dir` (created if missing) and writes
+    /// `dir/snapshot.json`. The VM is left paused or resumed as `after` says.
+    async fn snapshot(&self, vm: &Vm, dir: &Path, after: AfterSnapshot)
+        -> Result<Snapshot, DriverError>;
+
+    /// Starts a new VM `id` from `snapshot` (a clone: the source may keep running). Returns
+    /// once the clone's vCPUs run. Its guest agent restarts its session on the fresh host connection.
+    async fn restore(&self, snapshot: &Snapshot, id: &VmId) -> Result<Vm, DriverError>;
+
+    /// Asks the guest to power off (ACPI / `system_powerdown`), kills the hypervisor after
+    /// `timeout`, then removes the VM's directory.
+    async fn shutdown(&self, vm: &Vm, timeout: Duration) -> Result<(), DriverError>;
+
+    /// Kills the hypervisor at once and removes the VM's directory.
+    async fn kill(&self, vm: &Vm) -> Result<(), DriverError>;
+
+    /// The live VMs under this driver's state dir.
+    async fn list(&self) -> Result<Vec<Vm>, DriverError>;
+
+    /// Re-attaches to a live VM after our own process restarted (reconnects the control
+    /// channel, restarts host-side helpers such as the vsock bridge).
+    async fn attach(&self, id: &VmId) -> Result<Vm, DriverError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vm_id_validation() {
+        assert!(VmId::new("base-0a1b2c3d").is_ok());
+        assert_eq!(VmId::new(""), Err(VmIdError::Length(0)));
+        assert!(matches!(VmId::new("-x"), Err(VmIdError::Charset(_))));
+        assert!(matches!(VmId::new("a/b"), Err(VmIdError::Charset(_))));
+        assert!(matches!(VmId::new("A"), Err(VmIdError::Charset(_))));
+        assert!(matches!(VmId::new("a".repeat(64)), Err(VmIdError::Length(64))));
+        let g = VmId::generate("ghcr.io/Rt:24.04");
+        assert!(VmId::new(g.as_str()).is_ok(), "{g}");
+        assert!(g.as_str().starts_with("ghcr-io-rt-24-04-"), "{g}");
+        assert!(VmId::generate("").as_str().starts_with("vm-"));
+    }
+
+    #[test]
+    fn vm_id_serde_validates() {
+        let id: VmId = serde_json::from_str("\"abc\"").expect("valid id");
+        assert_eq!(id.as_str(), "abc");
+        assert!(serde_json::from_str::<VmId>("\"../x\"").is_err());
+    }
+
+    #[test]
+    fn driver_is_object_safe() {
+        fn takes(_: Option<std::sync::Arc<dyn Driver>>) {}
+        takes(None);
+    }
+}

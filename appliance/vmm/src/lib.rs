@@ -1,0 +1,38 @@
+//! One driver trait over the hypervisors Chrysalis runs microVMs with.
+//!
+//! - [`driver`]: the [`Driver`] trait and shared types ([`Vm`], [`BootSpec`], [`Snapshot`], …);
+//! - [`qemu`]: QEMU `-M microvm` over QMP, guest agent over virtio-serial + `agent-mux`;
+//! - [`cloud_hypervisor`]: cloud-hypervisor over its REST API, guest agent over hybrid vsock;
+//! - [`agent`]: the one hybrid-vsock dialler every driver uses;
+//! - [`catalog`], [`size`], [`accel`], [`record`]: templates, size classes, KVM/TCG probe, `vm.json`;
+//! - [`test_utils`]: an in-memory [`test_utils::FakeDriver`] with settable failures.
+
+pub mod accel;
+pub mod agent;
+pub mod catalog;
+pub mod cloud_hypervisor;
+pub mod driver;
+pub mod qemu;
+pub mod record;
+pub mod size;
+pub mod test_utils;
+
+pub use accel::{Accel, AccelPreference};
+pub use catalog::{Catalog, CatalogError};
+pub use driver::{
+    AfterSnapshot, AgentInfo, AgentStream, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId,
+    AGENT_PORT,
+};
+pub use size::SizeClass;
+
+/// Formats an error with its `source()` chain as `a: b: c`.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

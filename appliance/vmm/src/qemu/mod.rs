@@ -1,0 +1,1 @@
+//! QEMU `-M microvm` driver over QMP.

@@ -1,0 +1,1 @@
+//! Test doubles: an in-memory `FakeDriver` with settable failures.

@@ -1,0 +1,46 @@
+//! The `cargo xtask` command line.
+
+use clap::{Args, Parser, Subcommand};
+
+/// Build, run, test and benchmark Chrysalis. Every step installs what it needs
+/// (apt packages, Rust targets) and caches its outputs under $CHRYSALIS_CACHE
+/// (default ~/.cache/chrysalis), outside the repository.
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", version, about, long_about = None)]
+pub struct Xtask {
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Cmd {
+    /// Install the host prerequisites (apt packages, Rust targets) that are missing.
+    Prereqs,
+    /// Build the microVM guest kernel (Debian linux-source + vm-images/kernel/guest.config);
+    /// cached, rebuilt only when the fragment or the source changes. Prints the vmlinux path.
+    GuestKernel(GuestKernelArgs),
+    /// Build a guest image template (see vm-images/catalog.toml) and register it in the
+    /// local catalog ($CHRYSALIS_CACHE/images/catalog.json).
+    VmImage(VmImageArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct GuestKernelArgs {
+    /// Rebuild even when a cached kernel for the same inputs exists.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct VmImageArgs {
+    /// Template or alias to build (`base`, `rt`, `ghcr.io/cocoonstack/sandbox/rt:24.04`, ...).
+    /// With `--all`, every template of the catalog.
+    #[arg(required_unless_present = "all")]
+    pub template: Option<String>,
+    /// Build every template in vm-images/catalog.toml.
+    #[arg(long)]
+    pub all: bool,
+    /// Rebuild even when a cached image for the same inputs exists.
+    #[arg(long)]
+    pub force: bool,
+}

@@ -1,0 +1,26 @@
+//! `cargo xtask`: every build, run, test and bench entry point of Chrysalis.
+//!
+//! Layout follows rust-analyzer's xtask: `flags.rs` declares the CLI, one module per task,
+//! `main` moves to the project root and dispatches. Build caches live outside the repository
+//! (see [`paths`]) so a warm machine is fast and a fresh clone stays clean.
+
+mod flags;
+mod guest_kernel;
+mod paths;
+mod prereqs;
+mod vm_image;
+
+use anyhow::Result;
+use clap::Parser;
+
+fn main() -> Result<()> {
+    let flags = flags::Xtask::parse();
+    std::env::set_current_dir(paths::project_root())?;
+    match flags.cmd {
+        flags::Cmd::Prereqs => prereqs::ensure_all(),
+        flags::Cmd::GuestKernel(args) => guest_kernel::run(&args).map(|path| {
+            println!("{}", path.display());
+        }),
+        flags::Cmd::VmImage(args) => vm_image::run(&args),
+    }
+}
