@@ -22,6 +22,12 @@ pub enum Cmd {
     /// Build a guest image template (see vm-images/catalog.toml) and register it in the
     /// local catalog ($CHRYSALIS_CACHE/images/catalog.json).
     VmImage(VmImageArgs),
+    /// Run the whole test suite as CI does: prerequisites, guest images, unit, integration
+    /// and end-to-end tests (real QEMU VMs), and a bounded fuzz run. Ends with
+    /// `N passed, N failed, N skipped`.
+    Test(TestArgs),
+    /// Fuzz the silkd frame decoder for a bounded time (cargo-fuzz on the stable toolchain).
+    Fuzz(FuzzArgs),
 }
 
 #[derive(Debug, Args)]
@@ -43,4 +49,23 @@ pub struct VmImageArgs {
     /// Rebuild even when a cached image for the same inputs exists.
     #[arg(long)]
     pub force: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct TestArgs {
+    /// Only run tests whose name contains this string (the fuzz run still happens).
+    pub filter: Option<String>,
+    /// Skip the bounded fuzz run.
+    #[arg(long)]
+    pub no_fuzz: bool,
+    /// How long the bounded fuzz run lasts.
+    #[arg(long, default_value_t = 30)]
+    pub fuzz_seconds: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct FuzzArgs {
+    /// How long to fuzz, in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub seconds: u64,
 }

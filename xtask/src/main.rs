@@ -5,9 +5,11 @@
 //! (see [`paths`]) so a warm machine is fast and a fresh clone stays clean.
 
 mod flags;
+mod fuzz;
 mod guest_kernel;
 mod paths;
 mod prereqs;
+mod test;
 mod vm_image;
 
 use anyhow::Result;
@@ -22,5 +24,7 @@ fn main() -> Result<()> {
             println!("{}", path.display());
         }),
         flags::Cmd::VmImage(args) => vm_image::run(&args),
+        flags::Cmd::Test(args) => test::run(&args),
+        flags::Cmd::Fuzz(args) => fuzz::run(&args),
     }
 }
