@@ -1,1 +1,94 @@
-//! Shared helpers for the integration suites (test_infra).
+//! `test_infra`: what the integration suites, `cargo xtask vm run` and `cargo xtask bench`
+//! share to boot a real VM from the built catalog and talk to its agent.
+
+use anyhow::{Context, Result};
+use silkd_client::AgentConn;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use vmm::{AgentStream, BootSpec, Catalog, Driver, SizeClass, Vm, AGENT_PORT};
+
+/// How long a cold boot may take before the agent answers (TCG is slow; KVM is not).
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Logs to stderr once per process (`RUST_LOG` filters; default `info`).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// The built-image catalog (`$CHRYSALIS_CACHE/images/catalog.json`), with a message that
+/// says how to build it when it is missing.
+pub fn catalog() -> Result<Catalog> {
+    Catalog::load_default().context("no built guest images: run `cargo xtask vm-image --all` first")
+}
+
+/// The QEMU driver keeping its VM state under `state_dir`.
+pub fn qemu(state_dir: &Path) -> Result<Arc<dyn Driver>> {
+    // QEMU-DRIVER-PENDING: replaced by the real constructor once vmm::qemu lands.
+    let _ = state_dir;
+    anyhow::bail!("the QEMU driver is not built yet")
+}
+
+/// A booted VM and how long it took until its agent answered.
+pub struct Booted {
+    pub vm: Vm,
+    pub ready_after: Duration,
+}
+
+/// Boots `template` at `size` and waits for its agent.
+pub async fn boot(driver: &Arc<dyn Driver>, catalog: &Catalog, template: &str, size: SizeClass) -> Result<Booted> {
+    let spec = BootSpec::from_template(catalog, template, size)?;
+    let started = Instant::now();
+    let vm = driver.boot(&spec).await.with_context(|| format!("booting {template}"))?;
+    if let Err(e) = driver.wait_agent(&vm, BOOT_TIMEOUT).await {
+        let console = std::fs::read_to_string(&vm.console_log).unwrap_or_default();
+        let _ = driver.kill(&vm).await;
+        return Err(anyhow::Error::new(e).context(format!(
+            "agent of {template} never answered; console tail:\n{}",
+            tail(&console, 40)
+        )));
+    }
+    Ok(Booted { vm, ready_after: started.elapsed() })
+}
+
+/// A fresh agent connection to `vm` (hybrid vsock `CONNECT 2048`).
+pub async fn agent(driver: &Arc<dyn Driver>, vm: &Vm) -> Result<AgentConn<AgentStream>> {
+    let stream = driver.connect(vm, AGENT_PORT).await.context("connecting to the agent")?;
+    Ok(AgentConn::new(stream))
+}
+
+/// The last `n` lines of `s`.
+pub fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Pids of live QEMU processes whose command line mentions `dir` (for leak checks).
+pub fn qemu_processes_under(dir: &Path) -> Vec<u32> {
+    let needle = dir.to_string_lossy().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()))
+        .filter(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map(|s| s.rsplit(')').next().map(|r| r.trim_start().starts_with('Z')).unwrap_or(false))
+                .unwrap_or(false);
+            !zombie && cmdline.contains("qemu-system") && cmdline.contains(&needle)
+        })
+        .collect()
+}
+
+/// A scratch state directory for one test's VMs.
+pub fn state_dir() -> Result<tempfile::TempDir> {
+    let base = PathBuf::from(std::env::var_os("CHRYSALIS_TEST_STATE").unwrap_or_else(|| "/tmp".into()));
+    std::fs::create_dir_all(&base)?;
+    Ok(tempfile::Builder::new().prefix("chrysalis-test-").tempdir_in(base)?)
+}

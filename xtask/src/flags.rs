@@ -6,7 +6,7 @@ use clap::{Args, Parser, Subcommand};
 /// (apt packages, Rust targets) and caches its outputs under $CHRYSALIS_CACHE
 /// (default ~/.cache/chrysalis), outside the repository.
 #[derive(Debug, Parser)]
-#[command(name = "cargo xtask", version, about, long_about = None)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask", version)]
 pub struct Xtask {
     #[command(subcommand)]
     pub cmd: Cmd,
@@ -26,6 +26,11 @@ pub enum Cmd {
     /// and end-to-end tests (real QEMU VMs), and a bounded fuzz run. Ends with
     /// `N passed, N failed, N skipped`.
     Test(TestArgs),
+    /// Boot microVMs by hand.
+    #[command(subcommand)]
+    Vm(VmCmd),
+    /// Measure speed and memory, printing each figure beside its target or anchor.
+    Bench(BenchArgs),
     /// Fuzz the silkd frame decoder for a bounded time (cargo-fuzz on the stable toolchain).
     Fuzz(FuzzArgs),
 }
@@ -68,4 +73,41 @@ pub struct FuzzArgs {
     /// How long to fuzz, in seconds.
     #[arg(long, default_value_t = 60)]
     pub seconds: u64,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum VmCmd {
+    /// Boot one VM from a template, run a command in it through silkd (or open an
+    /// interactive shell over a pty when no command is given), then shut it down.
+    /// Exits with the command's exit code.
+    Run(VmRunArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct VmRunArgs {
+    /// Template or alias to boot (`base`, `rt`, `ghcr.io/cocoonstack/sandbox/rt:24.04`, …).
+    #[arg(default_value = "base")]
+    pub template: String,
+    /// Size class: small (1 vCPU/512M), medium (2/1G), large (4/4G), xlarge (4/8G), 2xlarge (8/16G).
+    #[arg(long, default_value = "small")]
+    pub size: String,
+    /// Feed this process's stdin to the command.
+    #[arg(long)]
+    pub stdin: bool,
+    /// The command to run in the guest (after `--`).
+    #[arg(last = true)]
+    pub cmd: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Boots (and clones) per template to take the median of.
+    #[arg(long, default_value_t = 3)]
+    pub boots: usize,
+    /// Agent RPC round trips to time.
+    #[arg(long, default_value_t = 2000)]
+    pub rpcs: usize,
+    /// Size of the file `fs_pull` streams, in MiB.
+    #[arg(long, default_value_t = 64)]
+    pub pull_mib: u64,
 }

@@ -36,6 +36,7 @@ pub fn run(args: &GuestKernelArgs) -> Result<PathBuf> {
     let kernel_dir = paths::cache_dir().join("kernel");
     let out_dir = kernel_dir.join(&key);
     let vmlinux = out_dir.join("vmlinux");
+    let _lock = paths::lock_file(&kernel_dir.join(".lock"))?;
 
     if vmlinux.is_file() && !args.force {
         eprintln!("guest-kernel: cached {} ({SOURCE_PACKAGE} {version})", vmlinux.display());

@@ -4,6 +4,7 @@
 //! `main` moves to the project root and dispatches. Build caches live outside the repository
 //! (see [`paths`]) so a warm machine is fast and a fresh clone stays clean.
 
+mod bench;
 mod flags;
 mod fuzz;
 mod guest_kernel;
@@ -11,6 +12,7 @@ mod paths;
 mod prereqs;
 mod test;
 mod vm_image;
+mod vm_run;
 
 use anyhow::Result;
 use clap::Parser;
@@ -26,5 +28,7 @@ fn main() -> Result<()> {
         flags::Cmd::VmImage(args) => vm_image::run(&args),
         flags::Cmd::Test(args) => test::run(&args),
         flags::Cmd::Fuzz(args) => fuzz::run(&args),
+        flags::Cmd::Bench(args) => bench::run(&args),
+        flags::Cmd::Vm(flags::VmCmd::Run(args)) => vm_run::run(&args),
     }
 }

@@ -28,3 +28,28 @@ pub fn target_dir() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| project_root().join("target"))
 }
+
+/// Takes an exclusive `flock` on `path` (created if missing), waiting for another xtask
+/// holding it; the lock lasts as long as the returned file is open.
+pub fn lock_file(path: &Path) -> anyhow::Result<std::fs::File> {
+    use anyhow::Context;
+    use std::os::fd::AsRawFd;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("opening lock {}", path.display()))?;
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        eprintln!("xtask: waiting for another build holding {}", path.display());
+        // SAFETY: as above.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error()).with_context(|| format!("locking {}", path.display()));
+        }
+    }
+    Ok(file)
+}

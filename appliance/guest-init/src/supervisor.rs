@@ -113,8 +113,8 @@ pub fn block_signals() -> Result<SigSet, SupervisorError> {
 /// Waits up to `timeout` for one of `set`; returns the signal number.
 fn wait_signal(set: &SigSet, timeout: Duration) -> Option<i32> {
     let ts = libc::timespec {
-        tv_sec: timeout.as_secs().min(3600) as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        tv_sec: timeout.as_secs().min(3600) as _,
+        tv_nsec: timeout.subsec_nanos() as _,
     };
     // SAFETY: `set` is a valid sigset, `ts` a valid timespec; siginfo may be null.
     let rc = unsafe { libc::sigtimedwait(set.as_ref(), std::ptr::null_mut(), &ts) };

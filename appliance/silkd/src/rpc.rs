@@ -62,4 +62,29 @@ impl Rpc {
     pub async fn closed(&self) {
         self.out.closed().await
     }
+
+    /// A cloneable handle that sends reply frames of this RPC, so an op can produce output
+    /// from one future while another awaits [`Rpc::input`]. Every clone must be dropped
+    /// before the op returns (the engine sees the RPC's reply stream end only then).
+    pub fn sender(&self) -> RpcSender {
+        RpcSender { out: self.out.clone() }
+    }
+}
+
+/// Sends reply frames of one RPC; see [`Rpc::sender`].
+#[derive(Clone)]
+pub struct RpcSender {
+    out: mpsc::Sender<Response>,
+}
+
+impl RpcSender {
+    /// Sends one reply frame, waiting while the client is slow.
+    pub async fn send(&self, frame: Response) -> Result<(), RpcClosed> {
+        self.out.send(frame).await.map_err(|_| RpcClosed)
+    }
+
+    /// Resolves when the client is gone.
+    pub async fn closed(&self) {
+        self.out.closed().await
+    }
 }

@@ -72,8 +72,7 @@ impl Archive {
 
     /// Writes the archive in `newc` format, every mtime set to `mtime`.
     pub fn write<W: Write>(&self, out: &mut W, mtime: u64) -> io::Result<()> {
-        let mut ino = 1u32;
-        for (path, e) in &self.entries {
+        for (ino, (path, e)) in (1u32..).zip(&self.entries) {
             let (mode, data, rdev): (u32, &[u8], (u32, u32)) = match &e.kind {
                 Kind::Dir => (0o040000, &[], (0, 0)),
                 Kind::File(d) => (0o100000, d, (0, 0)),
@@ -82,7 +81,6 @@ impl Archive {
             };
             let nlink = if matches!(e.kind, Kind::Dir) { 2 } else { 1 };
             write_member(out, ino, mode | (e.perm & 0o7777), e.uid, e.gid, nlink, mtime, path, data, rdev)?;
-            ino += 1;
         }
         write_member(out, 0, 0, 0, 0, 1, 0, "TRAILER!!!", &[], (0, 0))
     }

@@ -1,3 +1,77 @@
-//! One module per op family. Each op is `async fn(&mut Rpc, …) -> Result<(), OpError>`.
+//! One module per op family. Each op is `async fn(&mut Rpc, …) -> Result<(), OpError>`;
+//! [`dispatch`] routes a request to its op.
 
+pub mod exec;
 pub mod fs;
+pub mod port;
+pub mod proc;
+mod pump;
+pub mod pty;
+pub mod session;
+pub mod unimplemented;
+
+use crate::agent::Agent;
+use crate::error::OpError;
+use crate::rpc::Rpc;
+use std::sync::Arc;
+use wire::{Request, Response, PROTO_KEEP_ALIVE};
+
+/// Runs one request to completion on `rpc`. Continuation frames never get here (the
+/// connection engine feeds them to the RPC in flight).
+pub async fn dispatch(rpc: &mut Rpc, agent: &Arc<Agent>, req: Request) -> Result<(), OpError> {
+    match req {
+        Request::Info => info(rpc, agent).await,
+        Request::Exec { argv, cwd, env, user, detach, session } => {
+            exec::exec(rpc, agent, exec::ExecRequest { argv, cwd, env, user, detach, session }).await
+        }
+        Request::Stdin { .. } | Request::StdinClose | Request::Data { .. } | Request::DataEnd => {
+            Err(OpError::bad_request(crate::conn::state::STRAY_MESSAGE))
+        }
+        Request::Ps => proc::ps(rpc, agent).await,
+        Request::Kill { pid, signal } => proc::kill(rpc, agent, pid, signal).await,
+        Request::Logs { pid } => proc::logs(rpc, agent, pid).await,
+        Request::Attach { pid } => proc::attach(rpc, agent, pid).await,
+        Request::SessionCreate { id, cwd, env } => session::session_create(rpc, agent, id, cwd, env).await,
+        Request::SessionList => session::session_list(rpc, agent).await,
+        Request::SessionRm { id } => session::session_rm(rpc, agent, id).await,
+        Request::FsWrite { path, mode } => fs::fs_write(rpc, path, mode).await,
+        Request::FsRead { path } => fs::fs_read(rpc, path).await,
+        Request::FsList { path } => fs::fs_list(rpc, path).await,
+        Request::FsStat { path } => fs::fs_stat(rpc, path).await,
+        Request::FsMkdir { path, parents } => fs::fs_mkdir(rpc, path, parents.unwrap_or(false)).await,
+        Request::FsRm { path, recursive } => fs::fs_rm(rpc, path, recursive.unwrap_or(false)).await,
+        Request::FsRename { from, to } => fs::fs_rename(rpc, from, to).await,
+        Request::FsPush { dest } => fs::fs_push(rpc, dest).await,
+        Request::FsPull { path } => fs::fs_pull(rpc, path).await,
+        Request::FsFind { path, pattern, glob } => fs::fs_find(rpc, path, pattern, glob).await,
+        Request::FsReplace { files, pattern, replacement } => fs::fs_replace(rpc, files, pattern, replacement).await,
+        Request::FsWatch { path, recursive } => fs::fs_watch(rpc, path, recursive.unwrap_or(false)).await,
+        Request::PtyOpen { cols, rows, cwd, env, user } => pty::pty_open(rpc, agent, cols, rows, cwd, env, user).await,
+        Request::PtyResize { pid, cols, rows } => pty::pty_resize(rpc, agent, pid, cols, rows).await,
+        Request::PortForward { port } => port::port_forward(rpc, port).await,
+        other @ (Request::GitClone { .. }
+        | Request::GitAdd { .. }
+        | Request::GitPush { .. }
+        | Request::GitPull { .. }
+        | Request::GitStatus { .. }
+        | Request::GitCommit { .. }
+        | Request::GitBranch { .. }
+        | Request::LspStart { .. }
+        | Request::LspRequest { .. }
+        | Request::LspStop { .. }) => Err(unimplemented::refuse(other.op())),
+    }
+}
+
+/// `info{version, proto, uptime_secs, procs, sessions}`: `procs` counts running tracked
+/// processes, `sessions` live shell sessions.
+async fn info(rpc: &mut Rpc, agent: &Agent) -> Result<(), OpError> {
+    rpc.send(Response::Info {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        proto: PROTO_KEEP_ALIVE,
+        uptime_secs: agent.uptime_secs(),
+        procs: agent.procs.running(),
+        sessions: agent.sessions.len() as u64,
+    })
+    .await?;
+    Ok(())
+}

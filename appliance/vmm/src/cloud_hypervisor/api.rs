@@ -162,7 +162,8 @@ impl ApiClient {
 
     /// `PUT /vm.create` with the full VM configuration.
     pub async fn create(&self, config: VmConfig) -> Result<(), ApiError> {
-        self.call(endpoint::CREATE, self.inner.create_vm(config)).await
+        self.call(endpoint::CREATE, self.inner.create_vm(config))
+            .await
     }
 
     /// `PUT /vm.boot`.

@@ -70,8 +70,7 @@ impl VmPlan {
             ..PayloadConfig::new()
         };
         let vcpus = i32::try_from(self.vcpus).unwrap_or(i32::MAX);
-        let mut memory =
-            MemoryConfig::new(i64::try_from(self.memory_bytes).unwrap_or(i64::MAX));
+        let mut memory = MemoryConfig::new(i64::try_from(self.memory_bytes).unwrap_or(i64::MAX));
         if self.shared_memory {
             memory.shared = Some(true);
         }
@@ -155,10 +154,7 @@ pub fn rewrite_snapshot_config(config: &mut Value, with: &CloneRewrite) -> Resul
         .get_mut("vsock")
         .and_then(Value::as_object_mut)
         .ok_or(ConfigError::Missing("vsock"))?;
-    vsock.insert(
-        "socket".into(),
-        Value::String(path_str(&with.vsock_socket)),
-    );
+    vsock.insert("socket".into(), Value::String(path_str(&with.vsock_socket)));
     if let Some(serial) = obj.get_mut("serial").and_then(Value::as_object_mut) {
         serial.insert("file".into(), Value::String(path_str(&with.serial_file)));
     }

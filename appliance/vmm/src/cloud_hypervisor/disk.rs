@@ -86,7 +86,9 @@ fn sparse_copy(src: &File, dst: &File) -> std::io::Result<()> {
         let mut off_in = data;
         let mut off_out = data;
         while off_in < hole {
-            let chunk = usize::try_from(hole - off_in).unwrap_or(usize::MAX).min(1 << 30);
+            let chunk = usize::try_from(hole - off_in)
+                .unwrap_or(usize::MAX)
+                .min(1 << 30);
             let n = rustix::fs::copy_file_range(
                 src,
                 Some(&mut off_in),
@@ -132,7 +134,11 @@ mod tests {
         assert_eq!(meta.mode() & 0o777, 0o600);
         if kind == CloneKind::SparseCopy {
             // 64 MiB logical, two tiny extents: far fewer than 64 MiB of blocks allocated.
-            assert!(meta.blocks() * 512 < 8 << 20, "copy is not sparse: {} blocks", meta.blocks());
+            assert!(
+                meta.blocks() * 512 < 8 << 20,
+                "copy is not sparse: {} blocks",
+                meta.blocks()
+            );
         }
     }
 

@@ -66,6 +66,8 @@ pub struct FakeApi {
 impl Drop for FakeApi {
     fn drop(&mut self) {
         self.task.abort();
+        // Lets every fake cloud-hypervisor of this test exit.
+        let _ = std::fs::write(&self.exit_file, b"");
     }
 }
 
@@ -137,7 +139,8 @@ impl FakeApi {
 
     /// Writes an executable fake `cloud-hypervisor` into `dir`: it checks its arguments are
     /// `--api-socket <path>`, makes `<path>` a symlink to this fake's socket, and exits 0 once
-    /// `PUT /vmm.shutdown` was received (or when killed).
+    /// `PUT /vmm.shutdown` was received, the fake is dropped, or the socket link is gone (so a
+    /// test that panics half-way leaves no process behind).
     pub fn write_fake_binary(&self, dir: &Path) -> PathBuf {
         use std::os::unix::fs::PermissionsExt;
         let p = dir.join("cloud-hypervisor");
@@ -146,7 +149,7 @@ impl FakeApi {
              [ \"$1\" = --api-socket ] && [ -n \"$2\" ] || {{ echo \"usage: $0 --api-socket PATH\" >&2; exit 2; }}\n\
              ln -s '{sock}' \"$2\" || exit 3\n\
              echo \"fake cloud-hypervisor listening on $2\"\n\
-             while [ ! -e '{exit}' ]; do sleep 0.02; done\n\
+             while [ ! -e '{exit}' ] && [ -e \"$2\" ]; do sleep 0.02; done\n\
              exit 0\n",
             sock = self.socket.display(),
             exit = self.exit_file.display(),
@@ -205,15 +208,10 @@ async fn serve(mut conn: UnixStream, st: Arc<Mutex<State>>, exit: PathBuf) -> st
         let body_bytes: Vec<u8> = buf[head_end..head_end + len].to_vec();
         buf.drain(..head_end + len);
         let body = (!body_bytes.is_empty()).then(|| {
-            serde_json::from_slice(&body_bytes).unwrap_or_else(|e| {
-                serde_json::Value::String(format!("<not json: {e}>"))
-            })
+            serde_json::from_slice(&body_bytes)
+                .unwrap_or_else(|e| serde_json::Value::String(format!("<not json: {e}>")))
         });
-        let rec = Recorded {
-            method,
-            path,
-            body,
-        };
+        let rec = Recorded { method, path, body };
         let line = rec.line();
         let canned = {
             let mut s = st.lock().expect("fake state lock");

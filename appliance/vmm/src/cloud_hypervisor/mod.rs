@@ -10,7 +10,7 @@
 //! - every request body is built by pure code ([`config`]) and checked against recorded
 //!   cloud-hypervisor request shapes in `src/cloud_hypervisor/fixtures/` (API version 0.3.0,
 //!   see the README there);
-//! - the driver itself runs against a fake API server ([`fake_api`], test-only) on a Unix
+//! - the driver itself runs against a fake API server (`fake_api.rs`, test-only) on a Unix
 //!   socket that records every request and answers with recorded response shapes, and against a
 //!   fake `cloud-hypervisor` shell script that links its `--api-socket` to that server — so
 //!   process spawning, readiness, error mapping, teardown and re-attach are exercised for real;
@@ -35,6 +35,14 @@
 //!   kill, or a failed boot/restore.
 //! - **list / attach**: `vm.json` records under `<state_dir>/vms/`, liveness by pid + start time;
 //!   attach also pings the API and checks the answering pid.
+//!
+//! # Errors
+//!
+//! A non-2xx REST answer is [`api::ApiError::Status`] (endpoint, HTTP status, cloud-hypervisor's
+//! body — a JSON array of messages); the driver surfaces it as [`DriverError::Control`] whose
+//! message is `"<METHOD> /<endpoint> answered HTTP <status>: <body>"` ([`api_error`]). An API
+//! deadline becomes [`DriverError::Timeout`]; a VMM that exits while starting becomes
+//! [`DriverError::Exited`] with the end of `<vmdir>/vmm.log`.
 
 pub mod api;
 pub mod config;
@@ -177,7 +185,10 @@ pub fn process_error(vm: &VmId, e: ProcessError) -> DriverError {
         ProcessError::ApiNotReady { after, last, .. } => DriverError::Timeout {
             vm: vm.clone(),
             what: match last {
-                Some(l) => format!("the cloud-hypervisor API (last error: {})", crate::error_chain(&l)),
+                Some(l) => format!(
+                    "the cloud-hypervisor API (last error: {})",
+                    crate::error_chain(&l)
+                ),
                 None => "the cloud-hypervisor API".into(),
             },
             after,
@@ -206,9 +217,13 @@ impl CloudHypervisor {
     pub fn new(cfg: CloudHypervisorConfig) -> Result<Self, ProcessError> {
         let binary = process::resolve_binary(cfg.binary.as_deref(), cfg.path_var.as_deref())?;
         match KvmFacts::gather().unusable_reason() {
-            None => tracing::info!(accel = %Accel::Kvm, binary = %binary.display(), "cloud-hypervisor driver ready"),
-            Some(why) => tracing::warn!(accel = %Accel::Kvm, kvm_unusable = %why, binary = %binary.display(),
-                "cloud-hypervisor driver: KVM looks unusable here; boots will fail"),
+            None => {
+                tracing::info!(accel = %Accel::Kvm, binary = %binary.display(), "cloud-hypervisor driver ready")
+            }
+            Some(why) => {
+                tracing::warn!(accel = %Accel::Kvm, kvm_unusable = %why, binary = %binary.display(),
+                "cloud-hypervisor driver: KVM looks unusable here; boots will fail")
+            }
         }
         Ok(CloudHypervisor {
             cfg,
@@ -309,7 +324,10 @@ impl CloudHypervisor {
             .map_err(|e| process_error(&vm.id, e))?;
         vm.pid = proc.pid();
         vm.pid_start_time = proc.start_time();
-        let api = ApiClient::new(&vm.control_socket, self.cfg.api_timeout.min(Duration::from_secs(1)));
+        let api = ApiClient::new(
+            &vm.control_socket,
+            self.cfg.api_timeout.min(Duration::from_secs(1)),
+        );
         let ready = proc.wait_api(&api, &log, self.cfg.start_timeout).await;
         let result = match ready {
             Ok(ping) => {
@@ -418,7 +436,11 @@ impl CloudHypervisor {
         let plan = VmPlan {
             kernel: spec.kernel.clone(),
             initramfs: spec.initrd.clone(),
-            cmdline: config::kernel_cmdline(&spec.cmdline, spec.rootfs.is_some(), overlay.is_some()),
+            cmdline: config::kernel_cmdline(
+                &spec.cmdline,
+                spec.rootfs.is_some(),
+                overlay.is_some(),
+            ),
             vcpus: spec.size.vcpus(),
             memory_bytes: spec.size.memory_mib() << 20,
             shared_memory: self.cfg.shared_memory,
@@ -437,7 +459,9 @@ impl CloudHypervisor {
         };
         let api = self.api(&vm);
         let steps = async {
-            api.create(plan.to_vm_config()).await.map_err(|e| api_error(&id, e))?;
+            api.create(plan.to_vm_config())
+                .await
+                .map_err(|e| api_error(&id, e))?;
             api.boot().await.map_err(|e| api_error(&id, e))
         };
         let vm = self.finish_start(vm, proc, steps).await?;
@@ -557,7 +581,11 @@ impl CloudHypervisor {
         let mut proc = self.take_process(vm);
         let deadline = Instant::now() + timeout;
         if proc.is_running() {
-            let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            let left = || {
+                deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1))
+            };
             let api = ApiClient::new(&vm.control_socket, left().min(self.cfg.api_timeout));
             if let Err(e) = api.shutdown_vm().await {
                 tracing::warn!(error = %crate::error_chain(&e), "vm.shutdown failed; stopping the VMM anyway");
@@ -567,7 +595,10 @@ impl CloudHypervisor {
                 tracing::warn!(error = %crate::error_chain(&e), "vmm.shutdown failed; will kill");
             }
             if !proc.wait_exit(left()).await {
-                tracing::warn!(?timeout, "cloud-hypervisor still running after shutdown; killing");
+                tracing::warn!(
+                    ?timeout,
+                    "cloud-hypervisor still running after shutdown; killing"
+                );
             }
         }
         if let Err(e) = proc.kill().await {
@@ -599,7 +630,8 @@ impl Driver for CloudHypervisor {
             });
         }
         let id = VmId::generate(&spec.name);
-        let span = tracing::info_span!("ch_boot", vm = %id, template = %spec.name, size = %spec.size);
+        let span =
+            tracing::info_span!("ch_boot", vm = %id, template = %spec.name, size = %spec.size);
         self.boot_as(spec, id).instrument(span).await
     }
 
@@ -608,7 +640,10 @@ impl Driver for CloudHypervisor {
     }
 
     async fn resume(&self, vm: &Vm) -> Result<(), DriverError> {
-        self.api(vm).resume().await.map_err(|e| api_error(&vm.id, e))
+        self.api(vm)
+            .resume()
+            .await
+            .map_err(|e| api_error(&vm.id, e))
     }
 
     async fn snapshot(
@@ -652,15 +687,21 @@ impl Driver for CloudHypervisor {
         };
         let mut out = Vec::new();
         for entry in entries {
-            let entry = entry.map_err(|e| DriverError::io(format!("reading {}", vms.display()), e))?;
+            let entry =
+                entry.map_err(|e| DriverError::io(format!("reading {}", vms.display()), e))?;
             let path = entry.path().join(VM_JSON);
             let vm: Vm = match record::read_json(&path) {
                 Ok(vm) => vm,
                 // A directory without a record is a VM still starting (or not ours).
-                Err(RecordError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(RecordError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    continue
+                }
                 Err(e) => return Err(e.into()),
             };
-            if vm.backend == Backend::CloudHypervisor && record::is_alive(vm.pid, vm.pid_start_time) {
+            if vm.backend == Backend::CloudHypervisor && record::is_alive(vm.pid, vm.pid_start_time)
+            {
                 out.push(vm);
             }
         }
@@ -672,13 +713,19 @@ impl Driver for CloudHypervisor {
         let path = self.vm_dir(id).join(VM_JSON);
         let vm: Vm = match record::read_json(&path) {
             Ok(vm) => vm,
-            Err(RecordError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Err(RecordError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
                 return Err(DriverError::NotFound(id.clone()))
             }
             Err(e) => return Err(e.into()),
         };
         if &vm.id != id {
-            return Err(DriverError::Invalid(format!("{} records vm {}", path.display(), vm.id)));
+            return Err(DriverError::Invalid(format!(
+                "{} records vm {}",
+                path.display(),
+                vm.id
+            )));
         }
         self.check_owned(&vm)?;
         if !record::is_alive(vm.pid, vm.pid_start_time) {

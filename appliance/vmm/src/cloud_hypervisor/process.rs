@@ -75,7 +75,7 @@ pub enum ProcessError {
         #[source]
         source: std::io::Error,
     },
-    /// It still existed after SIGKILL and [`KILL_WAIT`].
+    /// It still existed 10 s after SIGKILL.
     #[error("cloud-hypervisor pid {pid} survived SIGKILL for {after:?}")]
     Unkillable {
         /// Its pid.
@@ -105,7 +105,11 @@ pub fn resolve_binary(
     };
     if wanted.as_encoded_bytes().contains(&b'/') {
         let p = PathBuf::from(wanted);
-        return if is_executable(&p) { Ok(p) } else { Err(not_found()) };
+        return if is_executable(&p) {
+            Ok(p)
+        } else {
+            Err(not_found())
+        };
     }
     path_var
         .into_iter()
@@ -202,7 +206,9 @@ impl VmmProcess {
     }
 
     fn exit_status(&mut self) -> Option<ExitStatus> {
-        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     /// Polls `vmm.ping` until it answers, failing early if the process exits.
@@ -287,7 +293,12 @@ impl VmmProcess {
             })?;
         match rustix::process::kill_process(rpid, rustix::process::Signal::KILL) {
             Ok(()) | Err(rustix::io::Errno::SRCH) => {}
-            Err(e) => return Err(ProcessError::Stop { pid, source: e.into() }),
+            Err(e) => {
+                return Err(ProcessError::Stop {
+                    pid,
+                    source: e.into(),
+                })
+            }
         }
         if self.wait_exit(KILL_WAIT).await {
             Ok(())
@@ -348,21 +359,36 @@ mod tests {
         let ch = exe(dir.path(), DEFAULT_BIN, "#!/bin/sh\n");
         let path = std::env::join_paths([Path::new("/nonexistent"), dir.path()]).expect("join");
         assert_eq!(resolve_binary(None, Some(&path)).expect("found"), ch);
-        assert_eq!(resolve_binary(Some(OsStr::new("")), Some(&path)).expect("found"), ch);
-        assert_eq!(resolve_binary(Some(ch.as_os_str()), None).expect("found"), ch);
+        assert_eq!(
+            resolve_binary(Some(OsStr::new("")), Some(&path)).expect("found"),
+            ch
+        );
+        assert_eq!(
+            resolve_binary(Some(ch.as_os_str()), None).expect("found"),
+            ch
+        );
     }
 
     #[tokio::test]
     async fn early_exit_is_reported_with_log_tail() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let bin = exe(dir.path(), "ch", "#!/bin/sh\necho \"bad flag $1\" >&2\nexit 3\n");
+        let bin = exe(
+            dir.path(),
+            "ch",
+            "#!/bin/sh\necho \"bad flag $1\" >&2\nexit 3\n",
+        );
         let log = dir.path().join("vmm.log");
         let sock = dir.path().join("api.sock");
         let mut p = VmmProcess::spawn(&bin, &sock, &log).expect("spawn");
         let api = ApiClient::new(&sock, Duration::from_millis(200));
-        let e = p.wait_api(&api, &log, Duration::from_secs(10)).await.expect_err("exits");
+        let e = p
+            .wait_api(&api, &log, Duration::from_secs(10))
+            .await
+            .expect_err("exits");
         match e {
-            ProcessError::ExitedEarly { status, log_tail, .. } => {
+            ProcessError::ExitedEarly {
+                status, log_tail, ..
+            } => {
                 assert_eq!(status.code(), Some(3));
                 assert!(log_tail.contains("bad flag --api-socket"), "{log_tail}");
             }
@@ -384,7 +410,10 @@ mod tests {
         assert!(!p.wait_exit(Duration::from_millis(50)).await);
         p.kill().await.expect("kill");
         assert!(!record::is_alive(pid, st));
-        assert!(record::pid_start_time(pid).is_none(), "child was not reaped");
+        assert!(
+            record::pid_start_time(pid).is_none(),
+            "child was not reaped"
+        );
 
         // Adopted: spawned by "someone else" (a std child we reap on a thread).
         let mut other = std::process::Command::new(&bin)

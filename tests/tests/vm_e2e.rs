@@ -1,0 +1,167 @@
+//! End to end under QEMU: real microVMs booted from our images, driven through silkd.
+//!
+//! Enabled by `--features e2e` (`cargo xtask test` builds the images first). Each test
+//! boots its own VMs in its own state directory and checks that no QEMU process is left
+//! behind.
+#![cfg(feature = "e2e")]
+
+use anyhow::{bail, Context, Result};
+use rand::RngCore;
+use silkd_client::ExecOptions;
+use std::io::Read;
+use std::time::Duration;
+use test_infra::{agent, boot, catalog, init_tracing, qemu, qemu_processes_under, state_dir};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use vmm::{AfterSnapshot, SizeClass, VmId};
+use wire::{Bytes64, Request, Response};
+
+async fn exec_ok(conn: &mut silkd_client::AgentConn<vmm::AgentStream>, argv: &[&str]) -> Result<String> {
+    let out = conn.exec(argv, ExecOptions::default(), b"").await?;
+    if out.code != 0 {
+        bail!("{argv:?} exited {}: {}", out.code, String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn base_boot_exec_files_pull_snapshot_clone_shutdown() -> Result<()> {
+    init_tracing();
+    let state = state_dir()?;
+    let driver = qemu(state.path())?;
+    let catalog = catalog()?;
+    let parent = boot(&driver, &catalog, "base", SizeClass::Small).await?;
+    eprintln!("base ready after {:?} ({:?})", parent.ready_after, parent.vm.accel);
+    let vm = parent.vm;
+
+    let mut conn = agent(&driver, &vm).await?;
+    assert!(matches!(conn.info().await?, Response::Info { proto: 2, .. }));
+    assert_eq!(exec_ok(&mut conn, &["echo", "hello"]).await?, "hello\n");
+
+    // stdin round trip of 3 MiB of random bytes, on the same kept connection.
+    let mut input = vec![0u8; 3 * 1024 * 1024];
+    rand::rng().fill_bytes(&mut input);
+    let out = conn.exec(&["cat"], ExecOptions::default(), &input).await?;
+    assert_eq!(out.code, 0);
+    assert!(out.stdout == input, "cat echoed {} bytes, sent {}", out.stdout.len(), input.len());
+
+    // Write and read back a 10 MiB file.
+    let mut file = vec![0u8; 10 * 1024 * 1024];
+    rand::rng().fill_bytes(&mut file);
+    conn.write_file("/tmp/big.bin", &file, None).await?;
+    let back = conn.download(&Request::FsRead { path: "/tmp/big.bin".into() }).await?;
+    assert!(back == file, "read back {} bytes, wrote {}", back.len(), file.len());
+
+    // fs_pull a directory as tar.
+    exec_ok(&mut conn, &["sh", "-c", "mkdir -p /srv/tree/sub && echo one > /srv/tree/a.txt && echo two > /srv/tree/sub/b.txt"])
+        .await?;
+    let tarball = conn.download(&Request::FsPull { path: "/srv/tree".into() }).await?;
+    let mut archive = tar::Archive::new(&tarball[..]);
+    let mut seen = Vec::new();
+    for entry in archive.entries()? {
+        let mut entry = entry?;
+        let path = entry.path()?.to_string_lossy().into_owned();
+        let mut body = String::new();
+        if entry.header().entry_type().is_file() {
+            entry.read_to_string(&mut body)?;
+            seen.push((path, body));
+        }
+    }
+    seen.sort();
+    let names: Vec<_> = seen.iter().map(|(p, b)| (p.trim_start_matches("./").to_string(), b.clone())).collect();
+    assert!(names.iter().any(|(p, b)| p.ends_with("a.txt") && b == "one\n"), "tar holds a.txt: {names:?}");
+    assert!(names.iter().any(|(p, b)| p.ends_with("sub/b.txt") && b == "two\n"), "tar holds sub/b.txt: {names:?}");
+
+    // Snapshot → clone: the clone answers and sees the parent's files.
+    exec_ok(&mut conn, &["sh", "-c", "echo from-parent > /root/marker"]).await?;
+    drop(conn);
+    let snap_dir = state.path().join("snap-base");
+    let snapshot = driver.snapshot(&vm, &snap_dir, AfterSnapshot::Resumed).await.context("snapshot")?;
+    let clone = driver.restore(&snapshot, &VmId::generate("clone")).await.context("restore")?;
+    driver.wait_agent(&clone, Duration::from_secs(60)).await.context("clone agent")?;
+    let mut cconn = agent(&driver, &clone).await?;
+    assert_eq!(exec_ok(&mut cconn, &["cat", "/root/marker"]).await?, "from-parent\n");
+    // The clone is its own VM: a write there does not reach the parent.
+    exec_ok(&mut cconn, &["sh", "-c", "echo from-clone > /root/marker"]).await?;
+    let mut conn = agent(&driver, &vm).await?;
+    assert_eq!(exec_ok(&mut conn, &["cat", "/root/marker"]).await?, "from-parent\n");
+    drop((conn, cconn));
+
+    // Shutdown leaves no QEMU process behind.
+    driver.shutdown(&clone, Duration::from_secs(10)).await?;
+    driver.shutdown(&vm, Duration::from_secs(10)).await?;
+    assert!(driver.list().await?.is_empty(), "no VM listed after shutdown");
+    let left = qemu_processes_under(state.path());
+    assert!(left.is_empty(), "QEMU processes left behind: {left:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rt_boot_overlay_python_port_forward_shutdown() -> Result<()> {
+    init_tracing();
+    let state = state_dir()?;
+    let driver = qemu(state.path())?;
+    let catalog = catalog()?;
+    // The seed's template name resolves to our local rt build.
+    let booted = boot(&driver, &catalog, "ghcr.io/cocoonstack/sandbox/rt:24.04", SizeClass::Small).await?;
+    eprintln!("rt ready after {:?} ({:?})", booted.ready_after, booted.vm.accel);
+    let vm = booted.vm;
+    let mut conn = agent(&driver, &vm).await?;
+    assert_eq!(exec_ok(&mut conn, &["echo", "hello"]).await?, "hello\n");
+    assert_eq!(exec_ok(&mut conn, &["python3", "-c", "print(40+2)"]).await?, "42\n");
+    for tool in ["bash", "git", "curl", "nc"] {
+        exec_ok(&mut conn, &["sh", "-c", &format!("command -v {tool}")]).await.with_context(|| format!("{tool} in rt"))?;
+    }
+    // The root is a writable overlay over the read-only image.
+    exec_ok(&mut conn, &["sh", "-c", "echo written > /usr/local/overlay-check && cat /usr/local/overlay-check"]).await?;
+
+    // port_forward to a listener in the guest.
+    let server = "import socket\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+s.bind(('127.0.0.1', 7000))\ns.listen()\nc, _ = s.accept()\nd = c.recv(100)\nc.sendall(d.upper())\nc.close()\n";
+    conn.send(&Request::Exec {
+        argv: vec!["python3".into(), "-c".into(), server.into()],
+        cwd: None,
+        env: None,
+        user: None,
+        detach: Some(true),
+        session: None,
+    })
+    .await?;
+    assert!(matches!(conn.recv().await?, Response::Started { .. }));
+    let mut forwarded = None;
+    for _ in 0..100 {
+        let mut pconn = agent(&driver, &vm).await?;
+        pconn.send(&Request::PortForward { port: 7000 }).await?;
+        match pconn.recv_frame().await? {
+            Response::Ready => {
+                forwarded = Some(pconn);
+                break;
+            }
+            Response::Error { .. } => tokio::time::sleep(Duration::from_millis(200)).await,
+            other => bail!("port_forward answered {other:?}"),
+        }
+    }
+    let mut pconn = forwarded.context("the guest listener never came up")?;
+    pconn.send(&Request::Data { data: Bytes64(b"ping".to_vec()) }).await?;
+    pconn.send(&Request::DataEnd).await?;
+    let mut got = Vec::new();
+    loop {
+        match pconn.recv().await? {
+            Response::Data { data } => got.extend_from_slice(&data.0),
+            Response::Done => break,
+            other => bail!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(got, b"PING");
+
+    // The raw hybrid-vsock socket also works for an outside caller.
+    let mut raw = vmm::agent::dial(&vm.vsock_socket, vmm::AGENT_PORT).await?;
+    raw.write_all(b"{\"v\":1,\"op\":\"info\"}\n").await?;
+    let mut buf = [0u8; 256];
+    let n = raw.read(&mut buf).await?;
+    assert!(buf[..n].starts_with(b"{\"type\":\"info\""), "raw info reply: {:?}", String::from_utf8_lossy(&buf[..n]));
+
+    driver.shutdown(&vm, Duration::from_secs(10)).await?;
+    let left = qemu_processes_under(state.path());
+    assert!(left.is_empty(), "QEMU processes left behind: {left:?}");
+    Ok(())
+}

@@ -1,0 +1,164 @@
+//! `cargo xtask bench`: speed and memory figures, each printed beside its target or anchor.
+//!
+//! Benchmarks measure; they do not pass or fail. Timed assertions live nowhere else.
+//! Figures taken under TCG (software emulation) name it: the anchors are KVM figures.
+
+use crate::flags::{BenchArgs, VmImageArgs};
+use anyhow::{Context, Result};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use vmm::{AfterSnapshot, Driver, SizeClass, Vm, VmId};
+use wire::{Request, Response};
+
+/// One printed figure.
+struct Figure {
+    name: String,
+    value: String,
+    target: &'static str,
+}
+
+pub fn run(args: &BenchArgs) -> Result<()> {
+    crate::prereqs::ensure_all()?;
+    crate::vm_image::run(&VmImageArgs { template: None, all: true, force: false })?;
+    let rt = tokio::runtime::Runtime::new()?;
+    let figures = rt.block_on(run_async(args))?;
+    print_table(&figures);
+    Ok(())
+}
+
+fn print_table(figures: &[Figure]) {
+    let w0 = figures.iter().map(|f| f.name.len()).max().unwrap_or(0);
+    let w1 = figures.iter().map(|f| f.value.len()).max().unwrap_or(0);
+    println!("\n{:<w0$}  {:<w1$}  target / anchor", "figure", "measured");
+    println!("{}", "-".repeat(w0 + w1 + 40));
+    for f in figures {
+        println!("{:<w0$}  {:<w1$}  {}", f.name, f.value, f.target);
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.3} ms", d.as_secs_f64() * 1e3)
+}
+
+fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+async fn run_async(args: &BenchArgs) -> Result<Vec<Figure>> {
+    let state_dir = crate::paths::cache_dir().join("bench-state").join(std::process::id().to_string());
+    std::fs::create_dir_all(&state_dir)?;
+    let driver = test_infra::qemu(&state_dir)?;
+    let catalog = test_infra::catalog()?;
+    let mut figures = Vec::new();
+    let result = measure(&driver, &catalog, args, &state_dir, &mut figures).await;
+    for vm in driver.list().await.unwrap_or_default() {
+        let _ = driver.kill(&vm).await;
+    }
+    let _ = std::fs::remove_dir_all(&state_dir);
+    result.map(|()| figures)
+}
+
+async fn measure(
+    driver: &Arc<dyn Driver>,
+    catalog: &vmm::Catalog,
+    args: &BenchArgs,
+    state_dir: &std::path::Path,
+    figures: &mut Vec<Figure>,
+) -> Result<()> {
+    // Boot → agent ready, per template.
+    let mut base_vm: Option<Vm> = None;
+    for template in ["base", "rt"] {
+        let mut times = Vec::new();
+        let mut accel = None;
+        for _ in 0..args.boots {
+            let booted = test_infra::boot(driver, catalog, template, SizeClass::Small).await?;
+            times.push(booted.ready_after);
+            accel = Some(booted.vm.accel);
+            if template == "base" && base_vm.is_none() {
+                base_vm = Some(booted.vm);
+            } else {
+                driver.kill(&booted.vm).await?;
+            }
+        }
+        times.sort();
+        figures.push(Figure {
+            name: format!("boot → agent ready ({template}, {:?}, p50 of {})", accel.context("no boot")?, times.len()),
+            value: ms(percentile(&times, 0.5)),
+            target: "anchor: cocoon cold boot 215–400 ms on KVM",
+        });
+    }
+    let vm = base_vm.context("no base VM")?;
+
+    // Agent RPC round trip on a kept connection.
+    let mut conn = test_infra::agent(driver, &vm).await?;
+    let mut rtts = Vec::with_capacity(args.rpcs);
+    for _ in 0..args.rpcs {
+        let t = Instant::now();
+        conn.info().await?;
+        rtts.push(t.elapsed());
+    }
+    rtts.sort();
+    figures.push(Figure {
+        name: format!("agent RPC round trip (info, kept conn, {:?}) p50/p99", vm.accel),
+        value: format!("{} / {}", ms(percentile(&rtts, 0.5)), ms(percentile(&rtts, 0.99))),
+        target: "anchor: 0.10 ms on KVM",
+    });
+
+    // fs_pull throughput.
+    let mib = args.pull_mib;
+    let out = conn
+        .exec(&["dd", "if=/dev/zero", "of=/tmp/pull.bin", "bs=1048576", &format!("count={mib}")], Default::default(), b"")
+        .await?;
+    anyhow::ensure!(out.code == 0, "dd failed: {}", String::from_utf8_lossy(&out.stderr));
+    let t = Instant::now();
+    let tar = conn.download(&Request::FsPull { path: "/tmp/pull.bin".into() }).await?;
+    let secs = t.elapsed().as_secs_f64();
+    figures.push(Figure {
+        name: format!("fs_pull throughput ({mib} MiB file, {:?})", vm.accel),
+        value: format!("{:.1} MiB/s", (tar.len() as f64 / 1048576.0) / secs),
+        target: "anchor: ~600 MiB/s on KVM",
+    });
+    drop(conn);
+
+    // QEMU RSS of an idle VM.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss = rss_kib(vm.pid).context("reading VmRSS")?;
+    figures.push(Figure {
+        name: format!("QEMU RSS per idle VM (base, small, {:?})", vm.accel),
+        value: format!("{:.1} MiB", rss as f64 / 1024.0),
+        target: "lower is better; guest RAM is 512 MiB and touched lazily",
+    });
+
+    // Clone → agent ready.
+    let snap = driver.snapshot(&vm, &state_dir.join("bench-snap"), AfterSnapshot::Resumed).await?;
+    let mut times = Vec::new();
+    for i in 0..args.boots {
+        let t = Instant::now();
+        let clone = driver.restore(&snap, &VmId::generate(&format!("bench-clone-{i}"))).await?;
+        driver.wait_agent(&clone, test_infra::BOOT_TIMEOUT).await?;
+        let mut c = test_infra::agent(driver, &clone).await?;
+        match c.info().await? {
+            Response::Info { .. } => {}
+            other => anyhow::bail!("clone answered {}", other.type_name()),
+        }
+        times.push(t.elapsed());
+        driver.kill(&clone).await?;
+    }
+    times.sort();
+    figures.push(Figure {
+        name: format!("clone → agent ready (base, {:?}, p50 of {})", vm.accel, times.len()),
+        value: ms(percentile(&times, 0.5)),
+        target: "anchor: cocoon clone 26–44 ms on KVM",
+    });
+    driver.kill(&vm).await?;
+    Ok(())
+}
