@@ -13,6 +13,7 @@ use tokio_util::compat::TokioAsyncReadCompatExt;
 
 use crate::connect_line::{self, ConnectLineError};
 use crate::preamble::{self, PreambleError};
+use crate::decouple::Decoupled;
 use crate::rewind::Rewind;
 use crate::MuxStream;
 
@@ -109,7 +110,7 @@ impl Session {
         T: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
         let rest = preamble::host(&mut io, hello_timeout).await?;
-        let conn = yamux::Connection::new(Rewind::new(rest, io).compat(), crate::yamux_config(), yamux::Mode::Client);
+        let conn = yamux::Connection::new(Rewind::new(rest, Decoupled::new(io)).compat(), crate::yamux_config(), yamux::Mode::Client);
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(drive(conn, rx));
         Ok(Session {

@@ -23,6 +23,7 @@
 
 pub mod bridge;
 pub mod connect_line;
+mod decouple;
 pub mod guest;
 pub mod host;
 pub mod port;
@@ -35,13 +36,18 @@ pub use stream::MuxStream;
 /// The virtio-serial port name the agent channel uses.
 pub const AGENT_PORT_NAME: &str = "org.chrysalis.agent.0";
 
-/// yamux configuration used by both ends: at most 256 streams, 64 MiB total receive window
-/// (each stream starts with yamux's 256 KiB window), so buffering per session is bounded.
+/// Most concurrent streams per session.
+pub const MAX_STREAMS: usize = 128;
+/// Total receive window of a session (each stream starts with yamux's 256 KiB).
+pub const CONNECTION_WINDOW: usize = MAX_STREAMS * 256 * 1024;
+
+/// yamux configuration used by both ends: at most [`MAX_STREAMS`] streams and
+/// [`CONNECTION_WINDOW`] bytes of receive window, so buffering per session is bounded.
 pub fn yamux_config() -> yamux::Config {
     let mut c = yamux::Config::default();
     // Order matters: both setters assert window >= 256 KiB * streams.
-    c.set_max_num_streams(256);
-    c.set_max_connection_receive_window(Some(64 * 1024 * 1024));
+    c.set_max_num_streams(MAX_STREAMS);
+    c.set_max_connection_receive_window(Some(CONNECTION_WINDOW));
     c.set_read_after_close(true);
     c
 }

@@ -171,7 +171,8 @@ async fn ten_mib_each_way_on_concurrent_streams() {
     let (host_end, _h) = start_guest();
     let s = Session::over(host_end, Duration::from_secs(5)).await.expect("session");
     let mut tasks = Vec::new();
-    for i in 0..4u8 {
+    let streams: u8 = std::env::var("MUX_TEST_STREAMS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
+    for i in 0..streams {
         let st = s.open(ECHO).await.expect("open echo");
         let data = pattern(i, 10 * 1024 * 1024);
         tasks.push(tokio::spawn(async move {
@@ -274,35 +275,44 @@ async fn new_host_breaks_a_stale_guest_session() {
     let handler: Arc<dyn Handler> = Arc::new(Shared(h.clone()));
     tokio::spawn(guest::run(AlwaysUp(guest_end), handler));
     let (conn_tx, mut conn_rx) = mpsc::channel::<DuplexStream>(2);
+    let (ack_tx, mut ack_rx) = mpsc::channel::<()>(2);
     // Relay: pumps between the guest pipe and the current host connection; a host leaving
     // does not close the guest pipe.
     tokio::spawn(async move {
         let mut gp = gp;
-        while let Some(mut r) = conn_rx.recv().await {
+        let mut cur = conn_rx.recv().await;
+        while let Some(mut r) = cur.take() {
+            let _ = ack_tx.send(()).await;
             let mut a = vec![0u8; 16384];
             let mut b = vec![0u8; 16384];
             loop {
                 tokio::select! {
+                    next = conn_rx.recv() => { cur = next; break }
                     n = gp.read(&mut a) => match n { Ok(0) | Err(_) => return, Ok(n) => if r.write_all(&a[..n]).await.is_err() { break } },
                     n = r.read(&mut b) => match n { Ok(0) | Err(_) => break, Ok(n) => if gp.write_all(&b[..n]).await.is_err() { return } },
                 }
+            }
+            if cur.is_none() {
+                cur = conn_rx.recv().await;
             }
         }
     });
 
     let (h1, r1) = tokio::io::duplex(64 * 1024);
     conn_tx.send(r1).await.expect("conn 1");
+    ack_rx.recv().await.expect("relay on conn 1");
     let s1 = Session::over(h1, Duration::from_secs(5)).await.expect("session 1");
     let held = s1.open(HOLD).await.expect("hold");
     let e1 = s1.open(ECHO).await.expect("echo 1");
     assert_eq!(echo_round_trip(e1, pattern(2, 3000)).await, pattern(2, 3000));
+    // Host 1 vanishes without a word: the relay switches to host 2.
+    let (h2, r2) = tokio::io::duplex(64 * 1024);
+    conn_tx.send(r2).await.expect("conn 2");
+    ack_rx.recv().await.expect("relay switched to conn 2");
     drop(held);
     drop(s1);
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(h.held_dropped.load(Ordering::SeqCst), 0, "guest must not notice yet (no EOF)");
-
-    let (h2, r2) = tokio::io::duplex(64 * 1024);
-    conn_tx.send(r2).await.expect("conn 2");
     let s2 = Session::over(h2, Duration::from_secs(5)).await.expect("session 2 over a stale guest session");
     wait_until(|| h.held_dropped.load(Ordering::SeqCst) == 1).await;
     for i in 0..3u8 {

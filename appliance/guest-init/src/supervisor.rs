@@ -31,7 +31,10 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 /// The environment every service starts with.
 const BASE_ENV: &[(&str, &str)] = &[
-    ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
+    (
+        "PATH",
+        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    ),
     ("HOME", "/root"),
     ("TERM", "linux"),
 ];
@@ -70,7 +73,10 @@ impl Service {
         self.next_start = None;
         self.started = Instant::now();
         let mut cmd = Command::new(&self.path);
-        cmd.args(&self.args).env_clear().envs(BASE_ENV.iter().copied()).envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd.args(&self.args)
+            .env_clear()
+            .envs(BASE_ENV.iter().copied())
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
         if !self.console_stdin {
             cmd.stdin(Stdio::null());
         }
@@ -94,7 +100,11 @@ impl Service {
         if self.started.elapsed() >= HEALTHY_RUN {
             self.backoff = BACKOFF_MIN;
         }
-        say!("restarting {} in {} ms", self.name, self.backoff.as_millis());
+        say!(
+            "restarting {} in {} ms",
+            self.name,
+            self.backoff.as_millis()
+        );
         self.next_start = Some(Instant::now() + self.backoff);
         self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
     }
@@ -103,10 +113,18 @@ impl Service {
 /// Blocks the signals PID 1 handles; call first thing so none is lost.
 pub fn block_signals() -> Result<SigSet, SupervisorError> {
     let mut set = SigSet::empty();
-    for sig in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGPWR, Signal::SIGUSR1] {
+    for sig in [
+        Signal::SIGCHLD,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+        Signal::SIGPWR,
+        Signal::SIGUSR1,
+    ] {
         set.add(sig);
     }
-    nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None).map_err(SupervisorError::Sigmask)?;
+    nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None)
+        .map_err(SupervisorError::Sigmask)?;
     Ok(set)
 }
 

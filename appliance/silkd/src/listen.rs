@@ -10,8 +10,12 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
 
-/// The virtio-serial port the host's agent mux is attached to.
-pub const AGENT_PORT_NAME: &str = "org.chrysalis.agent.0";
+pub use agent_mux::AGENT_PORT_NAME;
+
+/// silkd's port: `$SILKD_PORT`, default 2048 (on vsock, and inside the agent mux).
+pub fn silkd_port() -> u32 {
+    std::env::var("SILKD_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(wire::SILKD_PORT)
+}
 
 /// One listening endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,27 +79,14 @@ impl std::fmt::Display for Listen {
 /// The guest defaults: vsock on `$SILKD_PORT` (2048) when `/dev/vsock` exists, and the
 /// agent mux when its virtio port exists.
 pub fn guest_defaults() -> Vec<Listen> {
-    let port = std::env::var("SILKD_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(wire::SILKD_PORT);
     let mut out = Vec::new();
     if Path::new("/dev/vsock").exists() {
-        out.push(Listen::Vsock(port));
+        out.push(Listen::Vsock(silkd_port()));
     }
-    if find_mux_port(Path::new("/sys/class/virtio-ports")).is_some() {
+    if agent_mux::port::find(AGENT_PORT_NAME).is_ok() {
         out.push(Listen::Mux(None));
     }
     out
-}
-
-/// The `/dev/vportXpY` whose `name` is [`AGENT_PORT_NAME`] (no udev in the guest).
-pub fn find_mux_port(sys_ports: &Path) -> Option<PathBuf> {
-    let entries = std::fs::read_dir(sys_ports).ok()?;
-    for entry in entries.flatten() {
-        let name = std::fs::read_to_string(entry.path().join("name")).unwrap_or_default();
-        if name.trim() == AGENT_PORT_NAME {
-            return Some(Path::new("/dev").join(entry.file_name()));
-        }
-    }
-    None
 }
 
 /// Serves `listen` until it fails.
@@ -109,9 +100,9 @@ pub async fn run(listen: Listen, agent: Arc<Agent>) -> Result<(), ListenError> {
         Listen::Mux(dev) => {
             let dev = match dev {
                 Some(dev) => dev,
-                None => find_mux_port(Path::new("/sys/class/virtio-ports")).ok_or(ListenError::NoMuxPort)?,
+                None => agent_mux::port::find(AGENT_PORT_NAME).map_err(|_| ListenError::NoMuxPort)?,
             };
-            crate::mux::serve(&dev, agent).await
+            crate::mux::serve(&dev, silkd_port(), agent).await
         }
     }
 }
@@ -127,10 +118,8 @@ pub fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, ListenError> {
 pub async fn serve_unix(listener: tokio::net::UnixListener, agent: Arc<Agent>) -> Result<(), ListenError> {
     tracing::info!(addr = ?listener.local_addr().ok(), "listening on unix socket");
     loop {
-        let (stream, _) = listener
-            .accept()
-            .await
-            .map_err(|source| ListenError::Accept { what: "unix".into(), source })?;
+        let (stream, _) =
+            listener.accept().await.map_err(|source| ListenError::Accept { what: "unix".into(), source })?;
         let agent = Arc::clone(&agent);
         tokio::spawn(async move {
             let _ = crate::conn::serve(stream, agent, "unix").await;
@@ -175,15 +164,5 @@ mod tests {
         assert!("vsock:x".parse::<Listen>().is_err());
         assert!("tcp:1".parse::<Listen>().is_err());
         assert!("unix:".parse::<Listen>().is_err());
-    }
-
-    #[test]
-    fn mux_port_is_found_by_name() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        for (port, name) in [("vport1p1", "org.other"), ("vport2p1", "org.chrysalis.agent.0\n")] {
-            std::fs::create_dir(dir.path().join(port)).expect("mkdir");
-            std::fs::write(dir.path().join(port).join("name"), name).expect("write");
-        }
-        assert_eq!(find_mux_port(dir.path()), Some(PathBuf::from("/dev/vport2p1")));
     }
 }

@@ -198,11 +198,7 @@ pub fn epoch_secs() -> u64 {
 
 /// The first existing shell of `candidates`, else `/bin/sh`.
 pub fn pick_shell<'a>(candidates: impl IntoIterator<Item = &'a str>) -> String {
-    candidates
-        .into_iter()
-        .find(|p| !p.is_empty() && std::path::Path::new(p).is_file())
-        .unwrap_or("/bin/sh")
-        .to_string()
+    candidates.into_iter().find(|p| !p.is_empty() && std::path::Path::new(p).is_file()).unwrap_or("/bin/sh").to_string()
 }
 
 #[cfg(test)]

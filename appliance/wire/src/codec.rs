@@ -300,6 +300,17 @@ mod tests {
     }
 
     #[test]
+    fn rpc_ends_follow_the_protocol() {
+        let exit = Response::Exit { code: 0 };
+        assert!(exit.ends_rpc("exec", false));
+        assert!(!exit.ends_rpc("logs", false), "logs sends exit then done");
+        assert!(Response::Done.ends_rpc("logs", false));
+        assert!(Response::Started { pid: 1 }.ends_rpc("exec", true));
+        assert!(!Response::Started { pid: 1 }.ends_rpc("exec", false));
+        assert!(!Response::Ready.ends_rpc("port_forward", false));
+    }
+
+    #[test]
     fn writer_refuses_oversized_frames() {
         let big = Response::Stdout { data: Bytes64(vec![0u8; 7 * 1024 * 1024]) };
         assert!(matches!(encode_response(&big), Err(EncodeError::TooLarge(_))));

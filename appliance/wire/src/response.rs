@@ -127,11 +127,13 @@ impl Response {
         }
     }
 
-    /// Does this frame end an RPC of the given op? (`exit`/`done`/`error` always do; the
-    /// single-reply ops end at their reply; a detached exec ends at `started`.)
+    /// Does this frame end an RPC of the given op? (`done`/`error` always do, and `exit`
+    /// does except for `logs`, whose `exit` is followed by `done`; the single-reply ops end
+    /// at their reply; a detached exec ends at `started`.)
     pub fn ends_rpc(&self, op: &str, detached: bool) -> bool {
         match self {
-            Self::Exit { .. } | Self::Done | Self::Error { .. } => true,
+            Self::Done | Self::Error { .. } => true,
+            Self::Exit { .. } => op != "logs",
             Self::Started { .. } => op == "exec" && detached,
             Self::Info { .. }
             | Self::Procs { .. }

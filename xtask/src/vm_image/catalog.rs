@@ -27,11 +27,16 @@ pub struct TemplateEntry {
 
 impl Sources {
     pub fn load(path: &Path) -> Result<Sources> {
-        let text = fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let sources: Sources = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let text =
+            fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let sources: Sources =
+            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         for (alias, target) in &sources.aliases {
             if !sources.templates.contains_key(target) {
-                bail!("{}: alias {alias:?} points at unknown template {target:?}", path.display());
+                bail!(
+                    "{}: alias {alias:?} points at unknown template {target:?}",
+                    path.display()
+                );
             }
         }
         Ok(sources)
@@ -45,7 +50,12 @@ impl Sources {
         if let Some(target) = self.aliases.get(name) {
             return Ok(target);
         }
-        let known: Vec<&str> = self.templates.keys().chain(self.aliases.keys()).map(String::as_str).collect();
+        let known: Vec<&str> = self
+            .templates
+            .keys()
+            .chain(self.aliases.keys())
+            .map(String::as_str)
+            .collect();
         bail!("unknown template {name:?}; known: {}", known.join(", "))
     }
 }
@@ -83,7 +93,8 @@ pub struct RootfsSpec {
 impl Template {
     pub fn load(dir: &Path) -> Result<Template> {
         let path = dir.join("template.toml");
-        let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
     }
 }
@@ -110,27 +121,41 @@ pub struct BuiltCatalog {
 
 /// Records `built` in `catalog.json` (temp file + rename), keeping the other templates and
 /// publishing the aliases of every template that is built.
-pub fn register(catalog_json: &Path, sources: &Sources, name: &str, built: BuiltTemplate) -> Result<()> {
+pub fn register(
+    catalog_json: &Path,
+    sources: &Sources,
+    name: &str,
+    built: BuiltTemplate,
+) -> Result<()> {
     let mut catalog: BuiltCatalog = match fs::read(catalog_json) {
         Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
-            eprintln!("vm-image: {} is unreadable ({e}); starting a fresh catalog", catalog_json.display());
+            eprintln!(
+                "vm-image: {} is unreadable ({e}); starting a fresh catalog",
+                catalog_json.display()
+            );
             BuiltCatalog::default()
         }),
         Err(_) => BuiltCatalog::default(),
     };
     catalog.templates.insert(name.to_string(), built);
-    catalog.templates.retain(|n, _| sources.templates.contains_key(n));
+    catalog
+        .templates
+        .retain(|n, _| sources.templates.contains_key(n));
     catalog.aliases = sources
         .aliases
         .iter()
         .filter(|(_, target)| catalog.templates.contains_key(*target))
         .map(|(a, t)| (a.clone(), t.clone()))
         .collect();
-    let dir = catalog_json.parent().context("catalog path has no parent")?;
+    let dir = catalog_json
+        .parent()
+        .context("catalog path has no parent")?;
     fs::create_dir_all(dir)?;
     let tmp = dir.join(format!(".catalog.json.{}", std::process::id()));
-    fs::write(&tmp, serde_json::to_vec_pretty(&catalog)?).with_context(|| format!("writing {}", tmp.display()))?;
-    fs::rename(&tmp, catalog_json).with_context(|| format!("replacing {}", catalog_json.display()))?;
+    fs::write(&tmp, serde_json::to_vec_pretty(&catalog)?)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    fs::rename(&tmp, catalog_json)
+        .with_context(|| format!("replacing {}", catalog_json.display()))?;
     Ok(())
 }
 
@@ -173,14 +198,38 @@ mod tests {
             digest: "sha256:00".into(),
         };
         register(&json, &sources(), "base", built.clone()).expect("register base");
-        let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).expect("read")).expect("json");
+        let v: serde_json::Value =
+            serde_json::from_slice(&fs::read(&json).expect("read")).expect("json");
         assert_eq!(v["templates"]["base"]["kernel"], "/k");
         assert!(v["templates"]["base"]["rootfs"].is_null());
         assert_eq!(v["aliases"], serde_json::json!({}));
-        register(&json, &sources(), "rt", BuiltTemplate { rootfs: Some("/r".into()), ..built }).expect("register rt");
-        let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).expect("read")).expect("json");
+        register(
+            &json,
+            &sources(),
+            "rt",
+            BuiltTemplate {
+                rootfs: Some("/r".into()),
+                ..built
+            },
+        )
+        .expect("register rt");
+        let v: serde_json::Value =
+            serde_json::from_slice(&fs::read(&json).expect("read")).expect("json");
         assert_eq!(v["templates"]["base"]["initrd"], "/i");
         assert_eq!(v["templates"]["rt"]["rootfs"], "/r");
         assert_eq!(v["aliases"]["ubuntu-dev-base"], "rt");
+    }
+
+    #[test]
+    fn committed_catalog_and_templates_parse() {
+        let root = crate::paths::project_root().join("vm-images");
+        let s = Sources::load(&root.join("catalog.toml")).expect("vm-images/catalog.toml");
+        assert!(s.templates.contains_key("base") && s.templates.contains_key("rt"));
+        assert_eq!(s.resolve("ghcr.io/cocoonstack/sandbox/rt:24.04").ok(), Some("rt"));
+        for name in s.templates.keys() {
+            let t = Template::load(&root.join("templates").join(name)).expect("template.toml");
+            // A root disk needs the cmdline keys that make guest-init mount it, and vice versa.
+            assert_eq!(t.rootfs.is_some(), t.cmdline.contains("chrysalis.rootfs=/dev/vda"), "{name}");
+        }
     }
 }

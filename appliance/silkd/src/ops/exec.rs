@@ -12,12 +12,12 @@ use crate::agent::Agent;
 use crate::error::OpError;
 use crate::procs::{ProcKind, DETACHED_RETENTION};
 use crate::rpc::Rpc;
+use crate::sys::Env;
 use crate::sys::{self, ChildSetup, UserSpec};
 use nix::sys::signal::Signal;
 use std::process::Stdio;
 use std::sync::Arc;
 use tokio::process::{Child, Command};
-use crate::sys::Env;
 use wire::Response;
 
 /// The fields of an `exec` request.
@@ -42,7 +42,13 @@ pub(crate) fn check_cwd(op: &str, cwd: Option<&str>) -> Result<(), OpError> {
 }
 
 /// A command with the protocol's environment, cwd and user applied.
-pub(crate) fn command(program: &str, args: &[String], cwd: Option<&str>, env: Option<&Env>, user: Option<&UserSpec>) -> Command {
+pub(crate) fn command(
+    program: &str,
+    args: &[String],
+    cwd: Option<&str>,
+    env: Option<&Env>,
+    user: Option<&UserSpec>,
+) -> Command {
     let mut cmd = Command::new(program);
     cmd.args(args).env_clear().envs(sys::child_env(user, env));
     if let Some(cwd) = cwd {
@@ -72,12 +78,16 @@ pub async fn exec(rpc: &mut Rpc, agent: &Arc<Agent>, req: ExecRequest) -> Result
     let user = req.user.as_deref().map(sys::lookup_user).transpose()?;
     let mut cmd = command(&req.argv[0], &req.argv[1..], req.cwd.as_deref(), req.env.as_ref(), user.as_ref());
     cmd.stdin(if detach { Stdio::null() } else { Stdio::piped() }).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let child = cmd.spawn().map_err(|e| OpError::io(&format!("exec {}", req.argv[0]), &e))?;
+    let child = cmd.spawn().map_err(|e| match e.kind() {
+        // A NUL byte in argv or env: the request can never succeed.
+        std::io::ErrorKind::InvalidInput => OpError::bad_request(format!("exec: {e}")),
+        _ => OpError::io(&format!("exec {}", req.argv[0]), &e),
+    })?;
     drop(cmd);
     let Some(pid) = child.id() else {
         return Err(OpError::internal("exec: child vanished before it was tracked"));
     };
-    tracing::info!(pid, argv0 = %req.argv[0], detach, "started");
+    tracing::debug!(pid, argv0 = %req.argv[0], detach, "started");
     if detach {
         run_detached(rpc, agent, child, pid, req.argv).await
     } else {
@@ -85,7 +95,13 @@ pub async fn exec(rpc: &mut Rpc, agent: &Arc<Agent>, req: ExecRequest) -> Result
     }
 }
 
-async fn run_foreground(rpc: &mut Rpc, agent: &Arc<Agent>, mut child: Child, pid: u32, argv: Vec<String>) -> Result<(), OpError> {
+async fn run_foreground(
+    rpc: &mut Rpc,
+    agent: &Arc<Agent>,
+    mut child: Child,
+    pid: u32,
+    argv: Vec<String>,
+) -> Result<(), OpError> {
     let rec = agent.procs.insert(pid, argv, ProcKind::Foreground, None);
     let stdin = child.stdin.take();
     let stdout = child.stdout.take();
@@ -108,7 +124,7 @@ async fn run_foreground(rpc: &mut Rpc, agent: &Arc<Agent>, mut child: Child, pid
         Ok(code) => {
             rec.set_exit(code);
             agent.procs.remove(&rec);
-            tracing::info!(pid, code, "exited");
+            tracing::debug!(pid, code, "exited");
             rpc.send(Response::Exit { code }).await?;
             Ok(())
         }
@@ -128,7 +144,13 @@ async fn run_foreground(rpc: &mut Rpc, agent: &Arc<Agent>, mut child: Child, pid
     }
 }
 
-async fn run_detached(rpc: &mut Rpc, agent: &Arc<Agent>, mut child: Child, pid: u32, argv: Vec<String>) -> Result<(), OpError> {
+async fn run_detached(
+    rpc: &mut Rpc,
+    agent: &Arc<Agent>,
+    mut child: Child,
+    pid: u32,
+    argv: Vec<String>,
+) -> Result<(), OpError> {
     let rec = agent.procs.insert(pid, argv, ProcKind::Detached, None);
     let stdout = child.stdout.take();
     let stderr = child.stderr.take();

@@ -5,8 +5,8 @@ pub mod exec;
 pub mod fs;
 pub mod port;
 pub mod proc;
-mod pump;
 pub mod pty;
+mod pump;
 pub mod session;
 pub mod unimplemented;
 

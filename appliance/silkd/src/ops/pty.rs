@@ -100,7 +100,8 @@ pub async fn pty_open(
     super::exec::check_cwd("pty_open", cwd.as_deref())?;
     let switch = user.as_deref().map(sys::lookup_user).transpose()?;
     let who: Option<UserSpec> = switch.clone().or_else(sys::current_user);
-    let shell = sys::pick_shell([who.as_ref().map_or("", |u| u.shell.as_str()), "/bin/bash", "/usr/bin/bash", "/bin/sh"]);
+    let shell =
+        sys::pick_shell([who.as_ref().map_or("", |u| u.shell.as_str()), "/bin/bash", "/usr/bin/bash", "/bin/sh"]);
     let name = std::path::Path::new(&shell).file_name().map_or("sh".into(), |n| n.to_string_lossy().into_owned());
     let (master, slave) = open_pty(cols.max(1), rows.max(1)).map_err(|e| OpError::io("pty_open", &e))?;
     let mut full_env = sys::child_env(who.as_ref(), env.as_ref());

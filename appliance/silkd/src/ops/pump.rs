@@ -65,7 +65,12 @@ async fn sleep_opt(deadline: Option<tokio::time::Instant>) {
 
 /// Pumps `out` and `err` into `sink` until `child` exited and its output drained; the
 /// child's exit code (see [`crate::sys::exit_code`]). `Err` when the client is gone.
-pub async fn pump_child<O, E>(child: &mut Child, mut out: Option<O>, mut err: Option<E>, sink: &Sink) -> Result<i32, RpcClosed>
+pub async fn pump_child<O, E>(
+    child: &mut Child,
+    mut out: Option<O>,
+    mut err: Option<E>,
+    sink: &Sink,
+) -> Result<i32, RpcClosed>
 where
     O: AsyncRead + Unpin,
     E: AsyncRead + Unpin,

@@ -262,7 +262,13 @@ pub async fn exec_in_session(rpc: &mut Rpc, agent: &Agent, id: &str, argv: &[Str
 }
 
 /// Runs one script and streams its delimited output; `Err` when the shell is gone.
-async fn converse(io: &mut SessionIo, script: &[u8], begin: &[u8], end: &[u8], out: &mut Output<'_>) -> Result<i32, std::io::Error> {
+async fn converse(
+    io: &mut SessionIo,
+    script: &[u8],
+    begin: &[u8],
+    end: &[u8],
+    out: &mut Output<'_>,
+) -> Result<i32, std::io::Error> {
     io.stdin.write_all(script).await?;
     io.stdin.flush().await?;
     let mut buf = vec![0u8; 64 * 1024];

@@ -39,7 +39,7 @@ impl Server {
 }
 
 pub struct Client {
-    rd: BufReader<OwnedReadHalf>,
+    pub rd: BufReader<OwnedReadHalf>,
     pub wr: OwnedWriteHalf,
 }
 
@@ -74,13 +74,7 @@ impl Client {
 
     /// The next frame; panics on timeout or EOF.
     pub async fn recv(&mut self) -> Value {
-        let mut line = String::new();
-        let n = tokio::time::timeout(FRAME_TIMEOUT, self.rd.read_line(&mut line))
-            .await
-            .expect("frame timed out")
-            .expect("read");
-        assert!(n > 0, "connection closed");
-        serde_json::from_str(&line).expect("frame is JSON")
+        read_frame(&mut self.rd).await
     }
 
     /// `Some(frame)` if one arrives within `wait`, `None` on timeout or EOF.
@@ -118,6 +112,14 @@ impl Client {
         let frames = self.recv_until(&["exit", "error"]).await;
         collect(&frames)
     }
+}
+
+/// The next frame from a read half; panics on timeout or EOF.
+pub async fn read_frame(rd: &mut BufReader<OwnedReadHalf>) -> Value {
+    let mut line = String::new();
+    let n = tokio::time::timeout(FRAME_TIMEOUT, rd.read_line(&mut line)).await.expect("frame timed out").expect("read");
+    assert!(n > 0, "connection closed");
+    serde_json::from_str(&line).expect("frame is JSON")
 }
 
 /// (stdout, stderr, exit code) of a frame list; panics on an error frame.

@@ -114,8 +114,12 @@ pub(crate) fn temp_path(dir: &Path, base: &str, tag: &str) -> PathBuf {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
-    // Keep the name well under NAME_MAX (255) whatever the base.
-    let base: String = base.chars().take(100).collect();
+    // Keep the name well under NAME_MAX (255 bytes) whatever the base.
+    let mut cut = base.len().min(100);
+    while !base.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let base = &base[..cut];
     dir.join(format!(
         ".{base}.silkd-{tag}-{}-{n}-{nanos}",
         std::process::id()

@@ -108,7 +108,9 @@ fn append_file(tar: &mut Builder<ChunkWriter>, path: &Path, name: &Path) -> io::
         inner: file.take(len),
         left: len,
     };
-    tar.append_data(&mut h, name, BufReader::with_capacity(CHUNK, exact))
+    // 256 KiB reads for big files; small files get a buffer their size.
+    let cap = usize::try_from(len).unwrap_or(CHUNK).clamp(512, CHUNK);
+    tar.append_data(&mut h, name, BufReader::with_capacity(cap, exact))
 }
 
 fn append_dir(tar: &mut Builder<ChunkWriter>, path: &Path, name: &Path) -> io::Result<()> {

@@ -73,20 +73,24 @@ pub(crate) fn open_regular(op: &str, path: &Path) -> Result<(File, Metadata), Op
 fn read_into(path: &Path, sink: &Sink<Vec<u8>>) -> Result<(), OpError> {
     let (mut file, _) = open_regular(OP, path)?;
     loop {
-        let mut buf = vec![0u8; CHUNK];
-        let mut len = 0;
-        while len < CHUNK {
-            match file.read(&mut buf[len..]) {
-                Ok(0) => break,
-                Ok(n) => len += n,
+        // read_to_end into exact capacity: one read(2) per chunk, no zero-fill, and the
+        // `take` limit stops it without growing the buffer.
+        let mut buf = Vec::with_capacity(CHUNK);
+        loop {
+            match file
+                .by_ref()
+                .take((CHUNK - buf.len()) as u64)
+                .read_to_end(&mut buf)
+            {
+                Ok(_) => break,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(io_err(OP, path, &e)),
             }
         }
+        let len = buf.len();
         if len == 0 {
             return Ok(());
         }
-        buf.truncate(len);
         if sink.send(buf).is_err() {
             return Err(OpError::internal(format!("{OP}: client went away")));
         }

@@ -1,0 +1,240 @@
+//! Claims: the table of granted sandboxes, lease (TTL) rules and id/token minting.
+//!
+//! A claim is an ownership transfer of a warm VM: no VM work happens on the claim path
+//! (see [`crate::node::Node::claim`]). This module holds the pure parts.
+//!
+//! TTL rules: absent or 0 → 300 s; capped at 86400 s; negative → `400`.
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rand::RngCore;
+use serde::Serialize;
+use vmm::Vm;
+
+use crate::journal::ClaimRecord;
+use crate::pool::{KeyError, PoolKey};
+
+/// Default lease.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(300);
+/// Longest lease.
+pub const MAX_TTL: Duration = Duration::from_secs(86_400);
+
+/// Why a claim (or renew) was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The pool key is malformed.
+    #[error("invalid pool key")]
+    Key(#[from] KeyError),
+    /// A lease field is unusable.
+    #[error("{0}")]
+    Ttl(String),
+    /// The node is draining.
+    #[error("node draining")]
+    Draining,
+    /// The pool has no warm VM.
+    #[error("no warm capacity for {0}")]
+    NoCapacity(PoolKey),
+    /// Neither a configured pool nor a catalog template.
+    #[error("unknown template {0:?}")]
+    UnknownTemplate(String),
+    /// The egress lane is not available here.
+    #[error("egress lane is not available on this node")]
+    Egress,
+    /// An advanced feature the request asks for.
+    #[error("{0} is not implemented on this node")]
+    Unsupported(&'static str),
+    /// No such sandbox.
+    #[error("sandbox not found")]
+    NotFound,
+    /// The journal write failed; the claim was not granted.
+    #[error("journaling the claim")]
+    Journal(#[source] crate::journal::JournalError),
+}
+
+/// Resolves a requested TTL in seconds.
+pub fn ttl(requested: Option<i64>) -> Result<Duration, ClaimError> {
+    match requested {
+        None | Some(0) => Ok(DEFAULT_TTL),
+        Some(s) if s < 0 => Err(ClaimError::Ttl("ttl_seconds must not be negative".into())),
+        Some(s) => Ok(Duration::from_secs(s.unsigned_abs()).min(MAX_TTL)),
+    }
+}
+
+/// A fresh sandbox id: `sb_` + 16 hex chars (8 random bytes).
+pub fn mint_id() -> String {
+    let mut b = [0u8; 8];
+    rand::rng().fill_bytes(&mut b);
+    format!("sb_{}", hex::encode(b))
+}
+
+/// A fresh sandbox token: 32 hex chars (16 random bytes).
+pub fn mint_token() -> String {
+    let mut b = [0u8; 16];
+    rand::rng().fill_bytes(&mut b);
+    hex::encode(b)
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// RFC 3339 (UTC, seconds) of a Unix-ms instant.
+pub fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+/// A granted sandbox.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// What is journaled.
+    pub rec: ClaimRecord,
+    /// The VM, once attached (absent between a restart and the reconcile that re-adopts it).
+    pub vm: Option<Vm>,
+}
+
+/// A claim's row in listings (`GET /v1/sandboxes`); never carries the token.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct SandboxRow {
+    /// Sandbox id.
+    pub id: String,
+    /// Pool key.
+    pub key: PoolKey,
+    /// Lease end, RFC 3339.
+    pub deadline: String,
+    /// First grant, RFC 3339.
+    pub claimed_at: String,
+    /// Never hibernated on this node.
+    pub hibernated: bool,
+    /// Caller reference.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub claim_ref: Option<String>,
+    /// The sandbox token (only on `GET /v1/sandboxes/{id}` with the root token).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+}
+
+impl Claim {
+    /// The listing row.
+    pub fn row(&self) -> SandboxRow {
+        SandboxRow {
+            id: self.rec.id.clone(),
+            key: self.rec.key.clone(),
+            deadline: rfc3339(self.rec.deadline_unix_ms),
+            claimed_at: rfc3339(self.rec.claimed_at_unix_ms),
+            hibernated: false,
+            claim_ref: self.rec.claim_ref.clone(),
+            token: None,
+        }
+    }
+}
+
+/// The claim table with a generation counter for group-committed journal writes.
+#[derive(Debug, Default)]
+pub struct ClaimTable {
+    gen: u64,
+    by_id: HashMap<String, Claim>,
+}
+
+impl ClaimTable {
+    /// Inserts a claim; returns the new generation.
+    pub fn insert(&mut self, c: Claim) -> u64 {
+        self.by_id.insert(c.rec.id.clone(), c);
+        self.bump()
+    }
+
+    /// Removes a claim; returns it and the new generation.
+    pub fn remove(&mut self, id: &str) -> Option<(Claim, u64)> {
+        let c = self.by_id.remove(id)?;
+        Some((c, self.bump()))
+    }
+
+    /// Sets a claim's deadline; returns the new generation.
+    pub fn set_deadline(&mut self, id: &str, deadline_unix_ms: u64) -> Option<u64> {
+        let c = self.by_id.get_mut(id)?;
+        c.rec.deadline_unix_ms = deadline_unix_ms;
+        Some(self.bump())
+    }
+
+    /// Records the attached VM of a claim (not journaled: only the id is).
+    pub fn set_vm(&mut self, id: &str, vm: Vm) {
+        if let Some(c) = self.by_id.get_mut(id) {
+            c.vm = Some(vm);
+        }
+    }
+
+    /// One claim.
+    pub fn get(&self, id: &str) -> Option<&Claim> {
+        self.by_id.get(id)
+    }
+
+    /// All claims.
+    pub fn iter(&self) -> impl Iterator<Item = &Claim> {
+        self.by_id.values()
+    }
+
+    /// Number of claims.
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    /// No claims.
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// The current generation and every journal row, for [`crate::journal::Journal::commit_claims`].
+    pub fn snapshot(&self) -> (u64, Vec<ClaimRecord>) {
+        let mut rows: Vec<ClaimRecord> = self.by_id.values().map(|c| c.rec.clone()).collect();
+        rows.sort_by(|a, b| a.id.cmp(&b.id));
+        (self.gen, rows)
+    }
+
+    /// Ids of claims whose deadline is at or before `now_ms`.
+    pub fn expired(&self, now_ms: u64) -> Vec<String> {
+        self.by_id
+            .values()
+            .filter(|c| c.rec.deadline_unix_ms <= now_ms)
+            .map(|c| c.rec.id.clone())
+            .collect()
+    }
+
+    fn bump(&mut self) -> u64 {
+        self.gen += 1;
+        self.gen
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_rules() {
+        assert_eq!(ttl(None).expect("absent"), DEFAULT_TTL);
+        assert_eq!(ttl(Some(0)).expect("zero"), DEFAULT_TTL);
+        assert_eq!(ttl(Some(2)).expect("two"), Duration::from_secs(2));
+        assert_eq!(ttl(Some(86_401)).expect("cap"), MAX_TTL);
+        assert_eq!(ttl(Some(i64::MAX)).expect("cap"), MAX_TTL);
+        assert!(matches!(ttl(Some(-1)), Err(ClaimError::Ttl(_))));
+    }
+
+    #[test]
+    fn id_and_token_shapes() {
+        let id = mint_id();
+        assert_eq!(id.len(), 19);
+        assert!(id.starts_with("sb_") && id[3..].bytes().all(|b| b.is_ascii_hexdigit()));
+        let t = mint_token();
+        assert_eq!(t.len(), 32);
+        assert!(t.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+        assert_ne!(mint_token(), t);
+    }
+
+    #[test]
+    fn rfc3339_is_utc_seconds() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_700_000_000_999), "2023-11-14T22:13:20Z");
+    }
+}

@@ -1,0 +1,23 @@
+//! sandboxd: a warm pool of pre-booted microVMs behind the sandboxd HTTP API
+//! (`/work/shared/spec/sandboxd.md` §0–§8), wire-compatible with the public Python SDK.
+//!
+//! - [`config`]: the JSON config file;
+//! - [`pool`]: pool keys, pool state and the refill task;
+//! - [`claims`]: the claim table, lease rules, id/token minting;
+//! - [`journal`]: `claims.json` / `pools.json`, written atomically;
+//! - [`node`]: the controller every handler calls (claim, release, renew, drain, reconcile);
+//! - [`http`]: the axum router, auth, relays (`/agent`, `/ports`) and `/exec`;
+//! - [`metrics`]: counters for `/metrics`;
+//! - [`test_utils`]: a fake driver whose VMs run an in-process silkd stand-in.
+
+pub mod claims;
+pub mod config;
+pub mod http;
+pub mod journal;
+pub mod metrics;
+pub mod node;
+pub mod pool;
+pub mod test_utils;
+
+pub use config::Config;
+pub use node::{Node, NodeOptions};

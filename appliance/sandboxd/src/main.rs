@@ -1,0 +1,2 @@
+//! The `sandboxd` binary.
+fn main() {}

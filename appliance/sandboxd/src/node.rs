@@ -1,0 +1,750 @@
+//! The node controller: pools, claims, journal, drain, reaper and restart reconcile, over any
+//! [`vmm::Driver`]. HTTP handlers ([`crate::http`]) are thin calls into this.
+//!
+//! Expected flow: [`Node::start`] loads the journal, builds the pools, reconciles with the
+//! driver (re-adopting journaled VMs, destroying `sbx-` VMs nobody owns), then refill tasks
+//! fill the pools and the reaper ends expired leases.
+//!
+//! Guarantees:
+//! - the claim path does no VM work: pop a warm VM, mint, journal, reply;
+//! - a claim is granted only after a journal write that includes it;
+//! - nothing is destroyed on ambiguity: a failed `list` is retried, never read as empty, and
+//!   refill (whose VMs the sweep could mistake for orphans) starts only after a clean reconcile.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+use vmm::{Catalog, Driver, DriverError, Snapshot, Vm, VmId};
+
+use crate::claims::{self, Claim, ClaimError, ClaimTable, SandboxRow};
+use crate::config::{self, Config, ConfigError, PoolConfig};
+use crate::journal::{ClaimRecord, Journal, JournalError};
+use crate::metrics::{inc, Metrics};
+use crate::pool::{refill, Net, Pool, PoolInfo, PoolKey};
+
+/// Timings (production defaults; tests shorten them).
+#[derive(Debug, Clone)]
+pub struct Timing {
+    /// Refill ticker.
+    pub tick: Duration,
+    /// Reaper period (≤ 5 s).
+    pub reap: Duration,
+    /// Probe budget of a clone.
+    pub clone_probe: Duration,
+    /// Probe budget of a cold boot (also the golden builder).
+    pub cold_probe: Duration,
+    /// Wait before retrying a failed golden build.
+    pub golden_retry: Duration,
+    /// Wait before retrying a failed reconcile (`list` error).
+    pub reconcile_retry: Duration,
+    /// How long a pool parks on a condition retrying cannot fix (template missing).
+    pub park: Duration,
+    /// After the guest closes a relay, how long the client may still send.
+    pub relay_drain: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            tick: Duration::from_secs(2),
+            reap: Duration::from_secs(1),
+            clone_probe: Duration::from_secs(5),
+            cold_probe: Duration::from_secs(90),
+            golden_retry: Duration::from_secs(30),
+            reconcile_retry: Duration::from_secs(5),
+            park: Duration::from_secs(30),
+            relay_drain: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Everything a node is built from.
+#[derive(Debug, Clone)]
+pub struct NodeOptions {
+    /// Journal, pool overrides, goldens.
+    pub data_dir: PathBuf,
+    /// Pools from the config file (`pools.json` overrides).
+    pub pools: Vec<PoolConfig>,
+    /// Root API token; `None` leaves node routes open.
+    pub api_token: Option<String>,
+    /// `owner_addr` in replies (empty: clients use the address they dialled).
+    pub advertise_addr: String,
+    /// Concurrent refills.
+    pub refill_concurrency: usize,
+    /// fsync the claims journal.
+    pub sync_claims: bool,
+    /// Fill by cloning a golden snapshot.
+    pub clone: bool,
+    /// Templates this node can boot.
+    pub catalog: Catalog,
+    /// Timings.
+    pub timing: Timing,
+}
+
+impl NodeOptions {
+    /// Options from a loaded config (reads the token file).
+    pub fn from_config(c: &Config, catalog: Catalog) -> Result<Self, ConfigError> {
+        let advertise_addr = c.advertise_addr.clone().unwrap_or_else(|| {
+            if c.listen.ip().is_unspecified() {
+                String::new()
+            } else {
+                c.listen.to_string()
+            }
+        });
+        Ok(NodeOptions {
+            data_dir: c.data_dir.clone(),
+            pools: c.pools.clone(),
+            api_token: c.api_token()?,
+            advertise_addr,
+            refill_concurrency: c.refill_limit(),
+            sync_claims: c.sync_claims,
+            clone: c.clone,
+            catalog,
+            timing: Timing {
+                cold_probe: Duration::from_secs(c.boot_timeout_secs.max(1)),
+                ..Timing::default()
+            },
+        })
+    }
+
+    /// Minimal options for tests and tools: no token, no pools.
+    pub fn new(data_dir: impl Into<PathBuf>, catalog: Catalog) -> Self {
+        NodeOptions {
+            data_dir: data_dir.into(),
+            pools: Vec::new(),
+            api_token: None,
+            advertise_addr: String::new(),
+            refill_concurrency: 4,
+            sync_claims: false,
+            clone: true,
+            catalog,
+            timing: Timing::default(),
+        }
+    }
+}
+
+/// Errors starting a node.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The journal could not be read (a corrupt journal stops the start: nothing is guessed).
+    #[error("loading the journal")]
+    Journal(#[from] JournalError),
+    /// The pool list (config or `pools.json`) is invalid.
+    #[error("pool list")]
+    Pools(#[from] ConfigError),
+}
+
+/// Errors of `PUT /v1/pools`.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolsError {
+    /// The list is invalid.
+    #[error("invalid pool list")]
+    Invalid(#[source] ConfigError),
+    /// Persisting `pools.json` failed.
+    #[error("persisting pools")]
+    Journal(#[source] JournalError),
+}
+
+/// A validated claim request.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// Pool key.
+    pub key: PoolKey,
+    /// Lease.
+    pub ttl: Duration,
+    /// Caller reference.
+    pub claim_ref: Option<String>,
+}
+
+/// A granted claim (the `200` body of `POST /v1/claim`).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Grant {
+    /// Sandbox id.
+    pub id: String,
+    /// Sandbox token.
+    pub token: String,
+    /// Lease end, RFC 3339.
+    pub deadline: String,
+    /// Where to send sandbox-scoped calls (empty: the address dialled).
+    pub owner_addr: String,
+    /// Content digest of the template, when the catalog knows it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub template_digest: Option<String>,
+}
+
+/// `GET /v1/info`.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Info {
+    /// Pools.
+    pub pools: Vec<PoolInfo>,
+    /// Live claims.
+    pub claimed: usize,
+    /// Hibernated claims (always 0 here).
+    pub hibernated: usize,
+    /// Archived claims (always 0 here).
+    pub archived: usize,
+    /// The node refuses claims.
+    pub draining: bool,
+    /// Some pool cannot fill.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub at_capacity: bool,
+    /// Why (the first pool's reason).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at_capacity_reason: Option<String>,
+    /// Peers (a lone node has none).
+    pub peers: Vec<String>,
+    /// The advertised address.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub advertise_addr: String,
+}
+
+/// What a reconcile did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    /// Journaled claims re-attached.
+    pub adopted: usize,
+    /// Journaled claims whose VM was gone.
+    pub dropped: usize,
+    /// Unowned `sbx-` VMs destroyed.
+    pub destroyed: usize,
+}
+
+/// One sandboxd node.
+pub struct Node {
+    pub(crate) driver: Arc<dyn Driver>,
+    pub(crate) catalog: Catalog,
+    pub(crate) journal: Journal,
+    pub(crate) timing: Timing,
+    pub(crate) clone_enabled: bool,
+    api_token: Option<String>,
+    advertise_addr: String,
+    pools: RwLock<BTreeMap<PoolKey, Arc<Pool>>>,
+    pool_configs: Mutex<Vec<PoolConfig>>,
+    claims: Mutex<ClaimTable>,
+    draining: AtomicBool,
+    reconciled: AtomicBool,
+    pub(crate) refill_sem: Arc<Semaphore>,
+    /// Counters for `/metrics`.
+    pub metrics: Metrics,
+    cancel: CancellationToken,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node").field("data_dir", &self.journal.dir()).finish_non_exhaustive()
+    }
+}
+
+/// The goldens directory under a data dir.
+pub fn goldens_dir(data_dir: &std::path::Path) -> PathBuf {
+    data_dir.join("goldens")
+}
+
+impl Node {
+    /// Loads the journal, builds pools, reconciles with the driver (retrying in the background
+    /// if `list` fails) and starts the refill and reaper tasks.
+    pub async fn start(driver: Arc<dyn Driver>, opts: NodeOptions) -> Result<Arc<Node>, NodeError> {
+        let journal = Journal::open(&opts.data_dir, opts.sync_claims)?;
+        let records = journal.load_claims()?;
+        let pool_list = match journal.load_pools()? {
+            Some(p) => p,
+            None => opts.pools.clone(),
+        };
+        let pools = config::validate_pools(&pool_list)?;
+        clean_staging(&goldens_dir(&opts.data_dir));
+        let node = Arc::new(Node {
+            driver,
+            catalog: opts.catalog,
+            journal,
+            timing: opts.timing,
+            clone_enabled: opts.clone,
+            api_token: opts.api_token,
+            advertise_addr: opts.advertise_addr,
+            pools: RwLock::new(BTreeMap::new()),
+            pool_configs: Mutex::new(pool_list),
+            claims: Mutex::new(ClaimTable::default()),
+            draining: AtomicBool::new(false),
+            reconciled: AtomicBool::new(false),
+            refill_sem: Arc::new(Semaphore::new(opts.refill_concurrency.max(1))),
+            metrics: Metrics::default(),
+            cancel: CancellationToken::new(),
+        });
+        {
+            let mut t = node.claims();
+            for rec in records {
+                t.insert(Claim { rec, vm: None });
+            }
+        }
+        for (key, target) in pools {
+            node.add_pool(key, target);
+        }
+        let reaper = Arc::clone(&node);
+        tokio::spawn(async move { reaper.reap_loop().await });
+        if let Err(e) = node.reconcile().await {
+            tracing::warn!(error = %vmm::error_chain(&e), "reconcile: listing VMs failed; nothing destroyed, retrying");
+            let n = Arc::clone(&node);
+            tokio::spawn(async move { n.reconcile_loop().await });
+        }
+        Ok(node)
+    }
+
+    /// Stops background tasks (refill, reaper, reconcile retries). VMs keep running.
+    pub fn shutdown(&self) {
+        self.cancel.cancel();
+    }
+
+    /// The root API token, if configured.
+    pub fn api_token(&self) -> Option<&str> {
+        self.api_token.as_deref()
+    }
+
+    /// The advertised owner address (may be empty).
+    pub fn advertise_addr(&self) -> &str {
+        &self.advertise_addr
+    }
+
+    /// Whether the node is draining.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Whether the restart reconcile has completed.
+    pub fn reconciled(&self) -> bool {
+        self.reconciled.load(Ordering::SeqCst)
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    fn claims(&self) -> MutexGuard<'_, ClaimTable> {
+        // The table is plain data updated in single statements; a poisoned lock is still usable.
+        self.claims.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn pool_map(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<PoolKey, Arc<Pool>>> {
+        self.pools.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A pool by key.
+    pub fn pool(&self, key: &PoolKey) -> Option<Arc<Pool>> {
+        self.pool_map().get(key).cloned()
+    }
+
+    /// All pools.
+    pub fn pools(&self) -> Vec<Arc<Pool>> {
+        self.pool_map().values().cloned().collect()
+    }
+
+    fn add_pool(self: &Arc<Self>, key: PoolKey, target: usize) -> Arc<Pool> {
+        let pool = Arc::new(Pool::new(key, target, &self.cancel));
+        if let Some(g) = self.load_golden(&pool.hash) {
+            pool.lock().golden = Some(g);
+        }
+        self.pools
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(pool.key.clone(), Arc::clone(&pool));
+        let (n, p) = (Arc::clone(self), Arc::clone(&pool));
+        let span = tracing::info_span!("refill", template = %pool.key.template(), pool = %pool.key);
+        tokio::spawn(refill::run(n, p).instrument(span));
+        pool
+    }
+
+    fn load_golden(&self, hash: &str) -> Option<Snapshot> {
+        let dir = goldens_dir(self.journal.dir()).join(hash);
+        if !dir.join(Snapshot::FILE).exists() {
+            return None;
+        }
+        match Snapshot::load(&dir) {
+            Ok(s) if s.backend == self.driver.backend() => Some(refill::rebase(s, &dir)),
+            Ok(s) => {
+                tracing::warn!(golden = %dir.display(), backend = %s.backend, "ignoring a golden of another backend");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(golden = %dir.display(), error = %vmm::error_chain(&e), "ignoring an unreadable golden");
+                None
+            }
+        }
+    }
+
+    /// Journals the claim table up to generation `gen`.
+    fn commit(&self, gen: u64) -> Result<(), JournalError> {
+        self.journal.commit_claims(gen, || self.claims().snapshot())
+    }
+
+    /// Grants a claim: ownership transfer of the newest warm VM, no VM work.
+    pub fn claim(&self, req: ClaimRequest) -> Result<Grant, ClaimError> {
+        let r = self.claim_inner(req);
+        match &r {
+            Ok(_) => inc(&self.metrics.claims_warm),
+            Err(ClaimError::NoCapacity(_)) => inc(&self.metrics.claims_no_capacity),
+            Err(ClaimError::Draining) => inc(&self.metrics.claims_draining),
+            Err(_) => inc(&self.metrics.claims_failed),
+        }
+        r
+    }
+
+    fn claim_inner(&self, req: ClaimRequest) -> Result<Grant, ClaimError> {
+        if req.key.net() == Net::Egress {
+            return Err(ClaimError::Egress);
+        }
+        if self.draining() {
+            return Err(ClaimError::Draining);
+        }
+        let Some(pool) = self.pool(&req.key) else {
+            return Err(match self.catalog.resolve(req.key.template()) {
+                Ok(_) => ClaimError::NoCapacity(req.key),
+                Err(_) => ClaimError::UnknownTemplate(req.key.template().to_string()),
+            });
+        };
+        let Some(vm) = pool.take() else {
+            pool.kick();
+            return Err(ClaimError::NoCapacity(req.key));
+        };
+        pool.kick();
+        let now = claims::unix_ms(SystemTime::now());
+        let ttl_ms = u64::try_from(req.ttl.as_millis()).unwrap_or(u64::MAX);
+        let rec = ClaimRecord {
+            id: claims::mint_id(),
+            token: claims::mint_token(),
+            vm: vm.id.clone(),
+            key: req.key.clone(),
+            deadline_unix_ms: now.saturating_add(ttl_ms),
+            claimed_at_unix_ms: now,
+            claim_ref: req.claim_ref.filter(|r| !r.is_empty()),
+        };
+        let span = tracing::info_span!("claim", claim = %rec.id, vm = %rec.vm, template = %req.key.template());
+        let _enter = span.enter();
+        let grant = Grant {
+            id: rec.id.clone(),
+            token: rec.token.clone(),
+            deadline: claims::rfc3339(rec.deadline_unix_ms),
+            owner_addr: self.advertise_addr.clone(),
+            template_digest: self
+                .catalog
+                .resolve(req.key.template())
+                .ok()
+                .map(|(_, t)| t.digest.clone())
+                .filter(|d| !d.is_empty()),
+        };
+        let id = rec.id.clone();
+        let gen = self.claims().insert(Claim { rec, vm: Some(vm) });
+        if let Err(e) = self.commit(gen) {
+            tracing::error!(error = %vmm::error_chain(&e), "claim not granted: journal write failed");
+            let back = self.claims().remove(&id);
+            if let Some((Claim { vm: Some(vm), .. }, _)) = back {
+                pool.put_back(vm);
+            }
+            return Err(ClaimError::Journal(e));
+        }
+        tracing::info!("claimed");
+        Ok(grant)
+    }
+
+    /// One claim by id.
+    pub fn sandbox(&self, id: &str) -> Option<Claim> {
+        self.claims().get(id).cloned()
+    }
+
+    /// Listing rows, optionally filtered by exact `claim_ref` (empty = all), sorted by id.
+    pub fn list(&self, claim_ref: Option<&str>) -> Vec<SandboxRow> {
+        let want = claim_ref.filter(|r| !r.is_empty());
+        let mut rows: Vec<SandboxRow> = self
+            .claims()
+            .iter()
+            .filter(|c| want.is_none() || c.rec.claim_ref.as_deref() == want)
+            .map(Claim::row)
+            .collect();
+        rows.sort_by(|a, b| a.id.cmp(&b.id));
+        rows
+    }
+
+    /// Number of live claims.
+    pub fn claimed(&self) -> usize {
+        self.claims().len()
+    }
+
+    /// Ends a claim and destroys its VM.
+    pub async fn release(&self, id: &str) -> Result<(), ClaimError> {
+        let removed = self.claims().remove(id);
+        let Some((claim, gen)) = removed else {
+            return Err(ClaimError::NotFound);
+        };
+        let span = tracing::info_span!("release", claim = %id, vm = %claim.rec.vm, template = %claim.rec.key.template());
+        async {
+            if let Err(e) = self.commit(gen) {
+                // The VM goes anyway; a restart finds it gone and drops the stale row.
+                tracing::warn!(error = %vmm::error_chain(&e), "journaling the release failed");
+            }
+            inc(&self.metrics.releases);
+            self.destroy_claim_vm(&claim).await;
+            tracing::info!("released");
+        }
+        .instrument(span)
+        .await;
+        Ok(())
+    }
+
+    async fn destroy_claim_vm(&self, claim: &Claim) {
+        match &claim.vm {
+            Some(vm) => self.destroy(vm).await,
+            // Not attached yet (list failed at start): the next successful reconcile sweeps it.
+            None => tracing::warn!(vm = %claim.rec.vm, "VM not attached; left to the reconcile sweep"),
+        }
+    }
+
+    /// Resets a lease to now + `ttl` (may shorten it); returns the new deadline.
+    pub fn renew(&self, id: &str, ttl: Duration) -> Result<String, ClaimError> {
+        let deadline = claims::unix_ms(SystemTime::now()).saturating_add(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+        let gen = self.claims().set_deadline(id, deadline).ok_or(ClaimError::NotFound)?;
+        self.commit(gen).map_err(ClaimError::Journal)?;
+        inc(&self.metrics.renews);
+        tracing::info!(claim = %id, "renewed");
+        Ok(claims::rfc3339(deadline))
+    }
+
+    /// The VM of a claim, attaching it first if a restart left it unattached.
+    pub async fn vm_for(&self, claim: &Claim) -> Result<Vm, DriverError> {
+        if let Some(vm) = &claim.vm {
+            return Ok(vm.clone());
+        }
+        let vm = self.driver.attach(&claim.rec.vm).await?;
+        self.claims().set_vm(&claim.rec.id, vm.clone());
+        Ok(vm)
+    }
+
+    /// Destroys a VM (kill), counting the outcome.
+    pub async fn destroy(&self, vm: &Vm) {
+        match self.driver.kill(vm).await {
+            Ok(()) => inc(&self.metrics.vms_destroyed),
+            Err(e) => {
+                inc(&self.metrics.destroy_failures);
+                tracing::warn!(vm = %vm.id, error = %vmm::error_chain(&e), "destroying VM failed");
+            }
+        }
+    }
+
+    async fn destroy_all(&self, vms: Vec<Vm>) {
+        for vm in vms {
+            self.destroy(&vm).await;
+        }
+    }
+
+    /// Node and pool counters.
+    pub fn info(&self) -> Info {
+        let pools: Vec<PoolInfo> = self.pools().iter().map(|p| p.info()).collect();
+        let reason = pools.iter().find_map(|p| p.at_capacity_reason.clone());
+        Info {
+            claimed: self.claimed(),
+            hibernated: 0,
+            archived: 0,
+            draining: self.draining(),
+            at_capacity: reason.is_some(),
+            at_capacity_reason: reason,
+            peers: Vec::new(),
+            advertise_addr: self.advertise_addr.clone(),
+            pools,
+        }
+    }
+
+    /// Prometheus text.
+    pub fn render_metrics(&self) -> String {
+        let pools: Vec<PoolInfo> = self.pools().iter().map(|p| p.info()).collect();
+        self.metrics.render(&pools, self.claimed(), self.draining())
+    }
+
+    /// Starts draining: claims are refused, warm VMs destroyed, live claims run on.
+    pub async fn drain(&self) -> Info {
+        self.draining.store(true, Ordering::SeqCst);
+        let warm: Vec<Vm> = self.pools().iter().flat_map(|p| p.take_all()).collect();
+        tracing::info!(destroying = warm.len(), "draining");
+        self.destroy_all(warm).await;
+        self.info()
+    }
+
+    /// Lifts a drain and kicks refill.
+    pub fn uncordon(&self) -> Info {
+        self.draining.store(false, Ordering::SeqCst);
+        for p in self.pools() {
+            p.kick();
+        }
+        tracing::info!("uncordoned");
+        self.info()
+    }
+
+    /// Replaces the pool list (`PUT /v1/pools`): omitted pools are drained and removed, targets
+    /// updated, new pools started; the list is persisted in `pools.json`.
+    pub async fn put_pools(self: &Arc<Self>, list: Vec<PoolConfig>) -> Result<Info, PoolsError> {
+        let wanted = config::validate_pools(&list).map_err(PoolsError::Invalid)?;
+        for p in &list {
+            if p.idle_hibernate_seconds.is_some() || p.archive_after_seconds.is_some() || p.archive_delete_after_seconds.is_some() {
+                tracing::warn!(template = %p.template, "hibernate/archive settings are accepted but not implemented on this node");
+            }
+        }
+        self.journal.write_pools(&list).map_err(PoolsError::Journal)?;
+        *self.pool_configs.lock().unwrap_or_else(|p| p.into_inner()) = list;
+        let mut doomed: Vec<Vm> = Vec::new();
+        let keep: HashSet<&PoolKey> = wanted.iter().map(|(k, _)| k).collect();
+        let removed: Vec<Arc<Pool>> = {
+            let mut map = self.pools.write().unwrap_or_else(|p| p.into_inner());
+            let gone: Vec<PoolKey> = map.keys().filter(|k| !keep.contains(k)).cloned().collect();
+            gone.iter().filter_map(|k| map.remove(k)).collect()
+        };
+        for p in removed {
+            tracing::info!(pool = %p.key, "pool removed");
+            doomed.extend(p.retire());
+        }
+        for (key, target) in wanted {
+            match self.pool(&key) {
+                Some(p) => {
+                    doomed.extend(p.set_target(target));
+                    p.kick();
+                }
+                None => {
+                    tracing::info!(pool = %key, target, "pool added");
+                    self.add_pool(key, target).kick();
+                }
+            }
+        }
+        self.destroy_all(doomed).await;
+        Ok(self.info())
+    }
+
+    /// The current pool list (as configured or last `PUT`).
+    pub fn pool_configs(&self) -> Vec<PoolConfig> {
+        self.pool_configs.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    async fn reap_loop(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(self.timing.reap);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = self.cancel.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            self.reap_once().await;
+        }
+    }
+
+    /// Destroys every claim past its deadline; returns how many.
+    pub async fn reap_once(&self) -> usize {
+        let now = claims::unix_ms(SystemTime::now());
+        let expired = self.claims().expired(now);
+        let mut n = 0;
+        for id in expired {
+            let removed = self.claims().remove(&id);
+            let Some((claim, gen)) = removed else { continue };
+            let span = tracing::info_span!("reap", claim = %id, vm = %claim.rec.vm, template = %claim.rec.key.template());
+            async {
+                if let Err(e) = self.commit(gen) {
+                    tracing::warn!(error = %vmm::error_chain(&e), "journaling the reap failed");
+                }
+                self.destroy_claim_vm(&claim).await;
+                inc(&self.metrics.reaped);
+                tracing::info!("lease expired; sandbox destroyed");
+            }
+            .instrument(span)
+            .await;
+            n += 1;
+        }
+        n
+    }
+
+    async fn reconcile_loop(self: Arc<Self>) {
+        loop {
+            tokio::select! {
+                () = self.cancel.cancelled() => return,
+                () = tokio::time::sleep(self.timing.reconcile_retry) => {}
+            }
+            match self.reconcile().await {
+                Ok(_) => return,
+                Err(e) => tracing::warn!(error = %vmm::error_chain(&e), "reconcile: listing VMs failed again"),
+            }
+        }
+    }
+
+    /// Restart reconcile: re-adopt journaled claims whose VM lives, drop rows whose VM is gone,
+    /// destroy every `sbx-` VM no claim or pool names, then let refill start.
+    /// A failed `list` returns the error and changes nothing.
+    pub async fn reconcile(&self) -> Result<ReconcileReport, DriverError> {
+        let span = tracing::info_span!("reconcile");
+        async {
+            let live: HashMap<VmId, Vm> = self.driver.list().await?.into_iter().map(|v| (v.id.clone(), v)).collect();
+            let mut report = ReconcileReport::default();
+            let pending: Vec<(String, VmId)> = self
+                .claims()
+                .iter()
+                .filter(|c| c.vm.is_none())
+                .map(|c| (c.rec.id.clone(), c.rec.vm.clone()))
+                .collect();
+            let mut last_gen = None;
+            for (id, vm_id) in pending {
+                match live.get(&vm_id) {
+                    Some(listed) => {
+                        let vm = match self.driver.attach(&vm_id).await {
+                            Ok(vm) => vm,
+                            Err(e) => {
+                                tracing::warn!(claim = %id, vm = %vm_id, error = %vmm::error_chain(&e), "attach failed; keeping the listed record");
+                                listed.clone()
+                            }
+                        };
+                        tracing::info!(claim = %id, vm = %vm_id, "re-adopted");
+                        self.claims().set_vm(&id, vm);
+                        report.adopted += 1;
+                    }
+                    None => {
+                        tracing::info!(claim = %id, vm = %vm_id, "VM gone; dropping the claim");
+                        if let Some((_, gen)) = self.claims().remove(&id) {
+                            last_gen = Some(gen);
+                        }
+                        report.dropped += 1;
+                    }
+                }
+            }
+            if let Some(gen) = last_gen {
+                if let Err(e) = self.commit(gen) {
+                    tracing::warn!(error = %vmm::error_chain(&e), "journaling dropped claims failed");
+                }
+            }
+            let mut named: HashSet<VmId> = self.claims().iter().map(|c| c.rec.vm.clone()).collect();
+            for p in self.pools() {
+                named.extend(p.warm_ids());
+            }
+            for vm in live.values() {
+                if vm.id.as_str().starts_with("sbx-") && !named.contains(&vm.id) {
+                    tracing::info!(vm = %vm.id, "destroying an unowned sandbox VM");
+                    self.destroy(vm).await;
+                    report.destroyed += 1;
+                }
+            }
+            self.reconciled.store(true, Ordering::SeqCst);
+            for p in self.pools() {
+                p.kick();
+            }
+            tracing::info!(adopted = report.adopted, dropped = report.dropped, destroyed = report.destroyed, "reconciled");
+            Ok(report)
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+fn clean_staging(goldens: &std::path::Path) {
+    let Ok(rd) = std::fs::read_dir(goldens) else { return };
+    for e in rd.flatten() {
+        if e.file_name().to_string_lossy().contains(".staging-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
