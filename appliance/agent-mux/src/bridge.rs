@@ -48,17 +48,10 @@ impl Bridge {
     pub fn spawn(listen: &Path, chardev: &Path, hello_timeout: Duration) -> Result<Bridge, BridgeError> {
         let _ = std::fs::remove_file(listen);
         let l = UnixListener::bind(listen).map_err(|e| BridgeError::Bind(listen.to_path_buf(), e))?;
-        let shared = Arc::new(Shared {
-            chardev: chardev.to_path_buf(),
-            hello_timeout,
-            session: Mutex::new(None),
-        });
+        let shared = Arc::new(Shared { chardev: chardev.to_path_buf(), hello_timeout, session: Mutex::new(None) });
         let span = tracing::info_span!("vsock_bridge", listen = %listen.display());
         let task = tokio::spawn(tracing::Instrument::instrument(accept_loop(l, shared), span));
-        Ok(Bridge {
-            listen: listen.to_path_buf(),
-            task,
-        })
+        Ok(Bridge { listen: listen.to_path_buf(), task })
     }
 
     /// The listening socket.

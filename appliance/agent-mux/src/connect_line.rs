@@ -42,7 +42,8 @@ pub async fn read_line<S: AsyncRead + Unpin>(s: &mut S) -> Result<String, Connec
             return Err(ConnectLineError::Closed);
         }
         if b[0] == b'\n' {
-            return String::from_utf8(buf).map_err(|e| ConnectLineError::Malformed(String::from_utf8_lossy(e.as_bytes()).into_owned()));
+            return String::from_utf8(buf)
+                .map_err(|e| ConnectLineError::Malformed(String::from_utf8_lossy(e.as_bytes()).into_owned()));
         }
         buf.push(b[0]);
         if buf.len() >= MAX_LINE {
@@ -86,7 +87,7 @@ mod tests {
         let mut r: &[u8] = b"CONNECT 5\nrest";
         assert_eq!(read_line(&mut r).await.expect("line"), "CONNECT 5");
         assert_eq!(r, b"rest");
-        let long = vec![b'x'; 100];
+        let long = [b'x'; 100];
         assert!(matches!(read_line(&mut &long[..]).await, Err(ConnectLineError::TooLong)));
         assert!(matches!(read_line(&mut &b"abc"[..]).await, Err(ConnectLineError::Closed)));
     }

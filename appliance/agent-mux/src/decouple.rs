@@ -23,10 +23,7 @@ pub(crate) struct Decoupled<T> {
 
 impl<T: AsyncWrite + Unpin> Decoupled<T> {
     pub(crate) fn new(inner: T) -> Self {
-        Decoupled {
-            inner,
-            queue: VecDeque::new(),
-        }
+        Decoupled { inner, queue: VecDeque::new() }
     }
 
     /// Writes queued bytes until the queue is empty (Ready) or the inner writer blocks (Pending).

@@ -16,8 +16,8 @@ use tokio::task::JoinSet;
 use tokio_util::compat::TokioAsyncReadCompatExt;
 
 use crate::connect_line;
-use crate::preamble::{self, PreambleError};
 use crate::decouple::Decoupled;
+use crate::preamble::{self, PreambleError};
 use crate::rewind::Rewind;
 use crate::MuxStream;
 
@@ -53,7 +53,11 @@ where
 {
     let rest = preamble::guest(&mut io).await?;
     tracing::info!("mux session started");
-    let mut conn = yamux::Connection::new(Rewind::new(rest, Decoupled::new(io)).compat(), crate::yamux_config(), yamux::Mode::Server);
+    let mut conn = yamux::Connection::new(
+        Rewind::new(rest, Decoupled::new(io)).compat(),
+        crate::yamux_config(),
+        yamux::Mode::Server,
+    );
     let mut tasks: JoinSet<()> = JoinSet::new();
     let end = loop {
         tokio::select! {

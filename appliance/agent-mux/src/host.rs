@@ -12,8 +12,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::compat::TokioAsyncReadCompatExt;
 
 use crate::connect_line::{self, ConnectLineError};
-use crate::preamble::{self, PreambleError};
 use crate::decouple::Decoupled;
+use crate::preamble::{self, PreambleError};
 use crate::rewind::Rewind;
 use crate::MuxStream;
 
@@ -97,10 +97,9 @@ impl Session {
 
     /// [`Session::connect`] with an explicit preamble timeout.
     pub async fn connect_with_timeout(path: &Path, hello_timeout: Duration) -> Result<Session, SessionError> {
-        let s = UnixStream::connect(path).await.map_err(|source| SessionError::Connect {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let s = UnixStream::connect(path)
+            .await
+            .map_err(|source| SessionError::Connect { path: path.to_path_buf(), source })?;
         Self::over(s, hello_timeout).await
     }
 
@@ -110,12 +109,14 @@ impl Session {
         T: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
         let rest = preamble::host(&mut io, hello_timeout).await?;
-        let conn = yamux::Connection::new(Rewind::new(rest, Decoupled::new(io)).compat(), crate::yamux_config(), yamux::Mode::Client);
+        let conn = yamux::Connection::new(
+            Rewind::new(rest, Decoupled::new(io)).compat(),
+            crate::yamux_config(),
+            yamux::Mode::Client,
+        );
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(drive(conn, rx));
-        Ok(Session {
-            inner: Arc::new(Inner { tx }),
-        })
+        Ok(Session { inner: Arc::new(Inner { tx }) })
     }
 
     /// Whether the session has ended.
@@ -127,10 +128,7 @@ impl Session {
     pub async fn open(&self, port: u32) -> Result<MuxStream, SessionError> {
         let (reply_tx, reply_rx) = oneshot::channel();
         self.inner.tx.send(reply_tx).await.map_err(|_| SessionError::Closed)?;
-        let raw = reply_rx
-            .await
-            .map_err(|_| SessionError::Closed)?
-            .map_err(SessionError::Open)?;
+        let raw = reply_rx.await.map_err(|_| SessionError::Closed)?.map_err(SessionError::Open)?;
         let keep: Arc<dyn Send + Sync> = self.inner.clone();
         let mut s = MuxStream::new(raw, Some(keep));
         s.write_all(connect_line::connect(port).as_bytes())
@@ -158,38 +156,38 @@ where
 {
     let mut pending: VecDeque<OpenReply> = VecDeque::new();
     let result = futures::future::poll_fn(|cx| {
-            loop {
-                match rx.poll_recv(cx) {
-                    Poll::Ready(Some(r)) => pending.push_back(r),
-                    Poll::Ready(None) => return Poll::Ready(Ok(false)),
-                    Poll::Pending => break,
-                }
+        loop {
+            match rx.poll_recv(cx) {
+                Poll::Ready(Some(r)) => pending.push_back(r),
+                Poll::Ready(None) => return Poll::Ready(Ok(false)),
+                Poll::Pending => break,
             }
-            while !pending.is_empty() {
-                match conn.poll_new_outbound(cx) {
-                    Poll::Ready(r) => {
-                        let failed = r.is_err();
-                        if let Some(reply) = pending.pop_front() {
-                            let _ = reply.send(r);
-                        }
-                        if failed {
-                            return Poll::Ready(Ok(true));
-                        }
+        }
+        while !pending.is_empty() {
+            match conn.poll_new_outbound(cx) {
+                Poll::Ready(r) => {
+                    let failed = r.is_err();
+                    if let Some(reply) = pending.pop_front() {
+                        let _ = reply.send(r);
                     }
-                    Poll::Pending => break,
+                    if failed {
+                        return Poll::Ready(Ok(true));
+                    }
                 }
+                Poll::Pending => break,
             }
-            loop {
-                match conn.poll_next_inbound(cx) {
-                    // The guest never opens streams; dropping resets it.
-                    Poll::Ready(Some(Ok(s))) => drop(s),
-                    Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e)),
-                    Poll::Ready(None) => return Poll::Ready(Ok(true)),
-                    Poll::Pending => return Poll::Pending,
-                }
+        }
+        loop {
+            match conn.poll_next_inbound(cx) {
+                // The guest never opens streams; dropping resets it.
+                Poll::Ready(Some(Ok(s))) => drop(s),
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e)),
+                Poll::Ready(None) => return Poll::Ready(Ok(true)),
+                Poll::Pending => return Poll::Pending,
             }
-        })
-        .await;
+        }
+    })
+    .await;
     match result {
         Ok(false) => {
             // Every handle and stream is gone: close politely.

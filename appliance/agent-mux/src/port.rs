@@ -58,10 +58,7 @@ pub fn find_in(sys: &Path, dev: &Path, name: &str) -> Result<PathBuf, PortError>
             return Ok(dev.join(entry.file_name()));
         }
     }
-    Err(PortError::NotFound {
-        name: name.to_string(),
-        sys: sys.to_path_buf(),
-    })
+    Err(PortError::NotFound { name: name.to_string(), sys: sys.to_path_buf() })
 }
 
 /// An open virtio-serial port (non-blocking, driven by tokio's reactor).
@@ -91,11 +88,7 @@ impl PortDevice {
 
     /// `poll()`s the fd once without blocking; returns its `revents`.
     fn poll_now(&self) -> std::io::Result<libc::c_short> {
-        let mut p = libc::pollfd {
-            fd: self.fd.as_raw_fd(),
-            events: libc::POLLIN | libc::POLLOUT,
-            revents: 0,
-        };
+        let mut p = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN | libc::POLLOUT, revents: 0 };
         // SAFETY: one valid pollfd, count 1, timeout 0 (no blocking); the fd is open while self lives.
         let r = unsafe { libc::poll(&mut p, 1, 0) };
         if r < 0 {

@@ -230,15 +230,10 @@ async fn unread_stream_applies_back_pressure() {
     let mut st = s.open(SINK).await.expect("open sink");
     let chunk = vec![1u8; 16 * 1024];
     let mut written = 0usize;
-    loop {
-        match tokio::time::timeout(Duration::from_millis(300), st.write_all(&chunk)).await {
-            Ok(r) => {
-                r.expect("write");
-                written += chunk.len();
-                assert!(written <= 4 * 1024 * 1024, "no back-pressure: {written} bytes accepted");
-            }
-            Err(_) => break,
-        }
+    while let Ok(r) = tokio::time::timeout(Duration::from_millis(300), st.write_all(&chunk)).await {
+        r.expect("write");
+        written += chunk.len();
+        assert!(written <= 4 * 1024 * 1024, "no back-pressure: {written} bytes accepted");
     }
     assert!(written >= 128 * 1024, "window too small: {written}");
     // Other streams still flow while one is blocked.
@@ -329,4 +324,58 @@ async fn wait_until(f: impl Fn() -> bool) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("condition not reached in 5 s");
+}
+
+#[tokio::test]
+async fn bridge_speaks_hybrid_vsock_and_reconnects() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let chardev = dir.path().join("agent-serial.sock");
+    let vsock = dir.path().join("vsock.sock");
+    // Fake QEMU chardev server: one client at a time, each connection a fresh guest session.
+    let l = tokio::net::UnixListener::bind(&chardev).expect("bind chardev");
+    let h = Arc::new(TestHandler::default());
+    let handler: Arc<dyn Handler> = Arc::new(Shared(h.clone()));
+    let (kill_tx, mut kill_rx) = mpsc::channel::<()>(1);
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = l.accept().await.expect("accept");
+            tokio::select! {
+                _ = guest::serve(s, handler.clone()) => {}
+                _ = kill_rx.recv() => {} // drops the connection: the host sees EOF
+            }
+        }
+    });
+    let bridge = agent_mux::bridge::Bridge::spawn(&vsock, &chardev, Duration::from_secs(5)).expect("bridge");
+
+    async fn dial(vsock: &std::path::Path, port: u32) -> std::io::Result<(tokio::net::UnixStream, String)> {
+        let mut c = tokio::net::UnixStream::connect(vsock).await?;
+        c.write_all(format!("CONNECT {port}\n").as_bytes()).await?;
+        let line =
+            agent_mux::connect_line::read_line(&mut c).await.map_err(|e| std::io::Error::other(e.to_string()))?;
+        Ok((c, line))
+    }
+
+    let (mut c, line) = dial(&vsock, COUNT).await.expect("dial count");
+    assert_eq!(line, "OK 3000");
+    c.write_all(&[0u8; 100_000]).await.expect("write");
+    c.shutdown().await.expect("half-close through the bridge");
+    let mut reply = String::new();
+    c.read_to_string(&mut reply).await.expect("reply");
+    assert_eq!(reply, "100000\n");
+
+    assert!(dial(&vsock, 7).await.is_err(), "refused port closes the client connection");
+
+    // The chardev connection breaks (guest reboot / restore): the next client gets a new session.
+    kill_tx.send(()).await.expect("kill");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (c, line) = dial(&vsock, ECHO).await.expect("dial after reconnect");
+    assert_eq!(line, "OK 2048");
+    let (mut r, mut w) = c.into_split();
+    w.write_all(b"hello").await.expect("w");
+    w.shutdown().await.expect("sd");
+    let mut got = Vec::new();
+    r.read_to_end(&mut got).await.expect("r");
+    assert_eq!(got, b"hello");
+    drop(bridge);
+    assert!(!vsock.exists(), "bridge removes its socket when dropped");
 }

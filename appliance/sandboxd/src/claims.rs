@@ -77,8 +77,7 @@ pub fn mint_token() -> String {
 
 /// Milliseconds since the Unix epoch.
 pub fn unix_ms(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// RFC 3339 (UTC, seconds) of a Unix-ms instant.
@@ -194,11 +193,7 @@ impl ClaimTable {
 
     /// Ids of claims whose deadline is at or before `now_ms`.
     pub fn expired(&self, now_ms: u64) -> Vec<String> {
-        self.by_id
-            .values()
-            .filter(|c| c.rec.deadline_unix_ms <= now_ms)
-            .map(|c| c.rec.id.clone())
-            .collect()
+        self.by_id.values().filter(|c| c.rec.deadline_unix_ms <= now_ms).map(|c| c.rec.id.clone()).collect()
     }
 
     fn bump(&mut self) -> u64 {

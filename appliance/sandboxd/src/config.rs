@@ -128,10 +128,7 @@ pub fn validate_pools(pools: &[PoolConfig]) -> Result<Vec<(PoolKey, usize)>, Con
             return Err(ConfigError::Egress { index });
         }
         if out.iter().any(|(k, _)| *k == key) {
-            return Err(ConfigError::DuplicatePool {
-                index,
-                key: key.to_string(),
-            });
+            return Err(ConfigError::DuplicatePool { index, key: key.to_string() });
         }
         out.push((key, p.target()));
     }
@@ -201,19 +198,14 @@ impl Default for Config {
 impl Config {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let bytes = std::fs::read(path).map_err(|source| ConfigError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let bytes = std::fs::read(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
         Self::parse(path, &bytes)
     }
 
     /// Parses and validates config bytes (`path` only names the source in errors).
     pub fn parse(path: &Path, bytes: &[u8]) -> Result<Self, ConfigError> {
-        let c: Config = serde_json::from_slice(bytes).map_err(|source| ConfigError::Parse {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let c: Config =
+            serde_json::from_slice(bytes).map_err(|source| ConfigError::Parse { path: path.to_path_buf(), source })?;
         validate_pools(&c.pools)?;
         Ok(c)
     }
@@ -232,16 +224,11 @@ impl Config {
         let Some(path) = &self.api_token_file else {
             return Ok(None);
         };
-        let raw = std::fs::read_to_string(path).map_err(|e| ConfigError::Token {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
+        let raw = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Token { path: path.clone(), reason: e.to_string() })?;
         let t = raw.trim();
         if t.is_empty() {
-            return Err(ConfigError::Token {
-                path: path.clone(),
-                reason: "the file is empty".into(),
-            });
+            return Err(ConfigError::Token { path: path.clone(), reason: "the file is empty".into() });
         }
         Ok(Some(t.to_string()))
     }
@@ -300,10 +287,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let p = dir.path().join("token");
         std::fs::write(&p, "  s3cret\n").expect("write");
-        let c = Config {
-            api_token_file: Some(p.clone()),
-            ..Config::default()
-        };
+        let c = Config { api_token_file: Some(p.clone()), ..Config::default() };
         assert_eq!(c.api_token().expect("token").as_deref(), Some("s3cret"));
         std::fs::write(&p, "\n").expect("write");
         assert!(matches!(c.api_token(), Err(ConfigError::Token { .. })));

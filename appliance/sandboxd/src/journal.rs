@@ -95,11 +95,7 @@ impl Journal {
             path: dir.to_path_buf(),
             source,
         })?;
-        Ok(Journal {
-            dir: dir.to_path_buf(),
-            sync,
-            written: Mutex::new(0),
-        })
+        Ok(Journal { dir: dir.to_path_buf(), sync, written: Mutex::new(0) })
     }
 
     /// The data dir.
@@ -127,10 +123,8 @@ impl Journal {
         let (now, claims) = snapshot();
         let file = ClaimsFile { version: 1, claims };
         let path = self.dir.join(CLAIMS_FILE);
-        let bytes = serde_json::to_vec_pretty(&file).map_err(|source| JournalError::Parse {
-            path: path.clone(),
-            source,
-        })?;
+        let bytes =
+            serde_json::to_vec_pretty(&file).map_err(|source| JournalError::Parse { path: path.clone(), source })?;
         write_atomic(&path, &bytes, self.sync)?;
         *written = now;
         Ok(())
@@ -144,13 +138,8 @@ impl Journal {
     /// Persists the pool list.
     pub fn write_pools(&self, pools: &[PoolConfig]) -> Result<(), JournalError> {
         let path = self.dir.join(POOLS_FILE);
-        let bytes = serde_json::to_vec_pretty(&PoolsFile {
-            pools: pools.to_vec(),
-        })
-        .map_err(|source| JournalError::Parse {
-            path: path.clone(),
-            source,
-        })?;
+        let bytes = serde_json::to_vec_pretty(&PoolsFile { pools: pools.to_vec() })
+            .map_err(|source| JournalError::Parse { path: path.clone(), source })?;
         write_atomic(&path, &bytes, true)
     }
 }
@@ -159,20 +148,9 @@ fn read_opt<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, Jo
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => {
-            return Err(JournalError::Io {
-                what: "reading",
-                path: path.to_path_buf(),
-                source,
-            })
-        }
+        Err(source) => return Err(JournalError::Io { what: "reading", path: path.to_path_buf(), source }),
     };
-    serde_json::from_slice(&bytes)
-        .map(Some)
-        .map_err(|source| JournalError::Parse {
-            path: path.to_path_buf(),
-            source,
-        })
+    serde_json::from_slice(&bytes).map(Some).map_err(|source| JournalError::Parse { path: path.to_path_buf(), source })
 }
 
 /// Writes `bytes` to `path` atomically: temp file in the same dir, optional fsync, rename.
@@ -193,9 +171,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], sync: bool) -> Result<(), Journal
         drop(f);
         std::fs::rename(&tmp, path).map_err(io("renaming over", path))?;
         if sync {
-            std::fs::File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(io("syncing", dir))?;
+            std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io("syncing", dir))?;
         }
         Ok(())
     })();
@@ -233,10 +209,7 @@ mod tests {
         j.commit_claims(3, || (3, vec![])).expect("write");
         assert!(j.load_claims().expect("load").is_empty());
         // No temp files are left behind.
-        let names: Vec<_> = std::fs::read_dir(dir.path())
-            .expect("ls")
-            .map(|e| e.expect("entry").file_name())
-            .collect();
+        let names: Vec<_> = std::fs::read_dir(dir.path()).expect("ls").map(|e| e.expect("entry").file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from(CLAIMS_FILE)]);
     }
 

@@ -79,27 +79,18 @@ impl Metrics {
         counter(
             "refills_total",
             "VMs admitted to a pool, by how they were made.",
-            &[
-                ("{tier=\"clone\"}", get(&self.refill_clone)),
-                ("{tier=\"cold\"}", get(&self.refill_cold)),
-            ],
+            &[("{tier=\"clone\"}", get(&self.refill_clone)), ("{tier=\"cold\"}", get(&self.refill_cold))],
         );
         counter("refill_failures_total", "Refill attempts that failed.", &[("", get(&self.refill_failures))]);
         counter(
             "golden_builds_total",
             "Golden snapshot builds by result.",
-            &[
-                ("{result=\"ok\"}", get(&self.goldens_built)),
-                ("{result=\"failed\"}", get(&self.golden_failures)),
-            ],
+            &[("{result=\"ok\"}", get(&self.goldens_built)), ("{result=\"failed\"}", get(&self.golden_failures))],
         );
         counter(
             "vm_destroys_total",
             "VM destroys by result.",
-            &[
-                ("{result=\"ok\"}", get(&self.vms_destroyed)),
-                ("{result=\"failed\"}", get(&self.destroy_failures)),
-            ],
+            &[("{result=\"ok\"}", get(&self.vms_destroyed)), ("{result=\"failed\"}", get(&self.destroy_failures))],
         );
         counter(
             "relays_total",
@@ -133,7 +124,10 @@ impl Metrics {
                 );
             }
         }
-        let _ = writeln!(o, "# HELP sandboxd_claimed Live claims.\n# TYPE sandboxd_claimed gauge\nsandboxd_claimed {claimed}");
+        let _ = writeln!(
+            o,
+            "# HELP sandboxd_claimed Live claims.\n# TYPE sandboxd_claimed gauge\nsandboxd_claimed {claimed}"
+        );
         let _ = writeln!(
             o,
             "# HELP sandboxd_draining 1 while the node drains.\n# TYPE sandboxd_draining gauge\nsandboxd_draining {}",

@@ -107,10 +107,7 @@ impl NodeOptions {
             sync_claims: c.sync_claims,
             clone: c.clone,
             catalog,
-            timing: Timing {
-                cold_probe: Duration::from_secs(c.boot_timeout_secs.max(1)),
-                ..Timing::default()
-            },
+            timing: Timing { cold_probe: Duration::from_secs(c.boot_timeout_secs.max(1)), ..Timing::default() },
         })
     }
 
@@ -349,10 +346,7 @@ impl Node {
         if let Some(g) = self.load_golden(&pool.hash) {
             pool.lock().golden = Some(g);
         }
-        self.pools
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(pool.key.clone(), Arc::clone(&pool));
+        self.pools.write().unwrap_or_else(|p| p.into_inner()).insert(pool.key.clone(), Arc::clone(&pool));
         let (n, p) = (Arc::clone(self), Arc::clone(&pool));
         let span = tracing::info_span!("refill", template = %pool.key.template(), pool = %pool.key);
         tokio::spawn(refill::run(n, p).instrument(span));
@@ -480,7 +474,8 @@ impl Node {
         let Some((claim, gen)) = removed else {
             return Err(ClaimError::NotFound);
         };
-        let span = tracing::info_span!("release", claim = %id, vm = %claim.rec.vm, template = %claim.rec.key.template());
+        let span =
+            tracing::info_span!("release", claim = %id, vm = %claim.rec.vm, template = %claim.rec.key.template());
         async {
             if let Err(e) = self.commit(gen) {
                 // The VM goes anyway; a restart finds it gone and drops the stale row.
@@ -505,7 +500,8 @@ impl Node {
 
     /// Resets a lease to now + `ttl` (may shorten it); returns the new deadline.
     pub fn renew(&self, id: &str, ttl: Duration) -> Result<String, ClaimError> {
-        let deadline = claims::unix_ms(SystemTime::now()).saturating_add(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+        let deadline =
+            claims::unix_ms(SystemTime::now()).saturating_add(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
         let gen = self.claims().set_deadline(id, deadline).ok_or(ClaimError::NotFound)?;
         self.commit(gen).map_err(ClaimError::Journal)?;
         inc(&self.metrics.renews);
@@ -587,7 +583,10 @@ impl Node {
     pub async fn put_pools(self: &Arc<Self>, list: Vec<PoolConfig>) -> Result<Info, PoolsError> {
         let wanted = config::validate_pools(&list).map_err(PoolsError::Invalid)?;
         for p in &list {
-            if p.idle_hibernate_seconds.is_some() || p.archive_after_seconds.is_some() || p.archive_delete_after_seconds.is_some() {
+            if p.idle_hibernate_seconds.is_some()
+                || p.archive_after_seconds.is_some()
+                || p.archive_delete_after_seconds.is_some()
+            {
                 tracing::warn!(template = %p.template, "hibernate/archive settings are accepted but not implemented on this node");
             }
         }
@@ -645,7 +644,8 @@ impl Node {
         for id in expired {
             let removed = self.claims().remove(&id);
             let Some((claim, gen)) = removed else { continue };
-            let span = tracing::info_span!("reap", claim = %id, vm = %claim.rec.vm, template = %claim.rec.key.template());
+            let span =
+                tracing::info_span!("reap", claim = %id, vm = %claim.rec.vm, template = %claim.rec.key.template());
             async {
                 if let Err(e) = self.commit(gen) {
                     tracing::warn!(error = %vmm::error_chain(&e), "journaling the reap failed");

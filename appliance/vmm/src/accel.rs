@@ -96,17 +96,9 @@ impl KvmFacts {
                 const KVM_GET_API_VERSION: libc::c_ulong = 0xAE00;
                 // SAFETY: KVM_GET_API_VERSION takes no argument and only returns an int; the fd is open.
                 let v = unsafe { libc::ioctl(f.as_raw_fd(), KVM_GET_API_VERSION as _, 0) };
-                KvmFacts {
-                    open: Ok(()),
-                    api_version: (v >= 0).then_some(v),
-                    pvm_only,
-                }
+                KvmFacts { open: Ok(()), api_version: (v >= 0).then_some(v), pvm_only }
             }
-            Err(e) => KvmFacts {
-                open: Err(e.to_string()),
-                api_version: None,
-                pvm_only,
-            },
+            Err(e) => KvmFacts { open: Err(e.to_string()), api_version: None, pvm_only },
         }
     }
 
@@ -161,11 +153,7 @@ mod tests {
     use super::*;
 
     fn facts(open: bool, v: Option<i32>, pvm: bool) -> KvmFacts {
-        KvmFacts {
-            open: if open { Ok(()) } else { Err("EACCES".into()) },
-            api_version: v,
-            pvm_only: pvm,
-        }
+        KvmFacts { open: if open { Ok(()) } else { Err("EACCES".into()) }, api_version: v, pvm_only: pvm }
     }
 
     #[test]

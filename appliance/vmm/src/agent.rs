@@ -44,10 +44,8 @@ pub enum DialError {
 
 /// Connects to `uds` and performs the `CONNECT <port>` handshake.
 pub async fn dial(uds: &Path, port: u32) -> Result<UnixStream, DialError> {
-    let mut s = UnixStream::connect(uds).await.map_err(|source| DialError::Connect {
-        path: uds.to_path_buf(),
-        source,
-    })?;
+    let mut s =
+        UnixStream::connect(uds).await.map_err(|source| DialError::Connect { path: uds.to_path_buf(), source })?;
     handshake(&mut s, port).await?;
     Ok(s)
 }

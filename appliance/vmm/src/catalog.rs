@@ -87,9 +87,7 @@ pub fn cache_dir() -> Result<PathBuf, CatalogError> {
     if let Some(p) = var("XDG_CACHE_HOME") {
         return Ok(p.join("chrysalis"));
     }
-    var("HOME")
-        .map(|h| h.join(".cache").join("chrysalis"))
-        .ok_or(CatalogError::NoCacheDir)
+    var("HOME").map(|h| h.join(".cache").join("chrysalis")).ok_or(CatalogError::NoCacheDir)
 }
 
 impl Catalog {
@@ -105,14 +103,8 @@ impl Catalog {
 
     /// Loads a catalog file.
     pub fn load(path: &Path) -> Result<Self, CatalogError> {
-        let bytes = std::fs::read(path).map_err(|source| CatalogError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        serde_json::from_slice(&bytes).map_err(|source| CatalogError::Parse {
-            path: path.to_path_buf(),
-            source,
-        })
+        let bytes = std::fs::read(path).map_err(|source| CatalogError::Read { path: path.to_path_buf(), source })?;
+        serde_json::from_slice(&bytes).map_err(|source| CatalogError::Parse { path: path.to_path_buf(), source })
     }
 
     /// Resolves a template name or alias to `(template name, template)`.
@@ -121,17 +113,12 @@ impl Catalog {
         if let Some((k, t)) = self.templates.get_key_value(name_or_alias) {
             return Ok((k.as_str(), t));
         }
-        let target = self
-            .aliases
-            .get(name_or_alias)
-            .ok_or_else(|| CatalogError::UnknownTemplate(name_or_alias.to_string()))?;
+        let target =
+            self.aliases.get(name_or_alias).ok_or_else(|| CatalogError::UnknownTemplate(name_or_alias.to_string()))?;
         self.templates
             .get_key_value(target)
             .map(|(k, t)| (k.as_str(), t))
-            .ok_or_else(|| CatalogError::DanglingAlias {
-                alias: name_or_alias.to_string(),
-                target: target.clone(),
-            })
+            .ok_or_else(|| CatalogError::DanglingAlias { alias: name_or_alias.to_string(), target: target.clone() })
     }
 }
 

@@ -73,10 +73,7 @@ impl VmId {
         if s.is_empty() || s.len() > 63 {
             return Err(VmIdError::Length(s.len()));
         }
-        let ok = s
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !s.starts_with('-');
+        let ok = s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') && !s.starts_with('-');
         if !ok {
             return Err(VmIdError::Charset(s));
         }
@@ -157,11 +154,7 @@ pub struct BootSpec {
 impl BootSpec {
     /// Builds a spec from the catalog entry for `name_or_alias` (alias resolved) at `size`,
     /// with the accelerator preference from `CHRYSALIS_ACCEL` (default `auto`).
-    pub fn from_template(
-        catalog: &Catalog,
-        name_or_alias: &str,
-        size: SizeClass,
-    ) -> Result<Self, CatalogError> {
+    pub fn from_template(catalog: &Catalog, name_or_alias: &str, size: SizeClass) -> Result<Self, CatalogError> {
         let (name, t) = catalog.resolve(name_or_alias)?;
         Ok(BootSpec {
             name: name.to_string(),
@@ -348,10 +341,7 @@ pub enum DriverError {
 impl DriverError {
     /// Shorthand for [`DriverError::Io`].
     pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
-        DriverError::Io {
-            what: what.into(),
-            source,
-        }
+        DriverError::Io { what: what.into(), source }
     }
 }
 
@@ -376,21 +366,13 @@ impl fmt::Debug for AgentStream {
 }
 
 impl AsyncRead for AgentStream {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut *self.0).poll_read(cx, buf)
     }
 }
 
 impl AsyncWrite for AgentStream {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
         Pin::new(&mut *self.0).poll_write(cx, buf)
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -421,10 +403,7 @@ pub trait Driver: Send + Sync {
         crate::agent::dial(&vm.vsock_socket, port)
             .await
             .map(AgentStream::new)
-            .map_err(|source| DriverError::Agent {
-                vm: vm.id.clone(),
-                source,
-            })
+            .map_err(|source| DriverError::Agent { vm: vm.id.clone(), source })
     }
 
     /// Dials the agent and asks `info` every [`WAIT_AGENT_INTERVAL`] until it answers or `timeout` passes.
@@ -434,12 +413,7 @@ pub trait Driver: Send + Sync {
         loop {
             let attempt = async {
                 let mut s = self.connect(vm, AGENT_PORT).await?;
-                crate::agent::info(&mut s)
-                    .await
-                    .map_err(|source| DriverError::Agent {
-                        vm: vm.id.clone(),
-                        source,
-                    })
+                crate::agent::info(&mut s).await.map_err(|source| DriverError::Agent { vm: vm.id.clone(), source })
             };
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left.max(Duration::from_millis(1)), attempt).await {
@@ -470,8 +444,7 @@ pub trait Driver: Send + Sync {
 
     /// Saves the VM's memory, device and disk state into `dir` (created if missing) and writes
     /// `dir/snapshot.json`. The VM is left paused or resumed as `after` says.
-    async fn snapshot(&self, vm: &Vm, dir: &Path, after: AfterSnapshot)
-        -> Result<Snapshot, DriverError>;
+    async fn snapshot(&self, vm: &Vm, dir: &Path, after: AfterSnapshot) -> Result<Snapshot, DriverError>;
 
     /// Starts a new VM `id` from `snapshot` (a clone: the source may keep running). Returns
     /// once the clone's vCPUs run. Its guest agent restarts its session on the fresh host connection.

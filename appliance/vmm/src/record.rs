@@ -50,22 +50,14 @@ pub fn vms_dir(state_dir: &Path) -> PathBuf {
 
 /// Writes `value` as JSON to `path` atomically: temp file in the same dir, fsync, rename, fsync dir.
 pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<(), RecordError> {
-    let io = |what, source| RecordError::Io {
-        what,
-        path: path.to_path_buf(),
-        source,
-    };
-    let bytes = serde_json::to_vec_pretty(value).map_err(|source| RecordError::Parse {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let io = |what, source| RecordError::Io { what, path: path.to_path_buf(), source };
+    let bytes =
+        serde_json::to_vec_pretty(value).map_err(|source| RecordError::Parse { path: path.to_path_buf(), source })?;
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("record");
     let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
     let mut f = std::fs::File::create(&tmp).map_err(|e| io("creating temp for", e))?;
-    f.write_all(&bytes)
-        .and_then(|_| f.sync_all())
-        .map_err(|e| io("writing", e))?;
+    f.write_all(&bytes).and_then(|_| f.sync_all()).map_err(|e| io("writing", e))?;
     drop(f);
     std::fs::rename(&tmp, path).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
@@ -79,15 +71,9 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<(), Rec
 
 /// Reads a JSON record.
 pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T, RecordError> {
-    let bytes = std::fs::read(path).map_err(|source| RecordError::Io {
-        what: "reading",
-        path: path.to_path_buf(),
-        source,
-    })?;
-    serde_json::from_slice(&bytes).map_err(|source| RecordError::Parse {
-        path: path.to_path_buf(),
-        source,
-    })
+    let bytes =
+        std::fs::read(path).map_err(|source| RecordError::Io { what: "reading", path: path.to_path_buf(), source })?;
+    serde_json::from_slice(&bytes).map_err(|source| RecordError::Parse { path: path.to_path_buf(), source })
 }
 
 /// Start time of `pid` in clock ticks since boot (field 22 of `/proc/<pid>/stat`), or `None`
@@ -109,9 +95,7 @@ pub fn pid_state(pid: u32) -> Option<char> {
 
 /// Whether `pid` is alive (not a zombie) and is the same process that started at `start_time`.
 pub fn is_alive(pid: u32, start_time: u64) -> bool {
-    pid != 0
-        && pid_start_time(pid) == Some(start_time)
-        && !matches!(pid_state(pid), Some('Z') | Some('X') | None)
+    pid != 0 && pid_start_time(pid) == Some(start_time) && !matches!(pid_state(pid), Some('Z') | Some('X') | None)
 }
 
 #[cfg(test)]
@@ -126,10 +110,8 @@ mod tests {
         write_json_atomic(&p, &serde_json::json!({"a": 2})).expect("overwrite");
         let v: serde_json::Value = read_json(&p).expect("read");
         assert_eq!(v, serde_json::json!({"a": 2}));
-        let names: Vec<_> = std::fs::read_dir(dir.path())
-            .expect("readdir")
-            .map(|e| e.expect("entry").file_name())
-            .collect();
+        let names: Vec<_> =
+            std::fs::read_dir(dir.path()).expect("readdir").map(|e| e.expect("entry").file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from("x.json")]);
         assert!(matches!(read_json::<serde_json::Value>(&dir.path().join("nope")), Err(RecordError::Io { .. })));
     }

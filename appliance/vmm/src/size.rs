@@ -33,13 +33,8 @@ pub struct SizeClassError(pub String);
 
 impl SizeClass {
     /// Every class, smallest first.
-    pub const ALL: [SizeClass; 5] = [
-        SizeClass::Small,
-        SizeClass::Medium,
-        SizeClass::Large,
-        SizeClass::XLarge,
-        SizeClass::X2Large,
-    ];
+    pub const ALL: [SizeClass; 5] =
+        [SizeClass::Small, SizeClass::Medium, SizeClass::Large, SizeClass::XLarge, SizeClass::X2Large];
 
     /// Number of vCPUs.
     pub fn vcpus(self) -> u32 {
@@ -83,10 +78,7 @@ impl fmt::Display for SizeClass {
 impl FromStr for SizeClass {
     type Err = SizeClassError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        SizeClass::ALL
-            .into_iter()
-            .find(|c| c.as_str() == s)
-            .ok_or_else(|| SizeClassError(s.to_string()))
+        SizeClass::ALL.into_iter().find(|c| c.as_str() == s).ok_or_else(|| SizeClassError(s.to_string()))
     }
 }
 

@@ -71,9 +71,7 @@ pub fn valid_template(t: &str) -> bool {
     !b.is_empty()
         && b.len() <= 63
         && b[0].is_ascii_alphanumeric()
-        && b[1..]
-            .iter()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b':' | b'/' | b'-'))
+        && b[1..].iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b':' | b'/' | b'-'))
 }
 
 /// A pool key. Serialises as `{"template","net","size"}` (the API's `key` object).
@@ -110,11 +108,7 @@ impl PoolKey {
             "" => SizeClass::Small,
             s => s.parse::<SizeClass>().map_err(|_| KeyError::Size(s.to_string()))?,
         };
-        Ok(PoolKey {
-            template: template.to_string(),
-            net,
-            size,
-        })
+        Ok(PoolKey { template: template.to_string(), net, size })
     }
 
     /// A key from already-typed parts (the template is still validated).
@@ -171,11 +165,7 @@ impl TryFrom<RawKey> for PoolKey {
 
 impl From<PoolKey> for RawKey {
     fn from(k: PoolKey) -> RawKey {
-        RawKey {
-            template: k.template,
-            net: Some(k.net.as_str().to_string()),
-            size: Some(k.size.as_str().to_string()),
-        }
+        RawKey { template: k.template, net: Some(k.net.as_str().to_string()), size: Some(k.size.as_str().to_string()) }
     }
 }
 

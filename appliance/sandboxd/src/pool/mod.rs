@@ -93,10 +93,7 @@ impl Pool {
         Pool {
             hash: key.hash(),
             key,
-            state: std::sync::Mutex::new(PoolState {
-                target,
-                ..PoolState::default()
-            }),
+            state: std::sync::Mutex::new(PoolState { target, ..PoolState::default() }),
             kick: Notify::new(),
             cancel: parent.child_token(),
         }
@@ -181,11 +178,7 @@ impl PoolState {
     pub fn failed(&mut self, reason: String, now: Instant) {
         self.failures = self.failures.saturating_add(1);
         if self.failures >= BACKOFF_AFTER {
-            self.backoff = if self.backoff.is_zero() {
-                BACKOFF_MIN
-            } else {
-                (self.backoff * 2).min(BACKOFF_MAX)
-            };
+            self.backoff = if self.backoff.is_zero() { BACKOFF_MIN } else { (self.backoff * 2).min(BACKOFF_MAX) };
             self.backoff_until = Some(now + self.backoff);
             self.at_capacity = Some(reason);
         }

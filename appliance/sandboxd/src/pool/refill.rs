@@ -83,7 +83,7 @@ pub async fn run(node: Arc<Node>, pool: Arc<Pool>) {
 
 enum Plan {
     Golden,
-    Slots(usize, Option<Snapshot>),
+    Slots(usize, Option<Box<Snapshot>>),
 }
 
 /// Reserves and spawns the work the pool needs now.
@@ -105,7 +105,7 @@ pub fn step(node: &Arc<Node>, pool: &Arc<Pool>) {
             s.refilling += deficit;
             Plan::Slots(deficit, None)
         } else if let Some(g) = &s.golden {
-            let g = g.clone();
+            let g = Box::new(g.clone());
             s.refilling += deficit;
             Plan::Slots(deficit, Some(g))
         } else if s.golden_building {
@@ -134,7 +134,7 @@ pub fn step(node: &Arc<Node>, pool: &Arc<Pool>) {
     }
 }
 
-async fn slot(node: Arc<Node>, pool: Arc<Pool>, golden: Option<Snapshot>) {
+async fn slot(node: Arc<Node>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>) {
     let work = async {
         let Ok(_permit) = Arc::clone(&node.refill_sem).acquire_owned().await else {
             return None;
@@ -214,12 +214,8 @@ fn clone_failed(node: &Node, pool: &Pool) {
 }
 
 fn spec_for(node: &Node, pool: &Pool, id_prefix: String) -> Result<BootSpec, RefillError> {
-    let mut spec = BootSpec::from_template(&node.catalog, pool.key.template(), pool.key.size()).map_err(|source| {
-        RefillError::Catalog {
-            template: pool.key.template().to_string(),
-            source,
-        }
-    })?;
+    let mut spec = BootSpec::from_template(&node.catalog, pool.key.template(), pool.key.size())
+        .map_err(|source| RefillError::Catalog { template: pool.key.template().to_string(), source })?;
     // The driver names a booted VM `<spec.name>-<8 hex>`: this gives our VMs the `sbx-` prefix
     // the restart sweep relies on.
     spec.name = id_prefix;
@@ -235,10 +231,7 @@ async fn probe(node: &Node, vm: Vm, budget: std::time::Duration) -> Result<Vm, R
         Ok(_) => Ok(vm),
         Err(source) => {
             node.destroy(&vm).await;
-            Err(RefillError::Driver {
-                what: "waiting for silkd",
-                source,
-            })
+            Err(RefillError::Driver { what: "waiting for silkd", source })
         }
     }
 }
@@ -249,19 +242,13 @@ async fn clone_one(node: &Node, pool: &Pool, golden: &Snapshot) -> Result<Vm, Re
         .driver
         .restore(golden, &id)
         .await
-        .map_err(|source| RefillError::Driver {
-            what: "cloning the golden",
-            source,
-        })?;
+        .map_err(|source| RefillError::Driver { what: "cloning the golden", source })?;
     probe(node, vm, node.timing.clone_probe).await
 }
 
 async fn cold_one(node: &Node, pool: &Pool) -> Result<Vm, RefillError> {
     let spec = spec_for(node, pool, vm_prefix(pool))?;
-    let vm = node.driver.boot(&spec).await.map_err(|source| RefillError::Driver {
-        what: "cold boot",
-        source,
-    })?;
+    let vm = node.driver.boot(&spec).await.map_err(|source| RefillError::Driver { what: "cold boot", source })?;
     probe(node, vm, node.timing.cold_probe).await
 }
 
@@ -301,10 +288,8 @@ async fn build_golden(node: Arc<Node>, pool: Arc<Pool>) {
 
 async fn golden_inner(node: &Node, pool: &Pool) -> Result<Snapshot, RefillError> {
     let spec = spec_for(node, pool, format!("sbx-gb-{}", pool.hash))?;
-    let vm = node.driver.boot(&spec).await.map_err(|source| RefillError::Driver {
-        what: "booting the golden",
-        source,
-    })?;
+    let vm =
+        node.driver.boot(&spec).await.map_err(|source| RefillError::Driver { what: "booting the golden", source })?;
     let vm = probe(node, vm, node.timing.cold_probe).await?;
     let goldens = goldens_dir(node.journal.dir());
     let staging = goldens.join(format!("{}.staging-{:016x}", pool.hash, rand::random::<u64>()));
@@ -317,10 +302,7 @@ async fn golden_inner(node: &Node, pool: &Pool) -> Result<Snapshot, RefillError>
         node.driver
             .snapshot(&vm, &staging, AfterSnapshot::Paused)
             .await
-            .map_err(|source| RefillError::Driver {
-                what: "snapshotting the golden",
-                source,
-            })
+            .map_err(|source| RefillError::Driver { what: "snapshotting the golden", source })
     }
     .await;
     node.destroy(&vm).await;

@@ -1,0 +1,141 @@
+//! `POST /v1/sandboxes/{id}/exec` (spec §7): a buffered exec over one silkd connection.
+//!
+//! `{argv, cwd?, env?, timeout_seconds?}` (strict) → `{exit_code, stdout, stderr}` (lossy UTF-8).
+//! `400` empty argv / negative timeout / unknown field / silkd `bad_request`; `413` output over
+//! 8 MiB; `504` past the timeout (0 = none); `502` unreachable or any other silkd error. On
+//! timeout or cap the child is killed via silkd (on a second connection) first.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use silkd_client::{AgentConn, ClientError};
+use vmm::{Vm, AGENT_PORT};
+use wire::{ErrorKind, Request as Frame, Response as Reply};
+
+use super::auth;
+use super::error::ApiError;
+use super::read_json;
+use crate::metrics::inc;
+use crate::node::Node;
+
+/// Output cap (stdout + stderr).
+pub const MAX_OUTPUT: usize = 8 * 1024 * 1024;
+/// How long the kill after a timeout may take.
+const KILL_BUDGET: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExecBody {
+    #[serde(default)]
+    argv: Vec<String>,
+    #[serde(default)]
+    cwd: Option<String>,
+    #[serde(default)]
+    env: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    timeout_seconds: Option<f64>,
+}
+
+enum Outcome {
+    Exit(i32),
+    TooLarge,
+}
+
+pub(super) async fn exec(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let claim = auth::sandbox_route(&node, &headers, &id)?;
+    let b: ExecBody = read_json(body, None).await?;
+    if b.argv.is_empty() {
+        return Err(ApiError::BadRequest("argv must not be empty".into()));
+    }
+    let timeout = match b.timeout_seconds {
+        None => None,
+        Some(t) if !t.is_finite() || t < 0.0 => {
+            return Err(ApiError::BadRequest("timeout_seconds must not be negative".into()))
+        }
+        Some(0.0) => None,
+        Some(t) => Some(Duration::from_secs_f64(t.min(1e9))),
+    };
+    inc(&node.metrics.execs);
+    let unreachable = |e: String| ApiError::BadGateway(format!("sandbox unreachable: {e}"));
+    let vm = node.vm_for(&claim).await.map_err(|e| unreachable(vmm::error_chain(&e)))?;
+    let stream = node.driver().connect(&vm, AGENT_PORT).await.map_err(|e| unreachable(vmm::error_chain(&e)))?;
+    let mut conn = AgentConn::new(stream);
+    let req = Frame::Exec { argv: b.argv, cwd: b.cwd, env: b.env, user: None, detach: None, session: None };
+    let agent_err = |e: ClientError| match e {
+        ClientError::Agent { kind: ErrorKind::BadRequest, message } => ApiError::BadRequest(message),
+        other => ApiError::BadGateway(format!("exec: {}", vmm::error_chain(&other))),
+    };
+    conn.send(&req).await.map_err(agent_err)?;
+    conn.send(&Frame::StdinClose).await.map_err(agent_err)?;
+    let (mut out, mut err, mut pid) = (Vec::new(), Vec::new(), None::<u32>);
+    let run = async {
+        loop {
+            match conn.recv().await? {
+                Reply::Started { pid: p } => pid = Some(p),
+                Reply::Stdout { data } => out.extend_from_slice(&data.0),
+                Reply::Stderr { data } => err.extend_from_slice(&data.0),
+                Reply::Exit { code } => return Ok(Outcome::Exit(code)),
+                other => {
+                    return Err(ClientError::Unexpected { expected: "exec output", got: other.type_name().to_string() })
+                }
+            }
+            if out.len() + err.len() > MAX_OUTPUT {
+                return Ok(Outcome::TooLarge);
+            }
+        }
+    };
+    let result = match timeout {
+        Some(t) => tokio::time::timeout(t, run).await.ok(),
+        None => Some(run.await),
+    };
+    match result {
+        Some(Ok(Outcome::Exit(code))) => Ok(Json(serde_json::json!({
+            "exit_code": code,
+            "stdout": String::from_utf8_lossy(&out),
+            "stderr": String::from_utf8_lossy(&err),
+        }))
+        .into_response()),
+        Some(Ok(Outcome::TooLarge)) => {
+            kill(&node, &vm, pid).await;
+            Err(ApiError::TooLarge("exec output exceeds 8 MiB".into()))
+        }
+        Some(Err(e)) => {
+            kill(&node, &vm, pid).await;
+            Err(agent_err(e))
+        }
+        None => {
+            kill(&node, &vm, pid).await;
+            Err(ApiError::GatewayTimeout(format!(
+                "command did not finish within {}s",
+                timeout.map_or(0.0, |t| t.as_secs_f64())
+            )))
+        }
+    }
+}
+
+/// Kills `pid` in the guest over a fresh connection (the exec's own is mid-RPC).
+async fn kill(node: &Node, vm: &Vm, pid: Option<u32>) {
+    let Some(pid) = pid else { return };
+    let attempt = async {
+        let stream = node.driver().connect(vm, AGENT_PORT).await.map_err(|e| vmm::error_chain(&e))?;
+        let mut c = AgentConn::new(stream);
+        c.call(&Frame::Kill { pid, signal: None }).await.map_err(|e| vmm::error_chain(&e))
+    };
+    match tokio::time::timeout(KILL_BUDGET, attempt).await {
+        Ok(Ok(_)) => tracing::debug!(pid, "killed the exec child"),
+        Ok(Err(e)) => tracing::warn!(pid, error = %e, "killing the exec child failed"),
+        Err(_) => tracing::warn!(pid, "killing the exec child timed out"),
+    }
+}

@@ -1,0 +1,180 @@
+//! Thin handlers of the control routes: claim, release, renew, listings, info, drain, pools,
+//! peers, metrics.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+
+use super::auth;
+use super::error::ApiError;
+use super::read_json;
+use crate::claims::{self, ClaimError};
+use crate::config::PoolConfig;
+use crate::node::{ClaimRequest, Node};
+use crate::pool::PoolKey;
+
+type Node_ = State<Arc<Node>>;
+
+/// `POST /v1/claim` body. Unknown fields are accepted (vk-sandbox sends `metadata`, …).
+#[derive(Debug, Deserialize)]
+struct ClaimBody {
+    #[serde(default)]
+    template: String,
+    #[serde(default)]
+    net: Option<String>,
+    #[serde(default)]
+    size: Option<String>,
+    #[serde(default)]
+    ttl_seconds: Option<i64>,
+    #[serde(default)]
+    claim_ref: Option<String>,
+    #[serde(default)]
+    volumes: Option<Vec<serde_json::Value>>,
+}
+
+pub(super) async fn claim(State(node): Node_, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    let b: ClaimBody = read_json(body, None).await?;
+    let req = (|| {
+        let key = PoolKey::parse(&b.template, b.net.as_deref(), b.size.as_deref())?;
+        if b.volumes.as_ref().is_some_and(|v| !v.is_empty()) {
+            return Err(ClaimError::Unsupported("volumes"));
+        }
+        Ok(ClaimRequest { key, ttl: claims::ttl(b.ttl_seconds)?, claim_ref: b.claim_ref })
+    })()
+    .inspect_err(|_| crate::metrics::inc(&node.metrics.claims_failed))?;
+    Ok(Json(node.claim(req)?).into_response())
+}
+
+pub(super) async fn release(
+    State(node): Node_,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<StatusCode, ApiError> {
+    auth::sandbox_route(&node, &headers, &id)?;
+    node.release(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RenewBody {
+    #[serde(default)]
+    ttl_seconds: Option<i64>,
+}
+
+pub(super) async fn renew(
+    State(node): Node_,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    auth::sandbox_route(&node, &headers, &id)?;
+    let b: RenewBody = read_json(body, Some(RenewBody::default())).await?;
+    let deadline = node.renew(&id, claims::ttl(b.ttl_seconds)?)?;
+    Ok(Json(serde_json::json!({ "deadline": deadline })).into_response())
+}
+
+pub(super) async fn list(
+    State(node): Node_,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    let rows = node.list(q.get("claim_ref").map(String::as_str));
+    Ok(Json(serde_json::json!({ "sandboxes": rows })).into_response())
+}
+
+pub(super) async fn get_one(
+    State(node): Node_,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    let claim = node.sandbox(&id).ok_or_else(ApiError::no_sandbox)?;
+    let mut row = claim.row();
+    if auth::is_root(&node, &headers) {
+        row.token = Some(claim.rec.token.clone());
+    }
+    Ok(Json(row).into_response())
+}
+
+pub(super) async fn owner(
+    State(node): Node_,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    auth::sandbox_route(&node, &headers, &id).map_err(|e| match e {
+        ApiError::NotFound(_) => ApiError::NotFound("not owned here".into()),
+        other => other,
+    })?;
+    Ok(Json(serde_json::json!({ "owner_addr": node.advertise_addr() })).into_response())
+}
+
+pub(super) async fn stats(
+    State(node): Node_,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    let claim = node.sandbox(&id).ok_or_else(ApiError::no_sandbox)?;
+    let size = claim.rec.key.size();
+    Ok(Json(serde_json::json!({
+        "id": id,
+        "cpu_count": size.vcpus(),
+        "mem_total_bytes": size.memory_mib() * 1024 * 1024,
+        "mem_used_bytes": 0,
+        "mem_used_measured": false,
+        "hibernated": false,
+        "measured_at": claims::rfc3339(claims::unix_ms(std::time::SystemTime::now())),
+    }))
+    .into_response())
+}
+
+pub(super) async fn info(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    Ok(Json(node.info()).into_response())
+}
+
+pub(super) async fn drain(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    Ok(Json(node.drain().await).into_response())
+}
+
+pub(super) async fn uncordon(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    Ok(Json(node.uncordon()).into_response())
+}
+
+/// `PUT /v1/pools` body, decoded strictly.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PoolsBody {
+    pools: Vec<PoolConfig>,
+}
+
+pub(super) async fn put_pools(State(node): Node_, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    let b: PoolsBody = read_json(body, None).await?;
+    Ok(Json(node.put_pools(b.pools).await?).into_response())
+}
+
+pub(super) async fn get_pools(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    Ok(Json(serde_json::json!({ "pools": node.pool_configs() })).into_response())
+}
+
+pub(super) async fn peers(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    Ok(Json(serde_json::json!({ "peers": [] })).into_response())
+}
+
+pub(super) async fn metrics(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], node.render_metrics()).into_response())
+}

@@ -1,0 +1,669 @@
+//! HTTP-level tests of sandboxd over the fake driver: the router driven with `oneshot`, and
+//! relays over a loopback socket with the same `serve` the binary uses.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use sandboxd::config::PoolConfig;
+use sandboxd::node::{Node, NodeOptions, Timing};
+use sandboxd::test_utils::{fake_catalog, FakeDriver};
+use serde_json::{json, Value};
+use tempfile::TempDir;
+use tower::ServiceExt as _;
+use vmm::Driver as _;
+
+struct H {
+    dir: TempDir,
+    driver: Arc<FakeDriver>,
+    node: Arc<Node>,
+    app: Router,
+}
+
+fn pool(template: &str, warm: usize) -> PoolConfig {
+    serde_json::from_value(json!({"template": template, "warm": warm})).expect("pool config")
+}
+
+fn fast() -> Timing {
+    Timing {
+        tick: Duration::from_millis(20),
+        reap: Duration::from_millis(100),
+        clone_probe: Duration::from_secs(1),
+        cold_probe: Duration::from_secs(1),
+        golden_retry: Duration::from_millis(200),
+        reconcile_retry: Duration::from_millis(50),
+        park: Duration::from_millis(200),
+        relay_drain: Duration::from_secs(1),
+    }
+}
+
+fn opts(dir: &TempDir, pools: &[(&str, usize)], token: Option<&str>) -> NodeOptions {
+    let mut o = NodeOptions::new(dir.path().join("data"), fake_catalog());
+    o.pools = pools.iter().map(|(t, w)| pool(t, *w)).collect();
+    o.api_token = token.map(str::to_string);
+    o.advertise_addr = "10.0.0.1:7777".into();
+    o.timing = fast();
+    o
+}
+
+async fn start(pools: &[(&str, usize)], token: Option<&str>) -> H {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let driver = FakeDriver::new(dir.path());
+    let node = Node::start(driver.clone(), opts(&dir, pools, token)).await.expect("start");
+    let app = sandboxd::http::app(node.clone());
+    H { dir, driver, node, app }
+}
+
+impl H {
+    /// A second node over the same data dir and driver (a simulated restart).
+    async fn restart(&self, pools: &[(&str, usize)]) -> (Arc<Node>, Router) {
+        self.node.shutdown();
+        let node = Node::start(self.driver.clone(), opts(&self.dir, pools, None)).await.expect("restart");
+        let app = sandboxd::http::app(node.clone());
+        (node, app)
+    }
+
+    async fn call(&self, method: &str, path: &str, token: Option<&str>, body: Option<Value>) -> (StatusCode, Value) {
+        call(&self.app, method, path, token, body.map(|b| b.to_string())).await
+    }
+
+    async fn claim(&self, body: Value) -> Value {
+        let (s, v) = self.call("POST", "/v1/claim", None, Some(body)).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        v
+    }
+}
+
+async fn call(
+    app: &Router,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<String>,
+) -> (StatusCode, Value) {
+    let mut b = Request::builder().method(method).uri(path);
+    if let Some(t) = token {
+        b = b.header("authorization", format!("Bearer {t}"));
+    }
+    let req = b.body(body.map_or_else(Body::empty, Body::from)).expect("request");
+    let resp = app.clone().oneshot(req).await.expect("infallible");
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.expect("body");
+    let v = serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    (status, v)
+}
+
+async fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + Duration::from_secs(5);
+    while !f() {
+        assert!(Instant::now() < until, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn warm(node: &Node, template: &str) -> usize {
+    node.info().pools.iter().find(|p| p.key.template() == template).map_or(0, |p| p.warm)
+}
+
+async fn wait_warm(node: &Node, template: &str, n: usize) {
+    wait_for(&format!("{template} warm = {n}"), || warm(node, template) == n).await;
+}
+
+fn deadline_secs_from_now(v: &Value) -> i64 {
+    let d = humantime::parse_rfc3339(v["deadline"].as_str().expect("deadline")).expect("rfc3339");
+    let now = std::time::SystemTime::now();
+    match d.duration_since(now) {
+        Ok(x) => i64::try_from(x.as_secs()).expect("secs"),
+        Err(e) => -i64::try_from(e.duration().as_secs()).expect("secs"),
+    }
+}
+
+#[tokio::test]
+async fn claim_list_renew_release() {
+    let h = start(&[("base", 2)], None).await;
+    wait_warm(&h.node, "base", 2).await;
+    let c = h.claim(json!({"template": "base", "claim_ref": "job-1"})).await;
+    let id = c["id"].as_str().expect("id").to_string();
+    let token = c["token"].as_str().expect("token").to_string();
+    assert!(id.starts_with("sb_") && id.len() == 19, "{id}");
+    assert_eq!(token.len(), 32);
+    assert_eq!(c["owner_addr"], "10.0.0.1:7777");
+    assert_eq!(c["template_digest"], "sha256:base");
+    assert!((295..=300).contains(&deadline_secs_from_now(&c)), "{c}");
+    // The claim kicks the refill back to target.
+    wait_warm(&h.node, "base", 2).await;
+    let other = h.claim(json!({"template": "base", "size": "small", "net": "none"})).await;
+
+    let (s, v) = h.call("GET", "/v1/sandboxes", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["sandboxes"].as_array().expect("rows").len(), 2);
+    assert!(v.to_string().find(&token).is_none(), "listing leaks a token: {v}");
+    let (_, v) = h.call("GET", "/v1/sandboxes?claim_ref=job-1", None, None).await;
+    let rows = v["sandboxes"].as_array().expect("rows");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["id"], id.as_str());
+    assert_eq!(rows[0]["key"], json!({"template": "base", "net": "none", "size": "small"}));
+    assert_eq!(rows[0]["claim_ref"], "job-1");
+    assert_eq!(rows[0]["hibernated"], false);
+
+    let (s, v) = h.call("GET", "/v1/info", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["claimed"], 2);
+    assert_eq!(v["pools"][0]["target"], 2);
+    assert_eq!(v["pools"][0]["golden"], true);
+
+    let (s, v) =
+        h.call("POST", &format!("/v1/sandboxes/{id}/renew"), Some(&token), Some(json!({"ttl_seconds": 60}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!((55..=60).contains(&deadline_secs_from_now(&v)), "{v}");
+    // Absent body = default TTL.
+    let (s, v) = h.call("POST", &format!("/v1/sandboxes/{id}/renew"), Some(&token), None).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!((295..=300).contains(&deadline_secs_from_now(&v)), "{v}");
+
+    let (s, v) = h.call("GET", &format!("/v1/sandboxes/{id}/owner"), Some(&token), None).await;
+    assert_eq!((s, v), (StatusCode::OK, json!({"owner_addr": "10.0.0.1:7777"})));
+
+    let vm = h.node.sandbox(&id).expect("claim").rec.vm;
+    assert!(h.driver.is_live(&vm));
+    let (s, _) = h.call("POST", &format!("/v1/sandboxes/{id}/release"), Some(&token), None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    assert!(!h.driver.is_live(&vm), "release destroys the VM");
+    let (s, v) = h.call("POST", &format!("/v1/sandboxes/{id}/release"), Some(&token), None).await;
+    assert_eq!((s, v), (StatusCode::NOT_FOUND, json!({"error": "sandbox not found"})));
+    let (_, v) = h.call("GET", "/v1/sandboxes", None, None).await;
+    assert_eq!(v["sandboxes"][0]["id"], other["id"]);
+}
+
+#[tokio::test]
+async fn ttl_rules() {
+    let h = start(&[("base", 3)], None).await;
+    wait_warm(&h.node, "base", 3).await;
+    for bad in [json!(-1), json!(1.5), json!("10")] {
+        let (s, v) = h.call("POST", "/v1/claim", None, Some(json!({"template": "base", "ttl_seconds": bad}))).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}: {v}");
+        assert!(v["error"].is_string(), "{v}");
+    }
+    assert_eq!(warm(&h.node, "base"), 3, "refused claims take no VM");
+    let c = h.claim(json!({"template": "base", "ttl_seconds": 0})).await;
+    assert!((295..=300).contains(&deadline_secs_from_now(&c)));
+    let c = h.claim(json!({"template": "base", "ttl_seconds": 10_000_000})).await;
+    assert!((86_395..=86_400).contains(&deadline_secs_from_now(&c)));
+    let c = h.claim(json!({"template": "base", "ttl_seconds": 42})).await;
+    assert!((37..=42).contains(&deadline_secs_from_now(&c)));
+    let token = c["token"].as_str().expect("token");
+    let id = c["id"].as_str().expect("id");
+    let (s, _) =
+        h.call("POST", &format!("/v1/sandboxes/{id}/renew"), Some(token), Some(json!({"ttl_seconds": -5}))).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn error_shapes() {
+    let h = start(&[("base", 1), ("rt", 0)], None).await;
+    wait_warm(&h.node, "base", 1).await;
+    let cases = [
+        (json!({"template": "nginx"}), StatusCode::NOT_FOUND, json!({"error": "unknown template \"nginx\""})),
+        (json!({"template": "base", "size": "huge"}), StatusCode::BAD_REQUEST, Value::Null),
+        (json!({"template": "-bad"}), StatusCode::BAD_REQUEST, Value::Null),
+        (json!({"template": "base", "net": "wifi"}), StatusCode::BAD_REQUEST, Value::Null),
+        (json!({}), StatusCode::BAD_REQUEST, Value::Null),
+        (
+            json!({"template": "rt"}),
+            StatusCode::TOO_MANY_REQUESTS,
+            json!({"error": "no warm capacity for rt|none|small"}),
+        ),
+        // A catalog template without a pool: no capacity, not unknown.
+        (
+            json!({"template": "base", "size": "large"}),
+            StatusCode::TOO_MANY_REQUESTS,
+            json!({"error": "no warm capacity for base|none|large"}),
+        ),
+        (json!({"template": "base", "net": "egress"}), StatusCode::CONFLICT, Value::Null),
+        (
+            json!({"template": "base", "volumes": ["v1"]}),
+            StatusCode::NOT_IMPLEMENTED,
+            json!({"error": "volumes is not implemented on this node"}),
+        ),
+    ];
+    for (body, status, want) in cases {
+        let (s, v) = h.call("POST", "/v1/claim", None, Some(body.clone())).await;
+        assert_eq!(s, status, "{body}: {v}");
+        assert!(v["error"].is_string(), "{body}: {v}");
+        if !want.is_null() {
+            assert_eq!(v, want, "{body}");
+        }
+    }
+    assert_eq!(warm(&h.node, "base"), 1);
+    // Unknown claim fields are accepted (vk-sandbox sends metadata, on_expire, egress).
+    h.claim(json!({"template": "base", "metadata": {"a": "b"}, "on_expire": "x", "no_redirect": true})).await;
+
+    let big = format!("{{\"template\":\"base\",\"pad\":\"{}\"}}", "x".repeat(1024 * 1024 + 10));
+    let (s, v) = call(&h.app, "POST", "/v1/claim", None, Some(big)).await;
+    assert_eq!((s, v), (StatusCode::BAD_REQUEST, json!({"error": "invalid request body"})));
+    let (s, _) = call(&h.app, "POST", "/v1/claim", None, Some("{nope".into())).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+
+    for (m, p, feature) in [
+        ("POST", "/v1/sandboxes/sb_1/fork", "fork"),
+        ("POST", "/v1/sandboxes/sb_1/checkpoint", "checkpoint"),
+        ("POST", "/v1/sandboxes/sb_1/promote", "promote"),
+        ("POST", "/v1/sandboxes/sb_1/hibernate", "hibernate"),
+        ("POST", "/v1/sandboxes/sb_1/wake", "wake"),
+        ("POST", "/v1/sandboxes/sb_1/preview", "preview"),
+        ("PUT", "/v1/sandboxes/sb_1/volumes", "volumes"),
+        ("GET", "/v1/volumes", "volumes"),
+        ("DELETE", "/v1/templates?template=x", "templates"),
+        ("GET", "/v1/checkpoints", "checkpoints"),
+        ("POST", "/v1/checkpoints/ck_1/claim", "checkpoints"),
+    ] {
+        let (s, v) = h.call(m, p, None, None).await;
+        assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{m} {p}");
+        assert_eq!(v, json!({"error": format!("{feature} is not implemented on this node")}));
+    }
+    let (s, v) = h.call("GET", "/healthz", None, None).await;
+    assert_eq!((s, v), (StatusCode::OK, Value::String("ok".into())));
+    let (s, v) = h.call("GET", "/v1/peers", None, None).await;
+    assert_eq!((s, v), (StatusCode::OK, json!({"peers": []})));
+    let (s, v) = h.call("GET", "/metrics", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    let text = v.as_str().expect("text");
+    assert!(text.contains("sandboxd_claims_total{result=\"granted\",tier=\"warm\"} 1"), "{text}");
+    assert!(text.contains("sandboxd_claims_total{result=\"no_capacity\",tier=\"\"} 2"), "{text}");
+    assert!(text.contains("sandboxd_pool_target{template=\"base\",net=\"none\",size=\"small\"} 1"), "{text}");
+}
+
+#[tokio::test]
+async fn auth_matrix() {
+    let root = "root-token";
+    let h = start(&[("base", 2)], Some(root)).await;
+    wait_warm(&h.node, "base", 2).await;
+    let body = || Some(json!({"template": "base"}));
+    let (s, v) = h.call("POST", "/v1/claim", None, body()).await;
+    assert_eq!((s, v), (StatusCode::UNAUTHORIZED, json!({"error": "missing bearer token"})));
+    let (s, v) = h.call("POST", "/v1/claim", Some("nope"), body()).await;
+    assert_eq!((s, v), (StatusCode::UNAUTHORIZED, json!({"error": "invalid api token"})));
+    for path in ["/v1/info", "/v1/sandboxes", "/metrics", "/v1/peers"] {
+        let (s, _) = h.call("GET", path, Some("nope"), None).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
+        let (s, _) = h.call("GET", path, Some(root), None).await;
+        assert_eq!(s, StatusCode::OK, "{path}");
+    }
+    let (s, _) = h.call("GET", "/healthz", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+
+    let (s, a) = h.call("POST", "/v1/claim", Some(root), body()).await;
+    assert_eq!(s, StatusCode::OK);
+    let (_, b) = h.call("POST", "/v1/claim", Some(root), body()).await;
+    let (a_id, a_tok) = (a["id"].as_str().expect("id"), a["token"].as_str().expect("token"));
+    let b_tok = b["token"].as_str().expect("token");
+    let renew = format!("/v1/sandboxes/{a_id}/renew");
+    let (s, v) = h.call("POST", &renew, None, None).await;
+    assert_eq!((s, v), (StatusCode::UNAUTHORIZED, json!({"error": "missing bearer token"})));
+    for wrong in ["nope", b_tok] {
+        let (s, v) = h.call("POST", &renew, Some(wrong), None).await;
+        assert_eq!((s, v), (StatusCode::NOT_FOUND, json!({"error": "sandbox not found"})), "{wrong}");
+    }
+    let (s, _) = h.call("POST", "/v1/sandboxes/sb_0000000000000000/renew", Some(a_tok), None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, _) = h.call("POST", &renew, Some(a_tok), None).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, _) = h.call("POST", &renew, Some(root), None).await;
+    assert_eq!(s, StatusCode::OK, "root may act on any sandbox");
+    // The per-id read is a root route and shows the token to the root.
+    let (s, v) = h.call("GET", &format!("/v1/sandboxes/{a_id}"), Some(root), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["token"], a_tok);
+    let (s, _) = h.call("GET", &format!("/v1/sandboxes/{a_id}"), Some(a_tok), None).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, v) = h.call("GET", &format!("/v1/sandboxes/{a_id}/owner"), Some(b_tok), None).await;
+    assert_eq!((s, v), (StatusCode::NOT_FOUND, json!({"error": "not owned here"})));
+
+    // Without a root token node routes are open, but sandbox routes still need the sandbox token.
+    let open = start(&[("base", 1)], None).await;
+    wait_warm(&open.node, "base", 1).await;
+    let c = open.claim(json!({"template": "base"})).await;
+    let (s, v) = open.call("GET", &format!("/v1/sandboxes/{}", c["id"].as_str().expect("id")), None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(v.get("token").is_none(), "{v}");
+    let (s, _) =
+        open.call("POST", &format!("/v1/sandboxes/{}/release", c["id"].as_str().expect("id")), None, None).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn drain_and_uncordon() {
+    let h = start(&[("base", 2)], None).await;
+    wait_warm(&h.node, "base", 2).await;
+    let c = h.claim(json!({"template": "base"})).await;
+    wait_warm(&h.node, "base", 2).await;
+    let warm_ids: Vec<_> = h.node.pools()[0].warm_ids();
+    let (s, v) = h.call("POST", "/v1/drain", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["draining"], true);
+    assert_eq!(v["pools"][0]["warm"], 0);
+    assert_eq!(v["claimed"], 1);
+    for id in &warm_ids {
+        assert!(!h.driver.is_live(id), "warm VM {id} survived the drain");
+    }
+    let (s, v) = h.call("POST", "/v1/claim", None, Some(json!({"template": "base"}))).await;
+    assert_eq!((s, v), (StatusCode::TOO_MANY_REQUESTS, json!({"error": "node draining"})));
+    // No refill while draining.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(warm(&h.node, "base"), 0);
+    // Live claims run on.
+    let vm = h.node.sandbox(c["id"].as_str().expect("id")).expect("claim").rec.vm;
+    assert!(h.driver.is_live(&vm));
+    let (s, v) = h.call("DELETE", "/v1/drain", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["draining"], false);
+    wait_warm(&h.node, "base", 2).await;
+    h.claim(json!({"template": "base"})).await;
+}
+
+#[tokio::test]
+async fn put_pools_replaces_and_persists() {
+    let h = start(&[("base", 2)], None).await;
+    wait_warm(&h.node, "base", 2).await;
+    let base_ids = h.node.pools()[0].warm_ids();
+    let (s, _) =
+        h.call("PUT", "/v1/pools", None, Some(json!({"pools": [{"template": "rt", "warm": 1, "bogus": 1}]}))).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "strict decode");
+    let (s, _) = h.call("PUT", "/v1/pools", None, Some(json!({"pools": [{"template": "rt", "size": "huge"}]}))).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, v) = h
+        .call("PUT", "/v1/pools", None, Some(json!({"pools": [{"template": "rt", "warm": 1, "size": "medium"}]})))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["pools"].as_array().expect("pools").len(), 1);
+    assert_eq!(v["pools"][0]["key"], json!({"template": "rt", "net": "none", "size": "medium"}));
+    for id in &base_ids {
+        assert!(!h.driver.is_live(id), "omitted pool's VM {id} survived");
+    }
+    wait_warm(&h.node, "rt", 1).await;
+    let (s, _) = h.call("POST", "/v1/claim", None, Some(json!({"template": "base"}))).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
+    h.claim(json!({"template": "rt", "size": "medium"})).await;
+    assert!(h.dir.path().join("data/pools.json").exists());
+    // pools.json overrides the config file's pools after a restart.
+    let (node2, _) = h.restart(&[("base", 2)]).await;
+    let keys: Vec<String> = node2.info().pools.iter().map(|p| p.key.to_string()).collect();
+    assert_eq!(keys, vec!["rt|none|medium"]);
+}
+
+#[tokio::test]
+async fn claim_is_not_granted_unless_journaled() {
+    let h = start(&[("base", 1)], None).await;
+    wait_warm(&h.node, "base", 1).await;
+    let journal = h.dir.path().join("data/claims.json");
+    std::fs::create_dir_all(journal.join("blocker")).expect("block the journal");
+    let (s, v) = h.call("POST", "/v1/claim", None, Some(json!({"template": "base"}))).await;
+    assert_eq!((s, v), (StatusCode::INTERNAL_SERVER_ERROR, json!({"error": "claim failed"})));
+    assert_eq!(warm(&h.node, "base"), 1, "the VM went back to the pool");
+    assert_eq!(h.node.claimed(), 0);
+    std::fs::remove_dir_all(&journal).expect("unblock");
+    let c = h.claim(json!({"template": "base"})).await;
+    let on_disk = std::fs::read_to_string(&journal).expect("journal");
+    assert!(on_disk.contains(c["id"].as_str().expect("id")), "{on_disk}");
+    assert!(on_disk.contains(c["token"].as_str().expect("token")));
+    let stray: Vec<_> = std::fs::read_dir(h.dir.path().join("data"))
+        .expect("ls")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
+        .collect();
+    assert!(stray.is_empty(), "temp files left behind");
+}
+
+#[tokio::test]
+async fn restart_readopts_claims_and_destroys_unowned_vms() {
+    let h = start(&[("base", 2)], None).await;
+    wait_warm(&h.node, "base", 2).await;
+    let a = h.claim(json!({"template": "base", "ttl_seconds": 600, "claim_ref": "keep"})).await;
+    let b = h.claim(json!({"template": "base"})).await;
+    wait_warm(&h.node, "base", 2).await;
+    let a_id = a["id"].as_str().expect("id");
+    let a_vm = h.node.sandbox(a_id).expect("a").rec.vm;
+    let b_vm = h.node.sandbox(b["id"].as_str().expect("id")).expect("b").rec.vm;
+    let old_warm = h.node.pools()[0].warm_ids();
+    let leftover = h.driver.add_vm("sbx-gb-0123-00000001");
+    let foreign = h.driver.add_vm("other-vm-1");
+    // b's VM dies while sandboxd is down.
+    h.node.shutdown();
+    let b_rec = h.driver.attach(&b_vm).await.expect("b live");
+    h.driver.kill(&b_rec).await.expect("kill b");
+
+    let (node2, app2) = h.restart(&[("base", 2)]).await;
+    assert!(node2.reconciled());
+    let rows = node2.list(None);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].id, a_id);
+    assert_eq!(rows[0].deadline, a["deadline"].as_str().expect("deadline"), "deadline kept");
+    assert_eq!(rows[0].claim_ref.as_deref(), Some("keep"));
+    assert!(h.driver.is_live(&a_vm), "a claimed VM is never destroyed");
+    assert!(!h.driver.is_live(&leftover));
+    assert!(h.driver.is_live(&foreign), "only sbx- VMs are ours");
+    for id in &old_warm {
+        assert!(!h.driver.is_live(id), "old warm VM {id} not destroyed");
+    }
+    // The re-adopted sandbox still answers, with its old token.
+    let (s, v) = call(
+        &app2,
+        "POST",
+        &format!("/v1/sandboxes/{a_id}/exec"),
+        a["token"].as_str(),
+        Some(json!({"argv": ["echo", "alive"]}).to_string()),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["stdout"], "alive\n");
+    // The dropped row is gone from the journal too, and the pool refills.
+    let on_disk = std::fs::read_to_string(h.dir.path().join("data/claims.json")).expect("journal");
+    assert!(!on_disk.contains(b["id"].as_str().expect("id")));
+    wait_warm(&node2, "base", 2).await;
+}
+
+#[tokio::test]
+async fn failed_listing_destroys_nothing() {
+    let h = start(&[("base", 2)], None).await;
+    wait_warm(&h.node, "base", 2).await;
+    let a = h.claim(json!({"template": "base"})).await;
+    wait_warm(&h.node, "base", 2).await;
+    let before = h.driver.live();
+    let leftover = h.driver.add_vm("sbx-old-00000001");
+    h.node.shutdown();
+    h.driver.set_fail(|f| f.list = true);
+    let boots = h.driver.calls();
+    let (node2, app2) = h.restart(&[("base", 2)]).await;
+    assert!(!node2.reconciled());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for id in before.iter().chain([&leftover]) {
+        assert!(h.driver.is_live(id), "{id} destroyed on a failed listing");
+    }
+    let after = h.driver.calls();
+    assert_eq!((after.boots, after.restores), (boots.boots, boots.restores), "no refill before reconcile");
+    assert_eq!(node2.claimed(), 1, "journaled claim kept");
+    // The sandbox is served meanwhile (attached on demand).
+    let (s, v) = call(
+        &app2,
+        "POST",
+        &format!("/v1/sandboxes/{}/exec", a["id"].as_str().expect("id")),
+        a["token"].as_str(),
+        Some(json!({"argv": ["echo", "ok"]}).to_string()),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    h.driver.set_fail(|f| f.list = false);
+    wait_for("reconcile retry", || node2.reconciled()).await;
+    assert!(!h.driver.is_live(&leftover));
+    wait_warm(&node2, "base", 2).await;
+    assert_eq!(node2.claimed(), 1);
+}
+
+#[tokio::test]
+async fn reaper_ends_a_two_second_lease() {
+    let h = start(&[("base", 1)], None).await;
+    wait_warm(&h.node, "base", 1).await;
+    let c = h.claim(json!({"template": "base", "ttl_seconds": 2})).await;
+    let vm = h.node.sandbox(c["id"].as_str().expect("id")).expect("claim").rec.vm;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(h.node.claimed(), 1, "reaped early");
+    let until = Instant::now() + Duration::from_secs(3);
+    while h.node.claimed() > 0 {
+        assert!(Instant::now() < until, "lease not reaped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!h.driver.is_live(&vm), "reaped VM still live");
+    let (s, _) = h
+        .call("POST", &format!("/v1/sandboxes/{}/renew", c["id"].as_str().expect("id")), c["token"].as_str(), None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn refill_clones_from_a_golden_and_falls_back_to_cold_boots() {
+    let h = start(&[("base", 3)], None).await;
+    wait_warm(&h.node, "base", 3).await;
+    let calls = h.driver.calls();
+    assert_eq!(calls.snapshots, 1, "{calls:?}");
+    assert_eq!(calls.restores, 3, "{calls:?}");
+    assert_eq!(calls.boots, 1, "only the golden is cold-booted: {calls:?}");
+    let hash = h.node.pools()[0].hash.clone();
+    let golden = h.dir.path().join("data/goldens").join(&hash);
+    assert!(golden.join("snapshot.json").exists());
+    let names: Vec<String> = std::fs::read_dir(h.dir.path().join("data/goldens"))
+        .expect("ls")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, vec![hash.clone()], "staging dirs left behind");
+    assert!(h.driver.live().iter().all(|id| id.as_str().starts_with("sbx-")));
+    // The golden builder is gone after its snapshot.
+    assert!(!h.driver.live().iter().any(|id| id.as_str().starts_with("sbx-gb-")));
+
+    // Clones fail: cold boots keep the pool full, and the golden is eventually dropped.
+    h.driver.set_fail(|f| f.restore = true);
+    for _ in 0..3 {
+        h.claim(json!({"template": "base"})).await;
+        wait_warm(&h.node, "base", 3).await;
+    }
+    assert!(h.driver.calls().boots >= 4);
+
+    // A restarted node reuses the golden on disk.
+    h.driver.set_fail(|f| f.restore = false);
+    let (node2, _) = h.restart(&[("base", 3)]).await;
+    wait_warm(&node2, "base", 3).await;
+    assert!(node2.info().pools[0].golden);
+}
+
+#[tokio::test]
+async fn failing_boots_back_off_and_report_at_capacity() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let driver = FakeDriver::new(dir.path());
+    driver.set_fail(|f| f.boot = true);
+    let mut o = opts(&dir, &[("base", 2)], None);
+    o.clone = false;
+    let node = Node::start(driver.clone(), o).await.expect("start");
+    wait_for("at_capacity", || node.info().at_capacity).await;
+    let info = node.info();
+    assert!(info.at_capacity_reason.as_deref().is_some_and(|r| r.contains("boot failure injected")), "{info:?}");
+    let n = driver.calls().boots;
+    assert!(n >= 8, "{n}");
+    // Backing off: far fewer attempts than ticks.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(driver.calls().boots - n <= 4, "not backing off: {} more boots", driver.calls().boots - n);
+    driver.set_fail(|f| f.boot = false);
+    wait_for("recovery", || node.info().pools[0].warm == 2).await;
+    assert!(!node.info().at_capacity);
+
+    // A template missing from the catalog parks the pool with a reason instead of spinning.
+    let dir2 = tempfile::tempdir().expect("tempdir");
+    let d2 = FakeDriver::new(dir2.path());
+    let node2 = Node::start(d2.clone(), opts(&dir2, &[("ghost", 1)], None)).await.expect("start");
+    wait_for("parked", || node2.info().at_capacity).await;
+    assert!(node2.info().at_capacity_reason.expect("reason").contains("not in the image catalog"));
+    assert_eq!(d2.calls().boots, 0);
+}
+
+mod exec {
+    use super::*;
+
+    async fn exec(h: &H, c: &Value, body: Value) -> (StatusCode, Value) {
+        h.call(
+            "POST",
+            &format!("/v1/sandboxes/{}/exec", c["id"].as_str().expect("id")),
+            c["token"].as_str(),
+            Some(body),
+        )
+        .await
+    }
+
+    #[tokio::test]
+    async fn exec_shapes() {
+        let h = start(&[("base", 1)], None).await;
+        wait_warm(&h.node, "base", 1).await;
+        let c = h.claim(json!({"template": "base"})).await;
+        let (s, v) = exec(&h, &c, json!({"argv": ["echo", "hi", "there"], "cwd": "/", "env": {"A": "1"}})).await;
+        assert_eq!((s, v), (StatusCode::OK, json!({"exit_code": 0, "stdout": "hi there\n", "stderr": ""})));
+        let (s, v) = exec(&h, &c, json!({"argv": ["fail"]})).await;
+        assert_eq!((s, v), (StatusCode::OK, json!({"exit_code": 3, "stdout": "", "stderr": "boom"})));
+        let (s, v) = exec(&h, &c, json!({"argv": []})).await;
+        assert_eq!((s, v), (StatusCode::BAD_REQUEST, json!({"error": "argv must not be empty"})));
+        let (s, _) = exec(&h, &c, json!({"argv": ["echo"], "user": "root"})).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "strict decode");
+        let (s, _) = exec(&h, &c, json!({"argv": ["echo"], "timeout_seconds": -1})).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+        let (s, v) = exec(&h, &c, json!({"argv": ["missing-binary"]})).await;
+        assert_eq!(s, StatusCode::BAD_GATEWAY, "{v}");
+        let t = Instant::now();
+        let (s, v) = exec(&h, &c, json!({"argv": ["sleep"], "timeout_seconds": 0.2})).await;
+        assert_eq!(s, StatusCode::GATEWAY_TIMEOUT, "{v}");
+        assert!(t.elapsed() < Duration::from_secs(3));
+        let (s, v) = exec(&h, &c, json!({"argv": ["flood"]})).await;
+        assert_eq!((s, v), (StatusCode::PAYLOAD_TOO_LARGE, json!({"error": "exec output exceeds 8 MiB"})));
+        h.driver.set_fail(|f| f.connect = true);
+        let (s, _) = exec(&h, &c, json!({"argv": ["echo"]})).await;
+        assert_eq!(s, StatusCode::BAD_GATEWAY);
+        let (s, _) =
+            h.call("POST", "/v1/sandboxes/sb_x/exec", c["token"].as_str(), Some(json!({"argv": ["echo"]}))).await;
+        assert_eq!(s, StatusCode::NOT_FOUND);
+    }
+}
+
+#[path = "api/relay.rs"]
+mod relay;
+
+/// The public Python SDK, unmodified, against a loopback server. Skipped (with a printed reason)
+/// when python3 or the SDK is missing; `COCOONSANDBOX_SDK` points at a dir holding `cocoonsandbox/`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn public_sdk_smoke() {
+    let sdk = std::env::var("COCOONSANDBOX_SDK").unwrap_or_else(|_| "/tmp/sdk/x".into());
+    let has_sdk = std::path::Path::new(&sdk).join("cocoonsandbox/__init__.py").exists();
+    let has_python = std::process::Command::new("python3").arg("--version").output().is_ok();
+    if !has_sdk || !has_python {
+        eprintln!("SKIPPED public_sdk_smoke: need python3 and the SDK under {sdk} (set COCOONSANDBOX_SDK)");
+        return;
+    }
+    let root = "sdk-root";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let driver = FakeDriver::new(dir.path());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let mut o = opts(&dir, &[("base", 2)], Some(root));
+    o.advertise_addr = addr.to_string();
+    let node = Node::start(driver, o).await.expect("start");
+    wait_warm(&node, "base", 2).await;
+    tokio::spawn(sandboxd::http::serve(l, sandboxd::http::app(node.clone()), std::future::pending()));
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdk/smoke.py");
+    let out = tokio::process::Command::new("python3")
+        .arg(script)
+        .arg(addr.to_string())
+        .arg(root)
+        .env("PYTHONPATH", &sdk)
+        .output();
+    let out =
+        tokio::time::timeout(Duration::from_secs(60), out).await.expect("sdk smoke in time").expect("run python3");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "sdk smoke failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("sdk smoke ok"), "{stdout}\n{stderr}");
+}
