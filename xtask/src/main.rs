@@ -10,6 +10,7 @@ mod fuzz;
 mod guest_kernel;
 mod paths;
 mod prereqs;
+mod python;
 mod test;
 mod vm_image;
 mod vm_run;

@@ -58,9 +58,12 @@ pub fn run(args: &TestArgs) -> Result<()> {
     crate::vm_image::run(&VmImageArgs { template: None, all: true, force: false })
         .context("building the guest images the end-to-end suites boot")?;
 
+    let python = crate::python::ensure_sdk_venv()?;
+
     let mut tally = Tally::default();
     let mut cargo = Command::new("cargo");
-    cargo.args(["test", "--workspace", "--features", "chrysalis-tests/e2e"]);
+    cargo.args(["test", "--workspace", "--features", "chrysalis-tests/e2e,sandboxd/sdk-tests,silkd/sdk-tests"]);
+    cargo.env("CHRYSALIS_PYTHON", &python);
     if let Some(filter) = &args.filter {
         cargo.arg(filter);
     }

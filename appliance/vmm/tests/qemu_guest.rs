@@ -76,3 +76,40 @@ async fn boot_base_reach_agent_snapshot_and_clone() {
     parent_again.expect("parent still answers after the snapshot");
     assert!(d.list().await.expect("list").is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn boot_rt_with_rootfs_and_overlay() {
+    let catalog = match Catalog::load_default() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("SKIP: no image catalog ({})", vmm::error_chain(&e));
+            return;
+        }
+    };
+    let spec = match BootSpec::from_template(&catalog, "ubuntu-dev-base", SizeClass::Small) {
+        Ok(s)
+            if [Some(&s.kernel), Some(&s.initrd), s.rootfs.as_ref(), s.overlay_base.as_ref()]
+                .iter()
+                .all(|p| p.is_some_and(|p| p.is_file())) =>
+        {
+            s
+        }
+        Ok(_) => {
+            println!("SKIP: rt template files missing");
+            return;
+        }
+        Err(e) => {
+            println!("SKIP: no rt template ({})", vmm::error_chain(&e));
+            return;
+        }
+    };
+    assert_eq!(spec.name, "rt", "alias resolves to rt");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let d = QemuDriver::new(QemuConfig { state_dir: tmp.path().join("state"), ..QemuConfig::from_env() });
+    let vm = d.boot(&spec).await.expect("boot rt");
+    assert!(vm.dir.join("overlay.qcow2").is_file(), "per-VM overlay created");
+    let r = reach_agent(&d, &vm, Duration::from_secs(180)).await;
+    let c = console(&vm);
+    d.kill(&vm).await.expect("kill");
+    r.unwrap_or_else(|e| panic!("rt agent unreachable: {e}\n--- console ---\n{c}"));
+}
