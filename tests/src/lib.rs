@@ -29,9 +29,9 @@ pub fn catalog() -> Result<Catalog> {
 
 /// The QEMU driver keeping its VM state under `state_dir`.
 pub fn qemu(state_dir: &Path) -> Result<Arc<dyn Driver>> {
-    // QEMU-DRIVER-PENDING: replaced by the real constructor once vmm::qemu lands.
-    let _ = state_dir;
-    anyhow::bail!("the QEMU driver is not built yet")
+    let mut cfg = vmm::qemu::QemuConfig::from_env();
+    cfg.state_dir = state_dir.to_path_buf();
+    Ok(Arc::new(vmm::qemu::QemuDriver::new(cfg)))
 }
 
 /// A booted VM and how long it took until its agent answered.

@@ -97,12 +97,9 @@ fn load_catalog(c: &Config) -> vmm::Catalog {
 fn driver(c: &Config) -> anyhow::Result<Arc<dyn vmm::Driver>> {
     let state_dir = c.vm_state_dir();
     std::fs::create_dir_all(&state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
-    // TO FINISH (lead): construct the QEMU driver here once `vmm::qemu` lands, e.g.
-    // `Ok(Arc::new(vmm::qemu::Qemu::new(&state_dir)?))`.
-    anyhow::bail!(
-        "no VM driver is available in this build yet (vmm::qemu is pending); state dir would be {}",
-        state_dir.display()
-    )
+    let mut qemu = vmm::qemu::QemuConfig::from_env();
+    qemu.state_dir = state_dir;
+    Ok(Arc::new(vmm::qemu::QemuDriver::new(qemu)))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
