@@ -3,7 +3,7 @@
 //! Benchmarks measure; they do not pass or fail. Timed assertions live nowhere else.
 //! Figures taken under TCG (software emulation) name it: the anchors are KVM figures.
 
-use crate::flags::{BenchArgs, VmImageArgs};
+use crate::flags::{BenchArgs, BenchWhat, VmImageArgs};
 use anyhow::{Context, Result};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,17 +11,27 @@ use vmm::{AfterSnapshot, Driver, SizeClass, Vm, VmId};
 use wire::{Request, Response};
 
 /// One printed figure.
-struct Figure {
-    name: String,
-    value: String,
-    target: &'static str,
+pub struct Figure {
+    pub name: String,
+    pub value: String,
+    pub target: &'static str,
 }
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     crate::prereqs::ensure_all()?;
     crate::vm_image::run(&VmImageArgs { template: None, all: true, force: false })?;
+    let want_vm = matches!(args.what, BenchWhat::All | BenchWhat::Vm);
+    let want_sandboxd = matches!(args.what, BenchWhat::All | BenchWhat::Sandboxd);
+    let bin = if want_sandboxd { Some(crate::sandboxd::build_binary()?) } else { None };
     let rt = tokio::runtime::Runtime::new()?;
-    let figures = rt.block_on(run_async(args))?;
+    let mut figures = Vec::new();
+    if want_vm {
+        figures.extend(rt.block_on(run_async(args))?);
+    }
+    if let Some(bin) = bin {
+        crate::bench_sandboxd::claim_latency(&mut figures)?;
+        rt.block_on(crate::bench_sandboxd::real_node(&mut figures, &bin, args.rss_claims))?;
+    }
     print_table(&figures);
     Ok(())
 }
@@ -36,7 +46,7 @@ fn print_table(figures: &[Figure]) {
     }
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
     }
@@ -44,11 +54,11 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[idx.min(sorted.len() - 1)]
 }
 
-fn ms(d: Duration) -> String {
+pub fn ms(d: Duration) -> String {
     format!("{:.3} ms", d.as_secs_f64() * 1e3)
 }
 
-fn rss_kib(pid: u32) -> Option<u64> {
+pub fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }

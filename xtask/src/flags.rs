@@ -26,6 +26,9 @@ pub enum Cmd {
     /// and end-to-end tests (real QEMU VMs), and a bounded fuzz run. Ends with
     /// `N passed, N failed, N skipped`.
     Test(TestArgs),
+    /// Build and run sandboxd standalone (port 7777) with warm pools for
+    /// `ghcr.io/cocoonstack/sandbox/rt:24.04` and `base` (appliance/sandboxd/examples/standalone.json).
+    Sandboxd(SandboxdArgs),
     /// Boot microVMs by hand.
     #[command(subcommand)]
     Vm(VmCmd),
@@ -101,6 +104,13 @@ pub struct VmRunArgs {
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
+    /// Which benchmarks: `vm` (boot, clone, agent RPC, fs_pull, QEMU RSS), `sandboxd`
+    /// (claim latency, claims/s, refill rate, sandboxd RSS), or `all`.
+    #[arg(value_enum, default_value = "all")]
+    pub what: BenchWhat,
+    /// Claims held when sandboxd's RSS is measured.
+    #[arg(long, default_value_t = 32)]
+    pub rss_claims: u64,
     /// Boots (and clones) per template to take the median of.
     #[arg(long, default_value_t = 3)]
     pub boots: usize,
@@ -110,4 +120,25 @@ pub struct BenchArgs {
     /// Size of the file `fs_pull` streams, in MiB.
     #[arg(long, default_value_t = 64)]
     pub pull_mib: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct SandboxdArgs {
+    /// Listen address.
+    #[arg(long, default_value = "0.0.0.0:7777")]
+    pub listen: String,
+    /// Config file (default: appliance/sandboxd/examples/standalone.json).
+    #[arg(long)]
+    pub config: Option<std::path::PathBuf>,
+    /// Data directory: claims journal, pools.json, golden snapshots, VM state
+    /// (default: $CHRYSALIS_CACHE/sandboxd).
+    #[arg(long)]
+    pub data_dir: Option<std::path::PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum BenchWhat {
+    All,
+    Vm,
+    Sandboxd,
 }

@@ -5,12 +5,14 @@
 //! (see [`paths`]) so a warm machine is fast and a fresh clone stays clean.
 
 mod bench;
+mod bench_sandboxd;
 mod flags;
 mod fuzz;
 mod guest_kernel;
 mod paths;
 mod prereqs;
 mod python;
+mod sandboxd;
 mod test;
 mod vm_image;
 mod vm_run;
@@ -30,6 +32,7 @@ fn main() -> Result<()> {
         flags::Cmd::Test(args) => test::run(&args),
         flags::Cmd::Fuzz(args) => fuzz::run(&args),
         flags::Cmd::Bench(args) => bench::run(&args),
+        flags::Cmd::Sandboxd(args) => sandboxd::run(&args),
         flags::Cmd::Vm(flags::VmCmd::Run(args)) => vm_run::run(&args),
     }
 }

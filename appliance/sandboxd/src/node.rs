@@ -86,6 +86,9 @@ pub struct NodeOptions {
     pub catalog: Catalog,
     /// Timings.
     pub timing: Timing,
+    /// The QEMU driver's VM directory (`<state_dir>/vms`): the restart reconcile also kills
+    /// and removes half-created `sbx-` VMs there that `list` cannot see ([`crate::orphans`]).
+    pub vm_dir: Option<PathBuf>,
 }
 
 impl NodeOptions {
@@ -108,6 +111,7 @@ impl NodeOptions {
             clone: c.clone,
             catalog,
             timing: Timing { cold_probe: Duration::from_secs(c.boot_timeout_secs.max(1)), ..Timing::default() },
+            vm_dir: None,
         })
     }
 
@@ -123,6 +127,7 @@ impl NodeOptions {
             clone: true,
             catalog,
             timing: Timing::default(),
+            vm_dir: None,
         }
     }
 }
@@ -211,6 +216,8 @@ pub struct ReconcileReport {
     pub dropped: usize,
     /// Unowned `sbx-` VMs destroyed.
     pub destroyed: usize,
+    /// Half-created `sbx-` VM dirs (invisible to `list`) removed, their processes killed.
+    pub swept: usize,
 }
 
 /// One sandboxd node.
@@ -220,6 +227,7 @@ pub struct Node {
     pub(crate) journal: Journal,
     pub(crate) timing: Timing,
     pub(crate) clone_enabled: bool,
+    vm_dir: Option<PathBuf>,
     api_token: Option<String>,
     advertise_addr: String,
     pools: RwLock<BTreeMap<PoolKey, Arc<Pool>>>,
@@ -262,6 +270,7 @@ impl Node {
             journal,
             timing: opts.timing,
             clone_enabled: opts.clone,
+            vm_dir: opts.vm_dir,
             api_token: opts.api_token,
             advertise_addr: opts.advertise_addr,
             pools: RwLock::new(BTreeMap::new()),
@@ -728,11 +737,24 @@ impl Node {
                     report.destroyed += 1;
                 }
             }
+            if let Some(dir) = &self.vm_dir {
+                let listed: HashSet<String> = live.keys().map(|id| id.as_str().to_string()).collect();
+                match crate::orphans::sweep(dir, &listed).await {
+                    Ok(r) => report.swept = r.removed,
+                    Err(e) => tracing::warn!(error = %vmm::error_chain(&e), "sweeping half-created VMs failed"),
+                }
+            }
             self.reconciled.store(true, Ordering::SeqCst);
             for p in self.pools() {
                 p.kick();
             }
-            tracing::info!(adopted = report.adopted, dropped = report.dropped, destroyed = report.destroyed, "reconciled");
+            tracing::info!(
+                adopted = report.adopted,
+                dropped = report.dropped,
+                destroyed = report.destroyed,
+                swept = report.swept,
+                "reconciled"
+            );
             Ok(report)
         }
         .instrument(span)

@@ -1,5 +1,6 @@
 //! silkd, the Chrysalis guest agent: serves the silkd protocol (see `wire`) inside each
-//! microVM, on vsock port 2048 and on the virtio-serial agent mux.
+//! microVM, on vsock port 2048 and on the virtio-serial agent mux, plus the control port
+//! ([`wire::CONTROL_PORT`], [`control`]) the host powers the guest off through.
 //!
 //! - [`conn`]: the connection engine (`proto` 2) over any byte stream.
 //! - [`ops`]: one module per op family, routed by [`ops::dispatch`].
@@ -8,6 +9,7 @@
 
 pub mod agent;
 pub mod conn;
+pub mod control;
 pub mod error;
 pub mod listen;
 pub mod mux;

@@ -1,6 +1,7 @@
 //! Where silkd listens: AF_VSOCK (production, cloud-hypervisor), the virtio-serial agent
 //! mux (QEMU), and a Unix socket (host-side tests). Every accepted stream is served by the
-//! same connection engine ([`crate::conn::serve`]).
+//! same connection engine ([`crate::conn::serve`]). The vsock and mux listeners also serve
+//! the control port ([`wire::CONTROL_PORT`], [`crate::control`]).
 //!
 //! Spec syntax (`--listen`, repeatable): `vsock:<port>`, `unix:<path>`, `mux:auto` (find
 //! the virtio port named [`AGENT_PORT_NAME`]) or `mux:<device path>`.
@@ -92,7 +93,16 @@ pub fn guest_defaults() -> Vec<Listen> {
 /// Serves `listen` until it fails.
 pub async fn run(listen: Listen, agent: Arc<Agent>) -> Result<(), ListenError> {
     match listen {
-        Listen::Vsock(port) => run_vsock(port, agent).await,
+        Listen::Vsock(port) => {
+            if port != wire::CONTROL_PORT {
+                tokio::spawn(async {
+                    if let Err(err) = run_vsock_control(wire::CONTROL_PORT).await {
+                        tracing::error!(%err, "vsock control port unavailable");
+                    }
+                });
+            }
+            run_vsock(port, agent).await
+        }
         Listen::Unix(path) => {
             let listener = bind_unix(&path)?;
             serve_unix(listener, agent).await
@@ -145,6 +155,26 @@ async fn run_vsock(port: u32, agent: Arc<Agent>) -> Result<(), ListenError> {
             // A failed accept (e.g. EMFILE) must not end the listener: back off and retry.
             Err(source) => {
                 tracing::warn!(%source, "vsock accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Serves the control port on vsock forever (each stream: [`crate::control::handle`]).
+async fn run_vsock_control(port: u32) -> Result<(), ListenError> {
+    use tokio_vsock::{VsockAddr, VsockListener, VMADDR_CID_ANY};
+    let listener = VsockListener::bind(VsockAddr::new(VMADDR_CID_ANY, port))
+        .map_err(|source| ListenError::Bind { what: format!("vsock:{port} (control)"), source })?;
+    tracing::info!(port, "control port listening on vsock");
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                tracing::debug!(cid = peer.cid(), "vsock control connection");
+                tokio::spawn(crate::control::handle(stream, "vsock"));
+            }
+            Err(source) => {
+                tracing::warn!(%source, "vsock control accept failed");
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
         }

@@ -1,8 +1,9 @@
 //! The virtio-serial agent mux, guest end (QEMU): `agent_mux::guest::run` serves mux
 //! sessions on the port device and reconnects whenever the host side goes away; every mux
 //! stream opens with `CONNECT <port>\n`, and streams for silkd's port (`$SILKD_PORT`, 2048)
-//! are served by the same connection engine as vsock. Other ports are refused (the mux
-//! closes the stream). When a mux session ends its stream tasks are aborted, which drops
+//! are served by the same connection engine as vsock; streams for the control port
+//! ([`wire::CONTROL_PORT`]) by [`crate::control`]. Other ports are refused (the mux closes
+//! the stream). When a mux session ends its stream tasks are aborted, which drops
 //! the engine: foreground ops see the client gone; sessions and detached processes live on.
 
 use crate::agent::Agent;
@@ -20,10 +21,13 @@ struct SilkdPort {
 
 impl Handler for SilkdPort {
     fn accepts(&self, port: u32) -> bool {
-        port == self.port
+        port == self.port || port == wire::CONTROL_PORT
     }
 
-    fn handle(&self, _port: u32, stream: MuxStream) -> HandlerFuture {
+    fn handle(&self, port: u32, stream: MuxStream) -> HandlerFuture {
+        if port == wire::CONTROL_PORT && port != self.port {
+            return Box::pin(crate::control::handle(stream, "mux"));
+        }
         let agent = Arc::clone(&self.agent);
         Box::pin(async move {
             let _ = crate::conn::serve(stream, agent, "mux").await;
@@ -31,7 +35,8 @@ impl Handler for SilkdPort {
     }
 }
 
-/// The mux handler serving silkd's `port` (also for host-side tests over a socket pair).
+/// The mux handler serving silkd's `port` and the control port (also for host-side tests
+/// over a socket pair).
 pub fn handler(agent: Arc<Agent>, port: u32) -> Arc<dyn Handler> {
     Arc::new(SilkdPort { agent, port })
 }

@@ -44,3 +44,22 @@ async fn silkd_serves_its_port_over_the_mux_and_refuses_others() {
     assert_eq!(types.get(1).map(String::as_str), Some("started"));
     assert_eq!(out, "mux\n");
 }
+
+/// The control port is served over the mux too. Only an unknown command is sent: `POWEROFF`
+/// would signal the real PID 1 (its flow is unit-tested in `silkd::control` with a fake).
+#[tokio::test]
+async fn silkd_serves_the_control_port_over_the_mux() {
+    use tokio::io::AsyncReadExt;
+    let (host_io, guest_io) = tokio::net::UnixStream::pair().expect("pair");
+    let agent = silkd::Agent::new();
+    tokio::spawn(agent_mux::guest::serve(guest_io, silkd::mux::handler(agent, 2048)));
+    let session = agent_mux::host::Session::over(host_io, Duration::from_secs(10)).await.expect("mux session");
+    let mut stream = session.open(wire::CONTROL_PORT).await.expect("open the control port");
+    stream.write_all(b"STATUS\n").await.expect("write");
+    let mut reply = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut reply))
+        .await
+        .expect("timely")
+        .expect("read");
+    assert_eq!(String::from_utf8_lossy(&reply), "ERR unknown command\n");
+}

@@ -2,14 +2,18 @@
 //! connect to the VM's vsock Unix socket, write `CONNECT <port>\n`, read one line (≤ 64 bytes)
 //! that must start with `OK `; the rest of the stream belongs to the guest service.
 //!
-//! Also the one place that speaks silkd's protocol from the host side today: [`info`].
+//! Also the one place that speaks silkd's protocol from the host side today: [`info`], and the
+//! control port's ([`CONTROL_PORT`]): [`request_poweroff`].
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::driver::AgentInfo;
+
+pub use wire::CONTROL_PORT;
 
 /// Longest accepted handshake reply line, newline included.
 pub const MAX_HANDSHAKE_LINE: usize = 64;
@@ -40,6 +44,9 @@ pub enum DialError {
     /// A silkd reply was not what we asked for.
     #[error("bad agent reply: {0}")]
     BadReply(String),
+    /// The exchange did not finish in time.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
 }
 
 /// Connects to `uds` and performs the `CONNECT <port>` handshake.
@@ -82,6 +89,38 @@ pub async fn read_line_capped<S: AsyncRead + Unpin>(
             return Err(DialError::BadHandshake(String::from_utf8_lossy(&buf).into_owned()));
         }
     }
+}
+
+/// Longest the control-port exchange (`POWEROFF` → `OK`) may take during a shutdown.
+pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The share of a shutdown `timeout` the control exchange may use: half, at most
+/// [`CONTROL_TIMEOUT`], so the fallback always keeps time of its own.
+pub fn control_budget(timeout: Duration) -> Duration {
+    (timeout / 2).min(CONTROL_TIMEOUT)
+}
+
+/// Asks the guest to power off over its control port: dial [`CONTROL_PORT`] on `uds`, send
+/// `POWEROFF\n`, expect `OK\n`. `Ok` means the guest acknowledged; the caller then waits for the
+/// hypervisor to exit. The whole exchange is bounded by `within`; the stream is closed on
+/// return, which tells silkd the `OK` arrived.
+pub async fn request_poweroff(uds: &Path, within: Duration) -> Result<(), DialError> {
+    let exchange = async {
+        let mut s = dial(uds, CONTROL_PORT).await?;
+        poweroff_exchange(&mut s).await
+    };
+    tokio::time::timeout(within, exchange).await.map_err(|_| DialError::Timeout(within))?
+}
+
+/// The `POWEROFF` → `OK` exchange on an open control stream.
+pub async fn poweroff_exchange<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> Result<(), DialError> {
+    s.write_all(b"POWEROFF\n").await?;
+    s.flush().await?;
+    let line = read_line_capped(s, MAX_HANDSHAKE_LINE, "control reply").await?;
+    if line != "OK" {
+        return Err(DialError::BadReply(format!("control port answered {line:?}")));
+    }
+    Ok(())
 }
 
 /// Sends silkd `info` and parses the `info` reply. The single place to switch to `wire` types.
@@ -178,5 +217,44 @@ mod tests {
             Err(DialError::BadReply(_))
         ));
         assert!(dial(Path::new("/nonexistent/v.sock"), 1).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn poweroff_over_the_control_port() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sock = dir.path().join("v.sock");
+        let l = tokio::net::UnixListener::bind(&sock).expect("bind");
+        let server = tokio::spawn(async move {
+            for reply in ["OK\n", "ERR unknown command\n"] {
+                let (s, _) = l.accept().await.expect("accept");
+                let mut r = tokio::io::BufReader::new(s);
+                let mut line = String::new();
+                r.read_line(&mut line).await.expect("connect line");
+                assert_eq!(line, format!("CONNECT {CONTROL_PORT}\n"));
+                r.get_mut().write_all(b"OK 1\n").await.expect("ok");
+                line.clear();
+                r.read_line(&mut line).await.expect("command");
+                assert_eq!(line, "POWEROFF\n");
+                r.get_mut().write_all(reply.as_bytes()).await.expect("reply");
+                // The host closes once it has the reply.
+                let mut rest = Vec::new();
+                r.read_to_end(&mut rest).await.expect("eof");
+                assert!(rest.is_empty());
+            }
+        });
+        request_poweroff(&sock, Duration::from_secs(5)).await.expect("acknowledged");
+        assert!(matches!(request_poweroff(&sock, Duration::from_secs(5)).await, Err(DialError::BadReply(_))));
+        server.await.expect("server");
+
+        // Missing socket: fails at once. Silent guest: bounded by the timeout.
+        let t0 = std::time::Instant::now();
+        assert!(matches!(
+            request_poweroff(&dir.path().join("none.sock"), Duration::from_secs(5)).await,
+            Err(DialError::Connect { .. })
+        ));
+        assert!(t0.elapsed() < Duration::from_secs(1));
+        let silent = dir.path().join("silent.sock");
+        let _l = tokio::net::UnixListener::bind(&silent).expect("bind");
+        assert!(matches!(request_poweroff(&silent, Duration::from_millis(200)).await, Err(DialError::Timeout(_))));
     }
 }

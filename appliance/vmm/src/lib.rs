@@ -18,6 +18,7 @@ pub mod size;
 pub mod test_utils;
 
 pub use accel::{Accel, AccelPreference};
+pub use agent::CONTROL_PORT;
 pub use catalog::{Catalog, CatalogError};
 pub use driver::{
     AfterSnapshot, AgentInfo, AgentStream, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId,

@@ -28,3 +28,8 @@ pub const PROTO_KEEP_ALIVE: u32 = 2;
 
 /// The guest vsock port silkd listens on (`SILKD_PORT` overrides it in the guest).
 pub const SILKD_PORT: u32 = 2048;
+
+/// The reserved guest control port silkd serves next to [`SILKD_PORT`] (on vsock and inside
+/// the agent mux). Protocol: the host writes one line `POWEROFF\n`; silkd answers `OK\n` and
+/// has PID 1 power the guest off. Anything else gets `ERR unknown command\n`.
+pub const CONTROL_PORT: u32 = 1;

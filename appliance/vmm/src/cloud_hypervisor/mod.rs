@@ -30,8 +30,9 @@
 //! - **restore / clone**: copy the snapshot's overlay; build `<vmdir>/restore/` — the snapshot's
 //!   `config.json` rewritten to the clone's own vsock socket, serial log and overlay, the other
 //!   snapshot files symlinked; spawn a new process; `PUT /vm.restore {source_url}`; `PUT /vm.resume`.
-//! - **shutdown**: `PUT /vm.shutdown`, `PUT /vmm.shutdown`, SIGKILL if the process is still there
-//!   after the timeout; **kill**: SIGKILL. Both remove `<vmdir>`. No process outlives shutdown,
+//! - **shutdown**: `POWEROFF` on the guest control port ([`crate::agent::request_poweroff`]) and
+//!   wait for the process to exit; if the control channel fails, `PUT /vm.shutdown`,
+//!   `PUT /vmm.shutdown`; SIGKILL if the process is still there after the timeout; **kill**: SIGKILL. Both remove `<vmdir>`. No process outlives shutdown,
 //!   kill, or a failed boot/restore.
 //! - **list / attach**: `vm.json` records under `<state_dir>/vms/`, liveness by pid + start time;
 //!   attach also pings the API and checks the answering pid.
@@ -579,23 +580,50 @@ impl CloudHypervisor {
     async fn shutdown_within(&self, vm: &Vm, timeout: Duration) -> Result<(), DriverError> {
         self.check_owned(vm)?;
         let mut proc = self.take_process(vm);
-        let deadline = Instant::now() + timeout;
+        let t0 = Instant::now();
+        let deadline = t0 + timeout;
         if proc.is_running() {
             let left = || {
                 deadline
                     .saturating_duration_since(Instant::now())
                     .max(Duration::from_millis(1))
             };
-            let api = ApiClient::new(&vm.control_socket, left().min(self.cfg.api_timeout));
-            if let Err(e) = api.shutdown_vm().await {
-                tracing::warn!(error = %crate::error_chain(&e), "vm.shutdown failed; stopping the VMM anyway");
-            }
-            let api = ApiClient::new(&vm.control_socket, left().min(self.cfg.api_timeout));
-            if let Err(e) = api.shutdown_vmm().await {
-                tracing::warn!(error = %crate::error_chain(&e), "vmm.shutdown failed; will kill");
-            }
-            if !proc.wait_exit(left()).await {
+            // 1. The guest control port: silkd has guest-init power off, and cloud-hypervisor
+            //    exits with the guest. A VM without a reachable guest fails the dial at once.
+            let path = match crate::agent::request_poweroff(
+                &vm.vsock_socket,
+                crate::agent::control_budget(timeout),
+            )
+            .await
+            {
+                Ok(()) => "control",
+                Err(e) => {
+                    // 2. The REST API.
+                    tracing::info!(
+                        error = %crate::error_chain(&e),
+                        "control channel failed; falling back to vm.shutdown"
+                    );
+                    let api = ApiClient::new(&vm.control_socket, left().min(self.cfg.api_timeout));
+                    if let Err(e) = api.shutdown_vm().await {
+                        tracing::warn!(error = %crate::error_chain(&e), "vm.shutdown failed; stopping the VMM anyway");
+                    }
+                    let api = ApiClient::new(&vm.control_socket, left().min(self.cfg.api_timeout));
+                    if let Err(e) = api.shutdown_vmm().await {
+                        tracing::warn!(error = %crate::error_chain(&e), "vmm.shutdown failed; will kill");
+                    }
+                    "vm.shutdown"
+                }
+            };
+            if proc.wait_exit(left()).await {
+                tracing::info!(
+                    path,
+                    ms = t0.elapsed().as_millis() as u64,
+                    "cloud-hypervisor exited"
+                );
+            } else {
+                // 3. SIGKILL, below.
                 tracing::warn!(
+                    path,
                     ?timeout,
                     "cloud-hypervisor still running after shutdown; killing"
                 );

@@ -463,19 +463,34 @@ impl Driver for QemuDriver {
     }
 
     async fn shutdown(&self, vm: &Vm, timeout: Duration) -> Result<(), DriverError> {
-        let span = tracing::info_span!("vm_shutdown", vm = %vm.id);
+        let span = tracing::info_span!("vm_shutdown", vm = %vm.id, pid = vm.pid);
         async {
+            let t0 = Instant::now();
+            let deadline = t0 + timeout;
+            let left = || deadline.saturating_duration_since(Instant::now());
             if record::is_alive(vm.pid, vm.pid_start_time) {
-                match self.qmp(vm).await {
-                    Ok(q) => {
-                        if let Err(e) = q.system_powerdown().await {
-                            tracing::debug!(error = %e, "system_powerdown failed");
+                // 1. The guest control port: silkd has guest-init power off.
+                let path = match crate::agent::request_poweroff(&vm.vsock_socket, crate::agent::control_budget(timeout)).await {
+                    Ok(()) => "control",
+                    Err(e) => {
+                        // 2. ACPI, for guests without the control port.
+                        tracing::info!(error = %crate::error_chain(&e), "control channel failed; falling back to system_powerdown");
+                        match self.qmp(vm).await {
+                            Ok(q) => {
+                                if let Err(e) = q.system_powerdown().await {
+                                    tracing::debug!(error = %e, "system_powerdown failed");
+                                }
+                            }
+                            Err(e) => tracing::debug!(error = %crate::error_chain(&e), "no QMP for powerdown"),
                         }
+                        "system_powerdown"
                     }
-                    Err(e) => tracing::debug!(error = %crate::error_chain(&e), "no QMP for powerdown"),
-                }
-                if !process::wait_gone(vm.pid, vm.pid_start_time, timeout).await {
-                    tracing::info!("guest did not power off in {timeout:?}; killing");
+                };
+                if process::wait_gone(vm.pid, vm.pid_start_time, left()).await {
+                    tracing::info!(path, ms = t0.elapsed().as_millis() as u64, "guest powered off");
+                } else {
+                    // 3. SIGKILL (in destroy).
+                    tracing::warn!(path, "guest did not power off in {timeout:?}; killing");
                 }
             }
             self.destroy(vm).await
