@@ -35,7 +35,9 @@ pub fn run(args: &FuzzArgs) -> Result<()> {
     }
     eprintln!("xtask: fuzzing the wire decoder for {} s", args.seconds);
     let status = Command::new("cargo")
-        .args(["fuzz", "run", "--fuzz-dir", FUZZ_DIR, "decode"])
+        .args(["fuzz", "run", "--fuzz-dir", FUZZ_DIR, "--target-dir"])
+        .arg(crate::paths::cache_dir().join("fuzz-target"))
+        .arg("decode")
         .arg(&corpus)
         .args(["--", &format!("-max_total_time={}", args.seconds), "-max_len=65536", "-rss_limit_mb=4096"])
         .env("RUSTC_BOOTSTRAP", "1")
