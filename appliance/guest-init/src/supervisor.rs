@@ -207,11 +207,12 @@ pub fn shutdown(set: &SigSet) -> ! {
     let deadline = Instant::now() + SHUTDOWN_GRACE;
     while Instant::now() < deadline {
         reap_all();
-        // ESRCH: no process left besides us.
-        if kill(Pid::from_raw(-1), None) == Err(Errno::ESRCH) {
+        // Every user process descends from PID 1 (orphans are reparented to us), so ECHILD
+        // means none is left. (`kill(-1, 0)` would never answer ESRCH: it counts kernel threads.)
+        if waitpid(None, Some(WaitPidFlag::WNOHANG)) == Err(Errno::ECHILD) {
             break;
         }
-        let _ = wait_signal(set, Duration::from_millis(50));
+        let _ = wait_signal(set, Duration::from_millis(20));
     }
     let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
     reap_all();

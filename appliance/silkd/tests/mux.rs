@@ -57,9 +57,6 @@ async fn silkd_serves_the_control_port_over_the_mux() {
     let mut stream = session.open(wire::CONTROL_PORT).await.expect("open the control port");
     stream.write_all(b"STATUS\n").await.expect("write");
     let mut reply = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut reply))
-        .await
-        .expect("timely")
-        .expect("read");
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut reply)).await.expect("timely").expect("read");
     assert_eq!(String::from_utf8_lossy(&reply), "ERR unknown command\n");
 }
