@@ -63,6 +63,7 @@ async fn claim_latency() -> Result<()> {
             .header("content-type", "application/json")
             .body(Full::new(body.clone()))?;
         let t = Instant::now();
+        sender.ready().await?;
         let resp = sender.send_request(req).await?;
         let status = resp.status();
         let bytes = resp.into_body().collect().await?.to_bytes();
