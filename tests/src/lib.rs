@@ -1,6 +1,8 @@
 //! `test_infra`: what the integration suites, `cargo xtask vm run` and `cargo xtask bench`
 //! share to boot a real VM from the built catalog and talk to its agent.
 
+pub mod cluster;
+
 use anyhow::{Context, Result};
 use silkd_client::AgentConn;
 use std::path::{Path, PathBuf};

@@ -101,7 +101,7 @@ async fn measure(
         }
         times.sort();
         figures.push(Figure {
-            name: format!("boot → agent ready ({template}, {:?}, p50 of {})", accel.context("no boot")?, times.len()),
+            name: format!("boot → agent ready ({template}, {}, p50 of {})", accel.context("no boot")?, times.len()),
             value: ms(percentile(&times, 0.5)),
             target: "anchor: cocoon cold boot 215–400 ms on KVM",
         });
@@ -118,7 +118,7 @@ async fn measure(
     }
     rtts.sort();
     figures.push(Figure {
-        name: format!("agent RPC round trip (info, kept conn, {:?}) p50/p99", vm.accel),
+        name: format!("agent RPC round trip (info, kept conn, {}) p50/p99", vm.accel),
         value: format!("{} / {}", ms(percentile(&rtts, 0.5)), ms(percentile(&rtts, 0.99))),
         target: "anchor: 0.10 ms on KVM",
     });
@@ -133,7 +133,7 @@ async fn measure(
     let tar = conn.download(&Request::FsPull { path: "/tmp/pull.bin".into() }).await?;
     let secs = t.elapsed().as_secs_f64();
     figures.push(Figure {
-        name: format!("fs_pull throughput ({mib} MiB file, {:?})", vm.accel),
+        name: format!("fs_pull throughput ({mib} MiB file, {})", vm.accel),
         value: format!("{:.1} MiB/s", (tar.len() as f64 / 1048576.0) / secs),
         target: "anchor: ~600 MiB/s on KVM",
     });
@@ -143,7 +143,7 @@ async fn measure(
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss = rss_kib(vm.pid).context("reading VmRSS")?;
     figures.push(Figure {
-        name: format!("QEMU RSS per idle VM (base, small, {:?})", vm.accel),
+        name: format!("QEMU RSS per idle VM (base, small, {})", vm.accel),
         value: format!("{:.1} MiB", rss as f64 / 1024.0),
         target: "lower is better; guest RAM is 512 MiB and touched lazily",
     });
@@ -165,7 +165,7 @@ async fn measure(
     }
     times.sort();
     figures.push(Figure {
-        name: format!("clone → agent ready (base, {:?}, p50 of {})", vm.accel, times.len()),
+        name: format!("clone → agent ready (base, {}, p50 of {})", vm.accel, times.len()),
         value: ms(percentile(&times, 0.5)),
         target: "anchor: cocoon clone 26–44 ms on KVM",
     });

@@ -125,7 +125,7 @@ pub async fn real_node(figures: &mut Vec<Figure>, bin: &std::path::Path, rss_cla
         }
         let refill = wait_warm(&addr, refill_batch, Duration::from_secs(600)).await?;
         figures.push(Figure {
-            name: format!("refill rate (clone from golden, base, {accel:?}, {refill_batch} VMs)"),
+            name: format!("refill rate (clone from golden, base, {accel}, {refill_batch} VMs)"),
             value: format!("{:.2} VMs/s", refill_batch as f64 / refill.as_secs_f64()),
             target: "anchor: clone 26–44 ms per VM on KVM",
         });

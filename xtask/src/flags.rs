@@ -36,6 +36,11 @@ pub enum Cmd {
     Bench(BenchArgs),
     /// Fuzz the silkd frame decoder for a bounded time (cargo-fuzz on the stable toolchain).
     Fuzz(FuzzArgs),
+    /// A real Kubernetes control plane on 127.0.0.1 for tests and demos (etcd, apiserver,
+    /// controller-manager, scheduler, the agent-sandbox controller), built from the Go
+    /// modules pinned in tests/cluster/cluster.toml. State in $CHRYSALIS_CACHE/cluster/state.
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
 }
 
 #[derive(Debug, Args)]
@@ -141,4 +146,23 @@ pub enum BenchWhat {
     All,
     Vm,
     Sandboxd,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ClusterCmd {
+    /// Build (cached) and start the cluster, or find it running; print the endpoint, admin
+    /// kubeconfig, bootstrap token and CA public-key hash.
+    Up(ClusterArgs),
+    /// Stop everything `up` started.
+    Down(ClusterArgs),
+    /// What runs, the endpoint, and whether the apiserver is ready.
+    Status(ClusterArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ClusterArgs {
+    /// The apiserver port on 127.0.0.1; etcd, controller-manager, scheduler and the
+    /// agent-sandbox controller take the next six.
+    #[arg(long, env = "CHRYSALIS_CLUSTER_PORT", default_value_t = 16443)]
+    pub port: u16,
 }

@@ -6,6 +6,7 @@
 
 mod bench;
 mod bench_sandboxd;
+mod cluster;
 mod flags;
 mod fuzz;
 mod guest_kernel;
@@ -34,5 +35,6 @@ fn main() -> Result<()> {
         flags::Cmd::Bench(args) => bench::run(&args),
         flags::Cmd::Sandboxd(args) => sandboxd::run(&args),
         flags::Cmd::Vm(flags::VmCmd::Run(args)) => vm_run::run(&args),
+        flags::Cmd::Cluster(cmd) => cluster::run(&cmd),
     }
 }

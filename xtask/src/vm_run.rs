@@ -25,7 +25,7 @@ async fn run_async(args: &VmRunArgs, size: SizeClass) -> Result<i32> {
     let catalog = test_infra::catalog()?;
     let booted = test_infra::boot(&driver, &catalog, &args.template, size).await?;
     eprintln!(
-        "vm run: {} booted on QEMU with {:?} ({} vCPU, {} MiB); agent ready after {:.2} s",
+        "vm run: {} booted on QEMU with {} ({} vCPU, {} MiB); agent ready after {:.2} s",
         args.template,
         booted.vm.accel,
         size.vcpus(),

@@ -12,7 +12,7 @@ use rand::RngCore;
 use serde::Serialize;
 use vmm::Vm;
 
-use crate::journal::ClaimRecord;
+use crate::journal::{ClaimRecord, LogEntry, LogOp};
 use crate::pool::{KeyError, PoolKey};
 
 /// Default lease.
@@ -130,31 +130,41 @@ impl Claim {
     }
 }
 
-/// The claim table with a generation counter for group-committed journal writes.
+/// The claim table. Every journaled mutation bumps the generation and queues one log line
+/// ([`LogEntry`]) in generation order; [`crate::journal::Journal::commit_claims`] appends the
+/// queued lines (group commit). Queuing under the table lock keeps the log in table order.
 #[derive(Debug, Default)]
 pub struct ClaimTable {
     gen: u64,
     by_id: HashMap<String, Claim>,
+    pending: Vec<LogEntry>,
 }
 
 impl ClaimTable {
+    /// A table loaded from the journal at generation `seq` (nothing pending: it is on disk).
+    pub fn restore(seq: u64, records: Vec<ClaimRecord>) -> Self {
+        let by_id = records.into_iter().map(|rec| (rec.id.clone(), Claim { rec, vm: None })).collect();
+        ClaimTable { gen: seq, by_id, pending: Vec::new() }
+    }
+
     /// Inserts a claim; returns the new generation.
     pub fn insert(&mut self, c: Claim) -> u64 {
+        let op = LogOp::Grant(c.rec.clone());
         self.by_id.insert(c.rec.id.clone(), c);
-        self.bump()
+        self.bump(op)
     }
 
     /// Removes a claim; returns it and the new generation.
     pub fn remove(&mut self, id: &str) -> Option<(Claim, u64)> {
         let c = self.by_id.remove(id)?;
-        Some((c, self.bump()))
+        Some((c, self.bump(LogOp::Release { id: id.to_string() })))
     }
 
     /// Sets a claim's deadline; returns the new generation.
     pub fn set_deadline(&mut self, id: &str, deadline_unix_ms: u64) -> Option<u64> {
         let c = self.by_id.get_mut(id)?;
         c.rec.deadline_unix_ms = deadline_unix_ms;
-        Some(self.bump())
+        Some(self.bump(LogOp::Renew { id: id.to_string(), deadline_unix_ms }))
     }
 
     /// Records the attached VM of a claim (not journaled: only the id is).
@@ -184,11 +194,16 @@ impl ClaimTable {
         self.by_id.is_empty()
     }
 
-    /// The current generation and every journal row, for [`crate::journal::Journal::commit_claims`].
+    /// The current generation and every journal row sorted by id (a snapshot).
     pub fn snapshot(&self) -> (u64, Vec<ClaimRecord>) {
         let mut rows: Vec<ClaimRecord> = self.by_id.values().map(|c| c.rec.clone()).collect();
         rows.sort_by(|a, b| a.id.cmp(&b.id));
         (self.gen, rows)
+    }
+
+    /// The current generation and the log lines queued since the last call.
+    pub fn take_pending(&mut self) -> (u64, Vec<LogEntry>) {
+        (self.gen, std::mem::take(&mut self.pending))
     }
 
     /// Ids of claims whose deadline is at or before `now_ms`.
@@ -196,8 +211,9 @@ impl ClaimTable {
         self.by_id.values().filter(|c| c.rec.deadline_unix_ms <= now_ms).map(|c| c.rec.id.clone()).collect()
     }
 
-    fn bump(&mut self) -> u64 {
+    fn bump(&mut self, op: LogOp) -> u64 {
         self.gen += 1;
+        self.pending.push(LogEntry { seq: self.gen, op });
         self.gen
     }
 }

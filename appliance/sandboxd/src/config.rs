@@ -170,7 +170,8 @@ pub struct Config {
     /// Concurrent refills; 0 = NumCPU×2/3 clamped to [1, 256].
     #[serde(default)]
     pub refill_concurrency: usize,
-    /// fsync the claims journal before each reply.
+    /// `fdatasync` each claims-log append before the reply (survives power loss, not only
+    /// `kill -9`; the `claims.json` snapshot is always fsynced).
     #[serde(default)]
     pub sync_claims: bool,
     /// How long a cold boot may take to answer silkd `info`.

@@ -4,7 +4,8 @@
 //! - [`config`]: the JSON config file;
 //! - [`pool`]: pool keys, pool state and the refill task;
 //! - [`claims`]: the claim table, lease rules, id/token minting;
-//! - [`journal`]: `claims.json` / `pools.json`, written atomically;
+//! - [`journal`]: the claims journal (append-only `claims.log` + atomic `claims.json` snapshot)
+//!   and `pools.json`;
 //! - [`node`]: the controller every handler calls (claim, release, renew, drain, reconcile);
 //! - [`http`]: the axum router, auth, relays (`/agent`, `/ports`) and `/exec`;
 //! - [`metrics`]: counters for `/metrics`;

@@ -13,8 +13,9 @@ use sandboxd::{Node, NodeOptions};
 ///
 /// Keeps pools of pre-booted microVMs per (template, net, size) and hands them out over the
 /// sandboxd HTTP API (`POST /v1/claim`, `…/agent`, `…/exec`, …), wire-compatible with the
-/// public `cocoonstack-sandbox` Python SDK. Claims are journaled in `<data_dir>/claims.json`;
-/// on restart, VMs of journaled claims are re-adopted and unowned `sbx-` VMs are destroyed.
+/// public `cocoonstack-sandbox` Python SDK. Claims are journaled in `<data_dir>/claims.log`
+/// (one line per change, compacted into the `claims.json` snapshot); on restart, VMs of
+/// journaled claims are re-adopted and unowned `sbx-` VMs are destroyed.
 ///
 /// Without `api_token_file` in the config, node routes (claim, list, info, drain, pools) are
 /// open to anyone who can reach the port; sandbox routes always need the sandbox's token.

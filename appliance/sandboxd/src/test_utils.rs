@@ -163,6 +163,7 @@ impl FakeDriver {
             spec: spec.clone(),
             restored_from,
             created_at_epoch_secs: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+            state: vmm::VmState::Running,
             id,
         }
     }

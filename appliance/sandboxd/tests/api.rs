@@ -397,23 +397,55 @@ async fn put_pools_replaces_and_persists() {
 async fn claim_is_not_granted_unless_journaled() {
     let h = start(&[("base", 1)], None).await;
     wait_warm(&h.node, "base", 1).await;
-    let journal = h.dir.path().join("data/claims.json");
-    std::fs::create_dir_all(journal.join("blocker")).expect("block the journal");
+    let data = h.dir.path().join("data");
+    let log = data.join(sandboxd::journal::CLAIMS_LOG);
+    std::fs::create_dir_all(log.join("blocker")).expect("block the journal");
     let (s, v) = h.call("POST", "/v1/claim", None, Some(json!({"template": "base"}))).await;
     assert_eq!((s, v), (StatusCode::INTERNAL_SERVER_ERROR, json!({"error": "claim failed"})));
     assert_eq!(warm(&h.node, "base"), 1, "the VM went back to the pool");
     assert_eq!(h.node.claimed(), 0);
-    std::fs::remove_dir_all(&journal).expect("unblock");
+    std::fs::remove_dir_all(&log).expect("unblock");
     let c = h.claim(json!({"template": "base"})).await;
-    let on_disk = std::fs::read_to_string(&journal).expect("journal");
-    assert!(on_disk.contains(c["id"].as_str().expect("id")), "{on_disk}");
-    assert!(on_disk.contains(c["token"].as_str().expect("token")));
+    let on_disk = sandboxd::journal::read_claims(&data).expect("journal");
+    assert_eq!(on_disk.claims.len(), 1, "{on_disk:?}");
+    assert_eq!(on_disk.claims[0].id, c["id"].as_str().expect("id"));
+    assert_eq!(on_disk.claims[0].token, c["token"].as_str().expect("token"));
     let stray: Vec<_> = std::fs::read_dir(h.dir.path().join("data"))
         .expect("ls")
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
         .collect();
     assert!(stray.is_empty(), "temp files left behind");
+}
+
+/// Every reply of claim, renew and release comes after the journal on disk has the change.
+#[tokio::test]
+async fn replies_come_after_the_journal_has_the_change() {
+    let h = start(&[("base", 2)], None).await;
+    wait_warm(&h.node, "base", 2).await;
+    let data = h.dir.path().join("data");
+    let on_disk = || sandboxd::journal::read_claims(&data).expect("journal").claims;
+    let c = h.claim(json!({"template": "base", "ttl_seconds": 60, "claim_ref": "r"})).await;
+    let id = c["id"].as_str().expect("id");
+    let tok = c["token"].as_str();
+    let rows = on_disk();
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].id.as_str(), rows[0].token.as_str(), rows[0].claim_ref.as_deref()), (id, tok.unwrap_or(""), Some("r")));
+    let before = rows[0].deadline_unix_ms;
+    let (s, _) = h.call("POST", &format!("/v1/sandboxes/{id}/renew"), tok, Some(json!({"ttl_seconds": 3600}))).await;
+    assert_eq!(s, StatusCode::OK);
+    let after = on_disk()[0].deadline_unix_ms;
+    assert!(after >= before + 3_500_000, "renew journaled: {before} → {after}");
+    let (s, _) = h.call("POST", &format!("/v1/sandboxes/{id}/release"), tok, None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    assert!(on_disk().is_empty(), "release journaled");
+    // What a restart reads is what the node had.
+    let c2 = h.claim(json!({"template": "base"})).await;
+    h.node.shutdown();
+    let (node2, _) = h.restart(&[("base", 2)]).await;
+    let rows = node2.list(None);
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].id, c2["id"].as_str().expect("id"));
 }
 
 #[tokio::test]
@@ -459,8 +491,9 @@ async fn restart_readopts_claims_and_destroys_unowned_vms() {
     assert_eq!(s, StatusCode::OK, "{v}");
     assert_eq!(v["stdout"], "alive\n");
     // The dropped row is gone from the journal too, and the pool refills.
-    let on_disk = std::fs::read_to_string(h.dir.path().join("data/claims.json")).expect("journal");
-    assert!(!on_disk.contains(b["id"].as_str().expect("id")));
+    let on_disk = sandboxd::journal::read_claims(&h.dir.path().join("data")).expect("journal");
+    let ids: Vec<&str> = on_disk.claims.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids, vec![a_id]);
     wait_warm(&node2, "base", 2).await;
 }
 

@@ -2,14 +2,17 @@
 //!
 //! A [`Driver`] boots microVMs from a [`BootSpec`], reaches their guest agent over the
 //! hybrid-vsock convention ([`crate::agent::dial`] on [`Vm::vsock_socket`]), pauses,
-//! snapshots, clones ([`Driver::restore`]) and stops them. Each live VM has one JSON
-//! record `<state_dir>/vms/<id>/vm.json` ([`crate::record`]) holding enough to
-//! re-attach after our own process restarted ([`Driver::attach`]).
+//! snapshots, clones ([`Driver::restore`]) and stops them. Each VM has one JSON
+//! record `<state_dir>/vms/<id>/vm.json` ([`crate::record`]), written before its hypervisor is
+//! spawned and advanced through [`VmState`] ([`crate::lifecycle`]), holding enough to find and
+//! kill it, or re-attach, after our own process restarted ([`Driver::list`], [`Driver::attach`]).
 //!
 //! Guarantees every implementation keeps:
 //! - no hypervisor process outlives [`Driver::shutdown`], [`Driver::kill`] or a failed
 //!   [`Driver::boot`] / [`Driver::restore`];
-//! - [`Driver::list`] reports an error as an error, never as an empty list.
+//! - [`Driver::list`] reports an error as an error, never as an empty list;
+//! - a hypervisor whose owner process died mid-boot/-restore is still listed (`creating`) and
+//!   [`Driver::kill`]able; a VM directory some live process names is never deleted.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -169,6 +172,19 @@ impl BootSpec {
     }
 }
 
+/// Where a VM is in its lifecycle ([`crate::lifecycle`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VmState {
+    /// The driver is booting or restoring it; the hypervisor pid may not be recorded yet
+    /// (`pid == 0`) and the QMP / agent sockets may not exist. Only [`Driver::kill`] (or
+    /// [`Driver::shutdown`], which then kills) applies.
+    Creating,
+    /// Boot or restore completed. Records written before lifecycle states existed load as this.
+    #[default]
+    Running,
+}
+
 /// One VM a driver started (or re-attached to). Serialised as `vm.json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Vm {
@@ -197,6 +213,9 @@ pub struct Vm {
     pub restored_from: Option<PathBuf>,
     /// Wall-clock creation time, seconds since the Unix epoch.
     pub created_at_epoch_secs: u64,
+    /// Lifecycle state; absent in old records, which mean `running`.
+    #[serde(default)]
+    pub state: VmState,
 }
 
 /// A VM's saved state on disk: `<dir>/snapshot.json` plus backend-specific files.
@@ -454,11 +473,22 @@ pub trait Driver: Send + Sync {
     /// `timeout`, then removes the VM's directory.
     async fn shutdown(&self, vm: &Vm, timeout: Duration) -> Result<(), DriverError>;
 
-    /// Kills the hypervisor at once and removes the VM's directory.
+    /// Kills the hypervisor at once and removes the VM's directory. Works on a
+    /// [`VmState::Creating`] VM too, even one whose pid was never recorded.
     async fn kill(&self, vm: &Vm) -> Result<(), DriverError>;
 
-    /// The live VMs under this driver's state dir.
+    /// The VMs under this driver's state dir that may have a running hypervisor: `running`
+    /// ones whose process lives, and `creating` ones (a boot or restore in flight, or one whose
+    /// owner died mid-way and left a hypervisor behind — [`Driver::kill`] it). Records of dead
+    /// VMs are omitted; [`Driver::prune`] removes them.
     async fn list(&self) -> Result<Vec<Vm>, DriverError>;
+
+    /// Removes the directories of dead VM records (hypervisor gone, and for `creating` ones
+    /// also the owner) and returns their ids. Never removes a directory a live process names.
+    /// Drivers without on-disk state have nothing to prune.
+    async fn prune(&self) -> Result<Vec<VmId>, DriverError> {
+        Ok(Vec::new())
+    }
 
     /// Re-attaches to a live VM after our own process restarted (reconnects the control
     /// channel, restarts host-side helpers such as the vsock bridge).

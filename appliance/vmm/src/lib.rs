@@ -5,6 +5,7 @@
 //! - [`cloud_hypervisor`]: cloud-hypervisor over its REST API, guest agent over hybrid vsock;
 //! - [`agent`]: the one hybrid-vsock dialler every driver uses;
 //! - [`catalog`], [`size`], [`accel`], [`record`]: templates, size classes, KVM/TCG probe, `vm.json`;
+//! - [`lifecycle`]: the `creating` → `running` record that keeps every started hypervisor findable;
 //! - [`test_utils`]: an in-memory [`test_utils::FakeDriver`] with settable failures.
 
 pub mod accel;
@@ -12,6 +13,7 @@ pub mod agent;
 pub mod catalog;
 pub mod cloud_hypervisor;
 pub mod driver;
+pub mod lifecycle;
 pub mod qemu;
 pub mod record;
 pub mod size;
@@ -21,7 +23,7 @@ pub use accel::{Accel, AccelPreference};
 pub use agent::CONTROL_PORT;
 pub use catalog::{Catalog, CatalogError};
 pub use driver::{
-    AfterSnapshot, AgentInfo, AgentStream, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId,
+    AfterSnapshot, AgentInfo, AgentStream, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId, VmState,
     AGENT_PORT,
 };
 pub use size::SizeClass;

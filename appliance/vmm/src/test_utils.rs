@@ -138,6 +138,7 @@ impl FakeDriver {
             spec: spec.clone(),
             restored_from: from,
             created_at_epoch_secs: 0,
+            state: crate::driver::VmState::Running,
         };
         st.vms.insert(id, (vm.clone(), false));
         vm

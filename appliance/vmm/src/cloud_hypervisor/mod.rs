@@ -34,8 +34,11 @@
 //!   wait for the process to exit; if the control channel fails, `PUT /vm.shutdown`,
 //!   `PUT /vmm.shutdown`; SIGKILL if the process is still there after the timeout; **kill**: SIGKILL. Both remove `<vmdir>`. No process outlives shutdown,
 //!   kill, or a failed boot/restore.
-//! - **list / attach**: `vm.json` records under `<state_dir>/vms/`, liveness by pid + start time;
-//!   attach also pings the API and checks the answering pid.
+//! - **record**: `vm.json` is written `creating` right after the directory is made, gains the
+//!   pid right after `fork`, and turns `running` once boot/restore finished ([`crate::lifecycle`]).
+//! - **list / attach / prune**: `vm.json` records under `<state_dir>/vms/`, liveness by pid +
+//!   start time (a `creating` one is listed while anything may run for it, and can be killed);
+//!   attach also pings the API and checks the answering pid; prune removes dead records.
 //!
 //! # Errors
 //!
@@ -62,11 +65,12 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use cloud_hypervisor_client::models::VmState;
+use cloud_hypervisor_client::models::VmState as ChVmState;
 use tracing::Instrument;
 
 use crate::accel::{Accel, AccelPreference, KvmFacts};
-use crate::driver::{AfterSnapshot, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId};
+use crate::driver::{AfterSnapshot, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId, VmState};
+use crate::lifecycle::{self, VmRecord};
 use crate::record::{self, RecordError, VM_JSON};
 use api::{ApiClient, ApiError};
 use config::{CloneRewrite, VmPlan};
@@ -87,6 +91,8 @@ pub const OVERLAY: &str = "overlay.raw";
 pub const RESTORE_DIR: &str = "restore";
 /// The snapshot file cloud-hypervisor writes with the VM configuration.
 pub const SNAPSHOT_CONFIG: &str = "config.json";
+/// How long processes found for a `creating` VM may take to die after SIGKILL.
+const KILL_WAIT: Duration = Duration::from_secs(10);
 
 /// Settings of the driver.
 #[derive(Debug, Clone)]
@@ -285,21 +291,6 @@ impl CloudHypervisor {
         Ok(())
     }
 
-    fn new_vm_dir(&self, id: &VmId) -> Result<PathBuf, DriverError> {
-        let vms = self.vms_dir();
-        std::fs::create_dir_all(&vms)
-            .map_err(|e| DriverError::io(format!("creating {}", vms.display()), e))?;
-        let dir = self.vm_dir(id);
-        std::fs::create_dir(&dir).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::AlreadyExists {
-                DriverError::Invalid(format!("vm {id} already exists at {}", dir.display()))
-            } else {
-                DriverError::io(format!("creating {}", dir.display()), e)
-            }
-        })?;
-        Ok(dir)
-    }
-
     fn skeleton(&self, id: &VmId, dir: &Path, spec: &BootSpec) -> Vm {
         Vm {
             id: id.clone(),
@@ -314,33 +305,39 @@ impl CloudHypervisor {
             spec: spec.clone(),
             restored_from: None,
             created_at_epoch_secs: now_epoch_secs(),
+            state: VmState::Creating,
         }
     }
 
-    /// Spawns the process for `vm`, waits for its API and writes `vm.json`. On error the
-    /// process (if any) is already killed; the caller removes the directory.
-    async fn start_process(&self, vm: &mut Vm) -> Result<VmmProcess, DriverError> {
-        let log = vm.dir.join(VMM_LOG);
-        let mut proc = VmmProcess::spawn(&self.binary, &vm.control_socket, &log)
-            .map_err(|e| process_error(&vm.id, e))?;
-        vm.pid = proc.pid();
-        vm.pid_start_time = proc.start_time();
-        let api = ApiClient::new(
-            &vm.control_socket,
-            self.cfg.api_timeout.min(Duration::from_secs(1)),
-        );
-        let ready = proc.wait_api(&api, &log, self.cfg.start_timeout).await;
-        let result = match ready {
-            Ok(ping) => {
-                tracing::debug!(vm = %vm.id, pid = vm.pid, version = %ping.version, "cloud-hypervisor API up");
-                record::write_json_atomic(&vm.dir.join(VM_JSON), &*vm).map_err(DriverError::from)
+    /// Spawns the process for `rec`, records its pid in `vm.json` at once, and waits for its
+    /// API. On error the process (if any) is already killed; the caller removes the directory.
+    async fn start_process(&self, rec: &mut VmRecord) -> Result<VmmProcess, DriverError> {
+        let log = rec.vm.dir.join(VMM_LOG);
+        let mut proc = VmmProcess::spawn(&self.binary, &rec.vm.control_socket, &log)
+            .map_err(|e| process_error(&rec.vm.id, e))?;
+        let recorded = rec
+            .spawned(proc.pid(), proc.start_time())
+            .and_then(|()| rec.store());
+        let result = match recorded {
+            Ok(()) => {
+                let api = ApiClient::new(
+                    &rec.vm.control_socket,
+                    self.cfg.api_timeout.min(Duration::from_secs(1)),
+                );
+                match proc.wait_api(&api, &log, self.cfg.start_timeout).await {
+                    Ok(ping) => {
+                        tracing::debug!(vm = %rec.vm.id, pid = rec.vm.pid, version = %ping.version, "cloud-hypervisor API up");
+                        Ok(())
+                    }
+                    Err(e) => Err(process_error(&rec.vm.id, e)),
+                }
             }
-            Err(e) => Err(process_error(&vm.id, e)),
+            Err(e) => Err(e),
         };
         match result {
             Ok(()) => Ok(proc),
             Err(e) => {
-                Self::discard(&vm.id, &mut proc).await;
+                Self::discard(&rec.vm.id, &mut proc).await;
                 Err(e)
             }
         }
@@ -361,22 +358,29 @@ impl CloudHypervisor {
         }
     }
 
-    /// Runs `steps` on a started VM; on error kills the process and removes the directory.
+    /// Runs `steps` on a started VM, then marks its record `running`; on error kills the
+    /// process and removes the directory.
     async fn finish_start(
         &self,
-        vm: Vm,
+        mut rec: VmRecord,
         mut proc: VmmProcess,
         steps: impl std::future::Future<Output = Result<(), DriverError>>,
     ) -> Result<Vm, DriverError> {
-        match steps.await {
+        let done = async {
+            steps.await?;
+            rec.running()?;
+            rec.store()
+        }
+        .await;
+        match done {
             Ok(()) => {
-                self.procs().insert(vm.id.clone(), proc);
-                Ok(vm)
+                self.procs().insert(rec.vm.id.clone(), proc);
+                Ok(rec.vm)
             }
             Err(e) => {
-                Self::discard(&vm.id, &mut proc).await;
-                if let Err(rm) = Self::remove_dir(&vm.dir) {
-                    tracing::warn!(vm = %vm.id, error = %crate::error_chain(&rm), "leaving directory of failed vm");
+                Self::discard(&rec.vm.id, &mut proc).await;
+                if let Err(rm) = Self::remove_dir(&rec.vm.dir) {
+                    tracing::warn!(vm = %rec.vm.id, error = %crate::error_chain(&rm), "leaving directory of failed vm");
                 }
                 Err(e)
             }
@@ -421,8 +425,9 @@ impl CloudHypervisor {
     }
 
     async fn boot_as(&self, spec: &BootSpec, id: VmId) -> Result<Vm, DriverError> {
-        let dir = self.new_vm_dir(&id)?;
-        let mut vm = self.skeleton(&id, &dir, spec);
+        let mut rec = VmRecord::creating(self.skeleton(&id, &self.vm_dir(&id), spec));
+        lifecycle::create_vm_dir(&rec)?;
+        let dir = rec.vm.dir.clone();
         let overlay = match &spec.overlay_base {
             Some(base) => {
                 let to = dir.join(OVERLAY);
@@ -447,25 +452,25 @@ impl CloudHypervisor {
             shared_memory: self.cfg.shared_memory,
             rootfs: spec.rootfs.clone(),
             overlay,
-            serial_file: vm.console_log.clone(),
+            serial_file: rec.vm.console_log.clone(),
             vsock_cid: vsock_cid(&id),
-            vsock_socket: vm.vsock_socket.clone(),
+            vsock_socket: rec.vm.vsock_socket.clone(),
         };
-        let proc = match self.start_process(&mut vm).await {
+        let proc = match self.start_process(&mut rec).await {
             Ok(p) => p,
             Err(e) => {
                 let _ = Self::remove_dir(&dir);
                 return Err(e);
             }
         };
-        let api = self.api(&vm);
+        let api = self.api(&rec.vm);
         let steps = async {
             api.create(plan.to_vm_config())
                 .await
                 .map_err(|e| api_error(&id, e))?;
             api.boot().await.map_err(|e| api_error(&id, e))
         };
-        let vm = self.finish_start(vm, proc, steps).await?;
+        let vm = self.finish_start(rec, proc, steps).await?;
         tracing::info!(pid = vm.pid, accel = %vm.accel, "vm booted");
         Ok(vm)
     }
@@ -483,7 +488,7 @@ impl CloudHypervisor {
             .map_err(|e| DriverError::io(format!("creating {}", dir.display()), e))?;
         let api = self.api(vm);
         let state = api.info().await.map_err(|e| api_error(&vm.id, e))?.state;
-        let was_paused = state == VmState::Paused;
+        let was_paused = state == ChVmState::Paused;
         if !was_paused {
             api.pause().await.map_err(|e| api_error(&vm.id, e))?;
         }
@@ -537,10 +542,12 @@ impl CloudHypervisor {
                 snapshot.backend
             )));
         }
-        let dir = self.new_vm_dir(id)?;
-        let mut vm = self.skeleton(id, &dir, &snapshot.spec);
+        let mut vm = self.skeleton(id, &self.vm_dir(id), &snapshot.spec);
         vm.accel = snapshot.accel;
         vm.restored_from = Some(snapshot.dir.clone());
+        let mut rec = VmRecord::creating(vm);
+        lifecycle::create_vm_dir(&rec)?;
+        let dir = rec.vm.dir.clone();
         let prepared = (|| {
             let overlay = match &snapshot.overlay {
                 Some(src) => {
@@ -550,7 +557,7 @@ impl CloudHypervisor {
                 }
                 None => None,
             };
-            Self::prepare_restore_dir(snapshot, &vm, overlay)
+            Self::prepare_restore_dir(snapshot, &rec.vm, overlay)
         })();
         let rdir = match prepared {
             Ok(r) => r,
@@ -559,26 +566,30 @@ impl CloudHypervisor {
                 return Err(e);
             }
         };
-        let proc = match self.start_process(&mut vm).await {
+        let proc = match self.start_process(&mut rec).await {
             Ok(p) => p,
             Err(e) => {
                 let _ = Self::remove_dir(&dir);
                 return Err(e);
             }
         };
-        let api = self.api(&vm);
-        let slow = self.slow_api(&vm);
+        let api = self.api(&rec.vm);
+        let slow = self.slow_api(&rec.vm);
         let steps = async {
             slow.restore(&rdir).await.map_err(|e| api_error(id, e))?;
             api.resume().await.map_err(|e| api_error(id, e))
         };
-        let vm = self.finish_start(vm, proc, steps).await?;
+        let vm = self.finish_start(rec, proc, steps).await?;
         tracing::info!(pid = vm.pid, "vm restored");
         Ok(vm)
     }
 
     async fn shutdown_within(&self, vm: &Vm, timeout: Duration) -> Result<(), DriverError> {
         self.check_owned(vm)?;
+        if vm.state == VmState::Creating {
+            // No guest to ask yet.
+            return self.kill_now(vm).await;
+        }
         let mut proc = self.take_process(vm);
         let t0 = Instant::now();
         let deadline = t0 + timeout;
@@ -638,6 +649,32 @@ impl CloudHypervisor {
         tracing::info!("vm shut down");
         Ok(())
     }
+
+    /// SIGKILLs the VM's process — for a `creating` VM also any process naming its directory
+    /// (its pid may never have been recorded) — and removes the directory.
+    async fn kill_now(&self, vm: &Vm) -> Result<(), DriverError> {
+        self.check_owned(vm)?;
+        // The caller's copy may predate the pid being recorded.
+        let vm = &lifecycle::freshest(vm);
+        let mut proc = self.take_process(vm);
+        if let Err(e) = proc.kill().await {
+            self.procs().insert(vm.id.clone(), proc);
+            return Err(process_error(&vm.id, e));
+        }
+        if vm.state == VmState::Creating || vm.pid == 0 {
+            let rest = lifecycle::vm_processes(&vm.dir, None, None);
+            if !lifecycle::kill_all(&rest, KILL_WAIT).await {
+                return Err(DriverError::Timeout {
+                    vm: vm.id.clone(),
+                    what: format!("processes {rest:?} of a half-created vm to die after SIGKILL"),
+                    after: KILL_WAIT,
+                });
+            }
+        }
+        Self::remove_dir(&vm.dir)?;
+        tracing::info!(vm = %vm.id, pid = vm.pid, "vm killed");
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -695,46 +732,25 @@ impl Driver for CloudHypervisor {
     }
 
     async fn kill(&self, vm: &Vm) -> Result<(), DriverError> {
-        self.check_owned(vm)?;
-        let mut proc = self.take_process(vm);
-        if let Err(e) = proc.kill().await {
-            self.procs().insert(vm.id.clone(), proc);
-            return Err(process_error(&vm.id, e));
-        }
-        Self::remove_dir(&vm.dir)?;
-        tracing::info!(vm = %vm.id, pid = vm.pid, "vm killed");
-        Ok(())
+        self.kill_now(vm).await
     }
 
     async fn list(&self) -> Result<Vec<Vm>, DriverError> {
-        let vms = self.vms_dir();
-        let entries = match std::fs::read_dir(&vms) {
-            Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(DriverError::io(format!("reading {}", vms.display()), e)),
-        };
-        let mut out = Vec::new();
-        for entry in entries {
-            let entry =
-                entry.map_err(|e| DriverError::io(format!("reading {}", vms.display()), e))?;
-            let path = entry.path().join(VM_JSON);
-            let vm: Vm = match record::read_json(&path) {
-                Ok(vm) => vm,
-                // A directory without a record is a VM still starting (or not ours).
-                Err(RecordError::Io { source, .. })
-                    if source.kind() == std::io::ErrorKind::NotFound =>
-                {
-                    continue
-                }
-                Err(e) => return Err(e.into()),
-            };
-            if vm.backend == Backend::CloudHypervisor && record::is_alive(vm.pid, vm.pid_start_time)
-            {
-                out.push(vm);
-            }
+        lifecycle::list(&self.vms_dir(), Backend::CloudHypervisor, None)
+    }
+
+    async fn prune(&self) -> Result<Vec<VmId>, DriverError> {
+        let pruned = lifecycle::prune(
+            &self.vms_dir(),
+            Backend::CloudHypervisor,
+            None,
+            lifecycle::PRUNE_GRACE,
+        )?;
+        let mut procs = self.procs();
+        for id in &pruned {
+            procs.remove(id);
         }
-        out.sort_by(|a, b| a.id.cmp(&b.id));
-        Ok(out)
+        Ok(pruned)
     }
 
     async fn attach(&self, id: &VmId) -> Result<Vm, DriverError> {
@@ -756,6 +772,11 @@ impl Driver for CloudHypervisor {
             )));
         }
         self.check_owned(&vm)?;
+        if vm.state == VmState::Creating {
+            return Err(DriverError::Invalid(format!(
+                "vm {id} is still being created (its owner may have died mid-way): kill it"
+            )));
+        }
         if !record::is_alive(vm.pid, vm.pid_start_time) {
             return Err(DriverError::NotFound(id.clone()));
         }

@@ -6,6 +6,12 @@
 //! [`agent_mux::bridge::Bridge`] so callers dial it like a cloud-hypervisor vsock socket.
 //! Snapshots are QMP `stop` + `migrate` to `exec:cat > <dir>/state` + a copy of the overlay;
 //! restore starts QEMU with `-incoming defer`, `migrate-incoming`, then `cont`.
+//!
+//! Boot and restore share one path ([`QemuDriver`]'s `create`): the `creating` record is written
+//! right after `mkdir`, the QEMU pid (from `-pidfile`, read as soon as the daemonizing parent
+//! returned) right after spawn, `running` at the end ([`crate::lifecycle`]). `list` shows
+//! `creating` VMs too, `kill` finds an unrecorded QEMU through its pid file or its command line,
+//! and `prune` removes dead records — so a `kill -9` of the owner mid-boot leaks nothing.
 
 pub mod cmdline;
 pub mod process;
@@ -21,7 +27,8 @@ use async_trait::async_trait;
 use tracing::Instrument;
 
 use crate::accel::{self, Accel, AccelPreference};
-use crate::driver::{AfterSnapshot, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId};
+use crate::driver::{AfterSnapshot, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId, VmState};
+use crate::lifecycle::{self, VmRecord};
 use crate::record;
 use cmdline::{files, Launch};
 use qmp::{Qmp, QmpError};
@@ -78,8 +85,9 @@ pub struct QemuDriver {
     bridges: Mutex<HashMap<VmId, Bridge>>,
 }
 
-/// Removes a half-created VM (kills its process, deletes its dir) unless disarmed.
-/// Synchronous so that it also runs when the boot future is dropped.
+/// Removes a half-created VM (kills its processes, deletes its dir) unless disarmed.
+/// Synchronous so that it also runs when the boot future is dropped. (A `kill -9` of our own
+/// process skips it: then the `creating` record lets the next owner find the VM.)
 struct Pending {
     dir: PathBuf,
     pid: Option<(u32, u64)>,
@@ -91,15 +99,23 @@ impl Drop for Pending {
         if !self.armed {
             return;
         }
-        if let Some((pid, st)) = self.pid {
-            process::signal(pid, st, libc::SIGKILL);
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while record::is_alive(pid, st) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(5));
-            }
+        // Also the daemon whose pid was not recorded yet (future dropped mid-spawn).
+        let procs = lifecycle::vm_processes(&self.dir, self.pid, Some(files::PID));
+        if !lifecycle::kill_all_blocking(&procs, Duration::from_secs(5)) {
+            tracing::error!(dir = %self.dir.display(), ?procs, "a half-created VM's QEMU survived SIGKILL; keeping its dir");
+            return;
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// What a new VM starts from.
+#[derive(Clone, Copy)]
+enum Origin<'a> {
+    /// A fresh boot.
+    Boot(&'a BootSpec),
+    /// A clone of a snapshot.
+    Restore(&'a Snapshot),
 }
 
 fn now_secs() -> u64 {
@@ -150,37 +166,47 @@ impl QemuDriver {
         Ok(())
     }
 
-    fn new_vm_dir(&self, id: &VmId) -> Result<Pending, DriverError> {
-        let vms = self.vms_dir();
-        std::fs::create_dir_all(&vms).map_err(|e| DriverError::io(format!("creating {}", vms.display()), e))?;
-        let dir = vms.join(id.as_str());
-        std::fs::create_dir(&dir).map_err(|e| DriverError::io(format!("creating {}", dir.display()), e))?;
-        Ok(Pending { dir, pid: None, armed: true })
+    fn vm_dir(&self, id: &VmId) -> PathBuf {
+        self.vms_dir().join(id.as_str())
     }
 
-    fn make_vm(
-        &self,
-        id: &VmId,
-        dir: &Path,
-        accel: Accel,
-        pid: (u32, u64),
-        spec: &BootSpec,
-        from: Option<PathBuf>,
-    ) -> Vm {
+    /// Creates the VM directory holding its `creating` record, guarded by [`Pending`].
+    fn new_vm_dir(&self, rec: &VmRecord) -> Result<Pending, DriverError> {
+        lifecycle::create_vm_dir(rec)?;
+        Ok(Pending { dir: rec.vm.dir.clone(), pid: None, armed: true })
+    }
+
+    fn make_vm(&self, id: &VmId, accel: Accel, spec: &BootSpec, from: Option<PathBuf>) -> Vm {
+        let dir = self.vm_dir(id);
         Vm {
             id: id.clone(),
             backend: Backend::Qemu,
             accel,
-            pid: pid.0,
-            pid_start_time: pid.1,
-            dir: dir.to_path_buf(),
+            pid: 0,
+            pid_start_time: 0,
             control_socket: dir.join(files::QMP),
             vsock_socket: dir.join(files::VSOCK),
             console_log: dir.join(files::CONSOLE),
+            dir,
             spec: spec.clone(),
             restored_from: from,
             created_at_epoch_secs: now_secs(),
+            state: VmState::Creating,
         }
+    }
+
+    /// Refuses a `Vm` whose directory is not ours (we delete it on stop).
+    fn check_owned(&self, vm: &Vm) -> Result<(), DriverError> {
+        if vm.backend != Backend::Qemu || vm.dir != self.vm_dir(&vm.id) {
+            return Err(DriverError::Invalid(format!(
+                "vm {} ({} in {}) is not a QEMU VM under {}",
+                vm.id,
+                vm.backend,
+                vm.dir.display(),
+                self.vms_dir().display()
+            )));
+        }
+        Ok(())
     }
 
     fn start_bridge(&self, vm: &Vm) -> Result<(), DriverError> {
@@ -233,103 +259,111 @@ impl QemuDriver {
         }
     }
 
-    async fn boot_inner(&self, id: &VmId, spec: &BootSpec, pending: &mut Pending) -> Result<Vm, DriverError> {
-        let accel = self.resolve_accel(spec.accel);
+    /// A qcow2 overlay `<dir>/overlay.qcow2` on `backing` (of format `backing_fmt`).
+    async fn create_overlay(&self, dir: &Path, backing: &Path, backing_fmt: &str) -> Result<PathBuf, DriverError> {
+        let o = dir.join(files::OVERLAY);
+        let args: Vec<String> = ["create", "-q", "-f", "qcow2", "-F", backing_fmt, "-b"]
+            .into_iter()
+            .map(String::from)
+            .chain([backing.display().to_string(), o.display().to_string()])
+            .collect();
+        process::run(&self.cfg.qemu_img, &args).await?;
+        Ok(o)
+    }
+
+    /// Boot and restore: `creating` record → overlay → QEMU → pid recorded → (restore: incoming
+    /// migration, `cont`) → `running` record → vsock bridge. Errors and drops are cleaned up by
+    /// `pending`; a `kill -9` of our process leaves the `creating` record for [`Driver::list`].
+    async fn create(&self, id: &VmId, origin: Origin<'_>) -> Result<Vm, DriverError> {
+        let t0 = Instant::now();
+        let (spec, accel, from) = match origin {
+            Origin::Boot(spec) => (spec, self.resolve_accel(spec.accel), None),
+            Origin::Restore(snap) => (&snap.spec, snap.accel, Some(snap.dir.clone())),
+        };
         self.check_inputs(spec)?;
-        let dir = pending.dir.clone();
-        let overlay = match &spec.overlay_base {
-            Some(base) => {
-                let o = dir.join(files::OVERLAY);
-                let args: Vec<String> = vec![
-                    "create".into(),
-                    "-q".into(),
-                    "-f".into(),
-                    "qcow2".into(),
-                    "-F".into(),
-                    "raw".into(),
-                    "-b".into(),
-                    base.display().to_string(),
-                    o.display().to_string(),
-                ];
-                process::run(&self.cfg.qemu_img, &args).await?;
-                Some(o)
+        let mut rec = VmRecord::creating(self.make_vm(id, accel, spec, from));
+        let mut pending = self.new_vm_dir(&rec)?;
+        match self.create_inner(&mut rec, origin, &mut pending).await {
+            Ok(()) => {
+                pending.armed = false;
+                let what = if matches!(origin, Origin::Boot(_)) { "vm started" } else { "vm restored" };
+                tracing::info!(accel = %rec.vm.accel, pid = rec.vm.pid, ms = t0.elapsed().as_millis() as u64, "{what}");
+                Ok(rec.vm)
             }
+            Err(e) => {
+                self.lock_bridges().remove(id);
+                let console = Self::console_tail(&pending.dir);
+                tracing::warn!(error = %crate::error_chain(&e), %console, "start failed; cleaning up");
+                drop(pending);
+                Err(e)
+            }
+        }
+    }
+
+    async fn create_inner(
+        &self,
+        rec: &mut VmRecord,
+        origin: Origin<'_>,
+        pending: &mut Pending,
+    ) -> Result<(), DriverError> {
+        let dir = rec.vm.dir.clone();
+        let backing = match origin {
+            Origin::Boot(spec) => spec.overlay_base.as_deref().map(|b| (b, "raw")),
+            Origin::Restore(snap) => snap.overlay.as_deref().map(|o| (o, "qcow2")),
+        };
+        let overlay = match backing {
+            Some((b, fmt)) => Some(self.create_overlay(&dir, b, fmt).await?),
             None => None,
         };
+        let incoming = matches!(origin, Origin::Restore(_));
         let args = cmdline::qemu_args(&Launch {
-            name: id.as_str(),
+            name: rec.vm.id.as_str(),
             dir: &dir,
-            spec,
-            accel,
+            spec: &rec.vm.spec,
+            accel: rec.vm.accel,
             tsc_khz: self.tsc_khz,
             overlay,
-            incoming: false,
-            paused: self.cfg.start_paused,
+            incoming,
+            paused: incoming || self.cfg.start_paused,
             firmware_only: self.cfg.firmware_only,
         });
         tracing::debug!(?args, "starting qemu");
-        let pid = process::start_daemonized(&self.cfg.qemu, &args, &dir.join(files::PID)).await?;
-        pending.pid = Some(pid);
-        let vm = self.make_vm(id, &dir, accel, pid, spec, None);
-        record::write_json_atomic(&dir.join(record::VM_JSON), &vm)?;
-        self.start_bridge(&vm)?;
-        Ok(vm)
-    }
-
-    async fn restore_inner(&self, snap: &Snapshot, id: &VmId, pending: &mut Pending) -> Result<Vm, DriverError> {
-        let dir = pending.dir.clone();
-        let overlay = match &snap.overlay {
-            Some(parent) => {
-                let o = dir.join(files::OVERLAY);
-                let args: Vec<String> = vec![
-                    "create".into(),
-                    "-q".into(),
-                    "-f".into(),
-                    "qcow2".into(),
-                    "-F".into(),
-                    "qcow2".into(),
-                    "-b".into(),
-                    parent.display().to_string(),
-                    o.display().to_string(),
-                ];
-                process::run(&self.cfg.qemu_img, &args).await?;
-                Some(o)
+        let (pid, start_time) = process::start_daemonized(&self.cfg.qemu, &args, &dir.join(files::PID)).await?;
+        pending.pid = Some((pid, start_time));
+        rec.spawned(pid, start_time)?;
+        rec.store()?;
+        if let Origin::Restore(snap) = origin {
+            let id = &rec.vm.id;
+            let q = self.qmp(&rec.vm).await?;
+            let state = snap.dir.join(files::STATE);
+            q.migrate_incoming(&format!("exec:cat {}", sh_quote(&state))).await.map_err(control(id))?;
+            self.wait_migration(id, &q, "incoming migration").await?;
+            if !self.cfg.start_paused {
+                q.cont().await.map_err(control(id))?;
             }
-            None => None,
-        };
-        let args = cmdline::qemu_args(&Launch {
-            name: id.as_str(),
-            dir: &dir,
-            spec: &snap.spec,
-            accel: snap.accel,
-            tsc_khz: self.tsc_khz,
-            overlay,
-            incoming: true,
-            paused: true,
-            firmware_only: self.cfg.firmware_only,
-        });
-        let pid = process::start_daemonized(&self.cfg.qemu, &args, &dir.join(files::PID)).await?;
-        pending.pid = Some(pid);
-        let vm = self.make_vm(id, &dir, snap.accel, pid, &snap.spec, Some(snap.dir.clone()));
-        let q = self.qmp(&vm).await?;
-        let state = snap.dir.join(files::STATE);
-        q.migrate_incoming(&format!("exec:cat {}", sh_quote(&state))).await.map_err(control(id))?;
-        self.wait_migration(id, &q, "incoming migration").await?;
-        if !self.cfg.start_paused {
-            q.cont().await.map_err(control(id))?;
         }
-        record::write_json_atomic(&dir.join(record::VM_JSON), &vm)?;
-        self.start_bridge(&vm)?;
-        Ok(vm)
+        rec.running()?;
+        rec.store()?;
+        self.start_bridge(&rec.vm)
     }
 
-    /// Stops the process (if still ours and alive) and removes the VM's directory and bridge.
+    /// Stops every process of the VM (the recorded pid; for a `creating` VM also the pid file's
+    /// and any naming its directory) and removes its directory and bridge.
     async fn destroy(&self, vm: &Vm) -> Result<(), DriverError> {
+        self.check_owned(vm)?;
         self.lock_bridges().remove(&vm.id);
-        if !process::kill_and_wait(vm.pid, vm.pid_start_time, KILL_WAIT).await {
+        // The caller's copy may predate the pid being recorded.
+        let vm = &lifecycle::freshest(vm);
+        let recorded = (vm.pid != 0).then_some((vm.pid, vm.pid_start_time));
+        let procs = if vm.state == VmState::Running && recorded.is_some() {
+            recorded.into_iter().collect()
+        } else {
+            lifecycle::vm_processes(&vm.dir, recorded, Some(files::PID))
+        };
+        if !lifecycle::kill_all(&procs, KILL_WAIT).await {
             return Err(DriverError::Timeout {
                 vm: vm.id.clone(),
-                what: format!("qemu pid {} to exit after SIGKILL", vm.pid),
+                what: format!("qemu processes {procs:?} to exit after SIGKILL"),
                 after: KILL_WAIT,
             });
         }
@@ -354,26 +388,7 @@ impl Driver for QemuDriver {
     async fn boot(&self, spec: &BootSpec) -> Result<Vm, DriverError> {
         let id = VmId::generate(&spec.name);
         let span = tracing::info_span!("vm_boot", vm = %id, template = %spec.name, size = %spec.size);
-        async {
-            let t0 = Instant::now();
-            let mut pending = self.new_vm_dir(&id)?;
-            match self.boot_inner(&id, spec, &mut pending).await {
-                Ok(vm) => {
-                    pending.armed = false;
-                    tracing::info!(accel = %vm.accel, pid = vm.pid, ms = t0.elapsed().as_millis() as u64, "vm started");
-                    Ok(vm)
-                }
-                Err(e) => {
-                    self.lock_bridges().remove(&id);
-                    let console = Self::console_tail(&pending.dir);
-                    tracing::warn!(error = %crate::error_chain(&e), %console, "boot failed; cleaning up");
-                    drop(pending);
-                    Err(e)
-                }
-            }
-        }
-        .instrument(span)
-        .await
+        self.create(&id, Origin::Boot(spec)).instrument(span).await
     }
 
     async fn pause(&self, vm: &Vm) -> Result<(), DriverError> {
@@ -440,26 +455,7 @@ impl Driver for QemuDriver {
             )));
         }
         let span = tracing::info_span!("vm_restore", vm = %id, from = %snapshot.source, template = %snapshot.spec.name);
-        async {
-            let t0 = Instant::now();
-            self.check_inputs(&snapshot.spec)?;
-            let mut pending = self.new_vm_dir(id)?;
-            match self.restore_inner(snapshot, id, &mut pending).await {
-                Ok(vm) => {
-                    pending.armed = false;
-                    tracing::info!(accel = %vm.accel, pid = vm.pid, ms = t0.elapsed().as_millis() as u64, "vm restored");
-                    Ok(vm)
-                }
-                Err(e) => {
-                    self.lock_bridges().remove(id);
-                    tracing::warn!(error = %crate::error_chain(&e), "restore failed; cleaning up");
-                    drop(pending);
-                    Err(e)
-                }
-            }
-        }
-        .instrument(span)
-        .await
+        self.create(id, Origin::Restore(snapshot)).instrument(span).await
     }
 
     async fn shutdown(&self, vm: &Vm, timeout: Duration) -> Result<(), DriverError> {
@@ -468,7 +464,8 @@ impl Driver for QemuDriver {
             let t0 = Instant::now();
             let deadline = t0 + timeout;
             let left = || deadline.saturating_duration_since(Instant::now());
-            if record::is_alive(vm.pid, vm.pid_start_time) {
+            // A VM still being created has no guest to ask: kill it.
+            if vm.state == VmState::Running && record::is_alive(vm.pid, vm.pid_start_time) {
                 // 1. The guest control port: silkd has guest-init power off.
                 let path = match crate::agent::request_poweroff(&vm.vsock_socket, crate::agent::control_budget(timeout)).await {
                     Ok(()) => "control",
@@ -504,35 +501,31 @@ impl Driver for QemuDriver {
     }
 
     async fn list(&self) -> Result<Vec<Vm>, DriverError> {
-        let vms = self.vms_dir();
-        let entries = match std::fs::read_dir(&vms) {
-            Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(DriverError::io(format!("listing {}", vms.display()), e)),
-        };
-        let mut out = Vec::new();
-        for entry in entries {
-            let entry = entry.map_err(|e| DriverError::io(format!("listing {}", vms.display()), e))?;
-            let path = entry.path().join(record::VM_JSON);
-            if !path.exists() {
-                continue; // a boot in progress (or its leftovers): not a VM yet
-            }
-            let vm: Vm = record::read_json(&path)?;
-            if vm.backend == Backend::Qemu && record::is_alive(vm.pid, vm.pid_start_time) {
-                out.push(vm);
-            }
+        lifecycle::list(&self.vms_dir(), Backend::Qemu, Some(files::PID))
+    }
+
+    async fn prune(&self) -> Result<Vec<VmId>, DriverError> {
+        let pruned = lifecycle::prune(&self.vms_dir(), Backend::Qemu, Some(files::PID), lifecycle::PRUNE_GRACE)?;
+        let mut bridges = self.lock_bridges();
+        for id in &pruned {
+            bridges.remove(id);
         }
-        out.sort_by(|a, b| a.id.cmp(&b.id));
-        Ok(out)
+        Ok(pruned)
     }
 
     async fn attach(&self, id: &VmId) -> Result<Vm, DriverError> {
-        let path = self.vms_dir().join(id.as_str()).join(record::VM_JSON);
-        if !path.exists() {
+        let Some(VmRecord { vm, .. }) = VmRecord::load(&self.vm_dir(id))? else {
+            return Err(DriverError::NotFound(id.clone()));
+        };
+        if &vm.id != id || vm.backend != Backend::Qemu {
             return Err(DriverError::NotFound(id.clone()));
         }
-        let vm: Vm = record::read_json(&path)?;
-        if vm.backend != Backend::Qemu || !record::is_alive(vm.pid, vm.pid_start_time) {
+        if vm.state == VmState::Creating {
+            return Err(DriverError::Invalid(format!(
+                "vm {id} is still being created (its owner may have died mid-way): kill it"
+            )));
+        }
+        if !record::is_alive(vm.pid, vm.pid_start_time) {
             return Err(DriverError::NotFound(id.clone()));
         }
         let q = self.qmp(&vm).await?;

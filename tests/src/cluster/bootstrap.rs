@@ -1,0 +1,180 @@
+//! What `up` applies once the apiserver answers, the way kubeadm's bootstrap-token phases
+//! do: the TLS-bootstrap and cluster-info RBAC, the `cluster-info` ConfigMap, a bootstrap
+//! token Secret, and the agent-sandbox CRDs. Everything goes through the pinned `kubectl`.
+
+use super::ClusterError;
+use rand::Rng as _;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The extra group every Chrysalis bootstrap token authenticates with.
+pub const TOKEN_EXTRA_GROUP: &str = "system:bootstrappers:chrysalis";
+
+/// The pinned kubectl with the admin kubeconfig.
+#[derive(Debug, Clone)]
+pub struct Kubectl {
+    pub bin: PathBuf,
+    pub kubeconfig: PathBuf,
+}
+
+impl Kubectl {
+    /// A `kubectl` command using the admin kubeconfig.
+    pub fn command(&self) -> Command {
+        let mut cmd = Command::new(&self.bin);
+        cmd.env("KUBECONFIG", &self.kubeconfig).stdin(Stdio::null());
+        cmd
+    }
+
+    /// Runs `kubectl args`, failing with its stderr when it exits non-zero.
+    pub fn run(&self, args: &[&str]) -> Result<Output, ClusterError> {
+        let out = self.command().args(args).output().map_err(|source| ClusterError::Io {
+            what: format!("running {}", self.bin.display()),
+            source,
+        })?;
+        if !out.status.success() {
+            return Err(ClusterError::Kubectl {
+                args: args.join(" "),
+                stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// `kubectl get --raw /readyz` answers `ok`.
+    pub fn ready(&self) -> bool {
+        self.command()
+            .args(["get", "--raw", "/readyz", "--request-timeout=5s"])
+            .stderr(Stdio::null())
+            .output()
+            .map(|o| o.status.success() && o.stdout.trim_ascii() == b"ok")
+            .unwrap_or(false)
+    }
+
+    /// Server-side applies `file` (idempotent; CRDs are too large for client-side apply).
+    pub fn apply(&self, file: &Path) -> Result<(), ClusterError> {
+        let file = file.to_string_lossy();
+        self.run(&["apply", "--server-side", "--force-conflicts", "--field-manager=chrysalis-cluster", "-f", &file])
+            .map(|_| ())
+    }
+}
+
+/// A bootstrap token `<id>.<secret>`, `[a-z0-9]{6}.[a-z0-9]{16}`.
+#[derive(Debug, Clone)]
+pub struct Token {
+    pub id: String,
+    pub secret: String,
+}
+
+impl Token {
+    pub fn generate() -> Token {
+        const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+        let mut rng = rand::rng();
+        let mut pick = |n: usize| -> String {
+            (0..n).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
+        };
+        Token { id: pick(6), secret: pick(16) }
+    }
+
+    pub fn full(&self) -> String {
+        format!("{}.{}", self.id, self.secret)
+    }
+}
+
+/// Applies every bootstrap object into `manifests` (written there for inspection).
+pub fn apply_all(
+    kubectl: &Kubectl,
+    manifests: &Path,
+    rbac: &Path,
+    discovery_kubeconfig: &str,
+    token: &Token,
+    crd_dir: &Path,
+) -> Result<(), ClusterError> {
+    kubectl.apply(rbac)?;
+    let objects = [
+        (
+            "cluster-info.json",
+            json!({
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "cluster-info", "namespace": "kube-public"},
+                "data": {"kubeconfig": discovery_kubeconfig},
+            }),
+        ),
+        (
+            "bootstrap-token.json",
+            json!({
+                "apiVersion": "v1", "kind": "Secret", "type": "bootstrap.kubernetes.io/token",
+                "metadata": {"name": format!("bootstrap-token-{}", token.id), "namespace": "kube-system"},
+                "stringData": {
+                    "description": "Chrysalis test cluster (cargo xtask cluster up)",
+                    "token-id": token.id, "token-secret": token.secret,
+                    "usage-bootstrap-authentication": "true", "usage-bootstrap-signing": "true",
+                    "auth-extra-groups": TOKEN_EXTRA_GROUP,
+                },
+            }),
+        ),
+        (
+            "agent-sandbox-namespace.json",
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "agent-sandbox-system"}}),
+        ),
+    ];
+    for (name, object) in objects {
+        let path = manifests.join(name);
+        super::pki::write_secret(&path, &object.to_string())?;
+        kubectl.apply(&path)?;
+    }
+    let mut crds: Vec<PathBuf> = std::fs::read_dir(crd_dir)
+        .map_err(|source| ClusterError::Io { what: format!("listing {}", crd_dir.display()), source })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    crds.sort();
+    if crds.is_empty() {
+        return Err(ClusterError::Bootstrap(format!("no CRDs in {}", crd_dir.display())));
+    }
+    for crd in &crds {
+        kubectl.apply(crd)?;
+    }
+    let crd_files: Vec<String> = crds.iter().map(|p| format!("-f={}", p.display())).collect();
+    let mut args = vec!["wait", "--for=condition=Established", "--timeout=60s"];
+    args.extend(crd_files.iter().map(String::as_str));
+    kubectl.run(&args)?;
+    Ok(())
+}
+
+/// Waits until the bootstrap signer has signed `cluster-info` for `token`
+/// (key `jws-kubeconfig-<id>`), returning the detached JWS.
+pub fn wait_signed(kubectl: &Kubectl, token: &Token, timeout: Duration) -> Result<String, ClusterError> {
+    let key = format!("jws-kubeconfig-{}", token.id);
+    let deadline = Instant::now() + timeout;
+    loop {
+        let out = kubectl.run(&["-n", "kube-public", "get", "configmap", "cluster-info", "-o", "json"])?;
+        let cm: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .map_err(|e| ClusterError::Bootstrap(format!("cluster-info is not JSON: {e}")))?;
+        if let Some(jws) = cm["data"][&key].as_str() {
+            return Ok(jws.to_owned());
+        }
+        if Instant::now() >= deadline {
+            return Err(ClusterError::Bootstrap(format!(
+                "the bootstrap signer did not add {key} to kube-public/cluster-info within {timeout:?}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_have_the_bootstrap_format() {
+        let re = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+        let a = Token::generate();
+        let b = Token::generate();
+        assert!(re(&a.id, 6) && re(&a.secret, 16), "{}", a.full());
+        assert_eq!(a.full().len(), 23);
+        assert_ne!(a.full(), b.full());
+    }
+}

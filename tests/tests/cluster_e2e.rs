@@ -1,0 +1,86 @@
+//! The test control plane itself, end to end: `Cluster::up` on its own port and state
+//! directory, then what the join and the vk-sandbox provider rely on — ready apiserver,
+//! agent-sandbox CRDs, a bootstrap-signed `cluster-info`, anonymous discovery, the upstream
+//! controller turning the seed's Sandbox into a Pod — and `down` leaving nothing running.
+//!
+//! Enabled by `--features cluster` (the first run builds Kubernetes from source: tens of minutes).
+#![cfg(feature = "cluster")]
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use test_infra::cluster::{Cluster, Options};
+
+fn kubectl_ok(c: &Cluster, args: &[&str]) -> String {
+    let out = c.kubectl().args(args).output().expect("running kubectl");
+    assert!(
+        out.status.success(),
+        "kubectl {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn seed_example() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/seed/examples/sandboxd-example.yaml")
+}
+
+#[test]
+fn cluster_up_serves_bootstrap_and_agent_sandbox_then_down_leaves_nothing() {
+    let state = tempfile::tempdir().unwrap();
+    let opts = Options { state_dir: state.path().join("state"), port: 26443, ..Options::default() };
+    let cluster = Cluster::up_with(&opts).expect("cluster up");
+    assert!(cluster.started);
+    let again = Cluster::up_with(&opts).expect("second up");
+    assert!(!again.started, "a second up finds the cluster running");
+    assert_eq!((&again.token, &again.ca_hash), (&cluster.token, &cluster.ca_hash));
+
+    let result = std::panic::catch_unwind(|| {
+        assert_eq!(kubectl_ok(&cluster, &["get", "--raw", "/readyz"]).trim(), "ok");
+        let crds = kubectl_ok(&cluster, &["get", "crd", "-o", "name"]);
+        for crd in ["sandboxes.agents.x-k8s.io", "sandboxwarmpools.extensions.agents.x-k8s.io"] {
+            assert!(crds.contains(crd), "{crd} missing from {crds}");
+        }
+
+        // Anonymous discovery: cluster-info is readable without credentials and signed for our token.
+        let anon = tempfile::NamedTempFile::new().unwrap();
+        let ca = std::fs::read_to_string(&cluster.ca_cert).unwrap();
+        let kubeconfig = test_infra::cluster::pki::kubeconfig(&ca, &cluster.endpoint, None);
+        std::fs::write(anon.path(), kubeconfig).unwrap();
+        let out = std::process::Command::new(&cluster.kubectl)
+            .env("KUBECONFIG", anon.path())
+            .args(["-n", "kube-public", "get", "configmap", "cluster-info", "-o", "json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "anonymous read of cluster-info: {}", String::from_utf8_lossy(&out.stderr));
+        let cm: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let key = format!("jws-kubeconfig-{}", cluster.token_id());
+        assert!(cm["data"][&key].as_str().is_some_and(|j| j.contains("..")), "no detached JWS {key}: {cm}");
+
+        // The seed's Sandbox, verbatim: the upstream controller creates its Pod, which stays
+        // Pending (no node yet) and carries the Sandbox as controller owner.
+        let example = seed_example();
+        kubectl_ok(&cluster, &["apply", "-f", &example.to_string_lossy()]);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let pod = loop {
+            let out = cluster.kubectl().args(["get", "pod", "sandboxd-example", "-o", "json"]).output().unwrap();
+            if out.status.success() {
+                break serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap();
+            }
+            assert!(Instant::now() < deadline, "the controller never created pod sandboxd-example");
+            std::thread::sleep(Duration::from_millis(250));
+        };
+        assert_eq!(pod["status"]["phase"], "Pending");
+        assert_eq!(pod["metadata"]["ownerReferences"][0]["kind"], "Sandbox");
+        assert_eq!(pod["metadata"]["annotations"]["sandbox.cocoonstack.io/template"], "ghcr.io/cocoonstack/sandbox/rt:24.04");
+    });
+
+    let stopped = Cluster::down_with(&opts).expect("cluster down");
+    assert_eq!(stopped.len(), cluster.daemons.len(), "down stopped every daemon");
+    for d in &cluster.daemons {
+        assert!(!d.is_ours(), "{} (pid {}) still runs after down", d.name, d.pid);
+    }
+    if let Err(panic) = result {
+        std::panic::resume_unwind(panic);
+    }
+}
