@@ -5,6 +5,7 @@
 //!
 //! Enabled by `--features cluster` (the first run builds Kubernetes from source: tens of minutes).
 #![cfg(feature = "cluster")]
+#![allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -366,11 +366,8 @@ impl Journal {
         }
         let path = self.dir.join(CLAIMS_LOG);
         let result = (|| {
-            let mut f = std::fs::OpenOptions::new()
-                .append(true)
-                .create(true)
-                .open(&path)
-                .map_err(io_err("opening", &path))?;
+            let mut f =
+                std::fs::OpenOptions::new().append(true).create(true).open(&path).map_err(io_err("opening", &path))?;
             if let Err(source) = f.write_all(&buf) {
                 // Cut a partial line so later appends never follow garbage.
                 let _ = f.set_len(w.log_bytes);
@@ -457,8 +454,11 @@ pub fn read_claims(dir: &Path) -> Result<Loaded, JournalError> {
             if line.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
-            let e: LogEntry = serde_json::from_slice(line)
-                .map_err(|source| JournalError::LogLine { path: path.clone(), line: i + 1, source })?;
+            let e: LogEntry = serde_json::from_slice(line).map_err(|source| JournalError::LogLine {
+                path: path.clone(),
+                line: i + 1,
+                source,
+            })?;
             if e.seq <= base {
                 continue;
             }

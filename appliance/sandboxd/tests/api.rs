@@ -430,7 +430,10 @@ async fn replies_come_after_the_journal_has_the_change() {
     let tok = c["token"].as_str();
     let rows = on_disk();
     assert_eq!(rows.len(), 1);
-    assert_eq!((rows[0].id.as_str(), rows[0].token.as_str(), rows[0].claim_ref.as_deref()), (id, tok.unwrap_or(""), Some("r")));
+    assert_eq!(
+        (rows[0].id.as_str(), rows[0].token.as_str(), rows[0].claim_ref.as_deref()),
+        (id, tok.unwrap_or(""), Some("r"))
+    );
     let before = rows[0].deadline_unix_ms;
     let (s, _) = h.call("POST", &format!("/v1/sandboxes/{id}/renew"), tok, Some(json!({"ttl_seconds": 3600}))).await;
     assert_eq!(s, StatusCode::OK);

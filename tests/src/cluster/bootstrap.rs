@@ -165,6 +165,7 @@ pub fn wait_signed(kubectl: &Kubectl, token: &Token, timeout: Duration) -> Resul
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 mod tests {
     use super::*;
 

@@ -127,6 +127,7 @@ fn required_version(go_mod: &str, module: &str) -> Option<String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 mod tests {
     use super::*;
 

@@ -197,6 +197,7 @@ pub fn write_secret(path: &Path, text: &str) -> Result<(), ClusterError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt as _;

@@ -130,6 +130,7 @@ pub fn ensure_port_free(port: u16, what: &str) -> Result<(), ClusterError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 mod tests {
     use super::*;
 

@@ -352,6 +352,10 @@ fn kill9_loses_no_acknowledged_mutation() {
             acked.keys().map(|id| (id.clone(), on_disk.get(id.as_str()).copied())).collect();
         acked = truth;
         acked.extend(unacked.into_iter().map(|(id, d)| (id.to_string(), Some(d))));
-        println!("round {round}: killed after {kill_after} acks; {} live claims on disk, torn {}", on_disk.len(), l.torn);
+        println!(
+            "round {round}: killed after {kill_after} acks; {} live claims on disk, torn {}",
+            on_disk.len(),
+            l.torn
+        );
     }
 }
