@@ -9,7 +9,6 @@
 //! - [`node`]: the controller every handler calls (claim, release, renew, drain, reconcile);
 //! - [`http`]: the axum router, auth, relays (`/agent`, `/ports`) and `/exec`;
 //! - [`metrics`]: counters for `/metrics`;
-//! - [`orphans`]: the restart sweep of half-created QEMU VMs the driver does not list;
 //! - [`test_utils`]: a fake driver whose VMs run an in-process silkd stand-in.
 
 pub mod claims;
@@ -18,7 +17,6 @@ pub mod http;
 pub mod journal;
 pub mod metrics;
 pub mod node;
-pub mod orphans;
 pub mod pool;
 pub mod test_utils;
 

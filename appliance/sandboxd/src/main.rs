@@ -108,9 +108,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let catalog = load_catalog(&cfg);
     let driver = driver(&cfg)?;
     tracing::info!(backend = %driver.backend(), accel = %driver.accel(), "VM driver ready");
-    let mut opts = NodeOptions::from_config(&cfg, catalog)?;
-    // The QEMU driver keeps its VMs in `<state_dir>/vms/<id>`.
-    opts.vm_dir = Some(vmm::record::vms_dir(&cfg.vm_state_dir()));
+    let opts = NodeOptions::from_config(&cfg, catalog)?;
     if opts.api_token.is_none() {
         tracing::warn!("no api_token_file configured: node routes are open");
     }

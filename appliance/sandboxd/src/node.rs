@@ -9,7 +9,8 @@
 //! - the claim path does no VM work: pop a warm VM, mint, journal, reply;
 //! - a claim is granted only after a journal write that includes it;
 //! - nothing is destroyed on ambiguity: a failed `list` is retried, never read as empty, and
-//!   refill (whose VMs the sweep could mistake for orphans) starts only after a clean reconcile.
+//!   refill (whose new VMs the reconcile could mistake for unowned ones) starts only after a
+//!   clean reconcile.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
@@ -86,9 +87,6 @@ pub struct NodeOptions {
     pub catalog: Catalog,
     /// Timings.
     pub timing: Timing,
-    /// The QEMU driver's VM directory (`<state_dir>/vms`): the restart reconcile also kills
-    /// and removes half-created `sbx-` VMs there that `list` cannot see ([`crate::orphans`]).
-    pub vm_dir: Option<PathBuf>,
 }
 
 impl NodeOptions {
@@ -111,7 +109,6 @@ impl NodeOptions {
             clone: c.clone,
             catalog,
             timing: Timing { cold_probe: Duration::from_secs(c.boot_timeout_secs.max(1)), ..Timing::default() },
-            vm_dir: None,
         })
     }
 
@@ -127,7 +124,6 @@ impl NodeOptions {
             clone: true,
             catalog,
             timing: Timing::default(),
-            vm_dir: None,
         }
     }
 }
@@ -216,8 +212,6 @@ pub struct ReconcileReport {
     pub dropped: usize,
     /// Unowned `sbx-` VMs destroyed.
     pub destroyed: usize,
-    /// Half-created `sbx-` VM dirs (invisible to `list`) removed, their processes killed.
-    pub swept: usize,
 }
 
 /// One sandboxd node.
@@ -227,7 +221,6 @@ pub struct Node {
     pub(crate) journal: Journal,
     pub(crate) timing: Timing,
     pub(crate) clone_enabled: bool,
-    vm_dir: Option<PathBuf>,
     api_token: Option<String>,
     advertise_addr: String,
     pools: RwLock<BTreeMap<PoolKey, Arc<Pool>>>,
@@ -270,7 +263,6 @@ impl Node {
             journal,
             timing: opts.timing,
             clone_enabled: opts.clone,
-            vm_dir: opts.vm_dir,
             api_token: opts.api_token,
             advertise_addr: opts.advertise_addr,
             pools: RwLock::new(BTreeMap::new()),
@@ -715,6 +707,16 @@ impl Node {
             let mut last_gen = None;
             for (id, vm_id) in pending {
                 match live.get(&vm_id) {
+                    // A claim only ever takes a VM that finished booting; a half-created one under
+                    // a claimed id is not that VM, so the claim cannot be honoured.
+                    Some(listed) if listed.state == vmm::VmState::Creating => {
+                        tracing::warn!(claim = %id, vm = %vm_id, "claimed VM is half-created; dropping the claim");
+                        if let Some((_, gen)) = self.claims().remove(&id) {
+                            last_gen = Some(gen);
+                        }
+                        self.destroy(listed).await;
+                        report.dropped += 1;
+                    }
                     Some(listed) => {
                         let vm = match self.driver.attach(&vm_id).await {
                             Ok(vm) => vm,
@@ -752,12 +754,10 @@ impl Node {
                     report.destroyed += 1;
                 }
             }
-            if let Some(dir) = &self.vm_dir {
-                let listed: HashSet<String> = live.keys().map(|id| id.as_str().to_string()).collect();
-                match crate::orphans::sweep(dir, &listed).await {
-                    Ok(r) => report.swept = r.removed,
-                    Err(e) => tracing::warn!(error = %vmm::error_chain(&e), "sweeping half-created VMs failed"),
-                }
+            // Half-created VMs are listed (state `creating`) and were destroyed above when
+            // unowned; records of VMs that died on their own are removed here.
+            if let Err(e) = self.driver.prune().await {
+                tracing::warn!(error = %vmm::error_chain(&e), "pruning dead VM records failed");
             }
             self.reconciled.store(true, Ordering::SeqCst);
             for p in self.pools() {
@@ -767,7 +767,6 @@ impl Node {
                 adopted = report.adopted,
                 dropped = report.dropped,
                 destroyed = report.destroyed,
-                swept = report.swept,
                 "reconciled"
             );
             Ok(report)

@@ -267,7 +267,14 @@ impl Harness {
     fn assert_vms(&self, n: usize, why: &str) {
         let (q, d) = (self.qemus(), self.vm_dirs());
         assert_eq!(q.len(), n, "{why}: want {n} QEMU processes, found {q:?} (dirs {d:?})\n{}", self.logs());
-        assert_eq!(d.len(), n, "{why}: want {n} VM dirs, found {d:?}\n{}", self.logs());
+        let records: Vec<String> = d
+            .iter()
+            .map(|id| {
+                let path = self.dir.path().join("data/vms/vms").join(id).join("vm.json");
+                format!("{id}: {}", std::fs::read_to_string(&path).unwrap_or_else(|e| format!("no vm.json ({e})")))
+            })
+            .collect();
+        assert_eq!(d.len(), n, "{why}: want {n} VM dirs, found {d:?}\nrecords:\n{}\n{}", records.join("\n"), self.logs());
     }
 
     fn kill_everything(&mut self) {

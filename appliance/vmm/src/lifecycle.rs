@@ -148,25 +148,44 @@ impl VmRecord {
     }
 }
 
-/// Creates `<vms_dir>/<id>/` (which must not exist) and stores `rec` in it at once.
+/// Prefix of the staging directory a VM directory is built in before it appears under its id.
+const STAGING_PREFIX: &str = ".staging-";
+
+/// Creates `<vms_dir>/<id>/` (which must not exist) holding `rec`, atomically: the record is
+/// written into a hidden staging directory `.staging-<id>.<our pid>` that is then renamed into
+/// place, so a VM directory never exists without its record (a `kill -9` in between leaves
+/// only a staging directory, which [`prune`] removes once its owner is dead).
 /// On failure nothing is left behind.
 pub fn create_vm_dir(rec: &VmRecord) -> Result<(), DriverError> {
     let dir = &rec.vm.dir;
-    if let Some(parent) = dir.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| DriverError::io(format!("creating {}", parent.display()), e))?;
+    let parent = dir.parent().ok_or_else(|| DriverError::Invalid(format!("vm dir {} has no parent", dir.display())))?;
+    std::fs::create_dir_all(parent).map_err(|e| DriverError::io(format!("creating {}", parent.display()), e))?;
+    if dir.exists() {
+        return Err(DriverError::Invalid(format!("vm {} already exists at {}", rec.vm.id, dir.display())));
     }
-    std::fs::create_dir(dir).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::AlreadyExists {
-            DriverError::Invalid(format!("vm {} already exists at {}", rec.vm.id, dir.display()))
-        } else {
-            DriverError::io(format!("creating {}", dir.display()), e)
-        }
-    })?;
-    if let Err(e) = rec.store() {
-        let _ = std::fs::remove_dir_all(dir);
+    let staging = parent.join(format!("{STAGING_PREFIX}{}.{}", rec.vm.id, std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir(&staging).map_err(|e| DriverError::io(format!("creating {}", staging.display()), e))?;
+    let stored = record::write_json_atomic(&staging.join(VM_JSON), rec)
+        .map_err(DriverError::from)
+        .and_then(|()| {
+            std::fs::rename(&staging, dir).map_err(|e| match e.raw_os_error() {
+                Some(libc::EEXIST) | Some(libc::ENOTEMPTY) => {
+                    DriverError::Invalid(format!("vm {} already exists at {}", rec.vm.id, dir.display()))
+                }
+                _ => DriverError::io(format!("renaming {} to {}", staging.display(), dir.display()), e),
+            })
+        });
+    if let Err(e) = stored {
+        let _ = std::fs::remove_dir_all(&staging);
         return Err(e);
     }
     Ok(())
+}
+
+/// The owner pid of a staging directory name `.staging-<id>.<pid>`.
+fn staging_owner(name: &str) -> Option<u32> {
+    name.strip_prefix(STAGING_PREFIX)?.rsplit_once('.')?.1.parse().ok()
 }
 
 /// The record on disk for `vm` if it is the same VM (it may have advanced since `vm` was
@@ -286,7 +305,17 @@ pub fn prune(
 ) -> Result<Vec<VmId>, DriverError> {
     let mut removed = Vec::new();
     for dir in vm_dirs(vms_dir)? {
-        let Some(id) = dir.file_name().and_then(|n| n.to_str()).and_then(|n| VmId::new(n).ok()) else { continue };
+        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        if let Some(owner) = staging_owner(&name) {
+            // A VM directory its creator never finished: gone for good once the creator is.
+            if std::path::Path::new(&format!("/proc/{owner}")).exists() {
+                continue;
+            }
+            tracing::info!(dir = %dir.display(), "pruned an unfinished VM directory");
+            let _ = std::fs::remove_dir_all(&dir);
+            continue;
+        }
+        let Some(id) = VmId::new(name).ok() else { continue };
         let stale = match VmRecord::load(&dir) {
             Ok(Some(rec)) => rec.vm.backend == backend && rec.liveness(pidfile) == Liveness::Dead,
             Ok(None) => older_than(&dir, grace),
@@ -534,5 +563,31 @@ mod tests {
         assert_eq!(prune(&vms, Backend::Qemu, None, PRUNE_GRACE).expect("prune").len(), 1);
         assert!(!vms.join("leaked").exists());
         assert!(vms.join("live").is_dir() && vms.join("other").is_dir());
+    }
+}
+
+#[cfg(test)]
+mod staging_tests {
+    use super::*;
+
+    #[test]
+    fn staging_owner_parses_the_creator_pid() {
+        assert_eq!(staging_owner(".staging-sbx-abc-12345678.4242"), Some(4242));
+        assert_eq!(staging_owner("sbx-abc"), None);
+        assert_eq!(staging_owner(".staging-x.notapid"), None);
+    }
+
+    #[test]
+    fn unfinished_vm_dirs_of_a_dead_creator_are_pruned_and_a_live_ones_kept() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let vms = tmp.path();
+        // pid 0x7ffffffe is far above pid_max, so no such process exists.
+        let dead = vms.join(format!("{STAGING_PREFIX}vm-a.{}", 0x7fff_fffe_u32));
+        let live = vms.join(format!("{STAGING_PREFIX}vm-b.{}", std::process::id()));
+        std::fs::create_dir_all(&dead).expect("mkdir");
+        std::fs::create_dir_all(&live).expect("mkdir");
+        prune(vms, Backend::Qemu, None, Duration::from_secs(60)).expect("prune");
+        assert!(!dead.exists(), "a dead creator's staging dir is removed");
+        assert!(live.exists(), "a live creator's staging dir is kept");
     }
 }
