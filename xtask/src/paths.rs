@@ -10,18 +10,11 @@ pub fn project_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
-/// `$CHRYSALIS_CACHE`, else `$XDG_CACHE_HOME/chrysalis`, else `~/.cache/chrysalis`.
+/// `$CHRYSALIS_CACHE`, else `$XDG_CACHE_HOME/chrysalis`, else `~/.cache/chrysalis`: the one
+/// rule `vmm` uses to find the image catalog, so what xtask builds is what the drivers read.
 pub fn cache_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("CHRYSALIS_CACHE") {
-        return PathBuf::from(dir);
-    }
-    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(dir).join("chrysalis");
-    }
-    let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
-    PathBuf::from(home).join(".cache").join("chrysalis")
+    vmm::catalog::cache_dir().unwrap_or_else(|_| PathBuf::from("/root/.cache/chrysalis"))
 }
-
 /// The cargo target directory shared by every xtask build (outside the repository).
 pub fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
