@@ -90,10 +90,7 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        let port = std::env::var("CHRYSALIS_CLUSTER_PORT")
-            .ok()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(DEFAULT_PORT);
+        let port = std::env::var("CHRYSALIS_CLUSTER_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(DEFAULT_PORT);
         let root = cache_dir().join("cluster");
         Options { bin_dir: root.join("bin"), state_dir: root.join("state"), port }
     }
@@ -242,7 +239,7 @@ fn start(opts: &Options) -> Result<Cluster, ClusterError> {
     if state.exists() {
         std::fs::remove_dir_all(&state).map_err(|source| io(format!("clearing {}", state.display()), source))?;
     }
-    for d in ["logs", "etcd", "manifests", "apiserver"] {
+    for d in ["logs", "etcd", "manifests", "apiserver", "flexvolume"] {
         let dir = state.join(d);
         std::fs::create_dir_all(&dir).map_err(|source| io(format!("creating {}", dir.display()), source))?;
     }
@@ -310,6 +307,13 @@ fn start(opts: &Options) -> Result<Cluster, ClusterError> {
                 "--enable-admission-plugins=NodeRestriction".into(),
                 "--enable-bootstrap-token-auth=true".into(),
                 "--allow-privileged=true".into(),
+                format!("--requestheader-client-ca-file={}", s(&pki.front_proxy_ca)),
+                format!("--requestheader-allowed-names={}", pki::FRONT_PROXY_CLIENT),
+                "--requestheader-username-headers=X-Remote-User".into(),
+                "--requestheader-group-headers=X-Remote-Group".into(),
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
+                format!("--proxy-client-cert-file={}", s(&pki.front_proxy_client_cert)),
+                format!("--proxy-client-key-file={}", s(&pki.front_proxy_client_key)),
                 "--profiling=false".into(),
             ],
             &[],
@@ -338,6 +342,9 @@ fn start(opts: &Options) -> Result<Cluster, ClusterError> {
             format!("--service-account-private-key-file={}", s(&pki.sa_key)),
             "--use-service-account-credentials=true".into(),
             format!("--service-cluster-ip-range={}", pki::SERVICE_CIDR),
+            format!("--requestheader-client-ca-file={}", s(&pki.front_proxy_ca)),
+            // Else it creates /usr/libexec/kubernetes/... on the host.
+            format!("--flex-volume-plugin-dir={}", s(&state.join("flexvolume"))),
         ]);
         daemons.push(procs::spawn(
             "kube-controller-manager",

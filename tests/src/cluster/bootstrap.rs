@@ -29,10 +29,11 @@ impl Kubectl {
 
     /// Runs `kubectl args`, failing with its stderr when it exits non-zero.
     pub fn run(&self, args: &[&str]) -> Result<Output, ClusterError> {
-        let out = self.command().args(args).output().map_err(|source| ClusterError::Io {
-            what: format!("running {}", self.bin.display()),
-            source,
-        })?;
+        let out = self
+            .command()
+            .args(args)
+            .output()
+            .map_err(|source| ClusterError::Io { what: format!("running {}", self.bin.display()), source })?;
         if !out.status.success() {
             return Err(ClusterError::Kubectl {
                 args: args.join(" "),
@@ -71,9 +72,8 @@ impl Token {
     pub fn generate() -> Token {
         const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
         let mut rng = rand::rng();
-        let mut pick = |n: usize| -> String {
-            (0..n).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
-        };
+        let mut pick =
+            |n: usize| -> String { (0..n).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect() };
         Token { id: pick(6), secret: pick(16) }
     }
 

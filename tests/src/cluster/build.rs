@@ -51,10 +51,8 @@ pub fn component_dir(component: &Component, bin_root: &Path, go_version: &str) -
     let mut h = Sha256::new();
     for file in ["go.mod", "go.sum"] {
         let path = component.module_dir().join(file);
-        let bytes = std::fs::read(&path).map_err(|source| ClusterError::Io {
-            what: format!("reading {}", path.display()),
-            source,
-        })?;
+        let bytes = std::fs::read(&path)
+            .map_err(|source| ClusterError::Io { what: format!("reading {}", path.display()), source })?;
         h.update(file.as_bytes());
         h.update((bytes.len() as u64).to_le_bytes());
         h.update(&bytes);
@@ -74,10 +72,8 @@ fn ensure_component(component: &Component, bin_root: &Path, go_version: &str) ->
     }
     let tmp = bin_root.join(format!(".tmp-{}-{}", component.name, std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|source| ClusterError::Io {
-        what: format!("creating {}", tmp.display()),
-        source,
-    })?;
+    std::fs::create_dir_all(&tmp)
+        .map_err(|source| ClusterError::Io { what: format!("creating {}", tmp.display()), source })?;
     for b in &component.binaries {
         let started = Instant::now();
         eprintln!(
@@ -98,10 +94,9 @@ fn ensure_component(component: &Component, bin_root: &Path, go_version: &str) ->
             .arg(&b.package)
             .current_dir(component.module_dir())
             .env("GOFLAGS", "-mod=readonly -buildvcs=false");
-        let out = cmd.output().map_err(|source| ClusterError::Io {
-            what: "running `go build` (is Go installed?)".into(),
-            source,
-        })?;
+        let out = cmd
+            .output()
+            .map_err(|source| ClusterError::Io { what: "running `go build` (is Go installed?)".into(), source })?;
         if !out.status.success() {
             return Err(ClusterError::Build {
                 component: b.name.clone(),
@@ -120,10 +115,10 @@ fn ensure_component(component: &Component, bin_root: &Path, go_version: &str) ->
 
 /// `go env GOVERSION`.
 pub fn go_version() -> Result<String, ClusterError> {
-    let out = Command::new("go").args(["env", "GOVERSION"]).output().map_err(|source| ClusterError::Io {
-        what: "running `go env GOVERSION` (is Go installed?)".into(),
-        source,
-    })?;
+    let out = Command::new("go")
+        .args(["env", "GOVERSION"])
+        .output()
+        .map_err(|source| ClusterError::Io { what: "running `go env GOVERSION` (is Go installed?)".into(), source })?;
     if !out.status.success() {
         return Err(ClusterError::Build {
             component: "go".into(),
@@ -142,10 +137,7 @@ pub fn module_source_dir(component: &Component) -> Result<PathBuf, ClusterError>
         .current_dir(component.module_dir())
         .env("GOFLAGS", "-mod=readonly")
         .output()
-        .map_err(|source| ClusterError::Io {
-            what: "running `go mod download`".into(),
-            source,
-        })?;
+        .map_err(|source| ClusterError::Io { what: "running `go mod download`".into(), source })?;
     let parsed: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| ClusterError::Build {
         component: component.name.clone(),
         detail: format!("`go mod download -json` printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stderr)),

@@ -49,14 +49,10 @@ impl Lock {
     /// Reads and checks `tests/cluster/cluster.toml`.
     pub fn load() -> Result<Lock, ClusterError> {
         let path = cluster_src_dir().join("cluster.toml");
-        let text = std::fs::read_to_string(&path).map_err(|source| ClusterError::Io {
-            what: format!("reading {}", path.display()),
-            source,
-        })?;
-        let lock: Lock = toml::from_str(&text).map_err(|source| ClusterError::Lock {
-            path: path.clone(),
-            detail: source.to_string(),
-        })?;
+        let text = std::fs::read_to_string(&path)
+            .map_err(|source| ClusterError::Io { what: format!("reading {}", path.display()), source })?;
+        let lock: Lock = toml::from_str(&text)
+            .map_err(|source| ClusterError::Lock { path: path.clone(), detail: source.to_string() })?;
         lock.check_go_mods()?;
         Ok(lock)
     }
@@ -73,18 +69,13 @@ impl Lock {
     fn check_go_mods(&self) -> Result<(), ClusterError> {
         for c in &self.components {
             let go_mod = c.module_dir().join("go.mod");
-            let text = std::fs::read_to_string(&go_mod).map_err(|source| ClusterError::Io {
-                what: format!("reading {}", go_mod.display()),
-                source,
-            })?;
+            let text = std::fs::read_to_string(&go_mod)
+                .map_err(|source| ClusterError::Io { what: format!("reading {}", go_mod.display()), source })?;
             let found = required_version(&text, &c.upstream);
             if found.as_deref() != Some(c.version.as_str()) {
                 return Err(ClusterError::Lock {
                     path: go_mod,
-                    detail: format!(
-                        "requires {} at {:?} but cluster.toml locks {}",
-                        c.upstream, found, c.version
-                    ),
+                    detail: format!("requires {} at {:?} but cluster.toml locks {}", c.upstream, found, c.version),
                 });
             }
         }

@@ -16,6 +16,8 @@ use time::{Duration, OffsetDateTime};
 /// The apiserver's in-cluster Service IP (first address of the service CIDR).
 pub const SERVICE_CIDR: &str = "10.96.0.0/12";
 const KUBERNETES_SERVICE_IP: &str = "10.96.0.1";
+/// The CN of the apiserver's front-proxy client (`--requestheader-allowed-names`).
+pub const FRONT_PROXY_CLIENT: &str = "front-proxy-client";
 
 /// Paths of everything [`generate`] wrote.
 #[derive(Debug, Clone)]
@@ -32,6 +34,10 @@ pub struct Pki {
     pub kubelet_client_key: PathBuf,
     pub sa_key: PathBuf,
     pub sa_pub: PathBuf,
+    /// The front-proxy CA (`--requestheader-client-ca-file`) and the apiserver's proxy client.
+    pub front_proxy_ca: PathBuf,
+    pub front_proxy_client_cert: PathBuf,
+    pub front_proxy_client_key: PathBuf,
 }
 
 /// A client identity: certificate and key PEM.
@@ -53,11 +59,8 @@ pub fn generate(dir: &Path) -> Result<(Pki, Users), ClusterError> {
     let mut ca = params(Vec::new(), now, Duration::days(3650))?;
     ca.distinguished_name.push(DnType::CommonName, "kubernetes");
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.key_usages = vec![
-        KeyUsagePurpose::DigitalSignature,
-        KeyUsagePurpose::KeyEncipherment,
-        KeyUsagePurpose::KeyCertSign,
-    ];
+    ca.key_usages =
+        vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment, KeyUsagePurpose::KeyCertSign];
     let ca_cert = ca.self_signed(&ca_key).map_err(pki_err("CA certificate"))?;
     let ca_hash = format!("sha256:{}", hex::encode(Sha256::digest(ca_key.subject_public_key_info())));
     let ca_pem = ca_cert.pem();
@@ -75,6 +78,9 @@ pub fn generate(dir: &Path) -> Result<(Pki, Users), ClusterError> {
         kubelet_client_key: dir.join("apiserver-kubelet-client.key"),
         sa_key: dir.join("sa.key"),
         sa_pub: dir.join("sa.pub"),
+        front_proxy_ca: dir.join("front-proxy-ca.crt"),
+        front_proxy_client_cert: dir.join("front-proxy-client.crt"),
+        front_proxy_client_key: dir.join("front-proxy-client.key"),
     };
     write(&pki.ca_cert, &ca_pem)?;
     write_secret(&pki.ca_key, &issuer.key().serialize_pem())?;
@@ -108,6 +114,20 @@ pub fn generate(dir: &Path) -> Result<(Pki, Users), ClusterError> {
     let sa = KeyPair::generate().map_err(pki_err("service-account key"))?;
     write_secret(&pki.sa_key, &sa.serialize_pem())?;
     write(&pki.sa_pub, &sa.public_key_pem())?;
+
+    // The front-proxy CA, as kubeadm makes it: without it the controller-manager and the
+    // scheduler complain about the missing requestheader CA bundle forever.
+    let fp_key = KeyPair::generate().map_err(pki_err("front-proxy CA key"))?;
+    let mut fp = params(Vec::new(), now, Duration::days(3650))?;
+    fp.distinguished_name.push(DnType::CommonName, "front-proxy-ca");
+    fp.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    fp.key_usages =
+        vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment, KeyUsagePurpose::KeyCertSign];
+    write(&pki.front_proxy_ca, &fp.self_signed(&fp_key).map_err(pki_err("front-proxy CA"))?.pem())?;
+    let fp_issuer = Issuer::new(fp, fp_key);
+    let proxy_client = leaf(&fp_issuer, FRONT_PROXY_CLIENT, None, &[], ExtendedKeyUsagePurpose::ClientAuth, now)?;
+    write(&pki.front_proxy_client_cert, &proxy_client.cert_pem)?;
+    write_secret(&pki.front_proxy_client_key, &proxy_client.key_pem)?;
 
     let client = |cn: &str, org: Option<&str>| leaf(&issuer, cn, org, &[], ExtendedKeyUsagePurpose::ClientAuth, now);
     let users = vec![

@@ -23,7 +23,13 @@ pub struct Daemon {
 /// A short-lived `sh` backgrounds the daemon and exits, so the daemon is reparented to
 /// init (no zombie in a long-lived test process), in a new process group (a terminal's
 /// Ctrl-C does not reach it).
-pub fn spawn(name: &str, exe: &Path, args: &[String], env: &[(&str, String)], log: &Path) -> Result<Daemon, ClusterError> {
+pub fn spawn(
+    name: &str,
+    exe: &Path,
+    args: &[String],
+    env: &[(&str, String)],
+    log: &Path,
+) -> Result<Daemon, ClusterError> {
     use std::os::unix::process::CommandExt as _;
     let mut cmd = Command::new("sh");
     cmd.arg("-c")
@@ -38,10 +44,7 @@ pub fn spawn(name: &str, exe: &Path, args: &[String], env: &[(&str, String)], lo
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let out = cmd.output().map_err(|source| ClusterError::Io {
-        what: format!("starting {name}"),
-        source,
-    })?;
+    let out = cmd.output().map_err(|source| ClusterError::Io { what: format!("starting {name}"), source })?;
     let pid: i32 = String::from_utf8_lossy(&out.stdout).trim().parse().map_err(|_| ClusterError::Process {
         name: name.to_owned(),
         detail: format!("sh printed no pid: {:?}", String::from_utf8_lossy(&out.stdout)),
@@ -87,6 +90,12 @@ impl Daemon {
                 break;
             }
             std::thread::sleep(Duration::from_millis(50));
+        }
+        // A dying process stops looking like ours (its exe link goes) before it is gone: wait
+        // until it has really exited, so a caller may reuse its ports at once.
+        let gone = Instant::now() + Duration::from_secs(5);
+        while PathBuf::from(format!("/proc/{}", self.pid)).exists() && !is_zombie(self.pid) && Instant::now() < gone {
+            std::thread::sleep(Duration::from_millis(10));
         }
         Ok(())
     }
