@@ -2,7 +2,9 @@
 //!
 //! 1. host prerequisites (apt packages, the musl target);
 //! 2. the guest kernel and every guest image (cached);
-//! 3. `cargo test` over the workspace with the end-to-end suites enabled (real QEMU VMs);
+//! 3. `cargo test` over the workspace with every suite enabled: real QEMU VMs, the public
+//!    Python SDK (pinned venv), sandboxd with real VMs, and the test control plane (Kubernetes
+//!    built from its Go modules, cached);
 //! 4. a bounded fuzz run of the wire decoder.
 //!
 //! Tests that cannot run on this machine are `#[ignore = "why"]` and are counted as
