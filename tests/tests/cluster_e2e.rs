@@ -18,7 +18,7 @@ fn kubectl_ok(c: &Cluster, args: &[&str]) -> String {
 }
 
 fn seed_example() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/seed/examples/sandboxd-example.yaml")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("seed/examples/sandboxd-example.yaml")
 }
 
 #[test]

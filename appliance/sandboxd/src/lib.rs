@@ -1,5 +1,6 @@
 //! sandboxd: a warm pool of pre-booted microVMs behind the sandboxd HTTP API
-//! (`/work/shared/spec/sandboxd.md` §0–§8), wire-compatible with the public Python SDK.
+//! (the sandboxd contract, `shared/spec/sandboxd.md` §0–§8), wire-compatible with the public
+//! Python SDK.
 //!
 //! - [`config`]: the JSON config file;
 //! - [`pool`]: pool keys, pool state and the refill task;
