@@ -86,6 +86,29 @@ pub(super) async fn agent(
     Ok(switching("silkd"))
 }
 
+/// Runs both directions of a relay to their ends: after the guest→client side ends cleanly the
+/// client has `drain` to finish its side; after the client→guest side ends cleanly we wait for
+/// the guest. An error on either side ends both (the streams are dropped by the caller).
+async fn join_halves<U, D, A, B, E>(up: U, down: D, drain: Duration)
+where
+    U: std::future::Future<Output = Result<A, E>>,
+    D: std::future::Future<Output = Result<B, E>>,
+{
+    tokio::pin!(up, down);
+    tokio::select! {
+        r = &mut down => {
+            if r.is_ok() && tokio::time::timeout(drain, &mut up).await.is_err() {
+                tracing::debug!("client did not finish within the drain window");
+            }
+        }
+        r = &mut up => {
+            if r.is_ok() {
+                let _ = (&mut down).await;
+            }
+        }
+    }
+}
+
 /// Copies both ways with half-close; a copy error closes both sides.
 pub(crate) async fn splice<C, G>(client: C, guest: G, drain: Duration)
 where
@@ -108,19 +131,7 @@ where
         }
         r
     };
-    tokio::pin!(up, down);
-    tokio::select! {
-        r = &mut down => {
-            if r.is_ok() && tokio::time::timeout(drain, &mut up).await.is_err() {
-                tracing::debug!("client did not finish within the drain window");
-            }
-        }
-        r = &mut up => {
-            if r.is_ok() {
-                let _ = (&mut down).await;
-            }
-        }
-    }
+    join_halves(up, down, drain).await;
 }
 
 pub(super) async fn ports(
@@ -221,17 +232,5 @@ where
             }
         }
     };
-    tokio::pin!(up, down);
-    tokio::select! {
-        r = &mut down => {
-            if r.is_ok() && tokio::time::timeout(drain, &mut up).await.is_err() {
-                tracing::debug!("client did not finish within the drain window");
-            }
-        }
-        r = &mut up => {
-            if r.is_ok() {
-                let _ = (&mut down).await;
-            }
-        }
-    }
+    join_halves(up, down, drain).await;
 }
