@@ -32,7 +32,8 @@ const PHASES: usize = 3;
 fn figure(name: &str, lat: &mut [Duration], target: &str) -> Result<()> {
     lat.sort();
     println!(
-        "FIGURE|{name}, {CLAIMS} claims, p50 / p90 / p99 / max|{} / {} / {} / {}|{target}",
+        "FIGURE|{name}, {} requests, p50 / p90 / p99 / max|{} / {} / {} / {}|{target}",
+        lat.len(),
         ms(percentile(lat, 0.5)),
         ms(percentile(lat, 0.9)),
         ms(percentile(lat, 0.99)),
@@ -66,6 +67,28 @@ async fn http_claims(addr: std::net::SocketAddr) -> Result<(Vec<Duration>, Durat
         }
     }
     Ok((lat, all.elapsed()))
+}
+
+/// `CLAIMS` sequential `GET /healthz` round trips over one keep-alive connection.
+async fn healthz_round_trips(addr: std::net::SocketAddr) -> Result<Vec<Duration>> {
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let mut lat = Vec::with_capacity(CLAIMS);
+    for _ in 0..CLAIMS {
+        let req = hyper::Request::get("/healthz").header("host", addr.to_string()).body(Full::new(Bytes::new()))?;
+        let t = Instant::now();
+        sender.ready().await?;
+        let resp = sender.send_request(req).await?;
+        let status = resp.status();
+        resp.into_body().collect().await?;
+        lat.push(t.elapsed());
+        if !status.is_success() {
+            bail!("healthz answered {status}");
+        }
+    }
+    Ok(lat)
 }
 
 /// Claim latency and claims per second over a pre-filled pool.
@@ -126,6 +149,11 @@ async fn claim_latency() -> Result<()> {
         inproc.push(t.elapsed());
     }
     figure("Node::claim in-process (no HTTP)", &mut inproc, "the node's share: pool pop, minting, journal append")?;
+
+    // 4. The floor: the cheapest route (`GET /healthz`) over the same kind of connection, so
+    //    the claim's own cost over loopback HTTP on this machine can be read off.
+    let mut floor = healthz_round_trips(addr).await?;
+    figure("GET /healthz over HTTP (the loopback HTTP floor)", &mut floor, "diagnostic: no claim work at all")?;
     Ok(())
 }
 
