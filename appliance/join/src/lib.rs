@@ -1,0 +1,68 @@
+//! Joining a Kubernetes cluster as a virtual node, the kubeadm way: token discovery of the
+//! cluster CA (`discovery`), then the kubelet TLS bootstrap of a `system:node:<name>` client
+//! certificate (`bootstrap`). See `shared/spec/appliance.md` §2.1–§2.3.
+
+pub mod bootstrap;
+pub mod discovery;
+pub mod http;
+pub mod jws;
+pub mod kubeconfig;
+pub mod token;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use bootstrap::{bootstrap, renew, renew_if_due, rotation_deadline, NodeCredentials};
+pub use discovery::{ca_hash_of_pem, discover, ClusterInfo};
+pub use token::{BootstrapToken, CaHash, TokenError};
+
+/// Why a join step failed. Every variant fails closed.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error("no CA hash pinned for {endpoint}: refusing to trust an unpinned cluster-info")]
+    NoPins { endpoint: String },
+    #[error("{endpoint}: {source}")]
+    Http {
+        endpoint: String,
+        #[source]
+        source: http::HttpError,
+    },
+    #[error("{endpoint}: {what}: HTTP {status}: {body}")]
+    Status { endpoint: String, what: String, status: u16, body: String },
+    #[error("{endpoint}: cluster-info: {what}")]
+    ClusterInfo { endpoint: String, what: String },
+    #[error("{endpoint}: cluster-info is not signed for token {token_id} (no jws-kubeconfig-{token_id}): wrong token, or the bootstrap signer has not run")]
+    Unsigned { endpoint: String, token_id: String },
+    #[error("{endpoint}: cluster-info signature for token {token_id} does not verify")]
+    BadSignature {
+        endpoint: String,
+        token_id: String,
+        #[source]
+        source: jws::JwsError,
+    },
+    #[error("{endpoint}: discovery kubeconfig")]
+    Kubeconfig {
+        endpoint: String,
+        #[source]
+        source: kubeconfig::KubeconfigError,
+    },
+    #[error("{endpoint}: cluster CA public-key hash is {actual}, expected one of [{}]", .expected.iter().map(CaHash::as_str).collect::<Vec<_>>().join(", "))]
+    CaHashMismatch { endpoint: String, expected: Vec<CaHash>, actual: CaHash },
+    #[error("cluster CA: {0}")]
+    BadCa(String),
+    #[error("node certificate: {0}")]
+    BadCert(String),
+    #[error("building the CSR: {0}")]
+    Csr(String),
+    #[error("CSR {csr}: {what}")]
+    CsrState { csr: String, what: String },
+    #[error("CSR {csr} was not issued within {timeout:?} (is the csrapproving/csrsigning controller running?)")]
+    CsrTimeout { csr: String, timeout: Duration },
+    #[error("{}: {what}", .path.display())]
+    State {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
