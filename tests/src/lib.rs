@@ -70,20 +70,26 @@ pub fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// Pids of live QEMU processes whose command line mentions `dir` (for leak checks).
+/// Pids of live `qemu-system*` processes with an argument naming `dir` or a path under it
+/// (for leak checks). A zombie has an empty command line and is never counted.
 pub fn qemu_processes_under(dir: &Path) -> Vec<u32> {
-    let needle = dir.to_string_lossy().to_string();
+    let needle = dir.to_string_lossy().into_owned();
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
     entries
         .filter_map(|e| e.ok())
         .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()))
         .filter(|pid| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-            let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .map(|s| s.rsplit(')').next().map(|r| r.trim_start().starts_with('Z')).unwrap_or(false))
-                .unwrap_or(false);
-            !zombie && cmdline.contains("qemu-system") && cmdline.contains(&needle)
+            let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let argv: Vec<String> = raw
+                .split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            let is_qemu = argv
+                .first()
+                .and_then(|a| Path::new(a).file_name())
+                .is_some_and(|n| n.to_string_lossy().starts_with("qemu-system"));
+            is_qemu && argv.iter().any(|a| a.contains(&needle))
         })
         .collect()
 }

@@ -49,25 +49,9 @@ fn free_port() -> u16 {
     l.local_addr().expect("local addr").port()
 }
 
-/// A `qemu-system*` process whose command line mentions `needle`.
-fn qemu_pids(needle: &str) -> Vec<u32> {
-    let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else { return out };
-    for e in rd.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-        let Ok(raw) = std::fs::read(e.path().join("cmdline")) else { continue };
-        let argv: Vec<String> =
-            raw.split(|b| *b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-        let is_qemu = argv
-            .first()
-            .and_then(|a| Path::new(a).file_name())
-            .is_some_and(|n| n.to_string_lossy().starts_with("qemu-system"));
-        // A zombie has an empty cmdline and is skipped above.
-        if is_qemu && argv.iter().any(|a| a.contains(needle)) {
-            out.push(pid);
-        }
-    }
-    out
+/// A `qemu-system*` process whose command line names `path` (the harness's one scanner).
+fn qemu_pids(path: &str) -> Vec<u32> {
+    test_infra::qemu_processes_under(Path::new(path))
 }
 
 /// One HTTP/1.1 request (`Connection: close`); returns status and the body as JSON (or a string).
