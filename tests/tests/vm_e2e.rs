@@ -52,8 +52,11 @@ async fn base_boot_exec_files_pull_snapshot_clone_shutdown() -> Result<()> {
     assert!(back == file, "read back {} bytes, wrote {}", back.len(), file.len());
 
     // fs_pull a directory as tar.
-    exec_ok(&mut conn, &["sh", "-c", "mkdir -p /srv/tree/sub && echo one > /srv/tree/a.txt && echo two > /srv/tree/sub/b.txt"])
-        .await?;
+    exec_ok(
+        &mut conn,
+        &["sh", "-c", "mkdir -p /srv/tree/sub && echo one > /srv/tree/a.txt && echo two > /srv/tree/sub/b.txt"],
+    )
+    .await?;
     let tarball = conn.download(&Request::FsPull { path: "/srv/tree".into() }).await?;
     let mut archive = tar::Archive::new(&tarball[..]);
     let mut seen = Vec::new();
@@ -109,10 +112,13 @@ async fn rt_boot_overlay_python_port_forward_shutdown() -> Result<()> {
     assert_eq!(exec_ok(&mut conn, &["echo", "hello"]).await?, "hello\n");
     assert_eq!(exec_ok(&mut conn, &["python3", "-c", "print(40+2)"]).await?, "42\n");
     for tool in ["bash", "git", "curl", "nc"] {
-        exec_ok(&mut conn, &["sh", "-c", &format!("command -v {tool}")]).await.with_context(|| format!("{tool} in rt"))?;
+        exec_ok(&mut conn, &["sh", "-c", &format!("command -v {tool}")])
+            .await
+            .with_context(|| format!("{tool} in rt"))?;
     }
     // The root is a writable overlay over the read-only image.
-    exec_ok(&mut conn, &["sh", "-c", "echo written > /usr/local/overlay-check && cat /usr/local/overlay-check"]).await?;
+    exec_ok(&mut conn, &["sh", "-c", "echo written > /usr/local/overlay-check && cat /usr/local/overlay-check"])
+        .await?;
 
     // port_forward to a listener in the guest.
     let server = "import socket\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\

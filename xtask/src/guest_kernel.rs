@@ -28,19 +28,10 @@ pub const FRAGMENT: &str = "vm-images/kernel/guest.config";
 
 /// Builds (or finds in the cache) the guest kernel and returns the path of its `vmlinux`.
 pub fn run(args: &GuestKernelArgs) -> Result<PathBuf> {
-    prereqs::ensure_apt(&[
-        SOURCE_PACKAGE,
-        "bc",
-        "bison",
-        "flex",
-        "libelf-dev",
-        "libssl-dev",
-        "make",
-        "gcc",
-    ])?;
+    prereqs::ensure_apt(&[SOURCE_PACKAGE, "bc", "bison", "flex", "libelf-dev", "libssl-dev", "make", "gcc"])?;
     let fragment_path = paths::project_root().join(FRAGMENT);
-    let fragment = fs::read_to_string(&fragment_path)
-        .with_context(|| format!("reading {}", fragment_path.display()))?;
+    let fragment =
+        fs::read_to_string(&fragment_path).with_context(|| format!("reading {}", fragment_path.display()))?;
     let version = package_version(SOURCE_PACKAGE)?;
     let key = cache_key(&fragment, &version);
     let kernel_dir = paths::cache_dir().join("kernel");
@@ -49,10 +40,7 @@ pub fn run(args: &GuestKernelArgs) -> Result<PathBuf> {
     let _lock = paths::lock_file(&kernel_dir.join(".lock"))?;
 
     if vmlinux.is_file() && !args.force {
-        eprintln!(
-            "guest-kernel: cached {} ({SOURCE_PACKAGE} {version})",
-            vmlinux.display()
-        );
+        eprintln!("guest-kernel: cached {} ({SOURCE_PACKAGE} {version})", vmlinux.display());
         set_current(&kernel_dir, &key)?;
         return Ok(vmlinux);
     }
@@ -66,12 +54,7 @@ pub fn run(args: &GuestKernelArgs) -> Result<PathBuf> {
     let o_arg = format!("O={}", build.display());
 
     eprintln!("guest-kernel: [1/4] make tinyconfig");
-    run_logged(
-        Command::new("make")
-            .current_dir(&src)
-            .args([o_arg.as_str(), "tinyconfig"]),
-        &log,
-    )?;
+    run_logged(Command::new("make").current_dir(&src).args([o_arg.as_str(), "tinyconfig"]), &log)?;
 
     eprintln!("guest-kernel: [2/4] merging {FRAGMENT}");
     let config = build.join(".config");
@@ -85,14 +68,8 @@ pub fn run(args: &GuestKernelArgs) -> Result<PathBuf> {
             .arg(&fragment_path),
         &log,
     )?;
-    run_logged(
-        Command::new("make")
-            .current_dir(&src)
-            .args([o_arg.as_str(), "olddefconfig"]),
-        &log,
-    )?;
-    let final_config =
-        fs::read_to_string(&config).with_context(|| format!("reading {}", config.display()))?;
+    run_logged(Command::new("make").current_dir(&src).args([o_arg.as_str(), "olddefconfig"]), &log)?;
+    let final_config = fs::read_to_string(&config).with_context(|| format!("reading {}", config.display()))?;
     let dropped = dropped_options(&fragment, &final_config);
     if !dropped.is_empty() {
         bail!(
@@ -102,13 +79,8 @@ pub fn run(args: &GuestKernelArgs) -> Result<PathBuf> {
         );
     }
 
-    let jobs = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(2);
-    eprintln!(
-        "guest-kernel: [3/4] make -j{jobs} vmlinux (log: {})",
-        log.display()
-    );
+    let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    eprintln!("guest-kernel: [3/4] make -j{jobs} vmlinux (log: {})", log.display());
     let done = Arc::new(AtomicBool::new(false));
     let ticker = {
         let done = Arc::clone(&done);
@@ -117,21 +89,14 @@ pub fn run(args: &GuestKernelArgs) -> Result<PathBuf> {
             while !done.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(500));
                 if last.elapsed() >= Duration::from_secs(30) {
-                    eprintln!(
-                        "guest-kernel:       still compiling, {}s elapsed",
-                        started.elapsed().as_secs()
-                    );
+                    eprintln!("guest-kernel:       still compiling, {}s elapsed", started.elapsed().as_secs());
                     last = Instant::now();
                 }
             }
         })
     };
     let result = run_logged(
-        Command::new("make").current_dir(&src).args([
-            o_arg.as_str(),
-            &format!("-j{jobs}"),
-            "vmlinux",
-        ]),
+        Command::new("make").current_dir(&src).args([o_arg.as_str(), &format!("-j{jobs}"), "vmlinux"]),
         &log,
     );
     done.store(true, Ordering::Relaxed);
@@ -146,20 +111,13 @@ pub fn run(args: &GuestKernelArgs) -> Result<PathBuf> {
     // The object tree is ~200 MB and only useful for incremental rebuilds of the same key.
     let _ = fs::remove_dir_all(&build);
     set_current(&kernel_dir, &key)?;
-    eprintln!(
-        "guest-kernel: built {} in {}s",
-        vmlinux.display(),
-        started.elapsed().as_secs()
-    );
+    eprintln!("guest-kernel: built {} in {}s", vmlinux.display(), started.elapsed().as_secs());
     Ok(vmlinux)
 }
 
 /// The installed version of a Debian package.
 fn package_version(pkg: &str) -> Result<String> {
-    let out = Command::new("dpkg-query")
-        .args(["-W", "-f=${Version}", pkg])
-        .output()
-        .context("running dpkg-query")?;
+    let out = Command::new("dpkg-query").args(["-W", "-f=${Version}", pkg]).output().context("running dpkg-query")?;
     let version = String::from_utf8_lossy(&out.stdout).trim().to_string();
     if !out.status.success() || version.is_empty() {
         bail!("package {pkg} is not installed");
@@ -177,9 +135,7 @@ fn cache_key(fragment: &str, version: &str) -> String {
 
 /// Unpacks the source tarball once per package version; returns the source tree.
 fn unpack_source(kernel_dir: &Path, version: &str) -> Result<PathBuf> {
-    let root = kernel_dir
-        .join("src")
-        .join(version.replace(['/', ':'], "_"));
+    let root = kernel_dir.join("src").join(version.replace(['/', ':'], "_"));
     let tree = root.join(SOURCE_TOPDIR);
     let marker = root.join(".unpacked");
     if marker.is_file() && tree.is_dir() {
@@ -188,13 +144,8 @@ fn unpack_source(kernel_dir: &Path, version: &str) -> Result<PathBuf> {
     eprintln!("guest-kernel: unpacking {SOURCE_TARBALL}");
     let _ = fs::remove_dir_all(&root);
     fs::create_dir_all(&root)?;
-    let status = Command::new("tar")
-        .arg("-xf")
-        .arg(SOURCE_TARBALL)
-        .arg("-C")
-        .arg(&root)
-        .status()
-        .context("running tar")?;
+    let status =
+        Command::new("tar").arg("-xf").arg(SOURCE_TARBALL).arg("-C").arg(&root).status().context("running tar")?;
     if !status.success() {
         bail!("unpacking {SOURCE_TARBALL} failed ({status})");
     }
@@ -238,17 +189,11 @@ fn set_current(kernel_dir: &Path, key: &str) -> Result<()> {
 /// The fragment's settings that `.config` does not have: `CONFIG_X=v` lines must appear verbatim,
 /// `CONFIG_X=n` / `# CONFIG_X is not set` lines must not be set to anything.
 fn dropped_options(fragment: &str, config: &str) -> Vec<String> {
-    let set: std::collections::HashMap<&str, &str> = config
-        .lines()
-        .filter(|l| l.starts_with("CONFIG_"))
-        .filter_map(|l| l.split_once('='))
-        .collect();
+    let set: std::collections::HashMap<&str, &str> =
+        config.lines().filter(|l| l.starts_with("CONFIG_")).filter_map(|l| l.split_once('=')).collect();
     let mut dropped = Vec::new();
     for line in fragment.lines().map(str::trim) {
-        let (key, want) = if let Some(rest) = line
-            .strip_prefix("# ")
-            .and_then(|l| l.strip_suffix(" is not set"))
-        {
+        let (key, want) = if let Some(rest) = line.strip_prefix("# ").and_then(|l| l.strip_suffix(" is not set")) {
             (rest, "n")
         } else if line.starts_with("CONFIG_") {
             match line.split_once('=') {
@@ -264,10 +209,7 @@ fn dropped_options(fragment: &str, config: &str) -> Vec<String> {
             _ => have == Some(want),
         };
         if !ok {
-            dropped.push(format!(
-                "{key}={want} (have: {})",
-                have.unwrap_or("not set")
-            ));
+            dropped.push(format!("{key}={want} (have: {})", have.unwrap_or("not set")));
         }
     }
     dropped
@@ -279,30 +221,16 @@ mod tests {
 
     #[test]
     fn dropped_options_reports_missing_and_wrong_values() {
-        let fragment =
-            "# c\nCONFIG_A=y\nCONFIG_B=y\nCONFIG_C=n\n# CONFIG_D is not set\nCONFIG_E=8\n";
+        let fragment = "# c\nCONFIG_A=y\nCONFIG_B=y\nCONFIG_C=n\n# CONFIG_D is not set\nCONFIG_E=8\n";
         let config = "CONFIG_A=y\n# CONFIG_B is not set\nCONFIG_C=y\nCONFIG_E=4\n";
         let dropped = dropped_options(fragment, config);
-        assert_eq!(
-            dropped,
-            vec![
-                "CONFIG_B=y (have: not set)",
-                "CONFIG_C=n (have: y)",
-                "CONFIG_E=8 (have: 4)"
-            ]
-        );
+        assert_eq!(dropped, vec!["CONFIG_B=y (have: not set)", "CONFIG_C=n (have: y)", "CONFIG_E=8 (have: 4)"]);
     }
 
     #[test]
     fn cache_key_depends_on_fragment_and_version() {
-        assert_ne!(
-            cache_key("CONFIG_A=y\n", "1"),
-            cache_key("CONFIG_A=y\n", "2")
-        );
-        assert_ne!(
-            cache_key("CONFIG_A=y\n", "1"),
-            cache_key("CONFIG_B=y\n", "1")
-        );
+        assert_ne!(cache_key("CONFIG_A=y\n", "1"), cache_key("CONFIG_A=y\n", "2"));
+        assert_ne!(cache_key("CONFIG_A=y\n", "1"), cache_key("CONFIG_B=y\n", "1"));
         assert_eq!(cache_key("x", "1").len(), 16);
     }
 }

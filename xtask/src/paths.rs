@@ -4,10 +4,7 @@ use std::path::{Path, PathBuf};
 
 /// The workspace root (the parent of `xtask/`).
 pub fn project_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."))
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
 }
 
 /// `$CHRYSALIS_CACHE`, else `$XDG_CACHE_HOME/chrysalis`, else `~/.cache/chrysalis`: the one
@@ -17,9 +14,7 @@ pub fn cache_dir() -> PathBuf {
 }
 /// The cargo target directory shared by every xtask build (outside the repository).
 pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| project_root().join("target"))
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| project_root().join("target"))
 }
 
 /// Takes an exclusive `flock` on `path` (created if missing), waiting for another xtask

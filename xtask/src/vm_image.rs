@@ -40,10 +40,7 @@ pub fn run(args: &flags::VmImageArgs) -> Result<()> {
     let names: Vec<String> = if args.all {
         sources.templates.keys().cloned().collect()
     } else {
-        let requested = args
-            .template
-            .as_deref()
-            .context("a template name (or --all) is required")?;
+        let requested = args.template.as_deref().context("a template name (or --all) is required")?;
         vec![sources.resolve(requested)?.to_string()]
     };
 
@@ -59,15 +56,8 @@ pub fn run(args: &flags::VmImageArgs) -> Result<()> {
         let built = build_template(&root, &name, &kernel, &bins, args.force)?;
         let json = paths::cache_dir().join("images/catalog.json");
         catalog::register(&json, &sources, &name, built.clone())?;
-        eprintln!(
-            "vm-image: {name} ready ({}) → {}",
-            built.digest,
-            json.display()
-        );
-        println!(
-            "{name}\t{}",
-            built.initrd.parent().unwrap_or(Path::new("")).display()
-        );
+        eprintln!("vm-image: {name} ready ({}) → {}", built.digest, json.display());
+        println!("{name}\t{}", built.initrd.parent().unwrap_or(Path::new("")).display());
     }
     Ok(())
 }
@@ -85,22 +75,14 @@ fn silkd_has_binary() -> Result<bool> {
         .output()
         .context("running cargo metadata")?;
     if !out.status.success() {
-        bail!(
-            "cargo metadata failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        bail!("cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let meta: serde_json::Value =
-        serde_json::from_slice(&out.stdout).context("parsing cargo metadata")?;
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).context("parsing cargo metadata")?;
     let packages = meta["packages"].as_array().cloned().unwrap_or_default();
     Ok(packages.iter().filter(|p| p["name"] == "silkd").any(|p| {
         p["targets"].as_array().is_some_and(|ts| {
-            ts.iter().any(|t| {
-                t["name"] == "silkd"
-                    && t["kind"]
-                        .as_array()
-                        .is_some_and(|k| k.iter().any(|k| k == "bin"))
-            })
+            ts.iter()
+                .any(|t| t["name"] == "silkd" && t["kind"].as_array().is_some_and(|k| k.iter().any(|k| k == "bin")))
         })
     }))
 }
@@ -120,10 +102,7 @@ fn build_guest_binaries() -> Result<GuestBins> {
              To test images with another binary set {SILKD_OVERRIDE_ENV}=/path/to/static/silkd"
         ),
     }
-    eprintln!(
-        "vm-image: cargo build --profile guest --target {GUEST_TARGET} -p {}",
-        packages.join(" -p ")
-    );
+    eprintln!("vm-image: cargo build --profile guest --target {GUEST_TARGET} -p {}", packages.join(" -p "));
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.args(["build", "--profile", "guest", "--target", GUEST_TARGET]);
     for p in &packages {
@@ -163,13 +142,7 @@ fn files_under(dir: &Path) -> Result<Vec<PathBuf>> {
             if ty.is_dir() {
                 walk(base, &entry.path(), out)?;
             } else if ty.is_file() {
-                out.push(
-                    entry
-                        .path()
-                        .strip_prefix(base)
-                        .unwrap_or(&entry.path())
-                        .to_path_buf(),
-                );
+                out.push(entry.path().strip_prefix(base).unwrap_or(&entry.path()).to_path_buf());
             }
         }
         Ok(())
@@ -183,12 +156,7 @@ fn files_under(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Hash over everything an image is made of.
-fn input_hash(
-    template_dir: &Path,
-    bins: &GuestBins,
-    kernel: &Path,
-    busybox: Option<&str>,
-) -> Result<String> {
+fn input_hash(template_dir: &Path, bins: &GuestBins, kernel: &Path, busybox: Option<&str>) -> Result<String> {
     use std::os::unix::fs::PermissionsExt;
     let mut h = Sha256::new();
     let mut line = |s: String| {
@@ -199,12 +167,7 @@ fn input_hash(
     for rel in files_under(template_dir)? {
         let path = template_dir.join(&rel);
         let mode = fs::metadata(&path)?.permissions().mode();
-        line(format!(
-            "file {} {:o} {}",
-            rel.display(),
-            mode & 0o7777,
-            file_sha256(&path)?
-        ));
+        line(format!("file {} {:o} {}", rel.display(), mode & 0o7777, file_sha256(&path)?));
     }
     line(format!("silkd {}", file_sha256(&bins.silkd)?));
     line(format!("guest-init {}", file_sha256(&bins.guest_init)?));
@@ -214,9 +177,7 @@ fn input_hash(
 }
 
 fn package_version(pkg: &str) -> Result<String> {
-    let out = Command::new("dpkg-query")
-        .args(["-W", "-f=${Version}", pkg])
-        .output()?;
+    let out = Command::new("dpkg-query").args(["-W", "-f=${Version}", pkg]).output()?;
     let v = String::from_utf8_lossy(&out.stdout).trim().to_string();
     if !out.status.success() || v.is_empty() {
         bail!("{pkg} is not installed");
@@ -225,20 +186,10 @@ fn package_version(pkg: &str) -> Result<String> {
 }
 
 /// Builds one template (or finds it in the cache) and returns its catalog entry.
-fn build_template(
-    root: &Path,
-    name: &str,
-    kernel: &Path,
-    bins: &GuestBins,
-    force: bool,
-) -> Result<BuiltTemplate> {
+fn build_template(root: &Path, name: &str, kernel: &Path, bins: &GuestBins, force: bool) -> Result<BuiltTemplate> {
     let template_dir = root.join("vm-images/templates").join(name);
     let template = Template::load(&template_dir)?;
-    let busybox_version = if template.busybox {
-        Some(package_version("busybox-static")?)
-    } else {
-        None
-    };
+    let busybox_version = if template.busybox { Some(package_version("busybox-static")?) } else { None };
     let hash = input_hash(&template_dir, bins, kernel, busybox_version.as_deref())?;
     let images = paths::cache_dir().join("images");
     let _lock = paths::lock_file(&images.join(name).join(".lock"))?;
@@ -252,11 +203,7 @@ fn build_template(
             }
         }
     }
-    eprintln!(
-        "vm-image: {name}: building into {} ({})",
-        out.display(),
-        template.description
-    );
+    eprintln!("vm-image: {name}: building into {} ({})", out.display(), template.description);
     let tmp = images.join(name).join(format!(".{hash}.tmp"));
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir_all(&tmp)?;
@@ -265,18 +212,11 @@ fn build_template(
     write_initramfs(&template_dir, &template, bins, &initrd)?;
     let (mut rootfs, mut overlay) = (None, None);
     if let Some(spec) = &template.rootfs {
-        let tarball =
-            rootfs::debootstrap(&paths::cache_dir(), spec, template.source_date_epoch, force)?;
+        let tarball = rootfs::debootstrap(&paths::cache_dir(), spec, template.source_date_epoch, force)?;
         let erofs = tmp.join("rootfs.erofs");
         let extra = template_dir.join("rootfs");
         let extra = extra.is_dir().then_some(extra.as_path());
-        rootfs::make_erofs(
-            &tarball,
-            &bins.silkd,
-            extra,
-            template.source_date_epoch,
-            &erofs,
-        )?;
+        rootfs::make_erofs(&tarball, &bins.silkd, extra, template.source_date_epoch, &erofs)?;
         let ovl = tmp.join("overlay-empty.ext4");
         rootfs::make_overlay_ext4(&ovl, spec.overlay_size_mib, template.source_date_epoch)?;
         rootfs = Some(out.join("rootfs.erofs"));
@@ -300,14 +240,8 @@ fn build_template(
         cmdline: template.cmdline.clone(),
         digest: format!("sha256:{}", hex::encode(digest.finalize())),
     };
-    let manifest = Manifest {
-        template: name.to_string(),
-        built: built.clone(),
-    };
-    fs::write(
-        tmp.join("manifest.json"),
-        serde_json::to_vec_pretty(&manifest)?,
-    )?;
+    let manifest = Manifest { template: name.to_string(), built: built.clone() };
+    fs::write(tmp.join("manifest.json"), serde_json::to_vec_pretty(&manifest)?)?;
     let _ = fs::remove_dir_all(&out);
     fs::rename(&tmp, &out).with_context(|| format!("installing {}", out.display()))?;
     Ok(built)
@@ -315,12 +249,7 @@ fn build_template(
 
 /// Writes the gzip'ed initramfs: guest-init as `/init`, silkd, the base directories,
 /// `/dev/console`, optionally busybox + applet links, and the template's `initramfs/` files.
-fn write_initramfs(
-    template_dir: &Path,
-    template: &Template,
-    bins: &GuestBins,
-    out: &Path,
-) -> Result<()> {
+fn write_initramfs(template_dir: &Path, template: &Template, bins: &GuestBins, out: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let mut a = cpio::Archive::default();
     for (dir, perm) in [
@@ -339,43 +268,18 @@ fn write_initramfs(
         a.dir(dir, perm);
     }
     // The kernel opens /dev/console for /init before anything is mounted.
-    a.add(
-        "dev/console",
-        cpio::Kind::CharDev { major: 5, minor: 1 },
-        0o600,
-        0,
-        0,
-    );
-    a.file(
-        "init",
-        fs::read(&bins.guest_init).context("reading guest-init")?,
-        0o755,
-    );
-    a.file(
-        "sbin/silkd",
-        fs::read(&bins.silkd).context("reading silkd")?,
-        0o755,
-    );
+    a.add("dev/console", cpio::Kind::CharDev { major: 5, minor: 1 }, 0o600, 0, 0);
+    a.file("init", fs::read(&bins.guest_init).context("reading guest-init")?, 0o755);
+    a.file("sbin/silkd", fs::read(&bins.silkd).context("reading silkd")?, 0o755);
     if template.rootfs.is_none() {
         // The initramfs is the root: give the unprivileged user a home.
         a.add("home/sandbox", cpio::Kind::Dir, 0o755, 1000, 1000);
     }
     if template.busybox {
         let busybox = Path::new("/bin/busybox");
-        a.file(
-            "bin/busybox",
-            fs::read(busybox).context("reading /bin/busybox (busybox-static)")?,
-            0o755,
-        );
-        let list = Command::new(busybox)
-            .arg("--list-full")
-            .output()
-            .context("running busybox --list-full")?;
-        for applet in String::from_utf8_lossy(&list.stdout)
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty())
-        {
+        a.file("bin/busybox", fs::read(busybox).context("reading /bin/busybox (busybox-static)")?, 0o755);
+        let list = Command::new(busybox).arg("--list-full").output().context("running busybox --list-full")?;
+        for applet in String::from_utf8_lossy(&list.stdout).lines().map(str::trim).filter(|l| !l.is_empty()) {
             if applet == "bin/busybox" || a.contains(applet) {
                 continue;
             }
@@ -390,11 +294,8 @@ fn write_initramfs(
         a.file(&rel.to_string_lossy(), fs::read(&path)?, perm);
     }
     let file = fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut gz = flate2::GzBuilder::new()
-        .mtime(0)
-        .write(std::io::BufWriter::new(file), flate2::Compression::best());
-    a.write(&mut gz, template.source_date_epoch)
-        .context("writing the initramfs")?;
+    let mut gz = flate2::GzBuilder::new().mtime(0).write(std::io::BufWriter::new(file), flate2::Compression::best());
+    a.write(&mut gz, template.source_date_epoch).context("writing the initramfs")?;
     gz.finish()?.flush()?;
     Ok(())
 }

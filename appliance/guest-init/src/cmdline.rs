@@ -91,22 +91,17 @@ fn is_device(v: &str) -> bool {
 fn is_hostname(v: &str) -> bool {
     !v.is_empty()
         && v.len() <= 64
-        && v.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        && v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
         && !v.starts_with('-')
 }
 
 fn is_env_name(v: &str) -> bool {
-    !v.is_empty()
-        && !v.as_bytes()[0].is_ascii_digit()
-        && v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+    !v.is_empty() && !v.as_bytes()[0].is_ascii_digit() && v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }
 
 fn flag(v: Option<&str>) -> Option<bool> {
     match v {
-        None | Some("") | Some("1") | Some("y") | Some("yes") | Some("true") | Some("on") => {
-            Some(true)
-        }
+        None | Some("") | Some("1") | Some("y") | Some("yes") | Some("true") | Some("on") => Some(true),
         Some("0") | Some("n") | Some("no") | Some("false") | Some("off") => Some(false),
         Some(_) => None,
     }
@@ -140,14 +135,11 @@ pub fn parse(cmdline: &str) -> BootConfig {
             (k, Some(v)) if k.starts_with("env.") && is_env_name(&k[4..]) => {
                 cfg.env.push((k[4..].to_string(), v.to_string()));
             }
-            _ => cfg
-                .warnings
-                .push(format!("ignoring malformed or unknown parameter `{param}`")),
+            _ => cfg.warnings.push(format!("ignoring malformed or unknown parameter `{param}`")),
         }
     }
     if overlay_given && cfg.rootfs.is_none() {
-        cfg.warnings
-            .push("chrysalis.overlay is ignored without chrysalis.rootfs".to_string());
+        cfg.warnings.push("chrysalis.overlay is ignored without chrysalis.rootfs".to_string());
     }
     cfg
 }
@@ -175,16 +167,13 @@ mod tests {
     #[test]
     fn tmpfs_overlay_is_the_default_and_explicit() {
         assert_eq!(parse("chrysalis.rootfs=/dev/vda").overlay, Overlay::Tmpfs);
-        let cfg =
-            parse("chrysalis.rootfs=/dev/vda chrysalis.overlay=/dev/vdb chrysalis.overlay=tmpfs");
+        let cfg = parse("chrysalis.rootfs=/dev/vda chrysalis.overlay=/dev/vdb chrysalis.overlay=tmpfs");
         assert_eq!(cfg.overlay, Overlay::Tmpfs);
     }
 
     #[test]
     fn malformed_values_are_warnings_not_errors() {
-        let cfg = parse(
-            "chrysalis.rootfs=vda chrysalis.overlay=nope chrysalis.hostname=-bad chrysalis.what=1",
-        );
+        let cfg = parse("chrysalis.rootfs=vda chrysalis.overlay=nope chrysalis.hostname=-bad chrysalis.what=1");
         assert!(cfg.rootfs.is_none());
         assert_eq!(cfg.overlay, Overlay::Tmpfs);
         assert_eq!(cfg.hostname, "sandbox");
@@ -208,32 +197,20 @@ mod tests {
         assert_eq!(cfg.hostname, "box-1");
         assert_eq!(
             cfg.env,
-            vec![
-                ("SILKD_PORT".to_string(), "2049".to_string()),
-                ("RUST_LOG".to_string(), "debug".to_string())
-            ]
+            vec![("SILKD_PORT".to_string(), "2049".to_string()), ("RUST_LOG".to_string(), "debug".to_string())]
         );
         assert_eq!(cfg.silkd.as_deref(), Some("/opt/silkd"));
         assert!(cfg.debug_shell);
         assert!(!parse("chrysalis.debug_shell=0").debug_shell);
         assert!(parse("chrysalis.debug_shell=1").debug_shell);
-        assert!(!parse("chrysalis.env.1BAD=x")
-            .env
-            .iter()
-            .any(|(k, _)| k == "1BAD"));
+        assert!(!parse("chrysalis.env.1BAD=x").env.iter().any(|(k, _)| k == "1BAD"));
     }
 
     #[test]
     fn quotes_group_and_are_removed() {
-        assert_eq!(
-            split(r#"a "b c" d="e f"  g"#),
-            vec!["a", "b c", "d=e f", "g"]
-        );
+        assert_eq!(split(r#"a "b c" d="e f"  g"#), vec!["a", "b c", "d=e f", "g"]);
         let cfg = parse(r#"chrysalis.env.GREETING="hello world" quiet"#);
-        assert_eq!(
-            cfg.env,
-            vec![("GREETING".to_string(), "hello world".to_string())]
-        );
+        assert_eq!(cfg.env, vec![("GREETING".to_string(), "hello world".to_string())]);
         assert_eq!(split("  \n"), Vec::<String>::new());
     }
 }

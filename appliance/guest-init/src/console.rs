@@ -7,10 +7,7 @@ use std::io::Write;
 
 /// Seconds since boot (CLOCK_MONOTONIC), for boot-time measurements in the console log.
 pub fn uptime() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `ts` is a valid, writable timespec; clock_gettime only writes into it.
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     if rc != 0 {

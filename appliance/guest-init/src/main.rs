@@ -41,11 +41,7 @@ fn ensure_console() {
     if !missing {
         return;
     }
-    if let Ok(console) = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/console")
-    {
+    if let Ok(console) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/console") {
         for fd in 0..3 {
             // SAFETY: dup2 onto fds 0-2 of our own process, from an open descriptor.
             unsafe { libc::dup2(console.as_raw_fd(), fd) };
@@ -100,17 +96,9 @@ fn setup() -> Vec<Service> {
         Err(e) => say!("ERROR: {}", chain(&e)),
     }
 
-    let candidates = [
-        cfg.silkd.clone(),
-        Some(format!("{}/silkd", mounts::CHRYSALIS_DIR)),
-        Some(INITRAMFS_SILKD.into()),
-    ];
-    match candidates
-        .into_iter()
-        .flatten()
-        .map(PathBuf::from)
-        .find(|p| p.is_file())
-    {
+    let candidates =
+        [cfg.silkd.clone(), Some(format!("{}/silkd", mounts::CHRYSALIS_DIR)), Some(INITRAMFS_SILKD.into())];
+    match candidates.into_iter().flatten().map(PathBuf::from).find(|p| p.is_file()) {
         Some(path) => {
             let mut silkd = Service::new("silkd", path);
             silkd.env = cfg.env.clone();
@@ -146,9 +134,7 @@ fn main() {
     });
     say!("boot sequence done");
     // `run` never returns; if it panics, keep PID 1 alive by only reaping.
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        supervisor::run(&set, services)
-    }));
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| supervisor::run(&set, services)));
     loop {
         let _ = std::panic::catch_unwind(|| supervisor::run(&set, Vec::new()));
     }

@@ -46,20 +46,10 @@ const RW: &str = "/.chrysalis-rw";
 pub const CHRYSALIS_DIR: &str = "/.chrysalis";
 
 fn mkdir(path: &str) -> Result<(), MountError> {
-    std::fs::create_dir_all(path).map_err(|source| MountError::Io {
-        what: "creating",
-        path: path.into(),
-        source,
-    })
+    std::fs::create_dir_all(path).map_err(|source| MountError::Io { what: "creating", path: path.into(), source })
 }
 
-fn do_mount(
-    source: &str,
-    target: &str,
-    fstype: &str,
-    flags: MsFlags,
-    data: Option<&str>,
-) -> Result<(), MountError> {
+fn do_mount(source: &str, target: &str, fstype: &str, flags: MsFlags, data: Option<&str>) -> Result<(), MountError> {
     mkdir(target)?;
     mount(Some(source), target, Some(fstype), flags, data).map_err(|errno| MountError::Mount {
         fstype: fstype.into(),
@@ -75,9 +65,7 @@ fn is_mountpoint(path: &str) -> bool {
         .unwrap_or(false)
 }
 
-const NOSUID_NODEV_NOEXEC: MsFlags = MsFlags::MS_NOSUID
-    .union(MsFlags::MS_NODEV)
-    .union(MsFlags::MS_NOEXEC);
+const NOSUID_NODEV_NOEXEC: MsFlags = MsFlags::MS_NOSUID.union(MsFlags::MS_NODEV).union(MsFlags::MS_NOEXEC);
 
 /// Mounts `/proc`, `/sys` and `/dev` (devtmpfs): enough to read the command line and see disks.
 pub fn mount_early() -> Result<(), MountError> {
@@ -88,13 +76,7 @@ pub fn mount_early() -> Result<(), MountError> {
         do_mount("sysfs", "/sys", "sysfs", NOSUID_NODEV_NOEXEC, None)?;
     }
     if !is_mountpoint("/dev") {
-        do_mount(
-            "devtmpfs",
-            "/dev",
-            "devtmpfs",
-            MsFlags::MS_NOSUID,
-            Some("mode=0755"),
-        )?;
+        do_mount("devtmpfs", "/dev", "devtmpfs", MsFlags::MS_NOSUID, Some("mode=0755"))?;
     }
     Ok(())
 }
@@ -109,27 +91,9 @@ pub fn mount_late() -> Result<(), MountError> {
         MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
         Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
     )?;
-    do_mount(
-        "shm",
-        "/dev/shm",
-        "tmpfs",
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=1777"),
-    )?;
-    do_mount(
-        "tmpfs",
-        "/tmp",
-        "tmpfs",
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=1777"),
-    )?;
-    do_mount(
-        "tmpfs",
-        "/run",
-        "tmpfs",
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=0755"),
-    )?;
+    do_mount("shm", "/dev/shm", "tmpfs", MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777"))?;
+    do_mount("tmpfs", "/tmp", "tmpfs", MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777"))?;
+    do_mount("tmpfs", "/run", "tmpfs", MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=0755"))?;
     for (link, target) in [
         ("/dev/fd", "/proc/self/fd"),
         ("/dev/stdin", "/proc/self/fd/0"),
@@ -162,14 +126,10 @@ fn wait_for_device(dev: &str) -> Result<(), MountError> {
 /// (with a console warning) so the guest still comes up.
 fn mount_rw(overlay: &Overlay) -> Result<&'static str, MountError> {
     if let Overlay::Disk(dev) = overlay {
-        let res = wait_for_device(dev)
-            .and_then(|()| do_mount(dev, RW, "ext4", MsFlags::MS_NOATIME, None));
+        let res = wait_for_device(dev).and_then(|()| do_mount(dev, RW, "ext4", MsFlags::MS_NOATIME, None));
         match res {
             Ok(()) => return Ok("ext4"),
-            Err(e) => say!(
-                "WARNING: overlay disk unusable ({}), falling back to tmpfs",
-                crate::chain(&e)
-            ),
+            Err(e) => say!("WARNING: overlay disk unusable ({}), falling back to tmpfs", crate::chain(&e)),
         }
     }
     do_mount("tmpfs", RW, "tmpfs", MsFlags::empty(), Some("mode=0755"))?;
@@ -179,11 +139,7 @@ fn mount_rw(overlay: &Overlay) -> Result<&'static str, MountError> {
 /// Assembles erofs `rootfs` + `overlay` as an overlayfs on [`NEW_ROOT`], copies `silkd` (from
 /// the initramfs) into a tmpfs at `/.chrysalis`, moves `/proc`, `/sys`, `/dev` over and makes
 /// the new root `/`.
-pub fn switch_to_image_root(
-    rootfs: &str,
-    overlay: &Overlay,
-    silkd: Option<&Path>,
-) -> Result<(), MountError> {
+pub fn switch_to_image_root(rootfs: &str, overlay: &Overlay, silkd: Option<&Path>) -> Result<(), MountError> {
     wait_for_device(rootfs)?;
     do_mount(rootfs, LOWER, "erofs", MsFlags::MS_RDONLY, None)?;
     say!("mounted {rootfs} (erofs, read-only)");
@@ -192,23 +148,11 @@ pub fn switch_to_image_root(
     mkdir(&upper)?;
     mkdir(&work)?;
     let opts = format!("lowerdir={LOWER},upperdir={upper},workdir={work}");
-    do_mount(
-        "overlay",
-        NEW_ROOT,
-        "overlay",
-        MsFlags::empty(),
-        Some(&opts),
-    )?;
+    do_mount("overlay", NEW_ROOT, "overlay", MsFlags::empty(), Some(&opts))?;
     say!("overlay root ready (upper on {kind})");
 
     let chrysalis = format!("{NEW_ROOT}{CHRYSALIS_DIR}");
-    do_mount(
-        "tmpfs",
-        &chrysalis,
-        "tmpfs",
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=0755,size=64m"),
-    )?;
+    do_mount("tmpfs", &chrysalis, "tmpfs", MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=0755,size=64m"))?;
     if let Some(silkd) = silkd {
         let dest = format!("{chrysalis}/silkd");
         std::fs::copy(silkd, &dest).map_err(|source| MountError::Io {
@@ -221,40 +165,17 @@ pub fn switch_to_image_root(
     for dir in ["/proc", "/sys", "/dev"] {
         let target = format!("{NEW_ROOT}{dir}");
         mkdir(&target)?;
-        mount(
-            Some(dir),
-            target.as_str(),
-            None::<&str>,
-            MsFlags::MS_MOVE,
-            None::<&str>,
-        )
-        .map_err(|errno| MountError::Mount {
-            fstype: "move".into(),
-            source: dir.into(),
-            target: target.clone(),
-            errno,
+        mount(Some(dir), target.as_str(), None::<&str>, MsFlags::MS_MOVE, None::<&str>).map_err(|errno| {
+            MountError::Mount { fstype: "move".into(), source: dir.into(), target: target.clone(), errno }
         })?;
     }
     // switch_root: the initramfs cannot be pivot_root'ed away, so move the new root over `/`
     // and chroot into it (the initramfs files stay, unreachable; they are a few MB).
-    nix::unistd::chdir(NEW_ROOT).map_err(|errno| MountError::Sys {
-        what: "chdir to the new root",
-        errno,
-    })?;
-    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>).map_err(|errno| {
-        MountError::Sys {
-            what: "moving the new root to /",
-            errno,
-        }
-    })?;
-    nix::unistd::chroot(".").map_err(|errno| MountError::Sys {
-        what: "chroot into the new root",
-        errno,
-    })?;
-    nix::unistd::chdir("/").map_err(|errno| MountError::Sys {
-        what: "chdir /",
-        errno,
-    })?;
+    nix::unistd::chdir(NEW_ROOT).map_err(|errno| MountError::Sys { what: "chdir to the new root", errno })?;
+    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
+        .map_err(|errno| MountError::Sys { what: "moving the new root to /", errno })?;
+    nix::unistd::chroot(".").map_err(|errno| MountError::Sys { what: "chroot into the new root", errno })?;
+    nix::unistd::chdir("/").map_err(|errno| MountError::Sys { what: "chdir /", errno })?;
     Ok(())
 }
 

@@ -39,27 +39,18 @@ pub fn link_up(ifname: &str) -> Result<(), NetError> {
     }
     // SAFETY: `raw` is a freshly created, valid descriptor that nothing else owns.
     let sock = unsafe { OwnedFd::from_raw_fd(raw) };
-    let mut req = IfReqFlags {
-        name: [0; libc::IFNAMSIZ],
-        flags: 0,
-        _pad: [0; 22],
-    };
+    let mut req = IfReqFlags { name: [0; libc::IFNAMSIZ], flags: 0, _pad: [0; 22] };
     for (dst, src) in req.name.iter_mut().zip(ifname.bytes()) {
         *dst = src as libc::c_char;
     }
-    let ioctl =
-        |op: libc::c_ulong, name: &'static str, req: &mut IfReqFlags| -> Result<(), NetError> {
-            // SAFETY: `req` is a properly sized, NUL-terminated ifreq for SIOC[GS]IFFLAGS.
-            let rc = unsafe { libc::ioctl(sock.as_raw_fd(), op as _, req as *mut IfReqFlags) };
-            if rc < 0 {
-                return Err(NetError::Ioctl {
-                    op: name,
-                    ifname: ifname.into(),
-                    source: std::io::Error::last_os_error(),
-                });
-            }
-            Ok(())
-        };
+    let ioctl = |op: libc::c_ulong, name: &'static str, req: &mut IfReqFlags| -> Result<(), NetError> {
+        // SAFETY: `req` is a properly sized, NUL-terminated ifreq for SIOC[GS]IFFLAGS.
+        let rc = unsafe { libc::ioctl(sock.as_raw_fd(), op as _, req as *mut IfReqFlags) };
+        if rc < 0 {
+            return Err(NetError::Ioctl { op: name, ifname: ifname.into(), source: std::io::Error::last_os_error() });
+        }
+        Ok(())
+    };
     ioctl(libc::SIOCGIFFLAGS, "SIOCGIFFLAGS", &mut req)?;
     req.flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
     ioctl(libc::SIOCSIFFLAGS, "SIOCSIFFLAGS", &mut req)?;
@@ -77,9 +68,6 @@ mod tests {
 
     #[test]
     fn rejects_long_names() {
-        assert!(matches!(
-            link_up("a-very-long-interface-name"),
-            Err(NetError::Name(_))
-        ));
+        assert!(matches!(link_up("a-very-long-interface-name"), Err(NetError::Name(_))));
     }
 }

@@ -30,14 +30,8 @@ const HEALTHY_RUN: Duration = Duration::from_secs(10);
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 /// The environment every service starts with.
-const BASE_ENV: &[(&str, &str)] = &[
-    (
-        "PATH",
-        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    ),
-    ("HOME", "/root"),
-    ("TERM", "linux"),
-];
+const BASE_ENV: &[(&str, &str)] =
+    &[("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"), ("HOME", "/root"), ("TERM", "linux")];
 
 /// A supervised program.
 #[derive(Debug)]
@@ -73,10 +67,7 @@ impl Service {
         self.next_start = None;
         self.started = Instant::now();
         let mut cmd = Command::new(&self.path);
-        cmd.args(&self.args)
-            .env_clear()
-            .envs(BASE_ENV.iter().copied())
-            .envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd.args(&self.args).env_clear().envs(BASE_ENV.iter().copied()).envs(self.env.iter().map(|(k, v)| (k, v)));
         if !self.console_stdin {
             cmd.stdin(Stdio::null());
         }
@@ -100,11 +91,7 @@ impl Service {
         if self.started.elapsed() >= HEALTHY_RUN {
             self.backoff = BACKOFF_MIN;
         }
-        say!(
-            "restarting {} in {} ms",
-            self.name,
-            self.backoff.as_millis()
-        );
+        say!("restarting {} in {} ms", self.name, self.backoff.as_millis());
         self.next_start = Some(Instant::now() + self.backoff);
         self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
     }
@@ -113,27 +100,16 @@ impl Service {
 /// Blocks the signals PID 1 handles; call first thing so none is lost.
 pub fn block_signals() -> Result<SigSet, SupervisorError> {
     let mut set = SigSet::empty();
-    for sig in [
-        Signal::SIGCHLD,
-        Signal::SIGTERM,
-        Signal::SIGINT,
-        Signal::SIGHUP,
-        Signal::SIGPWR,
-        Signal::SIGUSR1,
-    ] {
+    for sig in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGPWR, Signal::SIGUSR1] {
         set.add(sig);
     }
-    nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None)
-        .map_err(SupervisorError::Sigmask)?;
+    nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None).map_err(SupervisorError::Sigmask)?;
     Ok(set)
 }
 
 /// Waits up to `timeout` for one of `set`; returns the signal number.
 fn wait_signal(set: &SigSet, timeout: Duration) -> Option<i32> {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs().min(3600) as _,
-        tv_nsec: timeout.subsec_nanos() as _,
-    };
+    let ts = libc::timespec { tv_sec: timeout.as_secs().min(3600) as _, tv_nsec: timeout.subsec_nanos() as _ };
     // SAFETY: `set` is a valid sigset, `ts` a valid timespec; siginfo may be null.
     let rc = unsafe { libc::sigtimedwait(set.as_ref(), std::ptr::null_mut(), &ts) };
     (rc > 0).then_some(rc)

@@ -15,7 +15,8 @@ async fn public_sdk_against_silkd() {
     let server = common::Server::start().await;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdk_smoke.py");
     let run = tokio::process::Command::new(&python).arg(script).arg(&server.path).output();
-    let out = tokio::time::timeout(Duration::from_secs(120), run).await.expect("sdk smoke in time").expect("run python");
+    let out =
+        tokio::time::timeout(Duration::from_secs(120), run).await.expect("sdk smoke in time").expect("run python");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "sdk smoke failed:\n{stdout}\n{stderr}");
 }

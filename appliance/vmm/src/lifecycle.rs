@@ -166,16 +166,14 @@ pub fn create_vm_dir(rec: &VmRecord) -> Result<(), DriverError> {
     let staging = parent.join(format!("{STAGING_PREFIX}{}.{}", rec.vm.id, std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir(&staging).map_err(|e| DriverError::io(format!("creating {}", staging.display()), e))?;
-    let stored = record::write_json_atomic(&staging.join(VM_JSON), rec)
-        .map_err(DriverError::from)
-        .and_then(|()| {
-            std::fs::rename(&staging, dir).map_err(|e| match e.raw_os_error() {
-                Some(libc::EEXIST) | Some(libc::ENOTEMPTY) => {
-                    DriverError::Invalid(format!("vm {} already exists at {}", rec.vm.id, dir.display()))
-                }
-                _ => DriverError::io(format!("renaming {} to {}", staging.display(), dir.display()), e),
-            })
-        });
+    let stored = record::write_json_atomic(&staging.join(VM_JSON), rec).map_err(DriverError::from).and_then(|()| {
+        std::fs::rename(&staging, dir).map_err(|e| match e.raw_os_error() {
+            Some(libc::EEXIST) | Some(libc::ENOTEMPTY) => {
+                DriverError::Invalid(format!("vm {} already exists at {}", rec.vm.id, dir.display()))
+            }
+            _ => DriverError::io(format!("renaming {} to {}", staging.display(), dir.display()), e),
+        })
+    });
     if let Err(e) = stored {
         let _ = std::fs::remove_dir_all(&staging);
         return Err(e);

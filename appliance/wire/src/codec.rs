@@ -287,7 +287,14 @@ mod tests {
         let req = decode_request(br#"{"v":1,"op":"exec","argv":["true"],"cwd":null,"env":null,"extra":7}"#);
         assert_eq!(
             req,
-            Ok(Request::Exec { argv: vec!["true".into()], cwd: None, env: None, user: None, detach: None, session: None })
+            Ok(Request::Exec {
+                argv: vec!["true".into()],
+                cwd: None,
+                env: None,
+                user: None,
+                detach: None,
+                session: None
+            })
         );
     }
 

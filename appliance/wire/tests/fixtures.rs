@@ -74,7 +74,8 @@ fn enums_file_pins_the_enums() {
 fn corpus_has_only_known_file_kinds() {
     for (name, _) in corpus() {
         assert!(
-            name == "enums.json" || (name.ends_with(".json") && (name.starts_with("req_") || name.starts_with("resp_"))),
+            name == "enums.json"
+                || (name.ends_with(".json") && (name.starts_with("req_") || name.starts_with("resp_"))),
             "unexpected fixture {name}"
         );
     }

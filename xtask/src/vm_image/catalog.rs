@@ -27,16 +27,11 @@ pub struct TemplateEntry {
 
 impl Sources {
     pub fn load(path: &Path) -> Result<Sources> {
-        let text =
-            fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let sources: Sources =
-            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let text = fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let sources: Sources = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         for (alias, target) in &sources.aliases {
             if !sources.templates.contains_key(target) {
-                bail!(
-                    "{}: alias {alias:?} points at unknown template {target:?}",
-                    path.display()
-                );
+                bail!("{}: alias {alias:?} points at unknown template {target:?}", path.display());
             }
         }
         Ok(sources)
@@ -50,12 +45,7 @@ impl Sources {
         if let Some(target) = self.aliases.get(name) {
             return Ok(target);
         }
-        let known: Vec<&str> = self
-            .templates
-            .keys()
-            .chain(self.aliases.keys())
-            .map(String::as_str)
-            .collect();
+        let known: Vec<&str> = self.templates.keys().chain(self.aliases.keys()).map(String::as_str).collect();
         bail!("unknown template {name:?}; known: {}", known.join(", "))
     }
 }
@@ -93,8 +83,7 @@ pub struct RootfsSpec {
 impl Template {
     pub fn load(dir: &Path) -> Result<Template> {
         let path = dir.join("template.toml");
-        let text =
-            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
     }
 }
@@ -121,41 +110,27 @@ pub struct BuiltCatalog {
 
 /// Records `built` in `catalog.json` (temp file + rename), keeping the other templates and
 /// publishing the aliases of every template that is built.
-pub fn register(
-    catalog_json: &Path,
-    sources: &Sources,
-    name: &str,
-    built: BuiltTemplate,
-) -> Result<()> {
+pub fn register(catalog_json: &Path, sources: &Sources, name: &str, built: BuiltTemplate) -> Result<()> {
     let mut catalog: BuiltCatalog = match fs::read(catalog_json) {
         Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
-            eprintln!(
-                "vm-image: {} is unreadable ({e}); starting a fresh catalog",
-                catalog_json.display()
-            );
+            eprintln!("vm-image: {} is unreadable ({e}); starting a fresh catalog", catalog_json.display());
             BuiltCatalog::default()
         }),
         Err(_) => BuiltCatalog::default(),
     };
     catalog.templates.insert(name.to_string(), built);
-    catalog
-        .templates
-        .retain(|n, _| sources.templates.contains_key(n));
+    catalog.templates.retain(|n, _| sources.templates.contains_key(n));
     catalog.aliases = sources
         .aliases
         .iter()
         .filter(|(_, target)| catalog.templates.contains_key(*target))
         .map(|(a, t)| (a.clone(), t.clone()))
         .collect();
-    let dir = catalog_json
-        .parent()
-        .context("catalog path has no parent")?;
+    let dir = catalog_json.parent().context("catalog path has no parent")?;
     fs::create_dir_all(dir)?;
     let tmp = dir.join(format!(".catalog.json.{}", std::process::id()));
-    fs::write(&tmp, serde_json::to_vec_pretty(&catalog)?)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    fs::rename(&tmp, catalog_json)
-        .with_context(|| format!("replacing {}", catalog_json.display()))?;
+    fs::write(&tmp, serde_json::to_vec_pretty(&catalog)?).with_context(|| format!("writing {}", tmp.display()))?;
+    fs::rename(&tmp, catalog_json).with_context(|| format!("replacing {}", catalog_json.display()))?;
     Ok(())
 }
 
@@ -198,23 +173,12 @@ mod tests {
             digest: "sha256:00".into(),
         };
         register(&json, &sources(), "base", built.clone()).expect("register base");
-        let v: serde_json::Value =
-            serde_json::from_slice(&fs::read(&json).expect("read")).expect("json");
+        let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).expect("read")).expect("json");
         assert_eq!(v["templates"]["base"]["kernel"], "/k");
         assert!(v["templates"]["base"]["rootfs"].is_null());
         assert_eq!(v["aliases"], serde_json::json!({}));
-        register(
-            &json,
-            &sources(),
-            "rt",
-            BuiltTemplate {
-                rootfs: Some("/r".into()),
-                ..built
-            },
-        )
-        .expect("register rt");
-        let v: serde_json::Value =
-            serde_json::from_slice(&fs::read(&json).expect("read")).expect("json");
+        register(&json, &sources(), "rt", BuiltTemplate { rootfs: Some("/r".into()), ..built }).expect("register rt");
+        let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).expect("read")).expect("json");
         assert_eq!(v["templates"]["base"]["initrd"], "/i");
         assert_eq!(v["templates"]["rt"]["rootfs"], "/r");
         assert_eq!(v["aliases"]["ubuntu-dev-base"], "rt");

@@ -47,22 +47,9 @@ impl Archive {
                 parent.push('/');
             }
             parent.push_str(comp);
-            self.entries.entry(parent.clone()).or_insert(Entry {
-                kind: Kind::Dir,
-                perm: 0o755,
-                uid: 0,
-                gid: 0,
-            });
+            self.entries.entry(parent.clone()).or_insert(Entry { kind: Kind::Dir, perm: 0o755, uid: 0, gid: 0 });
         }
-        self.entries.insert(
-            path,
-            Entry {
-                kind,
-                perm,
-                uid,
-                gid,
-            },
-        );
+        self.entries.insert(path, Entry { kind, perm, uid, gid });
     }
 
     pub fn dir(&mut self, path: &str, perm: u32) {
@@ -91,18 +78,7 @@ impl Archive {
                 Kind::CharDev { major, minor } => (0o020000, &[], (*major, *minor)),
             };
             let nlink = if matches!(e.kind, Kind::Dir) { 2 } else { 1 };
-            write_member(
-                out,
-                ino,
-                mode | (e.perm & 0o7777),
-                e.uid,
-                e.gid,
-                nlink,
-                mtime,
-                path,
-                data,
-                rdev,
-            )?;
+            write_member(out, ino, mode | (e.perm & 0o7777), e.uid, e.gid, nlink, mtime, path, data, rdev)?;
         }
         write_member(out, 0, 0, 0, 0, 1, 0, "TRAILER!!!", &[], (0, 0))
     }
@@ -153,28 +129,16 @@ mod tests {
     fn newc_layout_parents_and_alignment() {
         let mut a = Archive::default();
         a.file("/sbin/silkd", b"abc".to_vec(), 0o755);
-        a.add(
-            "dev/console",
-            Kind::CharDev { major: 5, minor: 1 },
-            0o600,
-            0,
-            0,
-        );
+        a.add("dev/console", Kind::CharDev { major: 5, minor: 1 }, 0o600, 0, 0);
         let mut out = Vec::new();
         a.write(&mut out, 7).expect("writing to a Vec cannot fail");
         assert_eq!(out.len() % 4, 0);
         let text = String::from_utf8_lossy(&out);
         // dev, dev/console, sbin, sbin/silkd, trailer — in that order.
-        let names: Vec<usize> = [
-            "dev\0",
-            "dev/console\0",
-            "sbin\0",
-            "sbin/silkd\0",
-            "TRAILER!!!\0",
-        ]
-        .iter()
-        .map(|n| text.find(n).unwrap_or(usize::MAX))
-        .collect();
+        let names: Vec<usize> = ["dev\0", "dev/console\0", "sbin\0", "sbin/silkd\0", "TRAILER!!!\0"]
+            .iter()
+            .map(|n| text.find(n).unwrap_or(usize::MAX))
+            .collect();
         assert!(names.windows(2).all(|w| w[0] < w[1]), "{names:?}");
         // First header: directory `dev`, mode 040755, mtime 7.
         assert_eq!(&out[0..6], b"070701");

@@ -62,9 +62,7 @@ pub fn host_mirrors(suite: &str) -> Result<Vec<String>> {
 }
 
 fn wanted_suite(s: &str, suite: &str) -> bool {
-    s == suite
-        || s.strip_prefix(suite)
-            .is_some_and(|rest| rest.starts_with('-'))
+    s == suite || s.strip_prefix(suite).is_some_and(|rest| rest.starts_with('-'))
 }
 
 fn parse_deb822(text: &str, suite: &str) -> Vec<String> {
@@ -78,8 +76,7 @@ fn parse_deb822(text: &str, suite: &str) -> Vec<String> {
                 .map(|v| v.split_whitespace().map(str::to_string).collect::<Vec<_>>())
                 .unwrap_or_default()
         };
-        if !field("Types").iter().any(|t| t == "deb") || field("Enabled").iter().any(|e| e == "no")
-        {
+        if !field("Types").iter().any(|t| t == "deb") || field("Enabled").iter().any(|e| e == "no") {
             continue;
         }
         let components = field("Components").join(" ");
@@ -115,14 +112,9 @@ pub fn debootstrap(cache: &Path, spec: &RootfsSpec, epoch: u64, force: bool) -> 
     packages.sort();
     packages.dedup();
     let mut h = Sha256::new();
-    for part in [
-        DEBOOTSTRAP_FORMAT,
-        &spec.suite,
-        &spec.variant,
-        &packages.join(","),
-        &mirrors.join("|"),
-        &epoch.to_string(),
-    ] {
+    for part in
+        [DEBOOTSTRAP_FORMAT, &spec.suite, &spec.variant, &packages.join(","), &mirrors.join("|"), &epoch.to_string()]
+    {
         h.update(part.as_bytes());
         h.update(b"\n");
     }
@@ -135,11 +127,7 @@ pub fn debootstrap(cache: &Path, spec: &RootfsSpec, epoch: u64, force: bool) -> 
     let tarball = dir.join("rootfs.tar");
     let _lock = crate::paths::lock_file(&dir.join(".lock"))?;
     if tarball.is_file() && !force {
-        eprintln!(
-            "vm-image: cached mmdebstrap {} ({})",
-            spec.suite,
-            tarball.display()
-        );
+        eprintln!("vm-image: cached mmdebstrap {} ({})", spec.suite, tarball.display());
         return Ok(tarball);
     }
     fs::create_dir_all(&dir)?;
@@ -173,24 +161,13 @@ pub fn debootstrap(cache: &Path, spec: &RootfsSpec, epoch: u64, force: bool) -> 
 
 /// Unpacks `tarball`, adds `silkd` at `/sbin/silkd` and the template's `rootfs/` files, and
 /// packs the tree into an erofs image at `out`.
-pub fn make_erofs(
-    tarball: &Path,
-    silkd: &Path,
-    extra: Option<&Path>,
-    epoch: u64,
-    out: &Path,
-) -> Result<()> {
+pub fn make_erofs(tarball: &Path, silkd: &Path, extra: Option<&Path>, epoch: u64, out: &Path) -> Result<()> {
     let work = out.with_extension("tree");
     let _ = fs::remove_dir_all(&work);
     fs::create_dir_all(&work)?;
     let result = (|| -> Result<()> {
         run(
-            Command::new("tar")
-                .arg("--numeric-owner")
-                .arg("-xpf")
-                .arg(tarball)
-                .arg("-C")
-                .arg(&work),
+            Command::new("tar").arg("--numeric-owner").arg("-xpf").arg(tarball).arg("-C").arg(&work),
             "unpacking the rootfs",
         )?;
         fs::create_dir_all(work.join("sbin"))?;
@@ -198,11 +175,7 @@ pub fn make_erofs(
         if let Some(extra) = extra {
             // `cp -a dir/. tree/` merges the template's files over the Debian tree.
             run(
-                Command::new("cp")
-                    .arg("-a")
-                    .arg("--no-preserve=ownership")
-                    .arg(extra.join("."))
-                    .arg(&work),
+                Command::new("cp").arg("-a").arg("--no-preserve=ownership").arg(extra.join(".")).arg(&work),
                 "adding template files",
             )?;
         }
@@ -229,9 +202,7 @@ pub fn make_overlay_ext4(out: &Path, size_mib: u64, epoch: u64) -> Result<()> {
     run(
         Command::new("mkfs.ext4")
             .args(["-F", "-q", "-L", "chrysalis-ovl", "-U", FS_UUID])
-            .arg(format!(
-                "-Elazy_itable_init=1,lazy_journal_init=1,hash_seed={FS_UUID}"
-            ))
+            .arg(format!("-Elazy_itable_init=1,lazy_journal_init=1,hash_seed={FS_UUID}"))
             .arg(out)
             .env("E2FSPROGS_FAKE_TIME", epoch.to_string()),
         "mkfs.ext4",
@@ -239,9 +210,7 @@ pub fn make_overlay_ext4(out: &Path, size_mib: u64, epoch: u64) -> Result<()> {
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<()> {
-    let status = cmd
-        .status()
-        .with_context(|| format!("{what}: running {cmd:?}"))?;
+    let status = cmd.status().with_context(|| format!("{what}: running {cmd:?}"))?;
     if !status.success() {
         bail!("{what} failed ({status}): {cmd:?}");
     }
@@ -271,9 +240,6 @@ mod tests {
     #[test]
     fn one_line_sources() {
         let text = "deb [arch=amd64] http://m/debian bookworm main\ndeb https://x cloud-sdk-bookworm main\n# deb http://y bookworm main\n";
-        assert_eq!(
-            parse_one_line(text, "bookworm"),
-            vec!["deb http://m/debian bookworm main"]
-        );
+        assert_eq!(parse_one_line(text, "bookworm"), vec!["deb http://m/debian bookworm main"]);
     }
 }

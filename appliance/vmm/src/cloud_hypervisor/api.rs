@@ -10,9 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use cloud_hypervisor_client::apis::{DefaultApi, Error as ClientError};
-use cloud_hypervisor_client::models::{
-    RestoreConfig, VmConfig, VmInfo, VmSnapshotConfig, VmmPingResponse,
-};
+use cloud_hypervisor_client::models::{RestoreConfig, VmConfig, VmInfo, VmSnapshotConfig, VmmPingResponse};
 use cloud_hypervisor_client::{socket_based_api_client, SocketBasedApiClient};
 
 /// Errors of one REST call.
@@ -112,21 +110,14 @@ pub struct ApiClient {
 
 impl std::fmt::Debug for ApiClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ApiClient")
-            .field("socket", &self.socket)
-            .field("timeout", &self.timeout)
-            .finish()
+        f.debug_struct("ApiClient").field("socket", &self.socket).field("timeout", &self.timeout).finish()
     }
 }
 
 impl ApiClient {
     /// A client for the API socket at `socket`; each call fails after `timeout`.
     pub fn new(socket: &Path, timeout: Duration) -> Self {
-        ApiClient {
-            socket: socket.to_path_buf(),
-            inner: socket_based_api_client(socket),
-            timeout,
-        }
+        ApiClient { socket: socket.to_path_buf(), inner: socket_based_api_client(socket), timeout }
     }
 
     /// The API socket path.
@@ -141,16 +132,9 @@ impl ApiClient {
     ) -> Result<T, ApiError> {
         tracing::trace!(endpoint, socket = %self.socket.display(), "cloud-hypervisor api call");
         match tokio::time::timeout(self.timeout, fut).await {
-            Err(_) => Err(ApiError::Timeout {
-                endpoint,
-                after: self.timeout,
-            }),
+            Err(_) => Err(ApiError::Timeout { endpoint, after: self.timeout }),
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(ClientError::Api(e))) => Err(ApiError::Status {
-                endpoint,
-                status: e.code.as_u16(),
-                body: e.body,
-            }),
+            Ok(Err(ClientError::Api(e))) => Err(ApiError::Status { endpoint, status: e.code.as_u16(), body: e.body }),
             Ok(Err(source)) => Err(ApiError::Transport { endpoint, source }),
         }
     }
@@ -162,8 +146,7 @@ impl ApiClient {
 
     /// `PUT /vm.create` with the full VM configuration.
     pub async fn create(&self, config: VmConfig) -> Result<(), ApiError> {
-        self.call(endpoint::CREATE, self.inner.create_vm(config))
-            .await
+        self.call(endpoint::CREATE, self.inner.create_vm(config)).await
     }
 
     /// `PUT /vm.boot`.
@@ -183,18 +166,14 @@ impl ApiClient {
 
     /// `PUT /vm.snapshot {destination_url: "file://<dir>"}` (the VM must be paused).
     pub async fn snapshot(&self, dir: &Path) -> Result<(), ApiError> {
-        let cfg = VmSnapshotConfig {
-            destination_url: Some(file_url(dir)),
-        };
-        self.call(endpoint::SNAPSHOT, self.inner.vm_snapshot_put(cfg))
-            .await
+        let cfg = VmSnapshotConfig { destination_url: Some(file_url(dir)) };
+        self.call(endpoint::SNAPSHOT, self.inner.vm_snapshot_put(cfg)).await
     }
 
     /// `PUT /vm.restore {source_url: "file://<dir>"}`; the restored VM stays paused.
     pub async fn restore(&self, dir: &Path) -> Result<(), ApiError> {
         let cfg = RestoreConfig::new(file_url(dir));
-        self.call(endpoint::RESTORE, self.inner.vm_restore_put(cfg))
-            .await
+        self.call(endpoint::RESTORE, self.inner.vm_restore_put(cfg)).await
     }
 
     /// `GET /vm.info`.
@@ -204,14 +183,12 @@ impl ApiClient {
 
     /// `PUT /vm.shutdown`: stops the VM (the VMM process keeps running).
     pub async fn shutdown_vm(&self) -> Result<(), ApiError> {
-        self.call(endpoint::SHUTDOWN_VM, self.inner.shutdown_vm())
-            .await
+        self.call(endpoint::SHUTDOWN_VM, self.inner.shutdown_vm()).await
     }
 
     /// `PUT /vmm.shutdown`: the VMM process exits.
     pub async fn shutdown_vmm(&self) -> Result<(), ApiError> {
-        self.call(endpoint::SHUTDOWN_VMM, self.inner.shutdown_vmm())
-            .await
+        self.call(endpoint::SHUTDOWN_VMM, self.inner.shutdown_vmm()).await
     }
 }
 

@@ -8,8 +8,8 @@
 use std::path::{Path, PathBuf};
 
 use cloud_hypervisor_client::models::{
-    ConsoleConfig, ConsoleMode, CpusConfig, DiskConfig, ImageType, MemoryConfig, PayloadConfig,
-    SerialConfig, VmConfig, VsockConfig,
+    ConsoleConfig, ConsoleMode, CpusConfig, DiskConfig, ImageType, MemoryConfig, PayloadConfig, SerialConfig, VmConfig,
+    VsockConfig,
 };
 use serde_json::Value;
 
@@ -102,10 +102,7 @@ impl VmPlan {
                 ..SerialConfig::new(ConsoleMode::File)
             }),
             console: Some(ConsoleConfig::new(ConsoleMode::Off)),
-            vsock: Some(VsockConfig::new(
-                i64::from(self.vsock_cid),
-                path_str(&self.vsock_socket),
-            )),
+            vsock: Some(VsockConfig::new(i64::from(self.vsock_cid), path_str(&self.vsock_socket))),
             ..VmConfig::new(payload)
         }
     }
@@ -122,14 +119,8 @@ pub fn kernel_cmdline(template: &str, has_rootfs: bool, has_overlay: bool) -> St
             args.push("chrysalis.overlay=tmpfs");
         }
     }
-    let keys: Vec<&str> = template
-        .split_whitespace()
-        .map(|a| a.split('=').next().unwrap_or(a))
-        .collect();
-    let mut out: Vec<&str> = args
-        .into_iter()
-        .filter(|a| !keys.contains(&a.split('=').next().unwrap_or(a)))
-        .collect();
+    let keys: Vec<&str> = template.split_whitespace().map(|a| a.split('=').next().unwrap_or(a)).collect();
+    let mut out: Vec<&str> = args.into_iter().filter(|a| !keys.contains(&a.split('=').next().unwrap_or(a))).collect();
     out.extend(template.split_whitespace());
     out.join(" ")
 }
@@ -150,10 +141,7 @@ pub struct CloneRewrite {
 /// [`OVERLAY_DISK_ID`]. Unknown fields are kept as they are.
 pub fn rewrite_snapshot_config(config: &mut Value, with: &CloneRewrite) -> Result<(), ConfigError> {
     let obj = config.as_object_mut().ok_or(ConfigError::NotAnObject)?;
-    let vsock = obj
-        .get_mut("vsock")
-        .and_then(Value::as_object_mut)
-        .ok_or(ConfigError::Missing("vsock"))?;
+    let vsock = obj.get_mut("vsock").and_then(Value::as_object_mut).ok_or(ConfigError::Missing("vsock"))?;
     vsock.insert("socket".into(), Value::String(path_str(&with.vsock_socket)));
     if let Some(serial) = obj.get_mut("serial").and_then(Value::as_object_mut) {
         serial.insert("file".into(), Value::String(path_str(&with.serial_file)));
@@ -162,11 +150,7 @@ pub fn rewrite_snapshot_config(config: &mut Value, with: &CloneRewrite) -> Resul
         let disk = obj
             .get_mut("disks")
             .and_then(Value::as_array_mut)
-            .and_then(|disks| {
-                disks
-                    .iter_mut()
-                    .find(|d| d.get("id").and_then(Value::as_str) == Some(OVERLAY_DISK_ID))
-            })
+            .and_then(|disks| disks.iter_mut().find(|d| d.get("id").and_then(Value::as_str) == Some(OVERLAY_DISK_ID)))
             .and_then(Value::as_object_mut)
             .ok_or(ConfigError::Missing("disk with id \"overlay\""))?;
         disk.insert("path".into(), Value::String(path_str(overlay)));

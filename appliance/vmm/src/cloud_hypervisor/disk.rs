@@ -40,18 +40,9 @@ pub enum CloneKind {
 
 /// Copies `from` to a new file `to` (which must not exist), mode 0600, preferring a reflink.
 pub fn clone_file(from: &Path, to: &Path) -> Result<CloneKind, DiskError> {
-    let err = |source: std::io::Error| DiskError::Copy {
-        from: from.to_path_buf(),
-        to: to.to_path_buf(),
-        source,
-    };
+    let err = |source: std::io::Error| DiskError::Copy { from: from.to_path_buf(), to: to.to_path_buf(), source };
     let src = File::open(from).map_err(err)?;
-    let dst = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(to)
-        .map_err(err)?;
+    let dst = OpenOptions::new().write(true).create_new(true).mode(0o600).open(to).map_err(err)?;
     let result = match rustix::fs::ioctl_ficlone(&dst, &src) {
         Ok(()) => Ok(CloneKind::Reflink),
         Err(_) => sparse_copy(&src, &dst).map(|()| CloneKind::SparseCopy),
@@ -86,21 +77,10 @@ fn sparse_copy(src: &File, dst: &File) -> std::io::Result<()> {
         let mut off_in = data;
         let mut off_out = data;
         while off_in < hole {
-            let chunk = usize::try_from(hole - off_in)
-                .unwrap_or(usize::MAX)
-                .min(1 << 30);
-            let n = rustix::fs::copy_file_range(
-                src,
-                Some(&mut off_in),
-                dst,
-                Some(&mut off_out),
-                chunk,
-            )?;
+            let chunk = usize::try_from(hole - off_in).unwrap_or(usize::MAX).min(1 << 30);
+            let n = rustix::fs::copy_file_range(src, Some(&mut off_in), dst, Some(&mut off_out), chunk)?;
             if n == 0 {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "source shrank while copying",
-                ));
+                return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "source shrank while copying"));
             }
         }
         pos = hole;
@@ -134,11 +114,7 @@ mod tests {
         assert_eq!(meta.mode() & 0o777, 0o600);
         if kind == CloneKind::SparseCopy {
             // 64 MiB logical, two tiny extents: far fewer than 64 MiB of blocks allocated.
-            assert!(
-                meta.blocks() * 512 < 8 << 20,
-                "copy is not sparse: {} blocks",
-                meta.blocks()
-            );
+            assert!(meta.blocks() * 512 < 8 << 20, "copy is not sparse: {} blocks", meta.blocks());
         }
     }
 

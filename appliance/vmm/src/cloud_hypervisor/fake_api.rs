@@ -89,12 +89,7 @@ impl FakeApi {
                 });
             }
         });
-        FakeApi {
-            socket,
-            exit_file,
-            state,
-            task,
-        }
+        FakeApi { socket, exit_file, state, task }
     }
 
     /// The socket the fake listens on.
@@ -110,13 +105,7 @@ impl FakeApi {
     /// Answers `method path` (e.g. `"PUT /vm.boot"`) with `status` and `body` from now on.
     pub fn respond(&self, line: &str, status: u16, body: &str) {
         let mut st = self.state.lock().expect("fake state lock");
-        st.canned.insert(
-            line.to_string(),
-            Canned {
-                status,
-                body: body.to_string(),
-            },
-        );
+        st.canned.insert(line.to_string(), Canned { status, body: body.to_string() });
     }
 
     /// Every request so far.
@@ -126,10 +115,7 @@ impl FakeApi {
 
     /// Every request so far except `GET /vmm.ping` (readiness polling).
     pub fn calls(&self) -> Vec<Recorded> {
-        self.requests()
-            .into_iter()
-            .filter(|r| r.line() != "GET /vmm.ping")
-            .collect()
+        self.requests().into_iter().filter(|r| r.line() != "GET /vmm.ping").collect()
     }
 
     /// Forgets the recorded requests.
@@ -235,10 +221,7 @@ async fn serve(mut conn: UnixStream, st: Arc<Mutex<State>>, exit: PathBuf) -> st
             reason(status)
         );
         if status != 204 {
-            resp.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n",
-                body.len()
-            ));
+            resp.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len()));
         }
         resp.push_str("\r\n");
         resp.push_str(&body);

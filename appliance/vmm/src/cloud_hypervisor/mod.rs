@@ -138,10 +138,7 @@ pub struct CloudHypervisor {
 }
 
 fn now_epoch_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// A guest CID ≥ 3 derived from the VM id (FNV-1a), stable across restarts of the host side.
@@ -157,57 +154,36 @@ pub fn vsock_cid(id: &VmId) -> u32 {
 /// Maps a REST failure to the driver error: an HTTP error keeps its status and body.
 pub fn api_error(vm: &VmId, e: ApiError) -> DriverError {
     match e {
-        ApiError::Timeout { endpoint, after } => DriverError::Timeout {
-            vm: vm.clone(),
-            what: format!("cloud-hypervisor {endpoint}"),
-            after,
-        },
-        e @ ApiError::Status { .. } => DriverError::Control {
-            vm: vm.clone(),
-            message: e.to_string(),
-        },
-        e @ ApiError::Transport { .. } => DriverError::Control {
-            vm: vm.clone(),
-            message: crate::error_chain(&e),
-        },
+        ApiError::Timeout { endpoint, after } => {
+            DriverError::Timeout { vm: vm.clone(), what: format!("cloud-hypervisor {endpoint}"), after }
+        }
+        e @ ApiError::Status { .. } => DriverError::Control { vm: vm.clone(), message: e.to_string() },
+        e @ ApiError::Transport { .. } => DriverError::Control { vm: vm.clone(), message: crate::error_chain(&e) },
     }
 }
 
 /// Maps a process failure to the driver error.
 pub fn process_error(vm: &VmId, e: ProcessError) -> DriverError {
     match e {
-        ProcessError::BinaryNotFound { ref wanted } => DriverError::Spawn {
-            program: wanted.to_string_lossy().into_owned(),
-            detail: e.to_string(),
-        },
-        ProcessError::Spawn { bin, source } => {
-            DriverError::io(format!("starting {}", bin.display()), source)
+        ProcessError::BinaryNotFound { ref wanted } => {
+            DriverError::Spawn { program: wanted.to_string_lossy().into_owned(), detail: e.to_string() }
         }
-        ProcessError::ExitedEarly {
-            status, log_tail, ..
-        } => DriverError::Exited {
-            vm: vm.clone(),
-            detail: format!("{status}; log: {log_tail}"),
-        },
+        ProcessError::Spawn { bin, source } => DriverError::io(format!("starting {}", bin.display()), source),
+        ProcessError::ExitedEarly { status, log_tail, .. } => {
+            DriverError::Exited { vm: vm.clone(), detail: format!("{status}; log: {log_tail}") }
+        }
         ProcessError::ApiNotReady { after, last, .. } => DriverError::Timeout {
             vm: vm.clone(),
             what: match last {
-                Some(l) => format!(
-                    "the cloud-hypervisor API (last error: {})",
-                    crate::error_chain(&l)
-                ),
+                Some(l) => format!("the cloud-hypervisor API (last error: {})", crate::error_chain(&l)),
                 None => "the cloud-hypervisor API".into(),
             },
             after,
         },
-        ProcessError::Stop { pid, source } => {
-            DriverError::io(format!("stopping cloud-hypervisor pid {pid}"), source)
+        ProcessError::Stop { pid, source } => DriverError::io(format!("stopping cloud-hypervisor pid {pid}"), source),
+        ProcessError::Unkillable { after, .. } => {
+            DriverError::Timeout { vm: vm.clone(), what: "cloud-hypervisor to die after SIGKILL".into(), after }
         }
-        ProcessError::Unkillable { after, .. } => DriverError::Timeout {
-            vm: vm.clone(),
-            what: "cloud-hypervisor to die after SIGKILL".into(),
-            after,
-        },
     }
 }
 
@@ -232,11 +208,7 @@ impl CloudHypervisor {
                 "cloud-hypervisor driver: KVM looks unusable here; boots will fail")
             }
         }
-        Ok(CloudHypervisor {
-            cfg,
-            binary,
-            procs: Mutex::new(HashMap::new()),
-        })
+        Ok(CloudHypervisor { cfg, binary, procs: Mutex::new(HashMap::new()) })
     }
 
     /// The binary this driver spawns.
@@ -267,18 +239,13 @@ impl CloudHypervisor {
 
     /// Takes our handle on `vm`'s process, or adopts it by pid + start time.
     fn take_process(&self, vm: &Vm) -> VmmProcess {
-        self.procs()
-            .remove(&vm.id)
-            .unwrap_or_else(|| VmmProcess::adopt(vm.pid, vm.pid_start_time))
+        self.procs().remove(&vm.id).unwrap_or_else(|| VmmProcess::adopt(vm.pid, vm.pid_start_time))
     }
 
     /// Refuses records whose directory is not ours (we delete it on stop).
     fn check_owned(&self, vm: &Vm) -> Result<(), DriverError> {
         if vm.backend != Backend::CloudHypervisor {
-            return Err(DriverError::Invalid(format!(
-                "vm {} runs on {}, not cloud-hypervisor",
-                vm.id, vm.backend
-            )));
+            return Err(DriverError::Invalid(format!("vm {} runs on {}, not cloud-hypervisor", vm.id, vm.backend)));
         }
         if vm.dir != self.vm_dir(&vm.id) {
             return Err(DriverError::Invalid(format!(
@@ -313,17 +280,12 @@ impl CloudHypervisor {
     /// API. On error the process (if any) is already killed; the caller removes the directory.
     async fn start_process(&self, rec: &mut VmRecord) -> Result<VmmProcess, DriverError> {
         let log = rec.vm.dir.join(VMM_LOG);
-        let mut proc = VmmProcess::spawn(&self.binary, &rec.vm.control_socket, &log)
-            .map_err(|e| process_error(&rec.vm.id, e))?;
-        let recorded = rec
-            .spawned(proc.pid(), proc.start_time())
-            .and_then(|()| rec.store());
+        let mut proc =
+            VmmProcess::spawn(&self.binary, &rec.vm.control_socket, &log).map_err(|e| process_error(&rec.vm.id, e))?;
+        let recorded = rec.spawned(proc.pid(), proc.start_time()).and_then(|()| rec.store());
         let result = match recorded {
             Ok(()) => {
-                let api = ApiClient::new(
-                    &rec.vm.control_socket,
-                    self.cfg.api_timeout.min(Duration::from_secs(1)),
-                );
+                let api = ApiClient::new(&rec.vm.control_socket, self.cfg.api_timeout.min(Duration::from_secs(1)));
                 match proc.wait_api(&api, &log, self.cfg.start_timeout).await {
                     Ok(ping) => {
                         tracing::debug!(vm = %rec.vm.id, pid = rec.vm.pid, version = %ping.version, "cloud-hypervisor API up");
@@ -388,31 +350,21 @@ impl CloudHypervisor {
     }
 
     /// Builds `<vmdir>/restore/` for a clone of `snapshot`.
-    fn prepare_restore_dir(
-        snapshot: &Snapshot,
-        vm: &Vm,
-        overlay: Option<PathBuf>,
-    ) -> Result<PathBuf, DriverError> {
+    fn prepare_restore_dir(snapshot: &Snapshot, vm: &Vm, overlay: Option<PathBuf>) -> Result<PathBuf, DriverError> {
         let rdir = vm.dir.join(RESTORE_DIR);
-        std::fs::create_dir(&rdir)
-            .map_err(|e| DriverError::io(format!("creating {}", rdir.display()), e))?;
+        std::fs::create_dir(&rdir).map_err(|e| DriverError::io(format!("creating {}", rdir.display()), e))?;
         let src_cfg = snapshot.dir.join(SNAPSHOT_CONFIG);
         let mut cfg: serde_json::Value = record::read_json(&src_cfg)?;
         config::rewrite_snapshot_config(
             &mut cfg,
-            &CloneRewrite {
-                vsock_socket: vm.vsock_socket.clone(),
-                serial_file: vm.console_log.clone(),
-                overlay,
-            },
+            &CloneRewrite { vsock_socket: vm.vsock_socket.clone(), serial_file: vm.console_log.clone(), overlay },
         )
         .map_err(|e| DriverError::Invalid(format!("{}: {e}", src_cfg.display())))?;
         record::write_json_atomic(&rdir.join(SNAPSHOT_CONFIG), &cfg)?;
         let entries = std::fs::read_dir(&snapshot.dir)
             .map_err(|e| DriverError::io(format!("reading {}", snapshot.dir.display()), e))?;
         for entry in entries {
-            let entry = entry
-                .map_err(|e| DriverError::io(format!("reading {}", snapshot.dir.display()), e))?;
+            let entry = entry.map_err(|e| DriverError::io(format!("reading {}", snapshot.dir.display()), e))?;
             let name = entry.file_name();
             if name == SNAPSHOT_CONFIG || name == Snapshot::FILE || name == OVERLAY {
                 continue;
@@ -442,11 +394,7 @@ impl CloudHypervisor {
         let plan = VmPlan {
             kernel: spec.kernel.clone(),
             initramfs: spec.initrd.clone(),
-            cmdline: config::kernel_cmdline(
-                &spec.cmdline,
-                spec.rootfs.is_some(),
-                overlay.is_some(),
-            ),
+            cmdline: config::kernel_cmdline(&spec.cmdline, spec.rootfs.is_some(), overlay.is_some()),
             vcpus: spec.size.vcpus(),
             memory_bytes: spec.size.memory_mib() << 20,
             shared_memory: self.cfg.shared_memory,
@@ -465,9 +413,7 @@ impl CloudHypervisor {
         };
         let api = self.api(&rec.vm);
         let steps = async {
-            api.create(plan.to_vm_config())
-                .await
-                .map_err(|e| api_error(&id, e))?;
+            api.create(plan.to_vm_config()).await.map_err(|e| api_error(&id, e))?;
             api.boot().await.map_err(|e| api_error(&id, e))
         };
         let vm = self.finish_start(rec, proc, steps).await?;
@@ -475,17 +421,10 @@ impl CloudHypervisor {
         Ok(vm)
     }
 
-    async fn snapshot_to(
-        &self,
-        vm: &Vm,
-        dir: &Path,
-        after: AfterSnapshot,
-    ) -> Result<Snapshot, DriverError> {
+    async fn snapshot_to(&self, vm: &Vm, dir: &Path, after: AfterSnapshot) -> Result<Snapshot, DriverError> {
         self.check_owned(vm)?;
-        let dir = std::path::absolute(dir)
-            .map_err(|e| DriverError::io(format!("resolving {}", dir.display()), e))?;
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| DriverError::io(format!("creating {}", dir.display()), e))?;
+        let dir = std::path::absolute(dir).map_err(|e| DriverError::io(format!("resolving {}", dir.display()), e))?;
+        std::fs::create_dir_all(&dir).map_err(|e| DriverError::io(format!("creating {}", dir.display()), e))?;
         let api = self.api(vm);
         let state = api.info().await.map_err(|e| api_error(&vm.id, e))?.state;
         let was_paused = state == ChVmState::Paused;
@@ -493,10 +432,7 @@ impl CloudHypervisor {
             api.pause().await.map_err(|e| api_error(&vm.id, e))?;
         }
         let saved = async {
-            self.slow_api(vm)
-                .snapshot(&dir)
-                .await
-                .map_err(|e| api_error(&vm.id, e))?;
+            self.slow_api(vm).snapshot(&dir).await.map_err(|e| api_error(&vm.id, e))?;
             let overlay = if vm.spec.overlay_base.is_some() {
                 let to = dir.join(OVERLAY);
                 disk::clone_file(&vm.dir.join(OVERLAY), &to).map_err(disk_error)?;
@@ -594,18 +530,11 @@ impl CloudHypervisor {
         let t0 = Instant::now();
         let deadline = t0 + timeout;
         if proc.is_running() {
-            let left = || {
-                deadline
-                    .saturating_duration_since(Instant::now())
-                    .max(Duration::from_millis(1))
-            };
+            let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             // 1. The guest control port: silkd has guest-init power off, and cloud-hypervisor
             //    exits with the guest. A VM without a reachable guest fails the dial at once.
-            let path = match crate::agent::request_poweroff(
-                &vm.vsock_socket,
-                crate::agent::control_budget(timeout),
-            )
-            .await
+            let path = match crate::agent::request_poweroff(&vm.vsock_socket, crate::agent::control_budget(timeout))
+                .await
             {
                 Ok(()) => "control",
                 Err(e) => {
@@ -626,18 +555,10 @@ impl CloudHypervisor {
                 }
             };
             if proc.wait_exit(left()).await {
-                tracing::info!(
-                    path,
-                    ms = t0.elapsed().as_millis() as u64,
-                    "cloud-hypervisor exited"
-                );
+                tracing::info!(path, ms = t0.elapsed().as_millis() as u64, "cloud-hypervisor exited");
             } else {
                 // 3. SIGKILL, below.
-                tracing::warn!(
-                    path,
-                    ?timeout,
-                    "cloud-hypervisor still running after shutdown; killing"
-                );
+                tracing::warn!(path, ?timeout, "cloud-hypervisor still running after shutdown; killing");
             }
         }
         if let Err(e) = proc.kill().await {
@@ -695,8 +616,7 @@ impl Driver for CloudHypervisor {
             });
         }
         let id = VmId::generate(&spec.name);
-        let span =
-            tracing::info_span!("ch_boot", vm = %id, template = %spec.name, size = %spec.size);
+        let span = tracing::info_span!("ch_boot", vm = %id, template = %spec.name, size = %spec.size);
         self.boot_as(spec, id).instrument(span).await
     }
 
@@ -705,24 +625,17 @@ impl Driver for CloudHypervisor {
     }
 
     async fn resume(&self, vm: &Vm) -> Result<(), DriverError> {
-        self.api(vm)
-            .resume()
-            .await
-            .map_err(|e| api_error(&vm.id, e))
+        self.api(vm).resume().await.map_err(|e| api_error(&vm.id, e))
     }
 
-    async fn snapshot(
-        &self,
-        vm: &Vm,
-        dir: &Path,
-        after: AfterSnapshot,
-    ) -> Result<Snapshot, DriverError> {
+    async fn snapshot(&self, vm: &Vm, dir: &Path, after: AfterSnapshot) -> Result<Snapshot, DriverError> {
         let span = tracing::info_span!("ch_snapshot", vm = %vm.id, dir = %dir.display());
         self.snapshot_to(vm, dir, after).instrument(span).await
     }
 
     async fn restore(&self, snapshot: &Snapshot, id: &VmId) -> Result<Vm, DriverError> {
-        let span = tracing::info_span!("ch_restore", vm = %id, source = %snapshot.source, template = %snapshot.spec.name);
+        let span =
+            tracing::info_span!("ch_restore", vm = %id, source = %snapshot.source, template = %snapshot.spec.name);
         self.restore_as(snapshot, id).instrument(span).await
     }
 
@@ -740,12 +653,7 @@ impl Driver for CloudHypervisor {
     }
 
     async fn prune(&self) -> Result<Vec<VmId>, DriverError> {
-        let pruned = lifecycle::prune(
-            &self.vms_dir(),
-            Backend::CloudHypervisor,
-            None,
-            lifecycle::PRUNE_GRACE,
-        )?;
+        let pruned = lifecycle::prune(&self.vms_dir(), Backend::CloudHypervisor, None, lifecycle::PRUNE_GRACE)?;
         let mut procs = self.procs();
         for id in &pruned {
             procs.remove(id);
@@ -757,19 +665,13 @@ impl Driver for CloudHypervisor {
         let path = self.vm_dir(id).join(VM_JSON);
         let vm: Vm = match record::read_json(&path) {
             Ok(vm) => vm,
-            Err(RecordError::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound =>
-            {
+            Err(RecordError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
                 return Err(DriverError::NotFound(id.clone()))
             }
             Err(e) => return Err(e.into()),
         };
         if &vm.id != id {
-            return Err(DriverError::Invalid(format!(
-                "{} records vm {}",
-                path.display(),
-                vm.id
-            )));
+            return Err(DriverError::Invalid(format!("{} records vm {}", path.display(), vm.id)));
         }
         self.check_owned(&vm)?;
         if vm.state == VmState::Creating {
@@ -793,9 +695,7 @@ impl Driver for CloudHypervisor {
                 });
             }
         }
-        self.procs()
-            .entry(id.clone())
-            .or_insert_with(|| VmmProcess::adopt(vm.pid, vm.pid_start_time));
+        self.procs().entry(id.clone()).or_insert_with(|| VmmProcess::adopt(vm.pid, vm.pid_start_time));
         tracing::info!(vm = %id, pid = vm.pid, version = %ping.version, "re-attached");
         Ok(vm)
     }

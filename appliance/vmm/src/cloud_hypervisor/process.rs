@@ -31,7 +31,9 @@ const KILL_WAIT: Duration = Duration::from_secs(10);
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
     /// No executable cloud-hypervisor binary where we looked.
-    #[error("cloud-hypervisor binary {wanted:?} not found or not executable (set {BIN_ENV} or put {DEFAULT_BIN} in PATH)")]
+    #[error(
+        "cloud-hypervisor binary {wanted:?} not found or not executable (set {BIN_ENV} or put {DEFAULT_BIN} in PATH)"
+    )]
     BinaryNotFound {
         /// The path or name we looked for.
         wanted: OsString,
@@ -86,30 +88,17 @@ pub enum ProcessError {
 }
 
 fn is_executable(p: &Path) -> bool {
-    std::fs::metadata(p)
-        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        .unwrap_or(false)
+    std::fs::metadata(p).map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
 }
 
 /// Resolves the binary from the value of [`BIN_ENV`] (`configured`) and `PATH` (`path_var`):
 /// a value with a `/` is used as a path, anything else is looked up in `PATH`.
-pub fn resolve_binary(
-    configured: Option<&OsStr>,
-    path_var: Option<&OsStr>,
-) -> Result<PathBuf, ProcessError> {
-    let wanted = configured
-        .filter(|v| !v.is_empty())
-        .unwrap_or(OsStr::new(DEFAULT_BIN));
-    let not_found = || ProcessError::BinaryNotFound {
-        wanted: wanted.to_os_string(),
-    };
+pub fn resolve_binary(configured: Option<&OsStr>, path_var: Option<&OsStr>) -> Result<PathBuf, ProcessError> {
+    let wanted = configured.filter(|v| !v.is_empty()).unwrap_or(OsStr::new(DEFAULT_BIN));
+    let not_found = || ProcessError::BinaryNotFound { wanted: wanted.to_os_string() };
     if wanted.as_encoded_bytes().contains(&b'/') {
         let p = PathBuf::from(wanted);
-        return if is_executable(&p) {
-            Ok(p)
-        } else {
-            Err(not_found())
-        };
+        return if is_executable(&p) { Ok(p) } else { Err(not_found()) };
     }
     path_var
         .into_iter()
@@ -122,10 +111,7 @@ pub fn resolve_binary(
 
 /// Resolves the binary from this process's environment.
 pub fn binary_from_env() -> Result<PathBuf, ProcessError> {
-    resolve_binary(
-        std::env::var_os(BIN_ENV).as_deref(),
-        std::env::var_os("PATH").as_deref(),
-    )
+    resolve_binary(std::env::var_os(BIN_ENV).as_deref(), std::env::var_os("PATH").as_deref())
 }
 
 /// A running (or just stopped) cloud-hypervisor process, spawned by us or adopted by pid.
@@ -139,15 +125,8 @@ pub struct VmmProcess {
 impl VmmProcess {
     /// Starts `bin --api-socket <api_socket>` with stdout/stderr appended to `log`.
     pub fn spawn(bin: &Path, api_socket: &Path, log: &Path) -> Result<Self, ProcessError> {
-        let err = |source| ProcessError::Spawn {
-            bin: bin.to_path_buf(),
-            source,
-        };
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)
-            .map_err(err)?;
+        let err = |source| ProcessError::Spawn { bin: bin.to_path_buf(), source };
+        let out = std::fs::OpenOptions::new().create(true).append(true).open(log).map_err(err)?;
         let errf = out.try_clone().map_err(err)?;
         let child = Command::new(bin)
             .arg("--api-socket")
@@ -160,9 +139,7 @@ impl VmmProcess {
             .spawn()
             .map_err(|source| match source.kind() {
                 std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => {
-                    ProcessError::BinaryNotFound {
-                        wanted: bin.as_os_str().to_os_string(),
-                    }
+                    ProcessError::BinaryNotFound { wanted: bin.as_os_str().to_os_string() }
                 }
                 _ => err(source),
             })?;
@@ -171,20 +148,12 @@ impl VmmProcess {
         // time stays 0 and liveness checks treat the process as gone, which it is.
         let start_time = record::pid_start_time(pid).unwrap_or(0);
         tracing::debug!(pid, bin = %bin.display(), "spawned cloud-hypervisor");
-        Ok(VmmProcess {
-            pid,
-            start_time,
-            child: Some(child),
-        })
+        Ok(VmmProcess { pid, start_time, child: Some(child) })
     }
 
     /// Adopts a process started by an earlier incarnation of us (no child handle).
     pub fn adopt(pid: u32, start_time: u64) -> Self {
-        VmmProcess {
-            pid,
-            start_time,
-            child: None,
-        }
+        VmmProcess { pid, start_time, child: None }
     }
 
     /// The pid.
@@ -206,9 +175,7 @@ impl VmmProcess {
     }
 
     fn exit_status(&mut self) -> Option<ExitStatus> {
-        self.child
-            .as_mut()
-            .and_then(|c| c.try_wait().ok().flatten())
+        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
     }
 
     /// Polls `vmm.ping` until it answers, failing early if the process exits.
@@ -222,29 +189,17 @@ impl VmmProcess {
         let mut last = None;
         loop {
             if let Some(status) = self.exit_status() {
-                return Err(ProcessError::ExitedEarly {
-                    pid: self.pid,
-                    status,
-                    log_tail: log_tail(log),
-                });
+                return Err(ProcessError::ExitedEarly { pid: self.pid, status, log_tail: log_tail(log) });
             }
             if self.child.is_none() && !self.is_running() {
-                return Err(ProcessError::ApiNotReady {
-                    socket: api.socket().to_path_buf(),
-                    after: timeout,
-                    last,
-                });
+                return Err(ProcessError::ApiNotReady { socket: api.socket().to_path_buf(), after: timeout, last });
             }
             match api.ping().await {
                 Ok(p) => return Ok(p),
                 Err(e) => last = Some(e),
             }
             if Instant::now() >= deadline {
-                return Err(ProcessError::ApiNotReady {
-                    socket: api.socket().to_path_buf(),
-                    after: timeout,
-                    last,
-                });
+                return Err(ProcessError::ApiNotReady { socket: api.socket().to_path_buf(), after: timeout, last });
             }
             tokio::time::sleep(POLL).await;
         }
@@ -275,10 +230,7 @@ impl VmmProcess {
             child.start_kill().map_err(stop)?;
             return match tokio::time::timeout(KILL_WAIT, child.wait()).await {
                 Ok(r) => r.map(|_| ()).map_err(stop),
-                Err(_) => Err(ProcessError::Unkillable {
-                    pid,
-                    after: KILL_WAIT,
-                }),
+                Err(_) => Err(ProcessError::Unkillable { pid, after: KILL_WAIT }),
             };
         }
         if !record::is_alive(pid, self.start_time) {
@@ -287,26 +239,15 @@ impl VmmProcess {
         let rpid = i32::try_from(pid)
             .ok()
             .and_then(rustix::process::Pid::from_raw)
-            .ok_or(ProcessError::Stop {
-                pid,
-                source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
-            })?;
+            .ok_or(ProcessError::Stop { pid, source: std::io::Error::from(std::io::ErrorKind::InvalidInput) })?;
         match rustix::process::kill_process(rpid, rustix::process::Signal::KILL) {
             Ok(()) | Err(rustix::io::Errno::SRCH) => {}
-            Err(e) => {
-                return Err(ProcessError::Stop {
-                    pid,
-                    source: e.into(),
-                })
-            }
+            Err(e) => return Err(ProcessError::Stop { pid, source: e.into() }),
         }
         if self.wait_exit(KILL_WAIT).await {
             Ok(())
         } else {
-            Err(ProcessError::Unkillable {
-                pid,
-                after: KILL_WAIT,
-            })
+            Err(ProcessError::Unkillable { pid, after: KILL_WAIT })
         }
     }
 }
@@ -337,10 +278,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         // Not in an empty PATH.
         let e = resolve_binary(None, Some(dir.path().as_os_str())).expect_err("not found");
-        assert!(
-            matches!(&e, ProcessError::BinaryNotFound { wanted } if wanted == DEFAULT_BIN),
-            "{e:?}"
-        );
+        assert!(matches!(&e, ProcessError::BinaryNotFound { wanted } if wanted == DEFAULT_BIN), "{e:?}");
         assert!(e.to_string().contains(BIN_ENV), "{e}");
         // An explicit path that does not exist.
         let gone = dir.path().join("nope/cloud-hypervisor");
@@ -359,36 +297,21 @@ mod tests {
         let ch = exe(dir.path(), DEFAULT_BIN, "#!/bin/sh\n");
         let path = std::env::join_paths([Path::new("/nonexistent"), dir.path()]).expect("join");
         assert_eq!(resolve_binary(None, Some(&path)).expect("found"), ch);
-        assert_eq!(
-            resolve_binary(Some(OsStr::new("")), Some(&path)).expect("found"),
-            ch
-        );
-        assert_eq!(
-            resolve_binary(Some(ch.as_os_str()), None).expect("found"),
-            ch
-        );
+        assert_eq!(resolve_binary(Some(OsStr::new("")), Some(&path)).expect("found"), ch);
+        assert_eq!(resolve_binary(Some(ch.as_os_str()), None).expect("found"), ch);
     }
 
     #[tokio::test]
     async fn early_exit_is_reported_with_log_tail() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let bin = exe(
-            dir.path(),
-            "ch",
-            "#!/bin/sh\necho \"bad flag $1\" >&2\nexit 3\n",
-        );
+        let bin = exe(dir.path(), "ch", "#!/bin/sh\necho \"bad flag $1\" >&2\nexit 3\n");
         let log = dir.path().join("vmm.log");
         let sock = dir.path().join("api.sock");
         let mut p = VmmProcess::spawn(&bin, &sock, &log).expect("spawn");
         let api = ApiClient::new(&sock, Duration::from_millis(200));
-        let e = p
-            .wait_api(&api, &log, Duration::from_secs(10))
-            .await
-            .expect_err("exits");
+        let e = p.wait_api(&api, &log, Duration::from_secs(10)).await.expect_err("exits");
         match e {
-            ProcessError::ExitedEarly {
-                status, log_tail, ..
-            } => {
+            ProcessError::ExitedEarly { status, log_tail, .. } => {
                 assert_eq!(status.code(), Some(3));
                 assert!(log_tail.contains("bad flag --api-socket"), "{log_tail}");
             }
@@ -410,15 +333,10 @@ mod tests {
         assert!(!p.wait_exit(Duration::from_millis(50)).await);
         p.kill().await.expect("kill");
         assert!(!record::is_alive(pid, st));
-        assert!(
-            record::pid_start_time(pid).is_none(),
-            "child was not reaped"
-        );
+        assert!(record::pid_start_time(pid).is_none(), "child was not reaped");
 
         // Adopted: spawned by "someone else" (a std child we reap on a thread).
-        let mut other = std::process::Command::new(&bin)
-            .spawn()
-            .expect("spawn std child");
+        let mut other = std::process::Command::new(&bin).spawn().expect("spawn std child");
         let opid = other.id();
         let reaper = std::thread::spawn(move || other.wait());
         let ost = record::pid_start_time(opid).expect("start time");

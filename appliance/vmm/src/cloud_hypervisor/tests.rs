@@ -34,8 +34,7 @@ fn env() -> Env {
     let tmp = tempfile::tempdir().expect("tempdir");
     let fake = FakeApi::start(tmp.path());
     let bin = fake.write_fake_binary(tmp.path());
-    let driver =
-        CloudHypervisor::new(test_config(&tmp.path().join("state"), &bin)).expect("driver");
+    let driver = CloudHypervisor::new(test_config(&tmp.path().join("state"), &bin)).expect("driver");
     Env { fake, driver, tmp }
 }
 
@@ -56,11 +55,7 @@ fn spec(root: &Path, name: &str, size: SizeClass, rootfs: bool) -> BootSpec {
         initrd: img.join("initrd.cpio.gz"),
         rootfs: rootfs.then(|| img.join("rootfs.erofs")),
         overlay_base: rootfs.then(|| img.join("overlay-empty.ext4")),
-        cmdline: if rootfs {
-            "quiet".into()
-        } else {
-            String::new()
-        },
+        cmdline: if rootfs { "quiet".into() } else { String::new() },
         size,
         accel: AccelPreference::Auto,
     }
@@ -81,28 +76,17 @@ fn vars(vm: &Vm) -> Vec<(&'static str, String)> {
         ("VMDIR", s(&vm.dir)),
         ("KERNEL", s(&vm.spec.kernel)),
         ("INITRD", s(&vm.spec.initrd)),
-        (
-            "ROOTFS",
-            vm.spec.rootfs.as_deref().map(s).unwrap_or_default(),
-        ),
+        ("ROOTFS", vm.spec.rootfs.as_deref().map(s).unwrap_or_default()),
         ("CID", vsock_cid(&vm.id).to_string()),
     ]
 }
 
 fn put(path: &str, body: Option<Value>) -> Recorded {
-    Recorded {
-        method: "PUT".into(),
-        path: path.into(),
-        body,
-    }
+    Recorded { method: "PUT".into(), path: path.into(), body }
 }
 
 fn get(path: &str) -> Recorded {
-    Recorded {
-        method: "GET".into(),
-        path: path.into(),
-        body: None,
-    }
+    Recorded { method: "GET".into(), path: path.into(), body: None }
 }
 
 fn proc_gone(vm: &Vm) -> bool {
@@ -126,38 +110,20 @@ async fn boot_sends_the_recorded_create_and_boot_then_shuts_down_cleanly() {
 
     // Readiness pings first, then exactly create + boot.
     let reqs = e.fake.requests();
-    assert_eq!(
-        reqs.first().map(Recorded::line).as_deref(),
-        Some("GET /vmm.ping")
-    );
+    assert_eq!(reqs.first().map(Recorded::line).as_deref(), Some("GET /vmm.ping"));
     let create = rendered("vm.create.medium-rt.request.json", &vars(&vm));
-    assert_eq!(
-        e.fake.calls(),
-        vec![put("/vm.create", Some(create)), put("/vm.boot", None)]
-    );
+    assert_eq!(e.fake.calls(), vec![put("/vm.create", Some(create)), put("/vm.boot", None)]);
 
     // The overlay is a private copy of the base; vm.json is the returned record.
-    assert_eq!(
-        std::fs::read(vm.dir.join("overlay.raw")).expect("overlay"),
-        b"ext4-superblock"
-    );
+    assert_eq!(std::fs::read(vm.dir.join("overlay.raw")).expect("overlay"), b"ext4-superblock");
     let rec: Vm = crate::record::read_json(&vm.dir.join("vm.json")).expect("vm.json");
     assert_eq!(rec, vm);
     let log = std::fs::read_to_string(vm.dir.join("vmm.log")).expect("vmm.log");
-    assert!(
-        log.contains(&format!("listening on {}", vm.control_socket.display())),
-        "{log}"
-    );
+    assert!(log.contains(&format!("listening on {}", vm.control_socket.display())), "{log}");
 
     e.fake.clear();
-    e.driver
-        .shutdown(&vm, Duration::from_secs(5))
-        .await
-        .expect("shutdown");
-    assert_eq!(
-        e.fake.calls(),
-        vec![put("/vm.shutdown", None), put("/vmm.shutdown", None)]
-    );
+    e.driver.shutdown(&vm, Duration::from_secs(5)).await.expect("shutdown");
+    assert_eq!(e.fake.calls(), vec![put("/vm.shutdown", None), put("/vmm.shutdown", None)]);
     assert!(proc_gone(&vm), "process outlived shutdown");
     assert!(!vm.dir.exists(), "vm dir left behind");
     assert!(e.driver.list().await.expect("list").is_empty());
@@ -166,23 +132,12 @@ async fn boot_sends_the_recorded_create_and_boot_then_shuts_down_cleanly() {
 #[tokio::test]
 async fn shutdown_kills_a_vmm_that_does_not_exit() {
     let e = env();
-    let vm = e
-        .driver
-        .boot(&spec(e.tmp.path(), "base", SizeClass::Small, false))
-        .await
-        .expect("boot");
+    let vm = e.driver.boot(&spec(e.tmp.path(), "base", SizeClass::Small, false)).await.expect("boot");
     // The VMM refuses to exit (no exit file is created): shutdown must still end it.
-    e.fake
-        .respond("PUT /vmm.shutdown", 500, r#"["Error from API","busy"]"#);
+    e.fake.respond("PUT /vmm.shutdown", 500, r#"["Error from API","busy"]"#);
     let t = std::time::Instant::now();
-    e.driver
-        .shutdown(&vm, Duration::from_millis(300))
-        .await
-        .expect("shutdown");
-    assert!(
-        t.elapsed() >= Duration::from_millis(300),
-        "did not wait for a clean exit"
-    );
+    e.driver.shutdown(&vm, Duration::from_millis(300)).await.expect("shutdown");
+    assert!(t.elapsed() >= Duration::from_millis(300), "did not wait for a clean exit");
     assert!(!e.fake.exit_file().exists());
     assert!(proc_gone(&vm), "process outlived shutdown");
     assert!(!vm.dir.exists());
@@ -225,11 +180,7 @@ fn every_size_class_maps_to_cpus_and_memory_bytes() {
             SizeClass::XLarge => (4, 8192),
             SizeClass::X2Large => (8, 16384),
         };
-        assert_eq!(
-            body["cpus"],
-            json!({"boot_vcpus": cpus, "max_vcpus": cpus}),
-            "{size}"
-        );
+        assert_eq!(body["cpus"], json!({"boot_vcpus": cpus, "max_vcpus": cpus}), "{size}");
         // Without snapshots, memory is private: no "shared" key at all.
         assert_eq!(body["memory"], json!({"size": mib * 1024 * 1024}), "{size}");
         assert!(body.get("disks").is_none());
@@ -238,10 +189,7 @@ fn every_size_class_maps_to_cpus_and_memory_bytes() {
 
 #[test]
 fn cmdline_adds_console_and_root_selection_once() {
-    assert_eq!(
-        config::kernel_cmdline("", false, false),
-        "console=ttyS0 reboot=k panic=1"
-    );
+    assert_eq!(config::kernel_cmdline("", false, false), "console=ttyS0 reboot=k panic=1");
     assert_eq!(
         config::kernel_cmdline("quiet", true, false),
         "console=ttyS0 reboot=k panic=1 chrysalis.rootfs=/dev/vda chrysalis.overlay=tmpfs quiet"
@@ -262,58 +210,33 @@ async fn pause_resume_and_snapshot_send_the_recorded_bodies() {
 
     e.driver.pause(&vm).await.expect("pause");
     e.driver.resume(&vm).await.expect("resume");
-    assert_eq!(
-        e.fake.calls(),
-        vec![put("/vm.pause", None), put("/vm.resume", None)]
-    );
+    assert_eq!(e.fake.calls(), vec![put("/vm.pause", None), put("/vm.resume", None)]);
     e.fake.clear();
 
     // Overlay content at snapshot time must travel with the snapshot.
     std::fs::write(vm.dir.join("overlay.raw"), b"guest wrote this").expect("dirty overlay");
     let snapdir = e.tmp.path().join("snaps/one");
-    let snap = e
-        .driver
-        .snapshot(&vm, &snapdir, AfterSnapshot::Resumed)
-        .await
-        .expect("snapshot");
-    let body = rendered(
-        "vm.snapshot.request.json",
-        &[("SNAPDIR", snapdir.display().to_string())],
-    );
+    let snap = e.driver.snapshot(&vm, &snapdir, AfterSnapshot::Resumed).await.expect("snapshot");
+    let body = rendered("vm.snapshot.request.json", &[("SNAPDIR", snapdir.display().to_string())]);
     assert_eq!(
         e.fake.calls(),
-        vec![
-            get("/vm.info"),
-            put("/vm.pause", None),
-            put("/vm.snapshot", Some(body)),
-            put("/vm.resume", None),
-        ]
+        vec![get("/vm.info"), put("/vm.pause", None), put("/vm.snapshot", Some(body)), put("/vm.resume", None),]
     );
     assert_eq!(snap.dir, snapdir);
     assert_eq!(snap.backend, Backend::CloudHypervisor);
     assert_eq!(snap.source, vm.id);
     assert_eq!(snap.spec, vm.spec);
-    assert_eq!(
-        snap.overlay.as_deref(),
-        Some(snapdir.join("overlay.raw").as_path())
-    );
-    assert_eq!(
-        std::fs::read(snapdir.join("overlay.raw")).expect("saved overlay"),
-        b"guest wrote this"
-    );
+    assert_eq!(snap.overlay.as_deref(), Some(snapdir.join("overlay.raw").as_path()));
+    assert_eq!(std::fs::read(snapdir.join("overlay.raw")).expect("saved overlay"), b"guest wrote this");
     assert_eq!(Snapshot::load(&snapdir).expect("snapshot.json"), snap);
 
     // Already paused (vm.info says so): no second pause; AfterSnapshot::Paused: no resume.
     e.fake.clear();
-    let mut info: Value =
-        serde_json::from_str(&fixture("vm.info.running.response.json")).expect("json");
+    let mut info: Value = serde_json::from_str(&fixture("vm.info.running.response.json")).expect("json");
     info["state"] = json!("Paused");
     e.fake.respond("GET /vm.info", 200, &info.to_string());
     let snapdir2 = e.tmp.path().join("snaps/two");
-    e.driver
-        .snapshot(&vm, &snapdir2, AfterSnapshot::Paused)
-        .await
-        .expect("snapshot paused vm");
+    e.driver.snapshot(&vm, &snapdir2, AfterSnapshot::Paused).await.expect("snapshot paused vm");
     let lines: Vec<String> = e.fake.calls().iter().map(Recorded::line).collect();
     assert_eq!(lines, vec!["GET /vm.info", "PUT /vm.snapshot"]);
 
@@ -324,41 +247,22 @@ async fn pause_resume_and_snapshot_send_the_recorded_bodies() {
 #[tokio::test]
 async fn failed_snapshot_resumes_the_vm_and_reports_the_body() {
     let e = env();
-    let vm = e
-        .driver
-        .boot(&spec(e.tmp.path(), "base", SizeClass::Small, false))
-        .await
-        .expect("boot");
+    let vm = e.driver.boot(&spec(e.tmp.path(), "base", SizeClass::Small, false)).await.expect("boot");
     e.fake.clear();
-    let body =
-        r#"["Error from API","The VM could not be snapshotted","Error creating snapshot file"]"#;
+    let body = r#"["Error from API","The VM could not be snapshotted","Error creating snapshot file"]"#;
     e.fake.respond("PUT /vm.snapshot", 500, body);
-    let err = e
-        .driver
-        .snapshot(&vm, &e.tmp.path().join("snap"), AfterSnapshot::Paused)
-        .await
-        .expect_err("snapshot fails");
+    let err =
+        e.driver.snapshot(&vm, &e.tmp.path().join("snap"), AfterSnapshot::Paused).await.expect_err("snapshot fails");
     match &err {
         DriverError::Control { vm: id, message } => {
             assert_eq!(id, &vm.id);
-            assert!(
-                message.contains("PUT /vm.snapshot answered HTTP 500"),
-                "{message}"
-            );
+            assert!(message.contains("PUT /vm.snapshot answered HTTP 500"), "{message}");
             assert!(message.contains(body), "{message}");
         }
         other => panic!("unexpected {other:?}"),
     }
     let lines: Vec<String> = e.fake.calls().iter().map(Recorded::line).collect();
-    assert_eq!(
-        lines,
-        vec![
-            "GET /vm.info",
-            "PUT /vm.pause",
-            "PUT /vm.snapshot",
-            "PUT /vm.resume"
-        ]
-    );
+    assert_eq!(lines, vec!["GET /vm.info", "PUT /vm.pause", "PUT /vm.snapshot", "PUT /vm.resume"]);
     e.driver.kill(&vm).await.expect("kill");
 }
 
@@ -366,11 +270,7 @@ async fn failed_snapshot_resumes_the_vm_and_reports_the_body() {
 fn fake_snapshot(root: &Path, spec: &BootSpec) -> Snapshot {
     let dir = root.join("golden-snap");
     std::fs::create_dir_all(&dir).expect("mkdir");
-    std::fs::copy(
-        fixtures_dir().join("snapshot/config.json"),
-        dir.join("config.json"),
-    )
-    .expect("config");
+    std::fs::copy(fixtures_dir().join("snapshot/config.json"), dir.join("config.json")).expect("config");
     std::fs::write(dir.join("state.json"), b"{}").expect("state");
     std::fs::write(dir.join("memory-ranges"), b"guest memory").expect("memory");
     std::fs::write(dir.join("overlay.raw"), b"golden overlay").expect("overlay");
@@ -399,10 +299,7 @@ async fn restore_clones_into_its_own_paths() {
     assert_eq!(vm.restored_from.as_deref(), Some(snap.dir.as_path()));
     assert_eq!(vm.spec, spec);
     let body = rendered("vm.restore.request.json", &vars(&vm));
-    assert_eq!(
-        e.fake.calls(),
-        vec![put("/vm.restore", Some(body)), put("/vm.resume", None)]
-    );
+    assert_eq!(e.fake.calls(), vec![put("/vm.restore", Some(body)), put("/vm.resume", None)]);
 
     // The clone's config points at its own sockets, log and overlay; the rest is untouched.
     let rdir = vm.dir.join("restore");
@@ -417,22 +314,13 @@ async fn restore_clones_into_its_own_paths() {
         assert_eq!(link, snap.dir.join(f));
     }
     assert!(!rdir.join("overlay.raw").exists() && !rdir.join("snapshot.json").exists());
-    assert_eq!(
-        std::fs::read(vm.dir.join("overlay.raw")).expect("overlay"),
-        b"golden overlay"
-    );
+    assert_eq!(std::fs::read(vm.dir.join("overlay.raw")).expect("overlay"), b"golden overlay");
 
     // A second restore under the same id is refused before anything starts.
-    assert!(matches!(
-        e.driver.restore(&snap, &id).await,
-        Err(DriverError::Invalid(_))
-    ));
+    assert!(matches!(e.driver.restore(&snap, &id).await, Err(DriverError::Invalid(_))));
     e.driver.kill(&vm).await.expect("kill");
     assert!(proc_gone(&vm));
-    assert!(
-        snap.dir.join("memory-ranges").exists(),
-        "kill must not touch the snapshot"
-    );
+    assert!(snap.dir.join("memory-ranges").exists(), "kill must not touch the snapshot");
 }
 
 #[tokio::test]
@@ -446,11 +334,7 @@ async fn failed_restore_leaves_no_process_or_dir() {
         r#"["Error from API","The VM could not be restored","Error restoring memory"]"#,
     );
     let id = VmId::new("rt-clone-2").expect("id");
-    let err = e
-        .driver
-        .restore(&snap, &id)
-        .await
-        .expect_err("restore fails");
+    let err = e.driver.restore(&snap, &id).await.expect_err("restore fails");
     assert!(matches!(err, DriverError::Control { .. }), "{err:?}");
     assert!(!e.tmp.path().join("state/vms/rt-clone-2").exists());
     assert_no_fake_vmm_running(e.tmp.path());
@@ -480,17 +364,10 @@ async fn http_errors_become_typed_errors_carrying_the_body() {
     let e = env();
     let body = fixture("vm.boot.500.response.json");
     e.fake.respond("PUT /vm.boot", 500, &body);
-    let err = e
-        .driver
-        .boot(&spec(e.tmp.path(), "rt", SizeClass::Small, true))
-        .await
-        .expect_err("boot fails");
+    let err = e.driver.boot(&spec(e.tmp.path(), "rt", SizeClass::Small, true)).await.expect_err("boot fails");
     match &err {
         DriverError::Control { message, .. } => {
-            assert!(
-                message.starts_with("PUT /vm.boot answered HTTP 500: "),
-                "{message}"
-            );
+            assert!(message.starts_with("PUT /vm.boot answered HTTP 500: "), "{message}");
             assert!(message.contains(body.trim()), "{message}");
         }
         other => panic!("unexpected {other:?}"),
@@ -508,21 +385,11 @@ async fn http_errors_become_typed_errors_carrying_the_body() {
         err @ ApiError::Status { .. } => {
             assert_eq!(err.status(), Some(404));
             assert_eq!(err.endpoint(), "PUT /vm.pause");
-            assert_eq!(
-                err.messages(),
-                vec![
-                    "Error from API",
-                    "The VM could not be paused",
-                    "VM is not created"
-                ]
-            );
+            assert_eq!(err.messages(), vec!["Error from API", "The VM could not be paused", "VM is not created"]);
             let vm_id = VmId::new("x").expect("id");
             match api_error(&vm_id, err) {
                 DriverError::Control { message, .. } => {
-                    assert!(
-                        message.contains("HTTP 404") && message.contains(not_created.trim()),
-                        "{message}"
-                    )
+                    assert!(message.contains("HTTP 404") && message.contains(not_created.trim()), "{message}")
                 }
                 other => panic!("unexpected {other:?}"),
             }
@@ -535,16 +402,7 @@ async fn http_errors_become_typed_errors_carrying_the_body() {
     // A socket nobody listens on.
     let gone = ApiClient::new(&e.tmp.path().join("nothing.sock"), Duration::from_secs(1));
     let err = gone.boot().await.expect_err("no socket");
-    assert!(
-        matches!(
-            err,
-            ApiError::Transport {
-                endpoint: "PUT /vm.boot",
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert!(matches!(err, ApiError::Transport { endpoint: "PUT /vm.boot", .. }), "{err:?}");
 }
 
 #[tokio::test]
@@ -555,10 +413,7 @@ async fn client_parses_recorded_success_responses() {
     assert_eq!(ping.version, "44.0.0");
     assert_eq!(ping.pid, Some(4242));
     let info = api.info().await.expect("info");
-    assert_eq!(
-        info.state,
-        cloud_hypervisor_client::models::VmState::Running
-    );
+    assert_eq!(info.state, cloud_hypervisor_client::models::VmState::Running);
     assert_eq!(info.config.memory.map(|m| m.size), Some(512 << 20));
     api.shutdown_vmm().await.expect("vmm.shutdown");
     assert!(e.fake.exit_file().exists());
@@ -569,20 +424,14 @@ async fn missing_binary_is_a_typed_error() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let cfg = test_config(tmp.path(), &tmp.path().join("no/such/cloud-hypervisor"));
     let err = CloudHypervisor::new(cfg).expect_err("no binary");
-    assert!(
-        matches!(err, ProcessError::BinaryNotFound { .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, ProcessError::BinaryNotFound { .. }), "{err:?}");
     assert!(err.to_string().contains("CLOUD_HYPERVISOR_BIN"), "{err}");
 
     let mut cfg = test_config(tmp.path(), Path::new("x"));
     cfg.binary = None;
     cfg.path_var = Some(tmp.path().as_os_str().to_os_string());
     let err = CloudHypervisor::new(cfg).expect_err("not in PATH");
-    assert!(
-        matches!(&err, ProcessError::BinaryNotFound { wanted } if wanted == "cloud-hypervisor"),
-        "{err:?}"
-    );
+    assert!(matches!(&err, ProcessError::BinaryNotFound { wanted } if wanted == "cloud-hypervisor"), "{err:?}");
     // As a driver error (the binary vanished after construction).
     let vm = VmId::new("x").expect("id");
     assert!(matches!(process_error(&vm, err), DriverError::Spawn { .. }));
@@ -592,53 +441,31 @@ async fn missing_binary_is_a_typed_error() {
 async fn binary_that_exits_at_once_fails_boot_cleanly() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let bin = tmp.path().join("ch-broken");
-    std::fs::write(
-        &bin,
-        "#!/bin/sh\necho 'Error: KVM unavailable' >&2\nexit 1\n",
-    )
-    .expect("script");
-    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .expect("chmod");
-    let driver =
-        CloudHypervisor::new(test_config(&tmp.path().join("state"), &bin)).expect("driver");
-    let err = driver
-        .boot(&spec(tmp.path(), "base", SizeClass::Small, false))
-        .await
-        .expect_err("boot fails");
+    std::fs::write(&bin, "#!/bin/sh\necho 'Error: KVM unavailable' >&2\nexit 1\n").expect("script");
+    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let driver = CloudHypervisor::new(test_config(&tmp.path().join("state"), &bin)).expect("driver");
+    let err = driver.boot(&spec(tmp.path(), "base", SizeClass::Small, false)).await.expect_err("boot fails");
     match &err {
         DriverError::Exited { detail, .. } => {
             assert!(detail.contains("KVM unavailable"), "{detail}")
         }
         other => panic!("unexpected {other:?}"),
     }
-    assert_eq!(
-        std::fs::read_dir(tmp.path().join("state/vms"))
-            .expect("vms")
-            .count(),
-        0
-    );
+    assert_eq!(std::fs::read_dir(tmp.path().join("state/vms")).expect("vms").count(), 0);
 
     let mut tcg = spec(tmp.path(), "base", SizeClass::Small, false);
     tcg.accel = AccelPreference::Tcg;
-    assert!(matches!(
-        driver.boot(&tcg).await,
-        Err(DriverError::Unsupported { .. })
-    ));
+    assert!(matches!(driver.boot(&tcg).await, Err(DriverError::Unsupported { .. })));
 }
 
 #[tokio::test]
 async fn list_and_attach_from_a_fresh_driver() {
     let e = env();
-    let vm = e
-        .driver
-        .boot(&spec(e.tmp.path(), "base", SizeClass::Small, false))
-        .await
-        .expect("boot");
+    let vm = e.driver.boot(&spec(e.tmp.path(), "base", SizeClass::Small, false)).await.expect("boot");
 
     // "Our process restarted": a second driver on the same state dir.
     let bin = e.tmp.path().join("cloud-hypervisor");
-    let again =
-        CloudHypervisor::new(test_config(&e.tmp.path().join("state"), &bin)).expect("driver");
+    let again = CloudHypervisor::new(test_config(&e.tmp.path().join("state"), &bin)).expect("driver");
     assert_eq!(again.list().await.expect("list"), vec![vm.clone()]);
 
     // The API socket is answered by a different pid than the record: refuse.
@@ -650,32 +477,20 @@ async fn list_and_attach_from_a_fresh_driver() {
     assert_eq!(again.attach(&vm.id).await.expect("attach"), vm);
 
     let unknown = VmId::new("nope").expect("id");
-    assert!(matches!(
-        again.attach(&unknown).await,
-        Err(DriverError::NotFound(_))
-    ));
+    assert!(matches!(again.attach(&unknown).await, Err(DriverError::NotFound(_))));
 
     // A record whose directory is elsewhere is never deleted.
     let mut forged = vm.clone();
     forged.dir = e.tmp.path().join("images");
-    assert!(matches!(
-        again.kill(&forged).await,
-        Err(DriverError::Invalid(_))
-    ));
+    assert!(matches!(again.kill(&forged).await, Err(DriverError::Invalid(_))));
     assert!(e.tmp.path().join("images").exists());
 
     // The adopted process is stopped by the second driver; the first reaps its child.
-    again
-        .shutdown(&vm, Duration::from_secs(5))
-        .await
-        .expect("shutdown");
+    again.shutdown(&vm, Duration::from_secs(5)).await.expect("shutdown");
     assert!(proc_gone(&vm));
     assert!(again.list().await.expect("list").is_empty());
     assert!(e.driver.list().await.expect("list").is_empty());
-    e.driver
-        .kill(&vm)
-        .await
-        .expect("kill of a gone vm is a no-op");
+    e.driver.kill(&vm).await.expect("kill of a gone vm is a no-op");
 }
 
 #[test]
@@ -695,18 +510,8 @@ fn snapshot_config_rewrite_requires_vsock_and_overlay_disk() {
         overlay: Some(PathBuf::from("/c/overlay.raw")),
     };
     let mut no_vsock = json!({"disks": []});
-    assert_eq!(
-        config::rewrite_snapshot_config(&mut no_vsock, &with),
-        Err(config::ConfigError::Missing("vsock"))
-    );
-    let mut no_overlay =
-        json!({"vsock": {"cid": 3, "socket": "/p/v"}, "disks": [{"id": "rootfs", "path": "/r"}]});
-    assert!(matches!(
-        config::rewrite_snapshot_config(&mut no_overlay, &with),
-        Err(config::ConfigError::Missing(_))
-    ));
-    assert_eq!(
-        config::rewrite_snapshot_config(&mut json!([1]), &with),
-        Err(config::ConfigError::NotAnObject)
-    );
+    assert_eq!(config::rewrite_snapshot_config(&mut no_vsock, &with), Err(config::ConfigError::Missing("vsock")));
+    let mut no_overlay = json!({"vsock": {"cid": 3, "socket": "/p/v"}, "disks": [{"id": "rootfs", "path": "/r"}]});
+    assert!(matches!(config::rewrite_snapshot_config(&mut no_overlay, &with), Err(config::ConfigError::Missing(_))));
+    assert_eq!(config::rewrite_snapshot_config(&mut json!([1]), &with), Err(config::ConfigError::NotAnObject));
 }

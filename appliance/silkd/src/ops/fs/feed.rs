@@ -67,11 +67,7 @@ pub(crate) struct FeedReader {
 
 impl FeedReader {
     pub(crate) fn new(rx: FeedRx) -> Self {
-        Self {
-            rx,
-            cur: Vec::new(),
-            pos: 0,
-        }
+        Self { rx, cur: Vec::new(), pos: 0 }
     }
 }
 
@@ -99,11 +95,7 @@ impl io::Read for FeedReader {
 
 /// Runs `consumer` over this RPC's upload feed and returns its result; a bad feed wins
 /// over whatever the consumer reported (it only saw the truncation).
-pub(crate) async fn consume<T, C>(
-    rpc: &mut Rpc,
-    op: &'static str,
-    consumer: C,
-) -> Result<T, OpError>
+pub(crate) async fn consume<T, C>(rpc: &mut Rpc, op: &'static str, consumer: C) -> Result<T, OpError>
 where
     T: Send + 'static,
     C: FnOnce(FeedRx) -> Result<T, OpError> + Send + 'static,
@@ -137,15 +129,9 @@ async fn pump(rpc: &mut Rpc, op: &str, tx: mpsc::Sender<Piece>) -> Result<(), Op
                 return Ok(());
             }
             Some(Input::Stdin(_) | Input::StdinClose) => {
-                return Err(OpError::bad_request(format!(
-                    "{op}: unexpected stdin frame in a data upload"
-                )));
+                return Err(OpError::bad_request(format!("{op}: unexpected stdin frame in a data upload")));
             }
-            None => {
-                return Err(OpError::bad_request(format!(
-                    "{op}: upload ended before data_end"
-                )))
-            }
+            None => return Err(OpError::bad_request(format!("{op}: upload ended before data_end"))),
         }
     }
 }
@@ -164,9 +150,7 @@ mod tests {
         peer.input.send(Input::DataEnd).await.ok();
         let got = consume(&mut rpc, "t", |rx| {
             let mut s = Vec::new();
-            FeedReader::new(rx)
-                .read_to_end(&mut s)
-                .map_err(|e| OpError::internal(e.to_string()))?;
+            FeedReader::new(rx).read_to_end(&mut s).map_err(|e| OpError::internal(e.to_string()))?;
             Ok(s)
         })
         .await;

@@ -46,35 +46,22 @@ impl Filter {
             .literal_separator(true)
             .build()
             .map_err(|e| OpError::bad_request(format!("{OP}: bad glob: {e}")))?;
-        Ok(Self {
-            glob: g.compile_matcher(),
-            by_path: glob.contains('/'),
-        })
+        Ok(Self { glob: g.compile_matcher(), by_path: glob.contains('/') })
     }
 
     fn admits(&self, root: &Path, path: &Path) -> bool {
         if self.by_path {
-            path.strip_prefix(root)
-                .map(|rel| self.glob.is_match(rel))
-                .unwrap_or(false)
+            path.strip_prefix(root).map(|rel| self.glob.is_match(rel)).unwrap_or(false)
         } else {
-            path.file_name()
-                .map(|n| self.glob.is_match(n))
-                .unwrap_or(false)
+            path.file_name().map(|n| self.glob.is_match(n)).unwrap_or(false)
         }
     }
 }
 
 /// Streams the lines under `path` that match `pattern`.
-pub async fn fs_find(
-    rpc: &mut Rpc,
-    path: String,
-    pattern: String,
-    glob: Option<String>,
-) -> Result<(), OpError> {
+pub async fn fs_find(rpc: &mut Rpc, path: String, pattern: String, glob: Option<String>) -> Result<(), OpError> {
     let root = resolve(OP, &path)?;
-    let re = Regex::new(&pattern)
-        .map_err(|e| OpError::bad_request(format!("{OP}: bad pattern: {e}")))?;
+    let re = Regex::new(&pattern).map_err(|e| OpError::bad_request(format!("{OP}: bad pattern: {e}")))?;
     let filter = match glob.filter(|g| !g.is_empty()) {
         Some(g) => Some(Filter::new(&g)?),
         None => None,
@@ -84,29 +71,17 @@ pub async fn fs_find(
         OP,
         64,
         move |sink| search(&root, &re, filter.as_ref(), &sink),
-        |h: Hit| Response::Match {
-            file: h.file,
-            line: h.line,
-            content: h.content,
-        },
+        |h: Hit| Response::Match { file: h.file, line: h.line, content: h.content },
     )
     .await?;
     rpc.send(Response::Done).await?;
     Ok(())
 }
 
-fn search(
-    root: &Path,
-    re: &Regex,
-    filter: Option<&Filter>,
-    sink: &Sink<Hit>,
-) -> Result<(), OpError> {
+fn search(root: &Path, re: &Regex, filter: Option<&Filter>, sink: &Sink<Hit>) -> Result<(), OpError> {
     std::fs::metadata(root).map_err(|e| io_err(OP, root, &e))?;
     let gone = || OpError::internal(format!("{OP}: client went away"));
-    for entry in walkdir::WalkDir::new(root)
-        .follow_links(false)
-        .sort_by_file_name()
-    {
+    for entry in walkdir::WalkDir::new(root).follow_links(false).sort_by_file_name() {
         let Ok(entry) = entry else { continue };
         if !entry.file_type().is_file() {
             continue;
@@ -119,11 +94,7 @@ fn search(
         let file = display(path);
         for (i, line) in lines(&data).enumerate() {
             if re.is_match(line) {
-                let hit = Hit {
-                    file: file.clone(),
-                    line: i as u64 + 1,
-                    content: clip(line),
-                };
+                let hit = Hit { file: file.clone(), line: i as u64 + 1, content: clip(line) };
                 sink.send(hit).map_err(|_| gone())?;
             }
         }
@@ -174,10 +145,7 @@ mod tests {
 
     async fn find(path: &Path, pattern: &str, glob: Option<&str>) -> Vec<Response> {
         let (path, pattern, glob) = (p(path), pattern.to_string(), glob.map(str::to_string));
-        drive(Vec::new(), move |mut rpc| async move {
-            fs_find(&mut rpc, path, pattern, glob).await
-        })
-        .await
+        drive(Vec::new(), move |mut rpc| async move { fs_find(&mut rpc, path, pattern, glob).await }).await
     }
 
     fn hits(frames: &[Response], root: &Path) -> Vec<(String, u64, String)> {
@@ -185,16 +153,8 @@ mod tests {
         frames[..frames.len() - 1]
             .iter()
             .map(|f| match f {
-                Response::Match {
-                    file,
-                    line,
-                    content,
-                } => {
-                    let rel = Path::new(file)
-                        .strip_prefix(root)
-                        .expect("under root")
-                        .to_string_lossy()
-                        .into_owned();
+                Response::Match { file, line, content } => {
+                    let rel = Path::new(file).strip_prefix(root).expect("under root").to_string_lossy().into_owned();
                     (rel, *line, content.clone())
                 }
                 other => panic!("{other:?}"),
@@ -228,10 +188,7 @@ mod tests {
         assert_eq!(got[0].0, "src/deep/b.rs");
         let got = hits(&find(r, "foo", Some("src/**/*.rs")).await, r);
         assert_eq!(got.len(), 1);
-        let got = hits(
-            &find(&r.join("a.txt"), "^bar$", None).await,
-            &r.join("a.txt"),
-        );
+        let got = hits(&find(&r.join("a.txt"), "^bar$", None).await, &r.join("a.txt"));
         assert_eq!(got, vec![(String::new(), 2, "bar".to_string())]);
     }
 
@@ -239,33 +196,16 @@ mod tests {
     async fn long_lines_are_clipped_and_errors_per_kind() {
         let dir = tempfile::tempdir().expect("tempdir");
         let r = dir.path();
-        fs::write(
-            r.join("long"),
-            format!("{}é{}\n", "a".repeat(MAX_CONTENT - 1), "b".repeat(100)),
-        )
-        .expect("write");
+        fs::write(r.join("long"), format!("{}é{}\n", "a".repeat(MAX_CONTENT - 1), "b".repeat(100))).expect("write");
         match find(r, "b+", None).await.as_slice() {
             [Response::Match { content, .. }, Response::Done] => {
-                assert_eq!(
-                    content.len(),
-                    MAX_CONTENT - 1,
-                    "cut inside a multibyte char"
-                );
+                assert_eq!(content.len(), MAX_CONTENT - 1, "cut inside a multibyte char");
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(
-            kind_of_err(&find(r, "(", None).await),
-            Some(wire::ErrorKind::BadRequest)
-        );
-        assert_eq!(
-            kind_of_err(&find(r, "a", Some("[")).await),
-            Some(wire::ErrorKind::BadRequest)
-        );
-        assert_eq!(
-            kind_of_err(&find(&r.join("nope"), "a", None).await),
-            Some(wire::ErrorKind::NotFound)
-        );
+        assert_eq!(kind_of_err(&find(r, "(", None).await), Some(wire::ErrorKind::BadRequest));
+        assert_eq!(kind_of_err(&find(r, "a", Some("[")).await), Some(wire::ErrorKind::BadRequest));
+        assert_eq!(kind_of_err(&find(&r.join("nope"), "a", None).await), Some(wire::ErrorKind::NotFound));
     }
 
     #[test]

@@ -21,14 +21,7 @@ pub(crate) const BATCH: usize = 4096;
 /// Lists `path`.
 pub async fn fs_list(rpc: &mut Rpc, path: String) -> Result<(), OpError> {
     let path = resolve(OP, &path)?;
-    produce(
-        rpc,
-        OP,
-        2,
-        move |sink| list(&path, &sink),
-        |entries| Response::Entries { entries },
-    )
-    .await?;
+    produce(rpc, OP, 2, move |sink| list(&path, &sink), |entries| Response::Entries { entries }).await?;
     rpc.send(Response::Done).await?;
     Ok(())
 }
@@ -36,10 +29,7 @@ pub async fn fs_list(rpc: &mut Rpc, path: String) -> Result<(), OpError> {
 fn list(path: &Path, sink: &Sink<Vec<DirEntry>>) -> Result<(), OpError> {
     let meta = std::fs::metadata(path).map_err(|e| io_err(OP, path, &e))?;
     if !meta.is_dir() {
-        return Err(OpError::bad_request(format!(
-            "{OP}: {}: not a directory",
-            display(path)
-        )));
+        return Err(OpError::bad_request(format!("{OP}: {}: not a directory", display(path))));
     }
     let dir = std::fs::read_dir(path).map_err(|e| io_err(OP, path, &e))?;
     let mut batch = Vec::with_capacity(BATCH);
@@ -51,20 +41,14 @@ fn list(path: &Path, sink: &Sink<Vec<DirEntry>>) -> Result<(), OpError> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(_) => (FileKind::Other, 0),
         };
-        batch.push(DirEntry {
-            name: entry.file_name().to_string_lossy().into_owned(),
-            kind,
-            size,
-        });
+        batch.push(DirEntry { name: entry.file_name().to_string_lossy().into_owned(), kind, size });
         if batch.len() == BATCH {
             let full = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
-            sink.send(full)
-                .map_err(|_| OpError::internal(format!("{OP}: client went away")))?;
+            sink.send(full).map_err(|_| OpError::internal(format!("{OP}: client went away")))?;
         }
     }
     if !batch.is_empty() {
-        sink.send(batch)
-            .map_err(|_| OpError::internal(format!("{OP}: client went away")))?;
+        sink.send(batch).map_err(|_| OpError::internal(format!("{OP}: client went away")))?;
     }
     Ok(())
 }
@@ -76,10 +60,7 @@ mod tests {
 
     async fn ls(path: &Path) -> Vec<Response> {
         let path = p(path);
-        drive(Vec::new(), move |mut rpc| async move {
-            fs_list(&mut rpc, path).await
-        })
-        .await
+        drive(Vec::new(), move |mut rpc| async move { fs_list(&mut rpc, path).await }).await
     }
 
     #[tokio::test]
@@ -106,33 +87,17 @@ mod tests {
         assert_eq!(sizes, vec![4096, 5002 - 4096]);
         assert_eq!(all.len(), 5002);
         let get = |n: &str| all.iter().find(|e| e.name == n).cloned();
-        assert_eq!(
-            get("f42"),
-            Some(DirEntry {
-                name: "f42".into(),
-                kind: FileKind::File,
-                size: 3
-            })
-        );
+        assert_eq!(get("f42"), Some(DirEntry { name: "f42".into(), kind: FileKind::File, size: 3 }));
         assert_eq!(get("sub").map(|e| e.kind), Some(FileKind::Dir));
-        assert_eq!(
-            get("ln").map(|e| (e.kind, e.size)),
-            Some((FileKind::Symlink, 2))
-        );
+        assert_eq!(get("ln").map(|e| (e.kind, e.size)), Some((FileKind::Symlink, 2)));
     }
 
     #[tokio::test]
     async fn empty_dir_is_just_done_and_errors_per_kind() {
         let dir = tempfile::tempdir().expect("tempdir");
         assert_eq!(ls(dir.path()).await, vec![Response::Done]);
-        assert_eq!(
-            kind_of_err(&ls(&dir.path().join("missing")).await),
-            Some(wire::ErrorKind::NotFound)
-        );
+        assert_eq!(kind_of_err(&ls(&dir.path().join("missing")).await), Some(wire::ErrorKind::NotFound));
         std::fs::write(dir.path().join("f"), b"").expect("write");
-        assert_eq!(
-            kind_of_err(&ls(&dir.path().join("f")).await),
-            Some(wire::ErrorKind::BadRequest)
-        );
+        assert_eq!(kind_of_err(&ls(&dir.path().join("f")).await), Some(wire::ErrorKind::BadRequest));
     }
 }

@@ -58,24 +58,17 @@ pub(crate) const CHUNK: usize = 256 * 1024;
 /// Resolves a request path: relative paths are taken from `/`.
 pub(crate) fn resolve(op: &str, path: &str) -> Result<PathBuf, OpError> {
     if path.is_empty() {
-        return Err(OpError::bad_request(format!(
-            "{op}: path must not be empty"
-        )));
+        return Err(OpError::bad_request(format!("{op}: path must not be empty")));
     }
     if path.contains('\0') {
-        return Err(OpError::bad_request(format!(
-            "{op}: path contains a NUL byte"
-        )));
+        return Err(OpError::bad_request(format!("{op}: path contains a NUL byte")));
     }
     Ok(Path::new("/").join(path))
 }
 
 /// An io failure on `path`: `not_found` for `NotFound`, else `internal`; `"<op>: <path>: <err>"`.
 pub(crate) fn io_err(op: &str, path: &Path, err: &std::io::Error) -> OpError {
-    OpError::io(
-        op,
-        &std::io::Error::new(err.kind(), format!("{}: {err}", path.display())),
-    )
+    OpError::io(op, &std::io::Error::new(err.kind(), format!("{}: {err}", path.display())))
 }
 
 /// The protocol's kind of an entry, from `lstat`-style metadata.
@@ -110,27 +103,20 @@ where
 pub(crate) fn temp_path(dir: &Path, base: &str, tag: &str) -> PathBuf {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
     // Keep the name well under NAME_MAX (255 bytes) whatever the base.
     let mut cut = base.len().min(100);
     while !base.is_char_boundary(cut) {
         cut -= 1;
     }
     let base = &base[..cut];
-    dir.join(format!(
-        ".{base}.silkd-{tag}-{}-{n}-{nanos}",
-        std::process::id()
-    ))
+    dir.join(format!(".{base}.silkd-{tag}-{}-{n}-{nanos}", std::process::id()))
 }
 
 /// The file name of `path` as text, for temp names (`"root"` for `/`).
 pub(crate) fn base_name(path: &Path) -> String {
-    path.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "root".into())
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "root".into())
 }
 
 /// The lossy text form of a path for reply frames.
@@ -146,14 +132,8 @@ mod tests {
     fn resolve_takes_relative_paths_from_root() {
         assert_eq!(resolve("op", "a/b").ok(), Some(PathBuf::from("/a/b")));
         assert_eq!(resolve("op", "/x").ok(), Some(PathBuf::from("/x")));
-        assert_eq!(
-            resolve("op", "").map_err(|e| e.kind).err(),
-            Some(wire::ErrorKind::BadRequest)
-        );
-        assert_eq!(
-            resolve("op", "a\0b").map_err(|e| e.kind).err(),
-            Some(wire::ErrorKind::BadRequest)
-        );
+        assert_eq!(resolve("op", "").map_err(|e| e.kind).err(), Some(wire::ErrorKind::BadRequest));
+        assert_eq!(resolve("op", "a\0b").map_err(|e| e.kind).err(), Some(wire::ErrorKind::BadRequest));
     }
 
     #[test]
@@ -163,10 +143,7 @@ mod tests {
         assert_eq!(e.kind, wire::ErrorKind::NotFound);
         assert!(e.message.starts_with("fs_read: /x: "), "{}", e.message);
         let pd = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
-        assert_eq!(
-            io_err("fs_read", Path::new("/x"), &pd).kind,
-            wire::ErrorKind::Internal
-        );
+        assert_eq!(io_err("fs_read", Path::new("/x"), &pd).kind, wire::ErrorKind::Internal);
     }
 
     #[test]

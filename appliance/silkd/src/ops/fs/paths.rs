@@ -20,11 +20,7 @@ pub async fn fs_mkdir(rpc: &mut Rpc, path: String, parents: bool) -> Result<(), 
     const OP: &str = "fs_mkdir";
     let path = resolve(OP, &path)?;
     blocking(OP, move || {
-        let r = if parents {
-            std::fs::create_dir_all(&path)
-        } else {
-            std::fs::create_dir(&path)
-        };
+        let r = if parents { std::fs::create_dir_all(&path) } else { std::fs::create_dir(&path) };
         r.map_err(|e| io_err(OP, &path, &e))
     })
     .await?;
@@ -49,10 +45,9 @@ pub async fn fs_rm(rpc: &mut Rpc, path: String, recursive: bool) -> Result<(), O
             std::fs::remove_dir(&path)
         };
         r.map_err(|e| match e.kind() {
-            std::io::ErrorKind::DirectoryNotEmpty => OpError::bad_request(format!(
-                "{OP}: {}: directory not empty (set recursive)",
-                path.display()
-            )),
+            std::io::ErrorKind::DirectoryNotEmpty => {
+                OpError::bad_request(format!("{OP}: {}: directory not empty (set recursive)", path.display()))
+            }
             _ => io_err(OP, &path, &e),
         })
     })
@@ -69,11 +64,7 @@ pub async fn fs_rename(rpc: &mut Rpc, from: String, to: String) -> Result<(), Op
     blocking(OP, move || {
         std::fs::rename(&from, &to).map_err(|e| {
             // Name the side that is missing when we can tell.
-            let side: &Path = if std::fs::symlink_metadata(&from).is_err() {
-                &from
-            } else {
-                &to
-            };
+            let side: &Path = if std::fs::symlink_metadata(&from).is_err() { &from } else { &to };
             io_err(OP, side, &e)
         })
     })
@@ -90,43 +81,28 @@ mod tests {
 
     async fn mkdir(path: &Path, parents: bool) -> Vec<Response> {
         let path = p(path);
-        drive(Vec::new(), move |mut rpc| async move {
-            fs_mkdir(&mut rpc, path, parents).await
-        })
-        .await
+        drive(Vec::new(), move |mut rpc| async move { fs_mkdir(&mut rpc, path, parents).await }).await
     }
 
     async fn rm(path: &Path, recursive: bool) -> Vec<Response> {
         let path = p(path);
-        drive(Vec::new(), move |mut rpc| async move {
-            fs_rm(&mut rpc, path, recursive).await
-        })
-        .await
+        drive(Vec::new(), move |mut rpc| async move { fs_rm(&mut rpc, path, recursive).await }).await
     }
 
     async fn mv(from: &Path, to: &Path) -> Vec<Response> {
         let (from, to) = (p(from), p(to));
-        drive(Vec::new(), move |mut rpc| async move {
-            fs_rename(&mut rpc, from, to).await
-        })
-        .await
+        drive(Vec::new(), move |mut rpc| async move { fs_rename(&mut rpc, from, to).await }).await
     }
 
     #[tokio::test]
     async fn mkdir_with_and_without_parents() {
         let dir = tempfile::tempdir().expect("tempdir");
         let deep = dir.path().join("a/b/c");
-        assert_eq!(
-            kind_of_err(&mkdir(&deep, false).await),
-            Some(ErrorKind::NotFound)
-        );
+        assert_eq!(kind_of_err(&mkdir(&deep, false).await), Some(ErrorKind::NotFound));
         assert_eq!(mkdir(&deep, true).await, vec![Response::Done]);
         assert!(deep.is_dir());
         assert_eq!(mkdir(&deep, true).await, vec![Response::Done]);
-        assert_eq!(
-            kind_of_err(&mkdir(&deep, false).await),
-            Some(ErrorKind::Internal)
-        );
+        assert_eq!(kind_of_err(&mkdir(&deep, false).await), Some(ErrorKind::Internal));
     }
 
     #[tokio::test]
@@ -140,10 +116,7 @@ mod tests {
         std::fs::write(target.join("keep"), b"x").expect("write");
         std::os::unix::fs::symlink(&target, d.join("link")).expect("symlink");
 
-        assert_eq!(
-            kind_of_err(&rm(&d, false).await),
-            Some(ErrorKind::BadRequest)
-        );
+        assert_eq!(kind_of_err(&rm(&d, false).await), Some(ErrorKind::BadRequest));
         assert!(d.join("sub/f").exists());
         assert_eq!(rm(&d.join("link"), false).await, vec![Response::Done]);
         assert!(target.join("keep").exists(), "rm followed a symlink");
@@ -153,10 +126,7 @@ mod tests {
         assert_eq!(rm(&d, true).await, vec![Response::Done]);
         assert!(!d.exists());
         assert_eq!(kind_of_err(&rm(&d, true).await), Some(ErrorKind::NotFound));
-        assert_eq!(
-            kind_of_err(&rm(Path::new("/"), true).await),
-            Some(ErrorKind::BadRequest)
-        );
+        assert_eq!(kind_of_err(&rm(Path::new("/"), true).await), Some(ErrorKind::BadRequest));
     }
 
     #[tokio::test]
@@ -168,9 +138,6 @@ mod tests {
         assert_eq!(mv(&a, &b).await, vec![Response::Done]);
         assert!(!a.exists() && b.exists());
         assert_eq!(kind_of_err(&mv(&a, &b).await), Some(ErrorKind::NotFound));
-        assert_eq!(
-            kind_of_err(&mv(&b, &dir.path().join("no/such")).await),
-            Some(ErrorKind::NotFound)
-        );
+        assert_eq!(kind_of_err(&mv(&b, &dir.path().join("no/such")).await), Some(ErrorKind::NotFound));
     }
 }

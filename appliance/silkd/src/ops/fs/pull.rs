@@ -42,10 +42,7 @@ pub async fn fs_pull(rpc: &mut Rpc, path: String) -> Result<(), OpError> {
 fn build(root: &Path, sink: Sink<Vec<u8>>) -> Result<(), OpError> {
     let meta = fs::metadata(root).map_err(|e| io_err(OP, root, &e))?;
     if !meta.is_dir() && !meta.is_file() {
-        return Err(OpError::bad_request(format!(
-            "{OP}: {}: not a file or directory",
-            display(root)
-        )));
+        return Err(OpError::bad_request(format!("{OP}: {}: not a file or directory", display(root))));
     }
     let mut tar = Builder::new(ChunkWriter::new(sink));
     tar.follow_symlinks(false);
@@ -54,16 +51,11 @@ fn build(root: &Path, sink: Sink<Vec<u8>>) -> Result<(), OpError> {
         let name = root.file_name().map(Path::new).unwrap_or(Path::new("file"));
         append_file(&mut tar, root, name).map_err(fail)?;
     } else {
-        let walk = walkdir::WalkDir::new(root)
-            .min_depth(1)
-            .follow_links(false)
-            .sort_by_file_name();
+        let walk = walkdir::WalkDir::new(root).min_depth(1).follow_links(false).sort_by_file_name();
         for entry in walk {
             let entry = match entry {
                 Ok(e) => e,
-                Err(e) if e.io_error().map(io::Error::kind) == Some(io::ErrorKind::NotFound) => {
-                    continue
-                }
+                Err(e) if e.io_error().map(io::Error::kind) == Some(io::ErrorKind::NotFound) => continue,
                 Err(e) => {
                     let path = e.path().unwrap_or(root).to_path_buf();
                     return Err(io_err(OP, &path, &io::Error::other(e.to_string())));
@@ -104,10 +96,7 @@ fn append_file(tar: &mut Builder<ChunkWriter>, path: &Path, name: &Path) -> io::
     h.set_entry_type(EntryType::Regular);
     let len = meta.len();
     h.set_size(len);
-    let exact = Exact {
-        inner: file.take(len),
-        left: len,
-    };
+    let exact = Exact { inner: file.take(len), left: len };
     // 256 KiB reads for big files; small files get a buffer their size.
     let cap = usize::try_from(len).unwrap_or(CHUNK).clamp(512, CHUNK);
     tar.append_data(&mut h, name, BufReader::with_capacity(cap, exact))
@@ -143,9 +132,7 @@ impl<R: Read> Read for Exact<R> {
         if self.left == 0 || out.is_empty() {
             return Ok(0);
         }
-        let want = usize::try_from(self.left)
-            .unwrap_or(usize::MAX)
-            .min(out.len());
+        let want = usize::try_from(self.left).unwrap_or(usize::MAX).min(out.len());
         let n = match self.inner.read(&mut out[..want])? {
             0 => {
                 out[..want].fill(0);
@@ -165,10 +152,7 @@ mod tests {
 
     pub(crate) async fn pull(path: &Path) -> Vec<Response> {
         let path = p(path);
-        drive(Vec::new(), move |mut rpc| async move {
-            fs_pull(&mut rpc, path).await
-        })
-        .await
+        drive(Vec::new(), move |mut rpc| async move { fs_pull(&mut rpc, path).await }).await
     }
 
     #[tokio::test]
@@ -192,24 +176,11 @@ mod tests {
             let kind = e.header().entry_type();
             let mut body = Vec::new();
             e.read_to_end(&mut body).expect("body");
-            let link = e
-                .link_name()
-                .expect("link")
-                .map(|l| l.to_string_lossy().into_owned());
+            let link = e.link_name().expect("link").map(|l| l.to_string_lossy().into_owned());
             seen.push((name, kind, body.len(), link));
         }
         let names: Vec<&str> = seen.iter().map(|s| s.0.as_str()).collect();
-        assert_eq!(
-            names,
-            vec![
-                "a.txt",
-                "sub",
-                "sub/deeper",
-                "sub/deeper/b.bin",
-                "sub/ln",
-                long.as_str()
-            ]
-        );
+        assert_eq!(names, vec!["a.txt", "sub", "sub/deeper", "sub/deeper/b.bin", "sub/ln", long.as_str()]);
         assert_eq!(seen[3].2, 700_000);
         assert_eq!(seen[4].1, EntryType::Symlink);
         assert_eq!(seen[4].3.as_deref(), Some("../a.txt"));
@@ -225,42 +196,20 @@ mod tests {
         let names: Vec<String> = ar
             .entries()
             .expect("entries")
-            .map(|e| {
-                e.expect("entry")
-                    .path()
-                    .expect("path")
-                    .to_string_lossy()
-                    .into_owned()
-            })
+            .map(|e| e.expect("entry").path().expect("path").to_string_lossy().into_owned())
             .collect();
         assert_eq!(names, vec!["one.txt"]);
-        assert_eq!(
-            kind_of_err(&pull(&dir.path().join("nope")).await),
-            Some(wire::ErrorKind::NotFound)
-        );
-        assert_eq!(
-            kind_of_err(&pull(Path::new("/dev/null")).await),
-            Some(wire::ErrorKind::BadRequest)
-        );
+        assert_eq!(kind_of_err(&pull(&dir.path().join("nope")).await), Some(wire::ErrorKind::NotFound));
+        assert_eq!(kind_of_err(&pull(Path::new("/dev/null")).await), Some(wire::ErrorKind::BadRequest));
     }
 
     #[test]
     fn exact_pads_a_shrunk_file_and_cuts_a_grown_one() {
         let mut v = Vec::new();
-        Exact {
-            inner: &b"abc"[..],
-            left: 5,
-        }
-        .read_to_end(&mut v)
-        .expect("read");
+        Exact { inner: &b"abc"[..], left: 5 }.read_to_end(&mut v).expect("read");
         assert_eq!(v, b"abc\0\0");
         let mut v = Vec::new();
-        Exact {
-            inner: (&b"abcdef"[..]).take(4),
-            left: 4,
-        }
-        .read_to_end(&mut v)
-        .expect("read");
+        Exact { inner: (&b"abcdef"[..]).take(4), left: 4 }.read_to_end(&mut v).expect("read");
         assert_eq!(v, b"abcd");
     }
 }

@@ -72,24 +72,14 @@ impl Staging {
             Ok(m) if m.is_dir() => (temp_path(&dest, "incoming", "push"), true),
             Ok(_) => return Err(bad(format!("{}: not a directory", display(&dest)))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                let parent = dest
-                    .parent()
-                    .ok_or_else(|| bad(format!("{}: bad destination", display(&dest))))?;
+                let parent = dest.parent().ok_or_else(|| bad(format!("{}: bad destination", display(&dest))))?;
                 fs::create_dir_all(parent).map_err(|e| io_err(OP, parent, &e))?;
                 (temp_path(parent, &base_name(&dest), "push"), false)
             }
             Err(e) => return Err(io_err(OP, &dest, &e)),
         };
-        fs::DirBuilder::new()
-            .mode(0o755)
-            .create(&dir)
-            .map_err(|e| io_err(OP, &dir, &e))?;
-        Ok(Self {
-            dir,
-            dest,
-            merge,
-            committed: false,
-        })
+        fs::DirBuilder::new().mode(0o755).create(&dir).map_err(|e| io_err(OP, &dir, &e))?;
+        Ok(Self { dir, dest, merge, committed: false })
     }
 
     fn commit(mut self) -> Result<(), OpError> {
@@ -143,17 +133,12 @@ fn extract<R: Read>(reader: &mut R, staging: &Path) -> Result<(), OpError> {
         }
         match entry.unpack_in(staging) {
             Ok(true) => {}
-            Ok(false) => {
-                return Err(bad(format!(
-                    "{}: refused: escapes the destination",
-                    raw.display()
-                )))
-            }
+            Ok(false) => return Err(bad(format!("{}: refused: escapes the destination", raw.display()))),
             Err(e) => {
                 return Err(match e.kind() {
-                    io::ErrorKind::UnexpectedEof
-                    | io::ErrorKind::InvalidData
-                    | io::ErrorKind::InvalidInput => bad(format!("bad tar stream: {e}")),
+                    io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData | io::ErrorKind::InvalidInput => {
+                        bad(format!("bad tar stream: {e}"))
+                    }
                     _ => io_err(OP, &staging.join(&rel), &e),
                 })
             }
@@ -191,16 +176,10 @@ fn no_symlink_parents(root: &Path, rel: &Path, shown: &Path) -> Result<(), OpErr
         cur.push(part);
         match fs::symlink_metadata(&cur) {
             Ok(m) if m.file_type().is_symlink() => {
-                return Err(bad(format!(
-                    "{}: refused: passes through a symlink",
-                    shown.display()
-                )));
+                return Err(bad(format!("{}: refused: passes through a symlink", shown.display())));
             }
             Ok(m) if !m.is_dir() => {
-                return Err(bad(format!(
-                    "{}: refused: a parent is not a directory",
-                    shown.display()
-                )));
+                return Err(bad(format!("{}: refused: a parent is not a directory", shown.display())));
             }
             Ok(_) => {}
             Err(_) => break, // not created yet; nothing below exists either
@@ -252,28 +231,19 @@ mod tests {
 
     async fn push(dest: &Path, inputs: Vec<Input>) -> Vec<Response> {
         let dest = p(dest);
-        drive(inputs, move |mut rpc| async move {
-            fs_push(&mut rpc, dest).await
-        })
-        .await
+        drive(inputs, move |mut rpc| async move { fs_push(&mut rpc, dest).await }).await
     }
 
     async fn pull(path: &Path) -> Vec<u8> {
         let path = p(path);
-        let frames = drive(Vec::new(), move |mut rpc| async move {
-            super::super::fs_pull(&mut rpc, path).await
-        })
-        .await;
+        let frames = drive(Vec::new(), move |mut rpc| async move { super::super::fs_pull(&mut rpc, path).await }).await;
         assert_eq!(frames.last(), Some(&Response::Done), "{:?}", frames.last());
         data_of(&frames)
     }
 
     /// The upload as 1 MiB `data` frames (the SDK's bulk chunk), then `data_end`.
     fn feed(tar: &[u8]) -> Vec<Input> {
-        let mut v: Vec<Input> = tar
-            .chunks(1 << 20)
-            .map(|c| Input::Data(c.to_vec()))
-            .collect();
+        let mut v: Vec<Input> = tar.chunks(1 << 20).map(|c| Input::Data(c.to_vec())).collect();
         v.push(Input::DataEnd);
         v
     }
@@ -303,12 +273,7 @@ mod tests {
             let mut body = Vec::new();
             e.read_to_end(&mut body).expect("body");
             let name = e.path().expect("path").to_string_lossy().into_owned();
-            v.push((
-                name,
-                e.header().entry_type(),
-                e.header().mode().expect("mode"),
-                body,
-            ));
+            v.push((name, e.header().entry_type(), e.header().mode().expect("mode"), body));
         }
         v
     }
@@ -334,8 +299,7 @@ mod tests {
         let mut h = Header::new_gnu();
         h.set_entry_type(EntryType::Symlink);
         h.set_size(0);
-        b.append_link(&mut h, "dir/ln", "../top.sh")
-            .expect("symlink");
+        b.append_link(&mut h, "dir/ln", "../top.sh").expect("symlink");
         let mut h = Header::new_gnu();
         h.set_entry_type(EntryType::Link);
         h.set_size(0);
@@ -351,31 +315,16 @@ mod tests {
     fn check_sample(root: &Path) {
         let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 241) as u8).collect();
         assert_eq!(fs::read(root.join("dir/big.bin")).expect("big"), big);
-        assert_eq!(
-            fs::metadata(root.join("dir/big.bin")).expect("m").mode() & 0o777,
-            0o600
-        );
-        assert_eq!(
-            fs::metadata(root.join("top.sh")).expect("m").mode() & 0o777,
-            0o755
-        );
-        assert_eq!(
-            fs::metadata(root.join("dir")).expect("m").mode() & 0o777,
-            0o750
-        );
+        assert_eq!(fs::metadata(root.join("dir/big.bin")).expect("m").mode() & 0o777, 0o600);
+        assert_eq!(fs::metadata(root.join("top.sh")).expect("m").mode() & 0o777, 0o755);
+        assert_eq!(fs::metadata(root.join("dir")).expect("m").mode() & 0o777, 0o750);
         assert_eq!(fs::read(root.join("dir/deep/er/x")).expect("x"), b"x");
-        assert_eq!(
-            fs::read_link(root.join("dir/ln")).expect("ln"),
-            Path::new("../top.sh")
-        );
+        assert_eq!(fs::read_link(root.join("dir/ln")).expect("ln"), Path::new("../top.sh"));
         assert_eq!(
             fs::metadata(root.join("hard")).expect("m").ino(),
             fs::metadata(root.join("top.sh")).expect("m").ino()
         );
-        assert_eq!(
-            fs::read(root.join(format!("dir/{}", "n".repeat(180)))).expect("long"),
-            b"long"
-        );
+        assert_eq!(fs::read(root.join(format!("dir/{}", "n".repeat(180)))).expect("long"), b"long");
     }
 
     #[tokio::test]
@@ -384,34 +333,17 @@ mod tests {
         let dest = dir.path().join("new/dest");
         assert_eq!(push(&dest, feed(&sample_tar())).await, vec![Response::Done]);
         check_sample(&dest);
-        assert_eq!(
-            entries_named(&dir.path().join("new")),
-            vec!["dest".to_string()],
-            "staging left behind"
-        );
+        assert_eq!(entries_named(&dir.path().join("new")), vec!["dest".to_string()], "staging left behind");
 
         let again = dir.path().join("again");
         let pulled = pull(&dest).await;
         assert_eq!(push(&again, feed(&pulled)).await, vec![Response::Done]);
         let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 241) as u8).collect();
         assert_eq!(fs::read(again.join("dir/big.bin")).expect("big"), big);
-        assert_eq!(
-            fs::metadata(again.join("top.sh")).expect("m").mode() & 0o777,
-            0o755
-        );
-        assert_eq!(
-            fs::read_link(again.join("dir/ln")).expect("ln"),
-            Path::new("../top.sh")
-        );
-        assert_eq!(
-            fs::read(again.join(format!("dir/{}", "n".repeat(180)))).expect("long"),
-            b"long"
-        );
-        assert_eq!(
-            listing(&pull(&again).await),
-            listing(&pulled),
-            "pull(push(pull(x))) differs"
-        );
+        assert_eq!(fs::metadata(again.join("top.sh")).expect("m").mode() & 0o777, 0o755);
+        assert_eq!(fs::read_link(again.join("dir/ln")).expect("ln"), Path::new("../top.sh"));
+        assert_eq!(fs::read(again.join(format!("dir/{}", "n".repeat(180)))).expect("long"), b"long");
+        assert_eq!(listing(&pull(&again).await), listing(&pulled), "pull(push(pull(x))) differs");
     }
 
     #[tokio::test]
@@ -429,19 +361,10 @@ mod tests {
         assert_eq!(push(&dest, feed(&sample_tar())).await, vec![Response::Done]);
         assert_eq!(fs::read(dest.join("dir/keep")).expect("keep"), b"keep");
         assert_eq!(fs::read(dest.join("top.sh")).expect("top"), b"#!/bin/sh\n");
-        assert_eq!(
-            fs::metadata(dest.join("dir")).expect("m").mode() & 0o777,
-            0o700
-        );
-        assert!(fs::symlink_metadata(dest.join("hard"))
-            .expect("m")
-            .is_file());
+        assert_eq!(fs::metadata(dest.join("dir")).expect("m").mode() & 0o777, 0o700);
+        assert!(fs::symlink_metadata(dest.join("hard")).expect("m").is_file());
         assert!(entries_named(&outside).is_empty());
-        assert_eq!(
-            entries_named(&dest),
-            vec!["dir", "hard", "top.sh"],
-            "staging left behind"
-        );
+        assert_eq!(entries_named(&dest), vec!["dir", "hard", "top.sh"], "staging left behind");
     }
 
     #[tokio::test]
@@ -455,36 +378,20 @@ mod tests {
         let mut cut = feed(&tar[..1_500_000]);
         cut.pop();
         let frames = push(&dest, cut).await;
-        assert_eq!(
-            kind_of_err(&frames),
-            Some(ErrorKind::BadRequest),
-            "{frames:?}"
-        );
+        assert_eq!(kind_of_err(&frames), Some(ErrorKind::BadRequest), "{frames:?}");
         // The whole archive but no data_end.
         let mut no_end = feed(&tar);
         no_end.pop();
         let frames = push(&dest, no_end).await;
-        assert_eq!(
-            kind_of_err(&frames),
-            Some(ErrorKind::BadRequest),
-            "{frames:?}"
-        );
+        assert_eq!(kind_of_err(&frames), Some(ErrorKind::BadRequest), "{frames:?}");
         // A stdin frame in the feed.
         let mut stdin = feed(&tar);
         stdin.insert(1, Input::Stdin(b"x".to_vec()));
         let frames = push(&dest, stdin).await;
-        assert_eq!(
-            kind_of_err(&frames),
-            Some(ErrorKind::BadRequest),
-            "{frames:?}"
-        );
+        assert_eq!(kind_of_err(&frames), Some(ErrorKind::BadRequest), "{frames:?}");
         // Not a tar at all.
         let frames = push(&dest, feed(&vec![0x41u8; 4096])).await;
-        assert_eq!(
-            kind_of_err(&frames),
-            Some(ErrorKind::BadRequest),
-            "{frames:?}"
-        );
+        assert_eq!(kind_of_err(&frames), Some(ErrorKind::BadRequest), "{frames:?}");
         assert_eq!(entries_named(&dest), vec!["top.sh"]);
         assert_eq!(fs::read(dest.join("top.sh")).expect("top"), b"old");
 
@@ -492,10 +399,7 @@ mod tests {
         let fresh = dir.path().join("fresh");
         let mut cut = feed(&tar[..1_500_000]);
         cut.pop();
-        assert_eq!(
-            kind_of_err(&push(&fresh, cut).await),
-            Some(ErrorKind::BadRequest)
-        );
+        assert_eq!(kind_of_err(&push(&fresh, cut).await), Some(ErrorKind::BadRequest));
         assert_eq!(entries_named(dir.path()), vec!["d"]);
     }
 
@@ -509,18 +413,9 @@ mod tests {
         let out = outside.to_string_lossy().into_owned();
         type Case = (&'static str, Box<dyn Fn(&mut Builder<Vec<u8>>)>);
         let cases: Vec<Case> = vec![
-            (
-                "dotdot",
-                Box::new(|b| raw(b, "../evil", EntryType::Regular, None, b"x")),
-            ),
-            (
-                "nested dotdot",
-                Box::new(|b| raw(b, "a/../../evil", EntryType::Regular, None, b"x")),
-            ),
-            (
-                "absolute",
-                Box::new(move |b| raw(b, "/etc/evil", EntryType::Regular, None, b"x")),
-            ),
+            ("dotdot", Box::new(|b| raw(b, "../evil", EntryType::Regular, None, b"x"))),
+            ("nested dotdot", Box::new(|b| raw(b, "a/../../evil", EntryType::Regular, None, b"x"))),
+            ("absolute", Box::new(move |b| raw(b, "/etc/evil", EntryType::Regular, None, b"x"))),
             (
                 "through symlink",
                 Box::new(move |b| {
@@ -535,14 +430,8 @@ mod tests {
                     raw(b, "up/outside/evil", EntryType::Regular, None, b"x");
                 }),
             ),
-            (
-                "hardlink dotdot",
-                Box::new(|b| raw(b, "h", EntryType::Link, Some("../outside/x"), b"")),
-            ),
-            (
-                "hardlink absolute",
-                Box::new(|b| raw(b, "h", EntryType::Link, Some("/etc/passwd"), b"")),
-            ),
+            ("hardlink dotdot", Box::new(|b| raw(b, "h", EntryType::Link, Some("../outside/x"), b""))),
+            ("hardlink absolute", Box::new(|b| raw(b, "h", EntryType::Link, Some("/etc/passwd"), b""))),
         ];
         for (what, build) in cases {
             let mut b = Builder::new(Vec::new());
@@ -550,11 +439,7 @@ mod tests {
             build(&mut b);
             let tar = b.into_inner().expect("tar");
             let frames = push(&dest, feed(&tar)).await;
-            assert_eq!(
-                kind_of_err(&frames),
-                Some(ErrorKind::BadRequest),
-                "{what}: {frames:?}"
-            );
+            assert_eq!(kind_of_err(&frames), Some(ErrorKind::BadRequest), "{what}: {frames:?}");
             assert!(entries_named(&dest).is_empty(), "{what}: dest changed");
             assert!(entries_named(&outside).is_empty(), "{what}: wrote outside");
             assert_eq!(entries_named(dir.path()), vec!["d", "outside"], "{what}");
@@ -566,10 +451,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let f = dir.path().join("f");
         fs::write(&f, b"x").expect("write");
-        assert_eq!(
-            kind_of_err(&push(&f, feed(&sample_tar())).await),
-            Some(ErrorKind::BadRequest)
-        );
+        assert_eq!(kind_of_err(&push(&f, feed(&sample_tar())).await), Some(ErrorKind::BadRequest));
         assert_eq!(fs::read(&f).expect("read"), b"x");
     }
 }

@@ -24,14 +24,7 @@ const DEPTH: usize = 4;
 /// Streams the file at `path` as `data` frames, then `done`.
 pub async fn fs_read(rpc: &mut Rpc, path: String) -> Result<(), OpError> {
     let path = resolve(OP, &path)?;
-    produce(
-        rpc,
-        OP,
-        DEPTH,
-        move |sink| read_into(&path, &sink),
-        data_frame,
-    )
-    .await?;
+    produce(rpc, OP, DEPTH, move |sink| read_into(&path, &sink), data_frame).await?;
     rpc.send(Response::Done).await?;
     Ok(())
 }
@@ -41,15 +34,8 @@ fn not_regular(path: &Path, meta: &Metadata) -> Option<OpError> {
     if ft.is_file() {
         return None;
     }
-    let what = if ft.is_dir() {
-        "is a directory"
-    } else {
-        "not a regular file"
-    };
-    Some(OpError::bad_request(format!(
-        "{OP}: {}: {what}",
-        path.display()
-    )))
+    let what = if ft.is_dir() { "is a directory" } else { "not a regular file" };
+    Some(OpError::bad_request(format!("{OP}: {}: {what}", path.display())))
 }
 
 /// Opens `path` as a regular file (never blocking on a FIFO).
@@ -77,11 +63,7 @@ fn read_into(path: &Path, sink: &Sink<Vec<u8>>) -> Result<(), OpError> {
         // `take` limit stops it without growing the buffer.
         let mut buf = Vec::with_capacity(CHUNK);
         loop {
-            match file
-                .by_ref()
-                .take((CHUNK - buf.len()) as u64)
-                .read_to_end(&mut buf)
-            {
+            match file.by_ref().take((CHUNK - buf.len()) as u64).read_to_end(&mut buf) {
                 Ok(_) => break,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(io_err(OP, path, &e)),
@@ -107,19 +89,14 @@ mod tests {
 
     async fn read(path: &Path) -> Vec<Response> {
         let path = p(path);
-        drive(Vec::new(), move |mut rpc| async move {
-            fs_read(&mut rpc, path).await
-        })
-        .await
+        drive(Vec::new(), move |mut rpc| async move { fs_read(&mut rpc, path).await }).await
     }
 
     #[tokio::test]
     async fn reads_10_mib_in_bounded_chunks() {
         let dir = tempfile::tempdir().expect("tempdir");
         let f = dir.path().join("big");
-        let content: Vec<u8> = (0..10 * 1024 * 1024 + 123u32)
-            .map(|i| (i % 253) as u8)
-            .collect();
+        let content: Vec<u8> = (0..10 * 1024 * 1024 + 123u32).map(|i| (i % 253) as u8).collect();
         fs::write(&f, &content).expect("write");
         let frames = read(&f).await;
         assert_eq!(frames.last(), Some(&Response::Done));
@@ -142,27 +119,14 @@ mod tests {
     #[tokio::test]
     async fn errors_per_kind() {
         let dir = tempfile::tempdir().expect("tempdir");
-        assert_eq!(
-            kind_of_err(&read(dir.path()).await),
-            Some(wire::ErrorKind::BadRequest)
-        );
-        assert_eq!(
-            kind_of_err(&read(&dir.path().join("missing")).await),
-            Some(wire::ErrorKind::NotFound)
-        );
-        assert_eq!(
-            kind_of_err(&read(Path::new("/dev/null")).await),
-            Some(wire::ErrorKind::BadRequest)
-        );
+        assert_eq!(kind_of_err(&read(dir.path()).await), Some(wire::ErrorKind::BadRequest));
+        assert_eq!(kind_of_err(&read(&dir.path().join("missing")).await), Some(wire::ErrorKind::NotFound));
+        assert_eq!(kind_of_err(&read(Path::new("/dev/null")).await), Some(wire::ErrorKind::BadRequest));
         let fifo = dir.path().join("fifo");
-        let st = std::process::Command::new("mkfifo")
-            .arg(&fifo)
-            .status()
-            .expect("mkfifo");
+        let st = std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
         assert!(st.success());
-        let frames = tokio::time::timeout(std::time::Duration::from_secs(10), read(&fifo))
-            .await
-            .expect("fifo read hung");
+        let frames =
+            tokio::time::timeout(std::time::Duration::from_secs(10), read(&fifo)).await.expect("fifo read hung");
         assert_eq!(kind_of_err(&frames), Some(wire::ErrorKind::BadRequest));
     }
 }

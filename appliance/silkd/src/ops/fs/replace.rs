@@ -35,10 +35,7 @@ pub async fn fs_replace(
         .multi_line(true)
         .build()
         .map_err(|e| OpError::bad_request(format!("{OP}: bad pattern: {e}")))?;
-    let paths = files
-        .iter()
-        .map(|f| resolve(OP, f))
-        .collect::<Result<Vec<_>, _>>()?;
+    let paths = files.iter().map(|f| resolve(OP, f)).collect::<Result<Vec<_>, _>>()?;
     produce(
         rpc,
         OP,
@@ -60,16 +57,10 @@ fn replace_all(
     for p in paths {
         let meta = std::fs::metadata(p).map_err(|e| io_err(OP, p, &e))?;
         if !meta.is_file() {
-            return Err(OpError::bad_request(format!(
-                "{OP}: {}: not a regular file",
-                display(p)
-            )));
+            return Err(OpError::bad_request(format!("{OP}: {}: not a regular file", display(p))));
         }
         if meta.len() > MAX_FILE {
-            return Err(OpError::bad_request(format!(
-                "{OP}: {}: larger than 64 MiB",
-                display(p)
-            )));
+            return Err(OpError::bad_request(format!("{OP}: {}: larger than 64 MiB", display(p))));
         }
     }
     for p in paths {
@@ -80,8 +71,7 @@ fn replace_all(
         }
         let out = re.replace_all(&data, replacement);
         replace_contents(OP, p, &out)?;
-        sink.send((display(p), n))
-            .map_err(|_| OpError::internal(format!("{OP}: client went away")))?;
+        sink.send((display(p), n)).map_err(|_| OpError::internal(format!("{OP}: client went away")))?;
     }
     Ok(())
 }
@@ -97,10 +87,7 @@ mod tests {
     async fn replace(files: &[&Path], pattern: &str, replacement: &str) -> Vec<Response> {
         let files: Vec<String> = files.iter().map(|f| p(f)).collect();
         let (pattern, replacement) = (pattern.to_string(), replacement.to_string());
-        drive(Vec::new(), move |mut rpc| async move {
-            fs_replace(&mut rpc, files, pattern, replacement).await
-        })
-        .await
+        drive(Vec::new(), move |mut rpc| async move { fs_replace(&mut rpc, files, pattern, replacement).await }).await
     }
 
     #[tokio::test]
@@ -112,39 +99,14 @@ mod tests {
         fs::set_permissions(&a, fs::Permissions::from_mode(0o640)).expect("chmod");
         fs::write(&b, "nothing here\n").expect("write");
         let frames = replace(&[&a, &b], r"\blet (\w+)", "const $1").await;
-        assert_eq!(
-            frames,
-            vec![
-                Response::Replaced {
-                    file: p(&a),
-                    replacements: 2
-                },
-                Response::Done
-            ]
-        );
-        assert_eq!(
-            fs::read_to_string(&a).expect("read"),
-            "const x = 1;\nconst y = x;\n"
-        );
+        assert_eq!(frames, vec![Response::Replaced { file: p(&a), replacements: 2 }, Response::Done]);
+        assert_eq!(fs::read_to_string(&a).expect("read"), "const x = 1;\nconst y = x;\n");
         assert_eq!(fs::metadata(&a).expect("m").mode() & 0o7777, 0o640);
         assert_eq!(fs::read_to_string(&b).expect("read"), "nothing here\n");
-        assert_eq!(
-            entries_named(dir.path()),
-            vec!["a.txt", "b.txt"],
-            "temp file left behind"
-        );
+        assert_eq!(entries_named(dir.path()), vec!["a.txt", "b.txt"], "temp file left behind");
         // ^ anchors per line.
         let frames = replace(&[&a], "^const", "var").await;
-        assert_eq!(
-            frames,
-            vec![
-                Response::Replaced {
-                    file: p(&a),
-                    replacements: 2
-                },
-                Response::Done
-            ]
-        );
+        assert_eq!(frames, vec![Response::Replaced { file: p(&a), replacements: 2 }, Response::Done]);
     }
 
     #[tokio::test]
@@ -153,19 +115,12 @@ mod tests {
         let a = dir.path().join("a.txt");
         fs::write(&a, "foo\n").expect("write");
         let frames = replace(&[&a, &dir.path().join("missing")], "foo", "bar").await;
-        assert_eq!(
-            kind_of_err(&frames),
-            Some(wire::ErrorKind::NotFound),
-            "{frames:?}"
-        );
+        assert_eq!(kind_of_err(&frames), Some(wire::ErrorKind::NotFound), "{frames:?}");
         assert_eq!(frames.len(), 1);
         assert_eq!(fs::read_to_string(&a).expect("read"), "foo\n");
         let frames = replace(&[&a, dir.path()], "foo", "bar").await;
         assert_eq!(kind_of_err(&frames), Some(wire::ErrorKind::BadRequest));
-        assert_eq!(
-            kind_of_err(&replace(&[&a], "(", "x").await),
-            Some(wire::ErrorKind::BadRequest)
-        );
+        assert_eq!(kind_of_err(&replace(&[&a], "(", "x").await), Some(wire::ErrorKind::BadRequest));
         assert_eq!(fs::read_to_string(&a).expect("read"), "foo\n");
         assert_eq!(replace(&[], "foo", "bar").await, vec![Response::Done]);
     }

@@ -40,10 +40,7 @@ mod tests {
 
     async fn stat(path: &std::path::Path) -> Vec<Response> {
         let path = p(path);
-        drive(Vec::new(), move |mut rpc| async move {
-            fs_stat(&mut rpc, path).await
-        })
-        .await
+        drive(Vec::new(), move |mut rpc| async move { fs_stat(&mut rpc, path).await }).await
     }
 
     #[tokio::test]
@@ -57,12 +54,7 @@ mod tests {
         assert_eq!(
             frames,
             vec![Response::Stat {
-                info: FileInfo {
-                    kind: FileKind::File,
-                    size: 5,
-                    mode: 0o4751,
-                    mtime_epoch_secs: mtime
-                }
+                info: FileInfo { kind: FileKind::File, size: 5, mode: 0o4751, mtime_epoch_secs: mtime }
             }]
         );
         let link = dir.path().join("l");
@@ -84,9 +76,6 @@ mod tests {
     #[tokio::test]
     async fn missing_is_not_found() {
         let dir = tempfile::tempdir().expect("tempdir");
-        assert_eq!(
-            kind_of_err(&stat(&dir.path().join("nope")).await),
-            Some(wire::ErrorKind::NotFound)
-        );
+        assert_eq!(kind_of_err(&stat(&dir.path().join("nope")).await), Some(wire::ErrorKind::NotFound));
     }
 }

@@ -73,10 +73,7 @@ pub(crate) struct ChunkWriter {
 
 impl ChunkWriter {
     pub(crate) fn new(sink: Sink<Vec<u8>>) -> Self {
-        Self {
-            sink,
-            buf: Vec::with_capacity(CHUNK),
-        }
+        Self { sink, buf: Vec::with_capacity(CHUNK) }
     }
 
     fn ship(&mut self) -> io::Result<()> {
@@ -84,9 +81,7 @@ impl ChunkWriter {
             return Ok(());
         }
         let chunk = std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK));
-        self.sink
-            .send(chunk)
-            .map_err(|e| io::Error::new(io::ErrorKind::BrokenPipe, e))
+        self.sink.send(chunk).map_err(|e| io::Error::new(io::ErrorKind::BrokenPipe, e))
     }
 
     /// Sends whatever is buffered.
@@ -128,8 +123,7 @@ mod tests {
                 2,
                 |sink| {
                     let mut w = ChunkWriter::new(sink);
-                    w.write_all(&vec![7u8; CHUNK * 2 + 10])
-                        .map_err(|e| OpError::internal(e.to_string()))?;
+                    w.write_all(&vec![7u8; CHUNK * 2 + 10]).map_err(|e| OpError::internal(e.to_string()))?;
                     w.finish().map_err(|e| OpError::internal(e.to_string()))
                 },
                 data_frame,
@@ -153,8 +147,7 @@ mod tests {
                 |sink| {
                     let mut w = ChunkWriter::new(sink);
                     loop {
-                        w.write_all(&[1u8; 4096])
-                            .map_err(|e| OpError::internal(e.to_string()))?;
+                        w.write_all(&[1u8; 4096]).map_err(|e| OpError::internal(e.to_string()))?;
                     }
                 },
                 data_frame,

@@ -44,15 +44,9 @@ pub async fn fs_watch(rpc: &mut Rpc, path: String, recursive: bool) -> Result<()
     let _watcher = blocking(OP, move || {
         std::fs::symlink_metadata(&path).map_err(|e| io_err(OP, &path, &e))?;
         let mut w = notify::recommended_watcher(handler).map_err(|e| watch_err(&e))?;
-        let mode = if recursive {
-            RecursiveMode::Recursive
-        } else {
-            RecursiveMode::NonRecursive
-        };
+        let mode = if recursive { RecursiveMode::Recursive } else { RecursiveMode::NonRecursive };
         w.watch(&path, mode).map_err(|e| match &e.kind {
-            notify::ErrorKind::PathNotFound => {
-                OpError::not_found(format!("{OP}: {}: {e}", display(&path)))
-            }
+            notify::ErrorKind::PathNotFound => OpError::not_found(format!("{OP}: {}: {e}", display(&path))),
             _ => watch_err(&e),
         })?;
         Ok(w)
@@ -101,16 +95,12 @@ pub async fn fs_watch(rpc: &mut Rpc, path: String, recursive: bool) -> Result<()
 }
 
 fn queue_overflow() -> OpError {
-    OpError::internal(format!(
-        "{OP}: event queue overflow ({QUEUE} events pending for a slow client)"
-    ))
+    OpError::internal(format!("{OP}: event queue overflow ({QUEUE} events pending for a slow client)"))
 }
 
 fn watch_err(e: &notify::Error) -> OpError {
     match &e.kind {
-        notify::ErrorKind::MaxFilesWatch => {
-            OpError::internal(format!("{OP}: inotify watch limit reached: {e}"))
-        }
+        notify::ErrorKind::MaxFilesWatch => OpError::internal(format!("{OP}: inotify watch limit reached: {e}")),
         _ => OpError::internal(format!("{OP}: {e}")),
     }
 }
@@ -158,10 +148,7 @@ mod tests {
     impl Watch {
         /// Waits for an event of `kind` on `path`, skipping others.
         async fn expect(&mut self, kind: EventKind, path: &Path) {
-            let want = Response::Event {
-                kind,
-                path: display(path),
-            };
+            let want = Response::Event { kind, path: display(path) };
             let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
             let mut seen = Vec::new();
             loop {
@@ -214,11 +201,7 @@ mod tests {
         w.expect(EventKind::Created, &b).await;
 
         // A stray data frame is ignored; the input ending (next request) sends done.
-        w.peer
-            .input
-            .send(Input::Data(b"x".to_vec()))
-            .await
-            .expect("send");
+        w.peer.input.send(Input::Data(b"x".to_vec())).await.expect("send");
         let RpcPeer { mut out, input } = w.peer;
         drop(input);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -242,13 +225,7 @@ mod tests {
         fs::write(&top, b"x").expect("write");
         // The first event after the inner write is about `top`, not `inner`.
         let first = tokio::time::timeout(Duration::from_secs(10), w.peer.out.recv()).await;
-        assert_eq!(
-            first.ok().flatten(),
-            Some(Response::Event {
-                kind: EventKind::Created,
-                path: display(&top)
-            })
-        );
+        assert_eq!(first.ok().flatten(), Some(Response::Event { kind: EventKind::Created, path: display(&top) }));
 
         match start(&dir.path().join("missing"), false).await {
             Err(Response::Error { kind, .. }) => assert_eq!(kind, wire::ErrorKind::NotFound),
@@ -287,30 +264,12 @@ mod tests {
     #[test]
     fn kinds_map() {
         use notify::event::{AccessKind, CreateKind, DataChange, MetadataKind, RemoveKind};
-        assert_eq!(
-            map_kind(&NEvent::Create(CreateKind::File)),
-            Some(EventKind::Created)
-        );
-        assert_eq!(
-            map_kind(&NEvent::Remove(RemoveKind::Any)),
-            Some(EventKind::Deleted)
-        );
-        assert_eq!(
-            map_kind(&NEvent::Modify(ModifyKind::Data(DataChange::Any))),
-            Some(EventKind::Modified)
-        );
-        assert_eq!(
-            map_kind(&NEvent::Modify(ModifyKind::Metadata(MetadataKind::Any))),
-            Some(EventKind::Modified)
-        );
-        assert_eq!(
-            map_kind(&NEvent::Modify(ModifyKind::Name(RenameMode::From))),
-            Some(EventKind::Renamed)
-        );
-        assert_eq!(
-            map_kind(&NEvent::Modify(ModifyKind::Name(RenameMode::Both))),
-            None
-        );
+        assert_eq!(map_kind(&NEvent::Create(CreateKind::File)), Some(EventKind::Created));
+        assert_eq!(map_kind(&NEvent::Remove(RemoveKind::Any)), Some(EventKind::Deleted));
+        assert_eq!(map_kind(&NEvent::Modify(ModifyKind::Data(DataChange::Any))), Some(EventKind::Modified));
+        assert_eq!(map_kind(&NEvent::Modify(ModifyKind::Metadata(MetadataKind::Any))), Some(EventKind::Modified));
+        assert_eq!(map_kind(&NEvent::Modify(ModifyKind::Name(RenameMode::From))), Some(EventKind::Renamed));
+        assert_eq!(map_kind(&NEvent::Modify(ModifyKind::Name(RenameMode::Both))), None);
         assert_eq!(map_kind(&NEvent::Access(AccessKind::Any)), None);
     }
 }

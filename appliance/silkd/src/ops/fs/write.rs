@@ -30,10 +30,7 @@ pub async fn fs_write(rpc: &mut Rpc, path: String, mode: Option<u32>) -> Result<
     feed::consume(rpc, OP, move |mut rx| {
         loop {
             match rx.next_chunk() {
-                Ok(Some(chunk)) => staged
-                    .file
-                    .write_all(&chunk)
-                    .map_err(|e| io_err(OP, &staged.target, &e))?,
+                Ok(Some(chunk)) => staged.file.write_all(&chunk).map_err(|e| io_err(OP, &staged.target, &e))?,
                 Ok(None) => break,
                 // The feed's own bad_request is what the client sees; dropping `staged`
                 // removes the temp file first.
@@ -51,10 +48,7 @@ pub async fn fs_write(rpc: &mut Rpc, path: String, mode: Option<u32>) -> Result<
 /// symlinks), keeping its mode and owner. For `fs_replace`.
 pub(crate) fn replace_contents(op: &'static str, path: &Path, data: &[u8]) -> Result<(), OpError> {
     let mut staged = Staged::create(op, path, None)?;
-    staged
-        .file
-        .write_all(data)
-        .map_err(|e| io_err(op, &staged.target, &e))?;
+    staged.file.write_all(data).map_err(|e| io_err(op, &staged.target, &e))?;
     staged.commit()
 }
 
@@ -80,25 +74,19 @@ impl Staged {
         };
         if let Some(m) = &existing {
             if m.is_dir() {
-                return Err(OpError::bad_request(format!(
-                    "{op}: {}: is a directory",
-                    target.display()
-                )));
+                return Err(OpError::bad_request(format!("{op}: {}: is a directory", target.display())));
             }
             if !m.is_file() {
-                return Err(OpError::bad_request(format!(
-                    "{op}: {}: not a regular file",
-                    target.display()
-                )));
+                return Err(OpError::bad_request(format!("{op}: {}: not a regular file", target.display())));
             }
         }
         let final_mode = match &existing {
             Some(m) => m.mode() & 0o7777,
             None => mode.map_or(0o644, |m| m & 0o7777),
         };
-        let dir = target.parent().ok_or_else(|| {
-            OpError::bad_request(format!("{op}: {}: not a file path", target.display()))
-        })?;
+        let dir = target
+            .parent()
+            .ok_or_else(|| OpError::bad_request(format!("{op}: {}: not a file path", target.display())))?;
         let tmp = temp_path(dir, &base_name(&target), "write");
         let file = OpenOptions::new()
             .write(true)
@@ -123,9 +111,7 @@ impl Staged {
             // chown clears set-id bits.
             let _ = std::os::unix::fs::fchown(&self.file, Some(uid), Some(gid));
         }
-        self.file
-            .set_permissions(Permissions::from_mode(self.mode))
-            .map_err(|e| io_err(self.op, &self.target, &e))?;
+        self.file.set_permissions(Permissions::from_mode(self.mode)).map_err(|e| io_err(self.op, &self.target, &e))?;
         fs::rename(&self.tmp, &self.target).map_err(|e| io_err(self.op, &self.target, &e))?;
         self.committed = true;
         Ok(())
@@ -148,10 +134,7 @@ mod tests {
 
     async fn write(path: &Path, mode: Option<u32>, chunks: Vec<Input>) -> Vec<Response> {
         let path = p(path);
-        drive(chunks, move |mut rpc| async move {
-            fs_write(&mut rpc, path, mode).await
-        })
-        .await
+        drive(chunks, move |mut rpc| async move { fs_write(&mut rpc, path, mode).await }).await
     }
 
     fn data(b: &[u8]) -> Input {
@@ -162,20 +145,14 @@ mod tests {
     async fn writes_10_mib_in_chunks_then_done() {
         let dir = tempfile::tempdir().expect("tempdir");
         let f = dir.path().join("big.bin");
-        let content: Vec<u8> = (0..10 * 1024 * 1024u32)
-            .map(|i| (i * 7 % 251) as u8)
-            .collect();
+        let content: Vec<u8> = (0..10 * 1024 * 1024u32).map(|i| (i * 7 % 251) as u8).collect();
         let mut chunks: Vec<Input> = content.chunks(256 * 1024).map(data).collect();
         chunks.push(Input::DataEnd);
         let frames = write(&f, None, chunks).await;
         assert_eq!(frames, vec![Response::Done]);
         assert_eq!(fs::read(&f).expect("read"), content);
         assert_eq!(fs::metadata(&f).expect("meta").mode() & 0o7777, 0o644);
-        assert_eq!(
-            entries_named(dir.path()),
-            vec!["big.bin".to_string()],
-            "temp file left behind"
-        );
+        assert_eq!(entries_named(dir.path()), vec!["big.bin".to_string()], "temp file left behind");
     }
 
     #[tokio::test]
@@ -199,20 +176,11 @@ mod tests {
         fs::write(&real, b"old").expect("write");
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&real, &link).expect("symlink");
-        assert_eq!(
-            write(&link, None, vec![data(b"new"), Input::DataEnd]).await,
-            vec![Response::Done]
-        );
-        assert!(fs::symlink_metadata(&link)
-            .expect("lstat")
-            .file_type()
-            .is_symlink());
+        assert_eq!(write(&link, None, vec![data(b"new"), Input::DataEnd]).await, vec![Response::Done]);
+        assert!(fs::symlink_metadata(&link).expect("lstat").file_type().is_symlink());
         assert_eq!(fs::read(&real).expect("read"), b"new");
         let empty = dir.path().join("empty");
-        assert_eq!(
-            write(&empty, None, vec![Input::DataEnd]).await,
-            vec![Response::Done]
-        );
+        assert_eq!(write(&empty, None, vec![Input::DataEnd]).await, vec![Response::Done]);
         assert_eq!(fs::read(&empty).expect("read"), b"");
     }
 
@@ -223,67 +191,25 @@ mod tests {
         fs::write(&f, b"original").expect("write");
         // Input ends without data_end.
         let frames = write(&f, None, vec![data(b"partial")]).await;
-        assert_eq!(
-            kind_of_err(&frames),
-            Some(wire::ErrorKind::BadRequest),
-            "{frames:?}"
-        );
+        assert_eq!(kind_of_err(&frames), Some(wire::ErrorKind::BadRequest), "{frames:?}");
         // A stdin frame inside the feed.
-        let frames = write(
-            &f,
-            None,
-            vec![
-                data(b"partial"),
-                Input::Stdin(b"x".to_vec()),
-                Input::DataEnd,
-            ],
-        )
-        .await;
-        assert_eq!(
-            kind_of_err(&frames),
-            Some(wire::ErrorKind::BadRequest),
-            "{frames:?}"
-        );
+        let frames = write(&f, None, vec![data(b"partial"), Input::Stdin(b"x".to_vec()), Input::DataEnd]).await;
+        assert_eq!(kind_of_err(&frames), Some(wire::ErrorKind::BadRequest), "{frames:?}");
         assert_eq!(frames.len(), 1, "{frames:?}");
         assert_eq!(fs::read(&f).expect("read"), b"original");
-        assert_eq!(
-            entries_named(dir.path()),
-            vec!["keep.txt".to_string()],
-            "temp file left behind"
-        );
+        assert_eq!(entries_named(dir.path()), vec!["keep.txt".to_string()], "temp file left behind");
     }
 
     #[tokio::test]
     async fn errors_per_kind() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let frames = write(
-            &dir.path().join("no/such/dir/f"),
-            None,
-            vec![Input::DataEnd],
-        )
-        .await;
-        assert_eq!(
-            kind_of_err(&frames),
-            Some(wire::ErrorKind::NotFound),
-            "{frames:?}"
-        );
+        let frames = write(&dir.path().join("no/such/dir/f"), None, vec![Input::DataEnd]).await;
+        assert_eq!(kind_of_err(&frames), Some(wire::ErrorKind::NotFound), "{frames:?}");
         let frames = write(dir.path(), None, vec![Input::DataEnd]).await;
-        assert_eq!(
-            kind_of_err(&frames),
-            Some(wire::ErrorKind::BadRequest),
-            "{frames:?}"
-        );
+        assert_eq!(kind_of_err(&frames), Some(wire::ErrorKind::BadRequest), "{frames:?}");
         let frames = write(Path::new("/dev/null"), None, vec![Input::DataEnd]).await;
-        assert_eq!(
-            kind_of_err(&frames),
-            Some(wire::ErrorKind::BadRequest),
-            "{frames:?}"
-        );
+        assert_eq!(kind_of_err(&frames), Some(wire::ErrorKind::BadRequest), "{frames:?}");
         let frames = write(Path::new(""), None, vec![Input::DataEnd]).await;
-        assert_eq!(
-            kind_of_err(&frames),
-            Some(wire::ErrorKind::BadRequest),
-            "{frames:?}"
-        );
+        assert_eq!(kind_of_err(&frames), Some(wire::ErrorKind::BadRequest), "{frames:?}");
     }
 }
