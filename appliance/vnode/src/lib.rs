@@ -1,0 +1,227 @@
+//! The virtual-kubelet node runtime (`shared/spec/virtual-node.md` §1): everything a virtual
+//! node does that does not depend on what backs its Pods. A provider (vk-sandbox, vk-cocoon)
+//! implements [`Provider`]; [`run`] registers the Node, keeps its Lease and status fresh,
+//! runs the pod controller (informer on `spec.nodeName`, rate-limited per-pod queues, the
+//! create/update/delete/force-delete rules), pushes the provider's status changes and serves
+//! the kubelet HTTPS endpoint.
+//!
+//! Modules: [`config`] (what callers pass), [`node`] (the Node object, pure), `registration`
+//! (create/patch the Node, status loop), [`lease`], `ping`, [`queue`] (the work queue),
+//! [`sync`] (the sync rules, pure), `controller` (informer + workers), [`status`] (provider
+//! pushes → `pods/status`), [`events`], [`kubelet`] + [`tls`] (HTTPS), [`error`].
+
+pub mod config;
+mod controller;
+pub mod error;
+pub mod events;
+pub mod kubelet;
+pub mod lease;
+pub mod node;
+mod ping;
+pub mod provider;
+pub mod queue;
+mod registration;
+pub mod status;
+pub mod sync;
+pub mod tls;
+
+pub use config::{NodeConfig, NodeHandle, RuntimeConfig};
+pub use error::VnodeError;
+pub use provider::{PodKey, PodNotifier, Provider, ProviderError};
+
+use controller::Controller;
+use registration::Registrar;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn, Instrument};
+
+/// Runs the virtual node until `shutdown` resolves.
+///
+/// Returns `Ok(())` after a clean stop (workers finish the item they hold, within
+/// `cfg.shutdown_grace`; the Node, its Lease and the Pods are left as they are), or a
+/// [`VnodeError`] when the node cannot start: an invalid configuration (e.g. a label
+/// NodeRestriction refuses), an unusable kubelet port, or the API server refusing the Node
+/// (403 names NodeRestriction). An unreachable API server is not fatal: registration is
+/// retried, and once running the runtime pauses Lease/status writes until it answers again.
+///
+/// The Node is registered NotReady first, then marked `Ready` (`KubeletReady`) once the pod
+/// controller has listed the node's pods, removed provider pods the API does not have, and
+/// queued every pod.
+pub async fn run(
+    client: kube::Client,
+    node: NodeConfig,
+    cfg: RuntimeConfig,
+    provider: Arc<dyn Provider>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), VnodeError> {
+    let span = tracing::info_span!("vnode", node = %node.name);
+    run_inner(client, node, cfg, provider, shutdown).instrument(span).await
+}
+
+fn validate(node: &NodeConfig) -> Result<(), VnodeError> {
+    if node.name.is_empty() {
+        return Err(VnodeError::Config("the node name is empty".into()));
+    }
+    let refused: Vec<&str> = node::labels(node)
+        .into_keys()
+        .filter(|k| node::label_refused_by_node_restriction(k))
+        .map(|k| node.labels.get_key_value(&k).map(|(k, _)| k.as_str()).unwrap_or("?"))
+        .collect();
+    if !refused.is_empty() {
+        return Err(VnodeError::Config(format!(
+            "NodeRestriction refuses these labels when a node registers itself: {}; drop them or have an admin apply them",
+            refused.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+/// Everything `run` started, so that a stop can end it.
+struct Running {
+    cancel: CancellationToken,
+    tasks: JoinSet<()>,
+    workers: JoinSet<()>,
+    controller: Option<Arc<Controller>>,
+    grace: Duration,
+}
+
+impl Running {
+    async fn stop(mut self) {
+        self.cancel.cancel();
+        if let Some(c) = &self.controller {
+            c.shutdown_queues();
+        }
+        let deadline = tokio::time::Instant::now() + self.grace;
+        for set in [&mut self.workers, &mut self.tasks] {
+            while tokio::time::timeout_at(deadline, set.join_next()).await.is_ok_and(|r| r.is_some()) {}
+            if !set.is_empty() {
+                warn!(left = set.len(), "tasks did not stop within the grace period; aborting them");
+                set.abort_all();
+            }
+        }
+        info!("stopped");
+    }
+}
+
+async fn run_inner(
+    client: kube::Client,
+    node: NodeConfig,
+    cfg: RuntimeConfig,
+    provider: Arc<dyn Provider>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), VnodeError> {
+    validate(&node)?;
+    let mut shutdown = std::pin::pin!(shutdown);
+    let (tls, _) =
+        tls::server_config(cfg.tls_cert.as_deref(), cfg.tls_key.as_deref(), &node.name, node.internal_ip.as_deref())
+            .map_err(VnodeError::KubeletTls)?;
+    let listener = kubelet::bind(cfg.listen_addr).await?;
+    info!(addr = %cfg.listen_addr, "kubelet endpoint listening");
+    let mut run = Running {
+        cancel: CancellationToken::new(),
+        tasks: JoinSet::new(),
+        workers: JoinSet::new(),
+        controller: None,
+        grace: cfg.shutdown_grace,
+    };
+    let cancel = run.cancel.clone();
+    run.tasks.spawn(kubelet::serve(listener, tls, kubelet::router(provider.clone()), cancel.clone()).in_current_span());
+
+    // 1. The Node (NotReady until the pod controller is up).
+    let registrar = Arc::new(Registrar::new(client.clone(), node.clone()));
+    let registered = tokio::select! {
+        _ = &mut shutdown => None,
+        r = registrar.register_until_done(&cancel) => match r {
+            Ok(n) => n,
+            Err(e) => {
+                run.stop().await;
+                return Err(e);
+            }
+        },
+    };
+    if registered.is_none() {
+        run.stop().await;
+        return Ok(());
+    }
+
+    // 2. Liveness: ping, Lease, status.
+    let (healthy_tx, healthy) = watch::channel(true);
+    run.tasks.spawn(
+        ping::ping_loop(client.clone(), node.name.clone(), cfg.ping_interval, healthy_tx, cancel.clone())
+            .in_current_span(),
+    );
+    let keeper = lease::LeaseKeeper::new(
+        client.clone(),
+        node.name.clone(),
+        registrar.uid(),
+        cfg.lease_duration,
+        cfg.lease_renew,
+    );
+    run.tasks.spawn(keeper.run(healthy.clone(), cancel.clone()).in_current_span());
+    run.tasks
+        .spawn(registrar.clone().status_loop(cfg.status_interval, healthy.clone(), cancel.clone()).in_current_span());
+
+    // 3. The pod controller.
+    let (store, writer) = kube::runtime::reflector::store();
+    let recorder = events::Recorder::new(client.clone(), node.name.clone(), cfg.disable_pod_events);
+    let bucket = queue::bucket_spec(cfg.kube_api_qps, cfg.kube_api_burst);
+    let controller =
+        Arc::new(Controller::new(node.name.clone(), client.clone(), provider.clone(), store.clone(), recorder, bucket));
+    run.controller = Some(controller.clone());
+    let (notifier, pushes) = PodNotifier::channel();
+    provider.notify_pods(notifier);
+    run.tasks.spawn(
+        status::dispatch(pushes, store, controller.pushes.clone(), controller.status_q.clone(), cancel.clone())
+            .in_current_span(),
+    );
+    let (first_tx, first_rx) = oneshot::channel();
+    run.tasks.spawn(controller.clone().informer(writer, first_tx, cancel.clone()).in_current_span());
+
+    // 4. First complete list → start-up reconcile → workers → Ready.
+    let synced = tokio::select! {
+        _ = &mut shutdown => false,
+        r = first_rx => r.is_ok(),
+    };
+    if !synced {
+        run.stop().await;
+        return Ok(());
+    }
+    info!("the pod informer has synced");
+    let reconciled = tokio::select! {
+        _ = &mut shutdown => false,
+        _ = controller.reconcile_startup() => true,
+    };
+    if !reconciled {
+        run.stop().await;
+        return Ok(());
+    }
+    controller.spawn_workers(cfg.workers, &mut run.workers);
+    run.tasks.spawn(controller.clone().resync_loop(cfg.resync, cancel.clone()).in_current_span());
+    registrar.set_ready();
+    info!(workers = cfg.workers.max(1), "the pod controller is running; the node is Ready");
+
+    shutdown.await;
+    info!("stopping");
+    run.stop().await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn restricted_labels_are_refused_before_touching_the_api() {
+        let mut n = NodeConfig { name: "vk".into(), ..Default::default() };
+        assert!(validate(&n).is_ok());
+        n.labels = BTreeMap::from([("kubernetes.io/role".into(), "agent".into()), ("type".into(), "x".into())]);
+        let e = validate(&n).expect_err("refused").to_string();
+        assert!(e.contains("kubernetes.io/role") && e.contains("NodeRestriction"), "{e}");
+        assert!(validate(&NodeConfig::default()).is_err(), "an empty name is refused");
+    }
+}

@@ -1,0 +1,342 @@
+//! The Node object and its status, built from a [`NodeConfig`] (pure functions).
+//!
+//! Status updates are a JSON **merge patch** of `nodes/status` (not virtual-kubelet's 3-way
+//! strategic merge): the runtime owns every field it writes, so lists (`conditions`,
+//! `addresses`) are replaced whole and resources dropped from the configuration are removed
+//! with explicit `null`s computed against the Node found at registration. The applied status
+//! is still recorded in the annotation [`LAST_APPLIED_ANNOTATION`] for tools that look for it.
+
+use crate::config::NodeConfig;
+use k8s_openapi::api::core::v1::{
+    DaemonEndpoint, Node, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec, NodeStatus, NodeSystemInfo,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use std::collections::{BTreeMap, HashMap};
+
+/// Where the last applied node status is kept (virtual-kubelet's key).
+pub const LAST_APPLIED_ANNOTATION: &str = "virtual-kubelet.io/last-applied-node-status";
+/// Every virtual node carries `type=virtual-kubelet`.
+pub const TYPE_LABEL: &str = "type";
+pub const TYPE_VALUE: &str = "virtual-kubelet";
+pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
+
+/// The Node's labels: the provider's, then `type=virtual-kubelet` and
+/// `kubernetes.io/hostname=<name>` (these two win over a provider label of the same key).
+pub fn labels(cfg: &NodeConfig) -> BTreeMap<String, String> {
+    let mut labels = cfg.labels.clone();
+    labels.insert(TYPE_LABEL.into(), TYPE_VALUE.into());
+    labels.insert(HOSTNAME_LABEL.into(), cfg.name.clone());
+    labels
+}
+
+/// Whether NodeRestriction refuses a node setting label `key` on its own Node: keys under
+/// `kubernetes.io`/`k8s.io` (and their subdomains) except `kubernetes.io/{hostname,os,arch}`,
+/// the instance-type and topology zone/region labels, and the `kubelet.kubernetes.io` /
+/// `node.kubernetes.io` namespaces; `node-restriction.kubernetes.io` always.
+pub fn label_refused_by_node_restriction(key: &str) -> bool {
+    let Some((domain, _)) = key.split_once('/') else { return false };
+    let under = |d: &str, ns: &str| d == ns || d.ends_with(&format!(".{ns}"));
+    if under(domain, "node-restriction.kubernetes.io") {
+        return true;
+    }
+    if !(under(domain, "kubernetes.io") || under(domain, "k8s.io")) {
+        return false;
+    }
+    const ALLOWED: &[&str] = &[
+        "kubernetes.io/hostname",
+        "kubernetes.io/arch",
+        "kubernetes.io/os",
+        "beta.kubernetes.io/arch",
+        "beta.kubernetes.io/os",
+        "beta.kubernetes.io/instance-type",
+        "node.kubernetes.io/instance-type",
+        "failure-domain.beta.kubernetes.io/zone",
+        "failure-domain.beta.kubernetes.io/region",
+        "topology.kubernetes.io/zone",
+        "topology.kubernetes.io/region",
+    ];
+    if ALLOWED.contains(&key) {
+        return false;
+    }
+    !(under(domain, "kubelet.kubernetes.io") || under(domain, "node.kubernetes.io"))
+}
+
+/// The `Ready` condition (times are stamped by [`Transitions`]).
+pub fn ready_condition(ready: bool) -> NodeCondition {
+    if ready {
+        NodeCondition {
+            type_: "Ready".into(),
+            status: "True".into(),
+            reason: Some("KubeletReady".into()),
+            message: Some("Kubelet is ready".into()),
+            ..Default::default()
+        }
+    } else {
+        NodeCondition {
+            type_: "Ready".into(),
+            status: "False".into(),
+            reason: Some("KubeletNotReady".into()),
+            message: Some("the pod controller is starting".into()),
+            ..Default::default()
+        }
+    }
+}
+
+/// Remembers when each condition type last changed status, to stamp `lastTransitionTime`;
+/// every stamped condition gets `lastHeartbeatTime` = now.
+#[derive(Debug, Default)]
+pub struct Transitions {
+    since: HashMap<String, (String, Time)>,
+}
+
+impl Transitions {
+    pub fn stamp(&mut self, conditions: Vec<NodeCondition>, now: &Time) -> Vec<NodeCondition> {
+        conditions
+            .into_iter()
+            .map(|mut c| {
+                let entry = self.since.entry(c.type_.clone()).or_insert_with(|| {
+                    (c.status.clone(), c.last_transition_time.clone().unwrap_or_else(|| now.clone()))
+                });
+                if entry.0 != c.status {
+                    *entry = (c.status.clone(), now.clone());
+                }
+                c.last_transition_time = Some(entry.1.clone());
+                c.last_heartbeat_time = Some(now.clone());
+                c
+            })
+            .collect()
+    }
+}
+
+/// `amd64`/`arm64` for the running architecture (Go's names), else Rust's.
+pub fn go_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    }
+}
+
+/// The Node's status with the given (already stamped) conditions.
+pub fn status(cfg: &NodeConfig, conditions: Vec<NodeCondition>) -> NodeStatus {
+    let mut addresses = Vec::new();
+    if let Some(ip) = cfg.internal_ip.as_deref().filter(|ip| !ip.is_empty()) {
+        addresses.push(NodeAddress { type_: "InternalIP".into(), address: ip.into() });
+    }
+    addresses.push(NodeAddress { type_: "Hostname".into(), address: cfg.name.clone() });
+    NodeStatus {
+        addresses: Some(addresses),
+        capacity: Some(cfg.capacity.clone()),
+        allocatable: Some(cfg.capacity.clone()),
+        conditions: Some(conditions),
+        daemon_endpoints: Some(NodeDaemonEndpoints {
+            kubelet_endpoint: Some(DaemonEndpoint { port: i32::from(cfg.kubelet_port) }),
+        }),
+        node_info: Some(NodeSystemInfo {
+            architecture: go_arch().into(),
+            operating_system: "linux".into(),
+            kubelet_version: cfg.kubelet_version.clone(),
+            ..Default::default()
+        }),
+        phase: Some("Running".into()),
+        ..Default::default()
+    }
+}
+
+/// The Node to create: labels, taints and providerID (fixed at registration) and `status`.
+pub fn node(cfg: &NodeConfig, status: NodeStatus) -> Node {
+    Node {
+        metadata: ObjectMeta { name: Some(cfg.name.clone()), labels: Some(labels(cfg)), ..Default::default() },
+        spec: Some(NodeSpec {
+            taints: (!cfg.taints.is_empty()).then(|| cfg.taints.clone()),
+            provider_id: cfg.provider_id.clone(),
+            ..Default::default()
+        }),
+        status: Some(status),
+    }
+}
+
+/// Resources the existing Node lists in capacity/allocatable that `cfg` no longer has.
+pub fn removed_resources(existing: &Node, cfg: &NodeConfig) -> Vec<String> {
+    let Some(status) = &existing.status else { return Vec::new() };
+    let mut keys: Vec<String> = status
+        .capacity
+        .iter()
+        .chain(status.allocatable.iter())
+        .flat_map(|m| m.keys())
+        .filter(|k| !cfg.capacity.contains_key(*k))
+        .cloned()
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
+/// The merge patch of `nodes/status`: the whole status (with `null` for `removed` resources)
+/// and the last-applied annotation.
+pub fn status_patch(status: &NodeStatus, removed: &[String]) -> serde_json::Value {
+    let applied = serde_json::to_string(status).unwrap_or_default();
+    let mut body = serde_json::to_value(status).unwrap_or_else(|_| serde_json::json!({}));
+    for field in ["capacity", "allocatable"] {
+        if let Some(map) = body.get_mut(field).and_then(|v| v.as_object_mut()) {
+            for key in removed {
+                map.insert(key.clone(), serde_json::Value::Null);
+            }
+        }
+    }
+    serde_json::json!({
+        "metadata": {"annotations": {LAST_APPLIED_ANNOTATION: applied}},
+        "status": body,
+    })
+}
+
+/// A merge patch of the Node's labels that adds or corrects the wanted ones (never removes).
+pub fn labels_patch(existing: &Node, cfg: &NodeConfig) -> Option<serde_json::Value> {
+    let have = existing.metadata.labels.clone().unwrap_or_default();
+    let missing: BTreeMap<String, String> = labels(cfg).into_iter().filter(|(k, v)| have.get(k) != Some(v)).collect();
+    (!missing.is_empty()).then(|| serde_json::json!({"metadata": {"labels": missing}}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::Taint;
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+    fn cfg() -> NodeConfig {
+        NodeConfig {
+            name: "vk-test".into(),
+            labels: BTreeMap::from([("sandbox.cocoonstack.io/runtime".into(), "sandboxd".into())]),
+            taints: vec![Taint {
+                key: "virtual-kubelet.io/provider".into(),
+                value: Some("sandboxd".into()),
+                effect: "NoSchedule".into(),
+                ..Default::default()
+            }],
+            capacity: BTreeMap::from([
+                ("cpu".into(), Quantity("4000".into())),
+                ("memory".into(), Quantity("8Ti".into())),
+                ("pods".into(), Quantity("2000".into())),
+            ]),
+            internal_ip: Some("10.0.0.7".into()),
+            kubelet_port: 10260,
+            kubelet_version: "v1.2.3".into(),
+            provider_id: Some("chrysalis://box-1".into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_node_carries_identity_labels_taints_and_capacity() {
+        let c = cfg();
+        let n = node(&c, status(&c, vec![ready_condition(false)]));
+        let labels = n.metadata.labels.as_ref().expect("labels");
+        assert_eq!(labels["type"], "virtual-kubelet");
+        assert_eq!(labels["kubernetes.io/hostname"], "vk-test");
+        assert_eq!(labels["sandbox.cocoonstack.io/runtime"], "sandboxd");
+        assert!(!labels.contains_key("kubernetes.io/role"), "NodeRestriction refuses kubernetes.io/role");
+        let spec = n.spec.as_ref().expect("spec");
+        assert_eq!(spec.taints.as_ref().expect("taints")[0].key, "virtual-kubelet.io/provider");
+        assert_eq!(spec.provider_id.as_deref(), Some("chrysalis://box-1"));
+        let st = n.status.as_ref().expect("status");
+        assert_eq!(st.capacity, st.allocatable);
+        assert_eq!(st.capacity.as_ref().expect("capacity")["pods"], Quantity("2000".into()));
+        let addrs: Vec<_> = st.addresses.iter().flatten().map(|a| (a.type_.as_str(), a.address.as_str())).collect();
+        assert_eq!(addrs, [("InternalIP", "10.0.0.7"), ("Hostname", "vk-test")]);
+        assert_eq!(st.daemon_endpoints.as_ref().and_then(|d| d.kubelet_endpoint.as_ref()).map(|e| e.port), Some(10260));
+        assert_eq!(st.node_info.as_ref().map(|i| i.kubelet_version.as_str()), Some("v1.2.3"));
+        assert_eq!(st.phase.as_deref(), Some("Running"));
+    }
+
+    #[test]
+    fn without_an_ip_only_the_hostname_is_listed() {
+        let mut c = cfg();
+        c.internal_ip = Some(String::new());
+        let st = status(&c, vec![]);
+        assert_eq!(st.addresses.expect("addresses").len(), 1);
+        c.internal_ip = None;
+        assert_eq!(status(&c, vec![]).addresses.expect("addresses")[0].type_, "Hostname");
+    }
+
+    #[test]
+    fn ready_condition_texts() {
+        let r = ready_condition(true);
+        assert_eq!((r.type_.as_str(), r.status.as_str()), ("Ready", "True"));
+        assert_eq!(r.reason.as_deref(), Some("KubeletReady"));
+        assert_eq!(r.message.as_deref(), Some("Kubelet is ready"));
+        assert_eq!(ready_condition(false).status, "False");
+    }
+
+    #[test]
+    fn transitions_move_only_when_the_status_changes() {
+        let t0 = Time(Timestamp::UNIX_EPOCH + SignedDuration::from_secs(1000));
+        let t1 = Time(Timestamp::UNIX_EPOCH + SignedDuration::from_secs(1060));
+        let t2 = Time(Timestamp::UNIX_EPOCH + SignedDuration::from_secs(1120));
+        let mut tr = Transitions::default();
+        let a = tr.stamp(vec![ready_condition(false)], &t0);
+        assert_eq!(a[0].last_transition_time, Some(t0.clone()));
+        let b = tr.stamp(vec![ready_condition(false)], &t1);
+        assert_eq!(b[0].last_transition_time, Some(t0.clone()), "no change, no transition");
+        assert_eq!(b[0].last_heartbeat_time, Some(t1.clone()));
+        let c = tr.stamp(vec![ready_condition(true)], &t2);
+        assert_eq!(c[0].last_transition_time, Some(t2.clone()));
+        assert_eq!(c[0].last_heartbeat_time, Some(t2));
+    }
+
+    #[test]
+    fn node_restriction_label_rules() {
+        for refused in [
+            "kubernetes.io/role",
+            "node-role.kubernetes.io/cocoon-vm",
+            "foo.k8s.io/x",
+            "k8s.io/x",
+            "node-restriction.kubernetes.io/x",
+        ] {
+            assert!(label_refused_by_node_restriction(refused), "{refused}");
+        }
+        for allowed in [
+            "kubernetes.io/hostname",
+            "kubernetes.io/os",
+            "topology.kubernetes.io/zone",
+            "node.kubernetes.io/instance-type",
+            "kubelet.kubernetes.io/anything",
+            "foo.node.kubernetes.io/x",
+            "type",
+            "sandbox.cocoonstack.io/runtime",
+            "cocoonstack.io/pool",
+            "notkubernetes.io/x",
+        ] {
+            assert!(!label_refused_by_node_restriction(allowed), "{allowed}");
+        }
+    }
+
+    #[test]
+    fn status_patch_nulls_removed_resources_and_records_last_applied() {
+        let c = cfg();
+        let mut existing = node(&c, status(&c, vec![]));
+        let st = existing.status.as_mut().expect("status");
+        st.capacity.as_mut().expect("capacity").insert("nvidia.com/gpu".into(), Quantity("1".into()));
+        let removed = removed_resources(&existing, &c);
+        assert_eq!(removed, ["nvidia.com/gpu"]);
+        let st = status(&c, vec![ready_condition(true)]);
+        let patch = status_patch(&st, &removed);
+        assert!(patch["status"]["capacity"]["nvidia.com/gpu"].is_null());
+        assert!(patch["status"]["allocatable"]["nvidia.com/gpu"].is_null());
+        assert_eq!(patch["status"]["capacity"]["cpu"], "4000");
+        let applied = patch["metadata"]["annotations"][LAST_APPLIED_ANNOTATION].as_str().expect("annotation");
+        let back: NodeStatus = serde_json::from_str(applied).expect("the annotation is the status JSON");
+        assert_eq!(back, st);
+    }
+
+    #[test]
+    fn labels_patch_only_adds_what_is_missing() {
+        let c = cfg();
+        let mut existing = node(&c, status(&c, vec![]));
+        assert_eq!(labels_patch(&existing, &c), None);
+        existing.metadata.labels.as_mut().expect("labels").remove("type");
+        existing.metadata.labels.as_mut().expect("labels").insert("other".into(), "kept".into());
+        let p = labels_patch(&existing, &c).expect("patch");
+        assert_eq!(p, serde_json::json!({"metadata": {"labels": {"type": "virtual-kubelet"}}}));
+    }
+}
