@@ -1,0 +1,552 @@
+//! `vk-sandbox`: the virtual node whose Pods are claims on this machine's sandboxd warm pool
+//! (`shared/spec/virtual-node.md` §2). A thin binary: flags → configuration → the
+//! [`vk_sandbox::SandboxProvider`] under the `vnode` runtime.
+//!
+//! Start-up: parse and validate flags; read the sandboxd token; open the claims state (fatal
+//! if malformed or unwritable); join the cluster when `--join-server` is given (token discovery
+//! and the kubelet TLS bootstrap), else use `--kubeconfig` / in-cluster / `$KUBECONFIG`; run
+//! the node until SIGTERM/SIGINT. With a joined identity, the certificate is renewed at its
+//! rotation deadline and the runtime restarted with a fresh client. Shutdown leaves every
+//! claim and VM in place. Errors print as one chain and exit 1.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use k8s_openapi::api::core::v1::Taint;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use tokio::sync::Notify;
+use vk_sandbox::authority::KubeOwners;
+use vk_sandbox::sandboxd::SandboxdClient;
+use vk_sandbox::{status, ProviderConfig, SandboxProvider};
+
+/// The taint every vk-sandbox node registers with.
+const TAINT_KEY: &str = "virtual-kubelet.io/provider";
+const TAINT_VALUE: &str = "sandboxd";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "vk-sandbox",
+    version,
+    about = "A virtual Kubernetes node whose Pods are claims on the local sandboxd warm pool.",
+    long_about = "A virtual Kubernetes node whose Pods are claims on the local sandboxd warm pool.\n\n\
+        A Pod scheduled here (nodeSelector sandbox.cocoonstack.io/runtime=sandboxd, toleration \
+        virtual-kubelet.io/provider Exists NoSchedule, annotation sandbox.cocoonstack.io/template) \
+        becomes one sandboxd claim. Deleting a Pod releases its VM only when the Pod's controller \
+        owner is gone; otherwise the claim is kept for a same-name replacement.\n\n\
+        Every flag with an environment variable may be set either way; the flag wins."
+)]
+struct Cli {
+    /// Node name (with --join-server, also the system:node:<name> identity).
+    #[arg(long, env = "VK_NODE_NAME", default_value = "vk-sandboxd")]
+    node_name: String,
+    /// Node InternalIP; empty = none advertised.
+    #[arg(long, env = "VK_NODE_IP", default_value = "")]
+    node_ip: String,
+    /// Kubelet HTTPS endpoint, `[host]:port` (":10260" = all interfaces).
+    #[arg(long, env = "VK_LISTEN_ADDR", default_value = ":10260")]
+    listen_addr: String,
+    /// Kubelet serving certificate (PEM); empty = self-signed P-256 for the node name, node IP and 127.0.0.1.
+    #[arg(long, env = "VK_TLS_CERT", default_value = "")]
+    tls_cert: String,
+    /// Kubelet serving key (PEM), with --tls-cert.
+    #[arg(long, env = "VK_TLS_KEY", default_value = "")]
+    tls_key: String,
+    /// Node CPU capacity (= allocatable) in millicores.
+    #[arg(long, env = "VK_NODE_CPU", default_value = "4000")]
+    node_cpu: String,
+    /// Node memory capacity (= allocatable), a Kubernetes quantity.
+    #[arg(long, env = "VK_NODE_MEMORY", default_value = "8Ti")]
+    node_memory: String,
+    /// Node pod capacity (= allocatable).
+    #[arg(long, env = "VK_NODE_PODS", default_value = "2000")]
+    node_pods: String,
+    /// Pod queue (and API) rate: < 0 = backoff only, 0 = client-go's 5 qps / burst 10.
+    #[arg(long, default_value_t = 200.0, allow_negative_numbers = true)]
+    kube_api_qps: f64,
+    /// Pod queue (and API) burst.
+    #[arg(long, default_value_t = 400)]
+    kube_api_burst: u32,
+    /// sandboxd's URL (plain HTTP).
+    #[arg(long, env = "SANDBOXD_URL", default_value = "http://127.0.0.1:7777")]
+    sandboxd_url: String,
+    /// The address Pods are reported at when a claim carries no owner_addr; empty = host:port of --sandboxd-url.
+    #[arg(long, env = "SANDBOXD_ADVERTISE_ADDR", default_value = "")]
+    sandboxd_advertise_addr: String,
+    /// File holding sandboxd's node token (read once, trimmed); empty = none.
+    #[arg(long, env = "SANDBOXD_TOKEN_FILE", default_value = "")]
+    sandboxd_token_file: String,
+    /// The claims state file: every claim's release credential (must be writable).
+    #[arg(long, env = "VK_STATE_PATH", default_value = "/var/lib/vk-sandbox/claims.json")]
+    state_path: PathBuf,
+    /// Audit-only orphan scan period (0 = off).
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    orphan_scan_interval: Duration,
+    /// Publish a NodeInventory object (not supported yet: refused when true).
+    #[arg(long, default_value_t = false)]
+    publish_inventory: bool,
+    /// NodeInventory publish period.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    publish_interval: Duration,
+    /// Node labels, a comma-separated k=v list.
+    #[arg(long, default_value = "sandbox.cocoonstack.io/runtime=sandboxd")]
+    node_labels: String,
+    /// Record only Warning pod events (each Normal event is an API write).
+    #[arg(long, default_value_t = false)]
+    disable_pod_events: bool,
+    /// Kubeconfig file; else the in-cluster service account; else $KUBECONFIG.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// Join this cluster (https://host:port) with a bootstrap token instead of using a kubeconfig.
+    #[arg(long, value_name = "https://host:port")]
+    join_server: Option<String>,
+    /// File holding the bootstrap token (<id>.<secret>), with --join-server.
+    #[arg(long, env = "VK_JOIN_TOKEN_FILE")]
+    join_token_file: Option<PathBuf>,
+    /// Accepted cluster CA public-key hash (sha256:<hex>); repeatable; at least one with --join-server.
+    #[arg(long, value_name = "sha256:<hex>")]
+    join_ca_hash: Vec<String>,
+    /// Where the node's client identity and kubeconfig are kept, with --join-server.
+    #[arg(long, default_value = "/var/lib/vk-sandbox/pki")]
+    credentials_dir: PathBuf,
+}
+
+/// `":port"` (all interfaces), `"ip:port"` or `"[v6]:port"`.
+fn parse_listen_addr(s: &str) -> anyhow::Result<SocketAddr> {
+    let s = s.trim();
+    let full = if s.starts_with(':') { format!("0.0.0.0{s}") } else { s.to_owned() };
+    full.parse().with_context(|| format!("--listen-addr {s:?} is not [ip]:port (e.g. :10260 or 10.0.0.5:10260)"))
+}
+
+/// `k=v,k2=v2` (blank entries skipped).
+fn parse_labels(s: &str) -> anyhow::Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let (k, v) =
+            entry.split_once('=').with_context(|| format!("--node-labels entry {entry:?} is not key=value"))?;
+        if k.trim().is_empty() {
+            bail!("--node-labels entry {entry:?} has an empty key");
+        }
+        out.insert(k.trim().to_owned(), v.trim().to_owned());
+    }
+    Ok(out)
+}
+
+/// Millicores → a CPU quantity (`4000` → `4`, `4500` → `4500m`).
+fn cpu_quantity(millis: &str) -> anyhow::Result<Quantity> {
+    let m: u64 =
+        millis.trim().parse().with_context(|| format!("--node-cpu {millis:?} is not a whole number of millicores"))?;
+    if m == 0 {
+        bail!("--node-cpu is 0: zero allocatable CPU rejects every pod");
+    }
+    Ok(Quantity(if m.is_multiple_of(1000) { (m / 1000).to_string() } else { format!("{m}m") }))
+}
+
+/// A memory quantity: digits with an optional binary or decimal suffix.
+fn memory_quantity(s: &str) -> anyhow::Result<Quantity> {
+    let s = s.trim();
+    let digits = s.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let suffix = &s[digits.len()..];
+    let ok_suffix = ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "k", "M", "G", "T", "P", "E"].contains(&suffix);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) || !ok_suffix {
+        bail!("--node-memory {s:?} is not a quantity like 8Ti, 512Gi or 1000000000");
+    }
+    if digits.bytes().all(|b| b == b'0') {
+        bail!("--node-memory is 0: zero allocatable memory rejects every pod");
+    }
+    Ok(Quantity(s.to_owned()))
+}
+
+/// A positive pod count.
+fn pods_quantity(s: &str) -> anyhow::Result<Quantity> {
+    let n: u64 = s.trim().parse().with_context(|| format!("--node-pods {s:?} is not a whole number"))?;
+    if n == 0 {
+        bail!("--node-pods is 0: zero allocatable pods rejects every pod");
+    }
+    Ok(Quantity(n.to_string()))
+}
+
+fn non_empty(s: &str) -> Option<PathBuf> {
+    (!s.trim().is_empty()).then(|| PathBuf::from(s.trim()))
+}
+
+fn read_trimmed(path: &Path, what: &str) -> anyhow::Result<String> {
+    let s = std::fs::read_to_string(path).with_context(|| format!("reading {what} {}", path.display()))?;
+    let s = s.trim().to_owned();
+    if s.is_empty() {
+        bail!("{what} {} is empty", path.display());
+    }
+    Ok(s)
+}
+
+/// Everything the node runtime is started with.
+struct NodeSetup {
+    node: vnode::NodeConfig,
+    runtime: vnode::RuntimeConfig,
+}
+
+fn node_setup(cli: &Cli) -> anyhow::Result<NodeSetup> {
+    let listen_addr = parse_listen_addr(&cli.listen_addr)?;
+    let capacity = BTreeMap::from([
+        ("cpu".to_owned(), cpu_quantity(&cli.node_cpu)?),
+        ("memory".to_owned(), memory_quantity(&cli.node_memory)?),
+        ("pods".to_owned(), pods_quantity(&cli.node_pods)?),
+    ]);
+    let node = vnode::NodeConfig {
+        name: cli.node_name.clone(),
+        labels: parse_labels(&cli.node_labels)?,
+        taints: vec![Taint {
+            key: TAINT_KEY.into(),
+            value: Some(TAINT_VALUE.into()),
+            effect: "NoSchedule".into(),
+            time_added: None,
+        }],
+        capacity,
+        internal_ip: (!cli.node_ip.trim().is_empty()).then(|| cli.node_ip.trim().to_owned()),
+        kubelet_port: listen_addr.port(),
+        kubelet_version: concat!("v", env!("CARGO_PKG_VERSION"), "-vk-sandbox").to_owned(),
+        provider_id: None,
+        extra_conditions: Vec::new(),
+        ..Default::default()
+    };
+    let runtime = vnode::RuntimeConfig {
+        kube_api_qps: cli.kube_api_qps,
+        kube_api_burst: cli.kube_api_burst.max(1),
+        workers: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        disable_pod_events: cli.disable_pod_events,
+        listen_addr,
+        tls_cert: non_empty(&cli.tls_cert),
+        tls_key: non_empty(&cli.tls_key),
+        ..Default::default()
+    };
+    Ok(NodeSetup { node, runtime })
+}
+
+/// The one call into the node runtime.
+async fn run_node(
+    client: kube::Client,
+    setup: &NodeSetup,
+    provider: Arc<SandboxProvider>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    vnode::run(client, setup.node.clone(), setup.runtime.clone(), provider, shutdown)
+        .await
+        .context("the node runtime failed")
+}
+
+/// A joined cluster: what renewal needs.
+struct Joined {
+    cluster: join::ClusterInfo,
+    dir: PathBuf,
+}
+
+async fn join_cluster(cli: &Cli, server: &str) -> anyhow::Result<(Joined, join::NodeCredentials)> {
+    let token_file = cli
+        .join_token_file
+        .as_deref()
+        .context("--join-server needs --join-token-file (or VK_JOIN_TOKEN_FILE) with the bootstrap token")?;
+    let token: join::BootstrapToken =
+        read_trimmed(token_file, "the bootstrap token file")?.parse().context("the bootstrap token")?;
+    if cli.join_ca_hash.is_empty() {
+        bail!("--join-server needs at least one --join-ca-hash sha256:<hex>: an unpinned cluster CA is never trusted");
+    }
+    let pins = cli
+        .join_ca_hash
+        .iter()
+        .map(|h| h.parse::<join::CaHash>().with_context(|| format!("--join-ca-hash {h:?}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let cluster =
+        join::discover(server, &token, &pins).await.with_context(|| format!("discovering the cluster at {server}"))?;
+    let creds = join::bootstrap(&cluster, &token, &cli.node_name, &cli.credentials_dir)
+        .await
+        .with_context(|| format!("bootstrapping the identity system:node:{}", cli.node_name))?;
+    Ok((Joined { cluster, dir: cli.credentials_dir.clone() }, creds))
+}
+
+async fn kubeconfig_client(path: &Path) -> anyhow::Result<kube::Client> {
+    let kc =
+        kube::config::Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+        .await
+        .with_context(|| format!("loading kubeconfig {}", path.display()))?;
+    kube::Client::try_from(cfg).context("building the API client")
+}
+
+/// `--kubeconfig`, else in-cluster (when running in a Pod), else `$KUBECONFIG` (the spec's order).
+async fn plain_client(cli: &Cli) -> anyhow::Result<kube::Client> {
+    if let Some(p) = &cli.kubeconfig {
+        return kubeconfig_client(p).await;
+    }
+    let cfg = match kube::Config::incluster() {
+        Ok(cfg) => cfg,
+        Err(in_cluster) if std::env::var_os("KUBECONFIG").is_some_and(|v| !v.is_empty()) => {
+            tracing::debug!(error = %in_cluster, "not in a cluster; using $KUBECONFIG");
+            kube::Config::from_kubeconfig(&kube::config::KubeConfigOptions::default())
+                .await
+                .context("loading $KUBECONFIG")?
+        }
+        Err(in_cluster) => {
+            return Err(anyhow::Error::new(in_cluster)
+                .context("no --join-server, no --kubeconfig, not running in a cluster and no $KUBECONFIG"))
+        }
+    };
+    kube::Client::try_from(cfg).context("building the API client")
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Resolves with renewed credentials once `current` reaches its rotation deadline and renewal
+/// succeeds (failures are logged and retried every minute; the node keeps running meanwhile).
+async fn renewed(joined: &Joined, current: &join::NodeCredentials, node: &str) -> join::NodeCredentials {
+    let deadline = join::rotation_deadline(current);
+    tracing::info!(rotation_deadline = deadline, not_after = current.not_after, "node certificate renewal scheduled");
+    loop {
+        tokio::time::sleep(Duration::from_secs(deadline.saturating_sub(now_secs()))).await;
+        match join::renew_if_due(&joined.cluster, current, deadline, node, &joined.dir).await {
+            Ok(Some(new)) => return new,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::warn!(error = %vk_sandbox::provider::error_chain(&e), "renewing the node certificate failed; retrying in 1 min");
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            }
+        }
+    }
+}
+
+async fn terminated() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM"),
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT"),
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch SIGTERM; only SIGINT stops the node");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    if cli.publish_inventory {
+        bail!("--publish-inventory is not supported yet: this build does not publish NodeInventory; drop the flag");
+    }
+    let setup = node_setup(&cli)?;
+    let node_token = match non_empty(&cli.sandboxd_token_file) {
+        Some(p) => Some(read_trimmed(&p, "the sandboxd token file")?),
+        None => None,
+    };
+    let sandboxd = SandboxdClient::new(&cli.sandboxd_url, node_token).context("--sandboxd-url")?;
+    let advertise = match cli.sandboxd_advertise_addr.trim() {
+        "" => sandboxd.host_port().to_owned(),
+        a => a.to_owned(),
+    };
+    match sandboxd.info().await {
+        Ok(info) => {
+            tracing::info!(url = %cli.sandboxd_url, pools = info.pools.len(), claimed = info.claimed, "sandboxd answers")
+        }
+        Err(e) => {
+            tracing::warn!(url = %cli.sandboxd_url, error = %vk_sandbox::provider::error_chain(&e), "sandboxd does not answer yet; pods fail until it does")
+        }
+    }
+    let owners = Arc::new(KubeOwners::new());
+    let mut pcfg = ProviderConfig::new(cli.state_path.clone(), status::host_of(&advertise));
+    pcfg.orphan_scan_interval = cli.orphan_scan_interval;
+    let provider = Arc::new(SandboxProvider::new(sandboxd, owners.clone(), pcfg).context("starting the provider")?);
+    let _loops = provider.spawn_loops();
+
+    let mut joined = match cli.join_server.as_deref() {
+        Some(server) => Some(join_cluster(&cli, server).await?),
+        None => None,
+    };
+    let mut stop_signal = std::pin::pin!(terminated());
+    loop {
+        let client = match &joined {
+            Some((_, creds)) => kubeconfig_client(&creds.kubeconfig_path).await?,
+            None => plain_client(&cli).await?,
+        };
+        owners.set_client(client.clone());
+        let stop_run = Arc::new(Notify::new());
+        let shutdown = {
+            let s = stop_run.clone();
+            async move { s.notified().await }
+        };
+        let mut node = std::pin::pin!(run_node(client, &setup, provider.clone(), shutdown));
+        let renewal = async {
+            match &joined {
+                Some((j, creds)) => renewed(j, creds, &cli.node_name).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = &mut node => {
+                r?;
+                bail!("the node runtime stopped without being asked to");
+            }
+            _ = &mut stop_signal => {
+                tracing::info!("stopping: claims and VMs stay as they are");
+                stop_run.notify_one();
+                node.await?;
+                return Ok(());
+            }
+            new = renewal => {
+                tracing::info!(not_after = new.not_after, "node certificate renewed; restarting the runtime with the new identity");
+                stop_run.notify_one();
+                node.await?;
+                if let Some((_, creds)) = joined.as_mut() {
+                    *creds = new;
+                }
+            }
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
+    // kube and the kubelet endpoint use rustls; pick its ring provider once (already set is fine).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vk-sandbox: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_well_formed_and_defaults_match_the_spec() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from(["vk-sandbox"]).unwrap();
+        assert_eq!(cli.node_name, "vk-sandboxd");
+        assert_eq!(cli.listen_addr, ":10260");
+        assert_eq!((cli.node_cpu.as_str(), cli.node_memory.as_str(), cli.node_pods.as_str()), ("4000", "8Ti", "2000"));
+        assert_eq!((cli.kube_api_qps, cli.kube_api_burst), (200.0, 400));
+        assert_eq!(cli.sandboxd_url, "http://127.0.0.1:7777");
+        assert_eq!(cli.state_path, PathBuf::from("/var/lib/vk-sandbox/claims.json"));
+        assert_eq!(cli.orphan_scan_interval, Duration::from_secs(60));
+        assert_eq!(cli.publish_interval, Duration::from_secs(30));
+        assert_eq!(cli.node_labels, "sandbox.cocoonstack.io/runtime=sandboxd");
+        assert!(!cli.publish_inventory && !cli.disable_pod_events);
+        assert_eq!(cli.credentials_dir, PathBuf::from("/var/lib/vk-sandbox/pki"));
+        let cli = Cli::try_parse_from([
+            "vk-sandbox",
+            "--kube-api-qps",
+            "-1",
+            "--orphan-scan-interval",
+            "0",
+            "--join-ca-hash",
+            "sha256:aa",
+            "--join-ca-hash",
+            "sha256:bb",
+        ])
+        .unwrap();
+        assert_eq!(cli.kube_api_qps, -1.0);
+        assert!(cli.orphan_scan_interval.is_zero());
+        assert_eq!(cli.join_ca_hash.len(), 2);
+    }
+
+    #[test]
+    fn env_variables_follow_the_spec_table() {
+        let cmd = Cli::command();
+        let env_of = |id: &str| {
+            cmd.get_arguments()
+                .find(|a| a.get_id() == id)
+                .and_then(|a| a.get_env())
+                .map(|e| e.to_string_lossy().into_owned())
+        };
+        for (id, env) in [
+            ("node_name", "VK_NODE_NAME"),
+            ("node_ip", "VK_NODE_IP"),
+            ("listen_addr", "VK_LISTEN_ADDR"),
+            ("tls_cert", "VK_TLS_CERT"),
+            ("tls_key", "VK_TLS_KEY"),
+            ("node_cpu", "VK_NODE_CPU"),
+            ("node_memory", "VK_NODE_MEMORY"),
+            ("node_pods", "VK_NODE_PODS"),
+            ("sandboxd_url", "SANDBOXD_URL"),
+            ("sandboxd_advertise_addr", "SANDBOXD_ADVERTISE_ADDR"),
+            ("sandboxd_token_file", "SANDBOXD_TOKEN_FILE"),
+            ("state_path", "VK_STATE_PATH"),
+            ("join_token_file", "VK_JOIN_TOKEN_FILE"),
+        ] {
+            assert_eq!(env_of(id).as_deref(), Some(env), "{id}");
+        }
+        for id in ["kube_api_qps", "kube_api_burst", "node_labels", "disable_pod_events", "publish_inventory"] {
+            assert_eq!(env_of(id), None, "{id} has no env var in the spec");
+        }
+    }
+
+    #[test]
+    fn listen_addr_forms() {
+        assert_eq!(parse_listen_addr(":10260").unwrap(), "0.0.0.0:10260".parse().unwrap());
+        assert_eq!(parse_listen_addr("127.0.0.1:9").unwrap(), "127.0.0.1:9".parse().unwrap());
+        assert_eq!(parse_listen_addr("[::]:10250").unwrap(), "[::]:10250".parse().unwrap());
+        assert!(parse_listen_addr("10260").is_err());
+        assert!(parse_listen_addr(":x").is_err());
+    }
+
+    #[test]
+    fn labels_and_quantities() {
+        let l = parse_labels("sandbox.cocoonstack.io/runtime=sandboxd, zone=a,,").unwrap();
+        assert_eq!(l.len(), 2);
+        assert_eq!(l["zone"], "a");
+        assert!(parse_labels("novalue").is_err());
+        assert!(parse_labels("=x").is_err());
+        assert_eq!(cpu_quantity("4000").unwrap().0, "4");
+        assert_eq!(cpu_quantity("4500").unwrap().0, "4500m");
+        assert!(cpu_quantity("4.5").is_err() && cpu_quantity("0").is_err());
+        assert_eq!(memory_quantity("8Ti").unwrap().0, "8Ti");
+        assert_eq!(memory_quantity("1000000").unwrap().0, "1000000");
+        assert!(memory_quantity("8Tb").is_err() && memory_quantity("Ti").is_err() && memory_quantity("0Gi").is_err());
+        assert_eq!(pods_quantity("2000").unwrap().0, "2000");
+        assert!(pods_quantity("0").is_err());
+    }
+
+    #[test]
+    fn node_setup_carries_the_taint_labels_capacity_and_port() {
+        let cli = Cli::try_parse_from(["vk-sandbox", "--listen-addr", ":10333", "--node-ip", "10.0.0.5"]).unwrap();
+        let s = node_setup(&cli).unwrap();
+        assert_eq!(s.node.kubelet_port, 10333);
+        assert_eq!(s.node.internal_ip.as_deref(), Some("10.0.0.5"));
+        assert_eq!(s.node.labels["sandbox.cocoonstack.io/runtime"], "sandboxd");
+        let t = &s.node.taints[0];
+        assert_eq!(
+            (t.key.as_str(), t.value.as_deref(), t.effect.as_str()),
+            (TAINT_KEY, Some("sandboxd"), "NoSchedule")
+        );
+        assert_eq!(s.node.capacity["cpu"].0, "4");
+        assert_eq!(s.node.capacity["memory"].0, "8Ti");
+        assert_eq!(s.node.capacity["pods"].0, "2000");
+        assert_eq!(s.runtime.listen_addr.port(), 10333);
+        assert_eq!((s.runtime.kube_api_qps, s.runtime.kube_api_burst), (200.0, 400));
+        assert!(s.runtime.tls_cert.is_none());
+    }
+
+    #[tokio::test]
+    async fn publish_inventory_is_refused_clearly() {
+        let cli = Cli::try_parse_from(["vk-sandbox", "--publish-inventory"]).unwrap();
+        let e = run(cli).await.unwrap_err().to_string();
+        assert!(e.contains("--publish-inventory is not supported yet"), "{e}");
+    }
+}

@@ -1,0 +1,542 @@
+//! The sandboxd HTTP client (`shared/spec/virtual-node.md` §2.3, shapes in
+//! `shared/spec/sandboxd.md` §5.1): claim, release, list, info. One pooled HTTP/1.1 client
+//! (64 idle connections per host, 90 s idle), every call bounded by 10 s including its body.
+//!
+//! Node routes carry the node token (`--sandboxd-token-file`) when one is configured; release
+//! carries the claim's own token. No capacity (`429`, or `200` with an empty `id` and a
+//! `redirect`) is the typed [`SandboxdError::NoCapacity`]; other failures carry sandboxd's
+//! `{"error": …}` text.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use k8s_openapi::jiff::Timestamp;
+use serde::{Deserialize, Serialize};
+
+use crate::annotations::ClaimSpec;
+
+/// Per-call bound (request, response head and body).
+pub const TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest listing read (`GET /v1/sandboxes`).
+pub const LIST_LIMIT: usize = 16 << 20;
+/// Largest body read from any other route.
+const BODY_LIMIT: usize = 1 << 20;
+
+/// Why a sandboxd call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxdError {
+    /// The configured URL is unusable.
+    #[error("sandboxd URL {url:?}: {reason}")]
+    Url { url: String, reason: &'static str },
+    /// Connecting or sending failed.
+    #[error("sandboxd {what}: request failed")]
+    Transport {
+        what: &'static str,
+        #[source]
+        source: hyper_util::client::legacy::Error,
+    },
+    /// No complete answer in time.
+    #[error("sandboxd {what}: no answer within {timeout:?}")]
+    Timeout { what: &'static str, timeout: Duration },
+    /// The body could not be read.
+    #[error("sandboxd {what}: reading the response body failed")]
+    Body {
+        what: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The body exceeded its cap.
+    #[error("sandboxd {what}: response larger than {limit} bytes")]
+    TooLarge { what: &'static str, limit: usize },
+    /// The pool has no warm capacity (`429`, or a redirect to peers).
+    #[error(
+        "sandboxd has no warm capacity for template {template:?} (net {net:?}, size {size:?}): {detail}; \
+         the pod stays Pending until the pool refills"
+    )]
+    NoCapacity { template: String, net: String, size: String, detail: String },
+    /// Any other refusal, with sandboxd's own message.
+    #[error("sandboxd {what}: HTTP {status}: {message}")]
+    Status { what: &'static str, status: u16, message: String },
+    /// The task running the call ended without an answer.
+    #[error("sandboxd {what}: the call was aborted")]
+    Aborted { what: &'static str },
+    /// A success body that does not decode.
+    #[error("sandboxd {what}: malformed response")]
+    Decode {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// A granted claim. Its token is the release credential: never logged, never exposed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub id: String,
+    pub token: String,
+    /// Lease end (absent if sandboxd's value did not parse).
+    pub deadline: Option<Timestamp>,
+    /// Where the claim is served (`host:port` or an origin); empty = the address dialled.
+    pub owner_addr: String,
+}
+
+impl std::fmt::Debug for Grant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grant")
+            .field("id", &self.id)
+            .field("token", &"<redacted>")
+            .field("deadline", &self.deadline)
+            .field("owner_addr", &self.owner_addr)
+            .finish()
+    }
+}
+
+/// One row of `GET /v1/sandboxes` (no tokens).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Listed {
+    pub id: String,
+    #[serde(default)]
+    pub deadline: String,
+    #[serde(default)]
+    pub claimed_at: Option<String>,
+    #[serde(default)]
+    pub claim_ref: Option<String>,
+    #[serde(default)]
+    pub hibernated: bool,
+}
+
+impl Listed {
+    /// The lease end, if it parses.
+    pub fn deadline(&self) -> Option<Timestamp> {
+        self.deadline.parse().ok()
+    }
+}
+
+/// `GET /v1/info`, the parts this provider reads (unknown fields ignored).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct Info {
+    #[serde(default)]
+    pub pools: Vec<serde_json::Value>,
+    #[serde(default)]
+    pub claimed: u64,
+    #[serde(default)]
+    pub draining: bool,
+    #[serde(default)]
+    pub advertise_addr: String,
+}
+
+#[derive(Serialize)]
+struct ClaimBody<'a> {
+    template: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    net: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    size: &'a str,
+    ttl_seconds: u64,
+    claim_ref: &'a str,
+}
+
+/// The `200` of `POST /v1/claim`: a grant or a redirect (unknown fields accepted).
+#[derive(Deserialize)]
+struct ClaimReply {
+    #[serde(default)]
+    id: String,
+    #[serde(default)]
+    token: String,
+    #[serde(default)]
+    deadline: String,
+    #[serde(default)]
+    owner_addr: String,
+    #[serde(default)]
+    redirect: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct ListReply {
+    #[serde(default)]
+    sandboxes: Vec<Listed>,
+}
+
+/// The client of the node's sandboxd.
+#[derive(Clone)]
+pub struct SandboxdClient {
+    http: Client<HttpConnector, Full<Bytes>>,
+    base: String,
+    host_port: String,
+    node_token: Option<String>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for SandboxdClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SandboxdClient").field("base", &self.base).finish_non_exhaustive()
+    }
+}
+
+/// Percent-encodes a query value (RFC 3986 unreserved characters and `/` pass).
+fn query_escape(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for b in v.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// sandboxd's `{"error": …}` text, else the body itself (trimmed, ≤ 300 chars).
+fn error_text(body: &[u8]) -> String {
+    #[derive(Deserialize)]
+    struct E {
+        error: String,
+    }
+    match serde_json::from_slice::<E>(body) {
+        Ok(e) => e.error,
+        Err(_) => String::from_utf8_lossy(body).trim().chars().take(300).collect(),
+    }
+}
+
+impl SandboxdClient {
+    /// A client of `url` (`http://host:port`), sending `node_token` on node routes.
+    pub fn new(url: &str, node_token: Option<String>) -> Result<SandboxdClient, SandboxdError> {
+        let bad = |reason| SandboxdError::Url { url: url.to_owned(), reason };
+        let uri: hyper::Uri = url.parse().map_err(|_| bad("not a URL"))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => return Err(bad("https is not supported: sandboxd serves plain HTTP on the node")),
+            _ => return Err(bad("the scheme must be http://")),
+        }
+        let authority = uri.authority().ok_or_else(|| bad("no host"))?;
+        let host_port = match authority.port_u16() {
+            Some(_) => authority.as_str().to_owned(),
+            None => format!("{}:80", authority.host()),
+        };
+        let path = uri.path().trim_end_matches('/');
+        let base = format!("http://{}{}", authority.as_str(), path);
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(TIMEOUT));
+        connector.set_nodelay(true);
+        let http = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(64)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector);
+        Ok(SandboxdClient { http, base, host_port, node_token: node_token.filter(|t| !t.is_empty()), timeout: TIMEOUT })
+    }
+
+    /// The same client with another per-call bound (tests).
+    pub fn with_timeout(mut self, timeout: Duration) -> SandboxdClient {
+        self.timeout = timeout;
+        self
+    }
+
+    /// `host:port` of the configured URL (the default advertise address).
+    pub fn host_port(&self) -> &str {
+        &self.host_port
+    }
+
+    async fn send(
+        &self,
+        what: &'static str,
+        method: Method,
+        path_and_query: &str,
+        bearer: Option<&str>,
+        body: Option<Vec<u8>>,
+        limit: usize,
+    ) -> Result<(StatusCode, Bytes), SandboxdError> {
+        let uri = format!("{}{}", self.base, path_and_query);
+        let mut req = Request::builder().method(method).uri(&uri);
+        if let Some(t) = bearer {
+            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        if body.is_some() {
+            req = req.header(hyper::header::CONTENT_TYPE, "application/json");
+        }
+        let req = req
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|_| SandboxdError::Url { url: uri.clone(), reason: "cannot build a request for it" })?;
+        let call = async {
+            let resp = self.http.request(req).await.map_err(|source| SandboxdError::Transport { what, source })?;
+            let status = resp.status();
+            let bytes = Limited::new(resp.into_body(), limit).collect().await.map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    SandboxdError::TooLarge { what, limit }
+                } else {
+                    SandboxdError::Body { what, source: e }
+                }
+            })?;
+            Ok((status, bytes.to_bytes()))
+        };
+        let timeout = self.timeout;
+        tokio::time::timeout(timeout, call).await.map_err(|_| SandboxdError::Timeout { what, timeout })?
+    }
+
+    /// `POST /v1/claim` with `claim_ref` (the pod key).
+    #[tracing::instrument(skip_all, fields(template = %spec.template, claim_ref))]
+    pub async fn claim(&self, spec: &ClaimSpec, claim_ref: &str) -> Result<Grant, SandboxdError> {
+        const WHAT: &str = "claim";
+        let body = ClaimBody {
+            template: &spec.template,
+            net: &spec.net,
+            size: &spec.size,
+            ttl_seconds: spec.ttl_seconds,
+            claim_ref,
+        };
+        let body = serde_json::to_vec(&body).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
+        let (status, bytes) =
+            self.send(WHAT, Method::POST, "/v1/claim", self.node_token.as_deref(), Some(body), BODY_LIMIT).await?;
+        let no_capacity = |detail: String| SandboxdError::NoCapacity {
+            template: spec.template.clone(),
+            net: spec.net.clone(),
+            size: spec.size.clone(),
+            detail,
+        };
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            return Err(no_capacity(error_text(&bytes)));
+        }
+        if !status.is_success() {
+            return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
+        }
+        let reply: ClaimReply =
+            serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
+        if reply.id.is_empty() {
+            if reply.redirect.is_empty() {
+                return Err(SandboxdError::Status {
+                    what: WHAT,
+                    status: status.as_u16(),
+                    message: "a grant without an id and without a redirect".into(),
+                });
+            }
+            return Err(no_capacity(format!("no warm VM here (sandboxd redirects to {})", reply.redirect.join(", "))));
+        }
+        if reply.token.is_empty() {
+            // A grant without its credential: the VM cannot be released by us; say so loudly.
+            tracing::error!(claim = %reply.id, "sandboxd granted a claim without a token");
+            return Err(SandboxdError::Status {
+                what: WHAT,
+                status: status.as_u16(),
+                message: format!("claim {} was granted without a token", reply.id),
+            });
+        }
+        Ok(Grant {
+            deadline: reply.deadline.parse().ok(),
+            id: reply.id,
+            token: reply.token,
+            owner_addr: reply.owner_addr,
+        })
+    }
+
+    /// `POST /v1/sandboxes/{id}/release` with the claim's token: `204` and `404` both mean the
+    /// VM is gone.
+    #[tracing::instrument(skip_all, fields(claim = %id))]
+    pub async fn release(&self, id: &str, token: &str) -> Result<(), SandboxdError> {
+        const WHAT: &str = "release";
+        let path = format!("/v1/sandboxes/{}/release", query_escape(id).replace('/', "%2F"));
+        let (status, bytes) = self.send(WHAT, Method::POST, &path, Some(token), None, BODY_LIMIT).await?;
+        match status {
+            s if s.is_success() || s == StatusCode::NOT_FOUND => Ok(()),
+            s => Err(SandboxdError::Status { what: WHAT, status: s.as_u16(), message: error_text(&bytes) }),
+        }
+    }
+
+    /// `GET /v1/sandboxes[?claim_ref=]`. A failure is an error, never an empty list.
+    pub async fn list(&self, claim_ref: Option<&str>) -> Result<Vec<Listed>, SandboxdError> {
+        const WHAT: &str = "list";
+        let path = match claim_ref {
+            Some(r) if !r.is_empty() => format!("/v1/sandboxes?claim_ref={}", query_escape(r)),
+            _ => "/v1/sandboxes".to_owned(),
+        };
+        let (status, bytes) = self.send(WHAT, Method::GET, &path, self.node_token.as_deref(), None, LIST_LIMIT).await?;
+        if !status.is_success() {
+            return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
+        }
+        let reply: ListReply =
+            serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
+        Ok(reply.sandboxes)
+    }
+
+    /// `GET /v1/sandboxes/{id}` with the node token: the row and, when that token is sandboxd's
+    /// root token, the claim's token. `None` when sandboxd does not know the id.
+    pub async fn get(&self, id: &str) -> Result<Option<(Listed, Option<String>)>, SandboxdError> {
+        const WHAT: &str = "get";
+        #[derive(Deserialize)]
+        struct Row {
+            #[serde(flatten)]
+            row: Listed,
+            #[serde(default)]
+            token: Option<String>,
+        }
+        let path = format!("/v1/sandboxes/{}", query_escape(id).replace('/', "%2F"));
+        let (status, bytes) = self.send(WHAT, Method::GET, &path, self.node_token.as_deref(), None, BODY_LIMIT).await?;
+        if status == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        if !status.is_success() {
+            return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
+        }
+        let r: Row = serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
+        Ok(Some((r.row, r.token.filter(|t| !t.is_empty()))))
+    }
+
+    /// `GET /v1/info`.
+    pub async fn info(&self) -> Result<Info, SandboxdError> {
+        const WHAT: &str = "info";
+        let (status, bytes) =
+            self.send(WHAT, Method::GET, "/v1/info", self.node_token.as_deref(), None, BODY_LIMIT).await?;
+        if !status.is_success() {
+            return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
+        }
+        serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
+mod tests {
+    use super::*;
+    use crate::test_utils::{ClaimMode, FakeSandboxd};
+
+    fn spec(template: &str) -> ClaimSpec {
+        ClaimSpec { template: template.into(), net: String::new(), size: "small".into(), ttl_seconds: 86_400 }
+    }
+
+    #[test]
+    fn urls_are_validated() {
+        assert!(SandboxdClient::new("http://127.0.0.1:7777", None).is_ok());
+        assert_eq!(SandboxdClient::new("http://127.0.0.1:7777/", None).unwrap().host_port(), "127.0.0.1:7777");
+        assert_eq!(SandboxdClient::new("http://sandboxd", None).unwrap().host_port(), "sandboxd:80");
+        for bad in ["127.0.0.1:7777", "https://127.0.0.1:7777", "ftp://x", "not a url"] {
+            assert!(matches!(SandboxdClient::new(bad, None), Err(SandboxdError::Url { .. })), "{bad} accepted");
+        }
+        assert_eq!(query_escape("ns/name"), "ns/name");
+        assert_eq!(query_escape("a b&c"), "a%20b%26c");
+    }
+
+    #[tokio::test]
+    async fn claim_sends_the_request_shape_and_returns_the_grant() {
+        let fake = FakeSandboxd::start(Some("node-secret")).await;
+        let c = SandboxdClient::new(&fake.url(), Some("node-secret".into())).unwrap();
+        let g = c.claim(&spec("rt:24.04"), "default/sb-1").await.unwrap();
+        assert!(g.id.starts_with("sb_") && !g.token.is_empty(), "{g:?}");
+        assert!(g.deadline.is_some());
+        assert_eq!(g.owner_addr, fake.owner_addr());
+        assert!(!format!("{g:?}").contains(&g.token), "the token leaked into Debug");
+        let body = fake.last_claim_body().unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"template": "rt:24.04", "size": "small", "ttl_seconds": 86400, "claim_ref": "default/sb-1"})
+        );
+        // Without the node token the fake answers 401 with sandboxd's error text.
+        let anon = SandboxdClient::new(&fake.url(), None).unwrap();
+        match anon.claim(&spec("rt"), "default/x").await {
+            Err(e @ SandboxdError::Status { status: 401, .. }) => {
+                assert!(e.to_string().contains("missing bearer token"))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn no_capacity_is_typed_for_429_and_for_a_redirect() {
+        let fake = FakeSandboxd::start(None).await;
+        let c = SandboxdClient::new(&fake.url(), None).unwrap();
+        fake.set_claim_mode(ClaimMode::TooMany);
+        match c.claim(&spec("rt"), "ns/a").await {
+            Err(e @ SandboxdError::NoCapacity { .. }) => assert!(e.to_string().contains("no warm VM"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        fake.set_claim_mode(ClaimMode::Redirect);
+        match c.claim(&spec("rt"), "ns/a").await {
+            Err(e @ SandboxdError::NoCapacity { .. }) => assert!(e.to_string().contains("10.0.0.9:7777"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        fake.set_claim_mode(ClaimMode::Fail(400, "bad size \"huge\""));
+        match c.claim(&spec("rt"), "ns/a").await {
+            Err(e @ SandboxdError::Status { status: 400, .. }) => {
+                assert!(e.to_string().contains("bad size \"huge\""), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn release_takes_the_claim_token_and_404_is_success() {
+        let fake = FakeSandboxd::start(Some("node-secret")).await;
+        let c = SandboxdClient::new(&fake.url(), Some("node-secret".into())).unwrap();
+        let g = c.claim(&spec("rt"), "ns/a").await.unwrap();
+        // A wrong token looks like an unknown id (404) and therefore "gone" — but the VM stays.
+        c.release(&g.id, "wrong").await.unwrap();
+        assert!(fake.holds(&g.id));
+        c.release(&g.id, &g.token).await.unwrap();
+        assert!(!fake.holds(&g.id));
+        c.release(&g.id, &g.token).await.unwrap();
+        fake.set_release_fails(true);
+        let g2 = c.claim(&spec("rt"), "ns/b").await.unwrap();
+        assert!(matches!(c.release(&g2.id, &g2.token).await, Err(SandboxdError::Status { status: 500, .. })));
+        assert!(fake.holds(&g2.id));
+    }
+
+    #[tokio::test]
+    async fn list_filters_by_claim_ref_and_a_failure_is_an_error() {
+        let fake = FakeSandboxd::start(None).await;
+        let c = SandboxdClient::new(&fake.url(), None).unwrap();
+        let a = c.claim(&spec("rt"), "ns/a").await.unwrap();
+        let b = c.claim(&spec("rt"), "ns/b").await.unwrap();
+        let all = c.list(None).await.unwrap();
+        assert_eq!(all.len(), 2);
+        let only_b = c.list(Some("ns/b")).await.unwrap();
+        assert_eq!(only_b.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), [b.id.as_str()]);
+        assert_eq!(only_b[0].claim_ref.as_deref(), Some("ns/b"));
+        assert!(only_b[0].deadline().is_some());
+        assert_ne!(a.id, b.id);
+        fake.set_list_fails(true);
+        assert!(matches!(c.list(None).await, Err(SandboxdError::Status { status: 500, .. })));
+        let info = {
+            fake.set_list_fails(false);
+            c.info().await.unwrap()
+        };
+        assert_eq!(info.claimed, 2);
+    }
+
+    #[tokio::test]
+    async fn get_returns_the_token_only_to_the_root_token() {
+        let fake = FakeSandboxd::start(Some("node-secret")).await;
+        let c = SandboxdClient::new(&fake.url(), Some("node-secret".into())).unwrap();
+        let g = c.claim(&spec("rt"), "ns/a").await.unwrap();
+        let (row, token) = c.get(&g.id).await.unwrap().unwrap();
+        assert_eq!((row.id.as_str(), row.claim_ref.as_deref()), (g.id.as_str(), Some("ns/a")));
+        assert_eq!(token.as_deref(), Some(g.token.as_str()));
+        assert!(c.get("sb_ffffffffffffffff").await.unwrap().is_none());
+        let open = FakeSandboxd::start(None).await;
+        let c = SandboxdClient::new(&open.url(), None).unwrap();
+        let g = c.claim(&spec("rt"), "ns/a").await.unwrap();
+        assert_eq!(c.get(&g.id).await.unwrap().unwrap().1, None, "a token without the root token");
+    }
+
+    #[tokio::test]
+    async fn oversized_listing_and_silent_server_are_bounded() {
+        let fake = FakeSandboxd::start(None).await;
+        let c = SandboxdClient::new(&fake.url(), None).unwrap();
+        fake.set_list_padding(LIST_LIMIT + 1);
+        assert!(matches!(c.list(None).await, Err(SandboxdError::TooLarge { .. })));
+        // A listener that accepts and never answers: the call ends at the timeout.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = silent.local_addr().unwrap();
+        let _hold = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = silent.accept().await {
+                held.push(s);
+            }
+        });
+        let c = SandboxdClient::new(&format!("http://{addr}"), None).unwrap().with_timeout(Duration::from_millis(300));
+        let started = std::time::Instant::now();
+        assert!(matches!(c.info().await, Err(SandboxdError::Timeout { .. })));
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+}

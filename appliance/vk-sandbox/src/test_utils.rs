@@ -1,0 +1,295 @@
+//! An in-process fake sandboxd (axum on a loopback port) with settable failures, for the
+//! client and provider unit tests. It speaks the shapes of `shared/spec/sandboxd.md` §5.1:
+//! node routes check the node token when one is set; release checks the claim's own token and
+//! answers `404` for an unknown id or a wrong token.
+#![allow(clippy::unwrap_used)] // test support: a poisoned lock or a failed bind is the failure report
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+/// How the fake answers `POST /v1/claim`.
+#[derive(Debug, Clone)]
+pub enum ClaimMode {
+    /// Grant a claim.
+    Grant,
+    /// `429` (no capacity).
+    TooMany,
+    /// `200 {"redirect": [...]}`.
+    Redirect,
+    /// This status with this `{"error"}` text.
+    Fail(u16, &'static str),
+}
+
+/// A claim the fake holds.
+#[derive(Debug, Clone)]
+pub struct FakeClaim {
+    pub token: String,
+    pub claim_ref: Option<String>,
+    pub deadline: Timestamp,
+}
+
+#[derive(Debug)]
+struct FakeState {
+    node_token: Option<String>,
+    owner_addr: String,
+    claim_mode: ClaimMode,
+    list_fails: bool,
+    release_fails: bool,
+    list_padding: usize,
+    next: u64,
+    claims: BTreeMap<String, FakeClaim>,
+    claim_bodies: Vec<serde_json::Value>,
+    releases: Vec<String>,
+    lists: usize,
+}
+
+/// The fake; dropping it stops the server.
+pub struct FakeSandboxd {
+    state: Arc<Mutex<FakeState>>,
+    addr: std::net::SocketAddr,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FakeSandboxd {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+type S = State<Arc<Mutex<FakeState>>>;
+
+fn err(status: u16, msg: &str) -> Response {
+    (StatusCode::from_u16(status).unwrap(), Json(serde_json::json!({ "error": msg }))).into_response()
+}
+
+fn bearer(h: &HeaderMap) -> Option<String> {
+    let v = h.get("authorization")?.to_str().ok()?;
+    v.strip_prefix("Bearer ").map(str::to_owned)
+}
+
+/// The refusal of a node route, if any.
+fn node_auth(st: &FakeState, h: &HeaderMap) -> Option<Response> {
+    match (&st.node_token, bearer(h)) {
+        (None, _) => None,
+        (Some(_), None) => Some(err(401, "missing bearer token")),
+        (Some(t), Some(b)) if *t == b => None,
+        (Some(_), Some(_)) => Some(err(401, "invalid api token")),
+    }
+}
+
+async fn claim(State(s): S, h: HeaderMap, Json(body): Json<serde_json::Value>) -> Response {
+    let mut st = s.lock().unwrap();
+    if let Some(r) = node_auth(&st, &h) {
+        return r;
+    }
+    st.claim_bodies.push(body.clone());
+    match st.claim_mode.clone() {
+        ClaimMode::Grant => {}
+        ClaimMode::TooMany => return err(429, "no warm VM for this pool"),
+        ClaimMode::Redirect => return Json(serde_json::json!({ "redirect": ["10.0.0.9:7777"] })).into_response(),
+        ClaimMode::Fail(code, msg) => return err(code, msg),
+    }
+    st.next += 1;
+    let id = format!("sb_{:016x}", st.next);
+    let token = format!("{:032x}", st.next * 7919);
+    let ttl = match body["ttl_seconds"].as_i64().unwrap_or(0) {
+        0 => 300,
+        t => t.min(86_400),
+    };
+    let deadline = Timestamp::now() + SignedDuration::from_secs(ttl);
+    let claim_ref = body["claim_ref"].as_str().map(str::to_owned);
+    st.claims.insert(id.clone(), FakeClaim { token: token.clone(), claim_ref, deadline });
+    Json(serde_json::json!({
+        "id": id, "token": token, "deadline": deadline.to_string(), "owner_addr": st.owner_addr,
+        "net_route": "ignored",
+    }))
+    .into_response()
+}
+
+async fn release(State(s): S, Path(id): Path<String>, h: HeaderMap) -> Response {
+    let mut st = s.lock().unwrap();
+    let Some(tok) = bearer(&h) else {
+        return err(401, "missing bearer token");
+    };
+    match st.claims.get(&id) {
+        Some(c) if c.token == tok => {}
+        _ => return err(404, "sandbox not found"),
+    }
+    if st.release_fails {
+        return err(500, "release failed");
+    }
+    st.claims.remove(&id);
+    st.releases.push(id);
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn list(State(s): S, h: HeaderMap, Query(q): Query<BTreeMap<String, String>>) -> Response {
+    let mut st = s.lock().unwrap();
+    if let Some(r) = node_auth(&st, &h) {
+        return r;
+    }
+    st.lists += 1;
+    if st.list_fails {
+        return err(500, "list failed");
+    }
+    let want = q.get("claim_ref").filter(|r| !r.is_empty());
+    let rows: Vec<_> = st
+        .claims
+        .iter()
+        .filter(|(_, c)| want.is_none() || c.claim_ref.as_ref() == want)
+        .map(|(id, c)| {
+            let mut row = serde_json::json!({
+                "id": id, "key": {"template": "rt", "net": "none", "size": "small"},
+                "deadline": c.deadline.to_string(), "claimed_at": c.deadline.to_string(), "hibernated": false,
+            });
+            if let Some(r) = &c.claim_ref {
+                row["claim_ref"] = serde_json::json!(r);
+            }
+            row
+        })
+        .collect();
+    let mut body = serde_json::json!({ "sandboxes": rows });
+    if st.list_padding > 0 {
+        body["padding"] = serde_json::json!("x".repeat(st.list_padding));
+    }
+    Json(body).into_response()
+}
+
+async fn get_one(State(s): S, Path(id): Path<String>, h: HeaderMap) -> Response {
+    let st = s.lock().unwrap();
+    if let Some(r) = node_auth(&st, &h) {
+        return r;
+    }
+    let Some(c) = st.claims.get(&id) else {
+        return err(404, "sandbox not found");
+    };
+    let mut row = serde_json::json!({
+        "id": id, "key": {"template": "rt", "net": "none", "size": "small"},
+        "deadline": c.deadline.to_string(), "claimed_at": c.deadline.to_string(), "hibernated": false,
+    });
+    if let Some(r) = &c.claim_ref {
+        row["claim_ref"] = serde_json::json!(r);
+    }
+    // sandboxd adds the token only for the root token (none configured: never).
+    if st.node_token.is_some() {
+        row["token"] = serde_json::json!(c.token);
+    }
+    Json(row).into_response()
+}
+
+async fn info(State(s): S, h: HeaderMap) -> Response {
+    let st = s.lock().unwrap();
+    if let Some(r) = node_auth(&st, &h) {
+        return r;
+    }
+    Json(serde_json::json!({
+        "pools": [], "claimed": st.claims.len(), "hibernated": 0, "archived": 0, "draining": false, "peers": [],
+    }))
+    .into_response()
+}
+
+impl FakeSandboxd {
+    /// Starts the fake on a loopback port; `node_token` guards the node routes.
+    pub async fn start(node_token: Option<&str>) -> FakeSandboxd {
+        let state = Arc::new(Mutex::new(FakeState {
+            node_token: node_token.map(str::to_owned),
+            owner_addr: "10.1.2.3:7777".into(),
+            claim_mode: ClaimMode::Grant,
+            list_fails: false,
+            release_fails: false,
+            list_padding: 0,
+            next: 0,
+            claims: BTreeMap::new(),
+            claim_bodies: Vec::new(),
+            releases: Vec::new(),
+            lists: 0,
+        }));
+        let app = Router::new()
+            .route("/v1/claim", post(claim))
+            .route("/v1/sandboxes/{id}/release", post(release))
+            .route("/v1/sandboxes", get(list))
+            .route("/v1/sandboxes/{id}", get(get_one))
+            .route("/v1/info", get(info))
+            .with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        FakeSandboxd { state, addr, server }
+    }
+
+    fn st(&self) -> std::sync::MutexGuard<'_, FakeState> {
+        self.state.lock().unwrap()
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+    /// The `owner_addr` grants carry.
+    pub fn owner_addr(&self) -> String {
+        self.st().owner_addr.clone()
+    }
+    pub fn set_owner_addr(&self, a: &str) {
+        self.st().owner_addr = a.to_owned();
+    }
+    pub fn set_claim_mode(&self, m: ClaimMode) {
+        self.st().claim_mode = m;
+    }
+    pub fn set_list_fails(&self, f: bool) {
+        self.st().list_fails = f;
+    }
+    pub fn set_release_fails(&self, f: bool) {
+        self.st().release_fails = f;
+    }
+    pub fn set_list_padding(&self, n: usize) {
+        self.st().list_padding = n;
+    }
+    /// Whether the fake still holds claim `id` (its VM is alive).
+    pub fn holds(&self, id: &str) -> bool {
+        self.st().claims.contains_key(id)
+    }
+    /// Ids of live claims.
+    pub fn live(&self) -> Vec<String> {
+        self.st().claims.keys().cloned().collect()
+    }
+    /// The claim `id`, if held.
+    pub fn claim(&self, id: &str) -> Option<FakeClaim> {
+        self.st().claims.get(id).cloned()
+    }
+    /// Inserts a live claim (as if granted earlier).
+    pub fn insert(&self, id: &str, token: &str, claim_ref: Option<&str>, deadline: Timestamp) {
+        self.st().claims.insert(
+            id.to_owned(),
+            FakeClaim { token: token.to_owned(), claim_ref: claim_ref.map(str::to_owned), deadline },
+        );
+    }
+    /// Drops claim `id` as sandboxd's reaper would.
+    pub fn reap(&self, id: &str) {
+        self.st().claims.remove(id);
+    }
+    /// The last claim request body.
+    pub fn last_claim_body(&self) -> Option<serde_json::Value> {
+        self.st().claim_bodies.last().cloned()
+    }
+    /// How many claim requests arrived.
+    pub fn claim_count(&self) -> usize {
+        self.st().claim_bodies.len()
+    }
+    /// Ids released so far (successful releases only).
+    pub fn releases(&self) -> Vec<String> {
+        self.st().releases.clone()
+    }
+    /// How many listings were served (or refused).
+    pub fn list_count(&self) -> usize {
+        self.st().lists
+    }
+}
