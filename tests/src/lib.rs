@@ -2,6 +2,8 @@
 //! share to boot a real VM from the built catalog and talk to its agent.
 
 pub mod cluster;
+pub mod sandboxd;
+pub mod vk_sandbox;
 
 use anyhow::{Context, Result};
 use silkd_client::AgentConn;
@@ -16,9 +18,7 @@ pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Logs to stderr once per process (`RUST_LOG` filters; default `info`).
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .try_init();
 }
@@ -50,10 +50,8 @@ pub async fn boot(driver: &Arc<dyn Driver>, catalog: &Catalog, template: &str, s
     if let Err(e) = driver.wait_agent(&vm, BOOT_TIMEOUT).await {
         let console = std::fs::read_to_string(&vm.console_log).unwrap_or_default();
         let _ = driver.kill(&vm).await;
-        return Err(anyhow::Error::new(e).context(format!(
-            "agent of {template} never answered; console tail:\n{}",
-            tail(&console, 40)
-        )));
+        return Err(anyhow::Error::new(e)
+            .context(format!("agent of {template} never answered; console tail:\n{}", tail(&console, 40))));
     }
     Ok(Booted { vm, ready_after: started.elapsed() })
 }

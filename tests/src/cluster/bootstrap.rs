@@ -140,7 +140,27 @@ pub fn apply_all(
     let mut args = vec!["wait", "--for=condition=Established", "--timeout=60s"];
     args.extend(crd_files.iter().map(String::as_str));
     kubectl.run(&args)?;
+    // What our providers' node identities need beyond the Node authorizer (an admin applies
+    // the same files on a real cluster; the READMEs say so).
+    for extra in provider_manifests() {
+        kubectl.apply(&extra)?;
+    }
     Ok(())
+}
+
+/// The cluster-wide objects our providers ship (`appliance/*/manifests/*.yaml`), sorted.
+pub fn provider_manifests() -> Vec<PathBuf> {
+    let appliance = super::lock::cluster_src_dir().join("../../appliance");
+    let mut out: Vec<PathBuf> = std::fs::read_dir(&appliance)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|crate_dir| std::fs::read_dir(crate_dir.path().join("manifests")).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    out.sort();
+    out
 }
 
 /// Waits until the bootstrap signer has signed `cluster-info` for `token`
