@@ -22,6 +22,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     crate::vm_image::run(&VmImageArgs { template: None, all: true, force: false })?;
     let want_vm = matches!(args.what, BenchWhat::All | BenchWhat::Vm);
     let want_sandboxd = matches!(args.what, BenchWhat::All | BenchWhat::Sandboxd);
+    let want_vnode = matches!(args.what, BenchWhat::All | BenchWhat::Vnode);
     let bin = if want_sandboxd { Some(crate::sandboxd::build_binary()?) } else { None };
     let rt = tokio::runtime::Runtime::new()?;
     let mut figures = Vec::new();
@@ -31,6 +32,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if let Some(bin) = bin {
         crate::bench_sandboxd::claim_latency(&mut figures)?;
         rt.block_on(crate::bench_sandboxd::real_node(&mut figures, &bin, args.rss_claims))?;
+    }
+    if want_vnode {
+        crate::bench_vnode::run(&rt, &mut figures, args.sandboxes, args.burst)?;
     }
     print_table(&figures);
     Ok(())
@@ -60,7 +64,10 @@ pub fn ms(d: Duration) -> String {
 
 pub fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 async fn run_async(args: &BenchArgs) -> Result<Vec<Figure>> {
@@ -126,7 +133,11 @@ async fn measure(
     // fs_pull throughput.
     let mib = args.pull_mib;
     let out = conn
-        .exec(&["dd", "if=/dev/zero", "of=/tmp/pull.bin", "bs=1048576", &format!("count={mib}")], Default::default(), b"")
+        .exec(
+            &["dd", "if=/dev/zero", "of=/tmp/pull.bin", "bs=1048576", &format!("count={mib}")],
+            Default::default(),
+            b"",
+        )
         .await?;
     anyhow::ensure!(out.code == 0, "dd failed: {}", String::from_utf8_lossy(&out.stderr));
     let t = Instant::now();

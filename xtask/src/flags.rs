@@ -29,6 +29,11 @@ pub enum Cmd {
     /// Build and run sandboxd standalone (port 7777) with warm pools for
     /// `ghcr.io/cocoonstack/sandbox/rt:24.04` and `base` (appliance/sandboxd/examples/standalone.json).
     Sandboxd(SandboxdArgs),
+    /// Join the local test cluster (`cargo xtask cluster up`) as the vk-sandbox virtual node:
+    /// runs sandboxd (the `sandboxd` command's pools, port 7777) and vk-sandbox joined with the
+    /// cluster's bootstrap token and pinned CA hash. Then `kubectl get nodes` shows it Ready and
+    /// the seed's sandboxd example runs on it. Ctrl-C stops both; claims and VMs are kept.
+    VkSandbox(VkSandboxArgs),
     /// Boot microVMs by hand.
     #[command(subcommand)]
     Vm(VmCmd),
@@ -110,7 +115,8 @@ pub struct VmRunArgs {
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     /// Which benchmarks: `vm` (boot, clone, agent RPC, fs_pull, QEMU RSS), `sandboxd`
-    /// (claim latency, claims/s, refill rate, sandboxd RSS), or `all`.
+    /// (claim latency, claims/s, refill rate, sandboxd RSS), `vnode` (Sandbox → Pod Running
+    /// through the real control plane and the vk-sandbox node; a burst of Sandboxes), or `all`.
     #[arg(value_enum, default_value = "all")]
     pub what: BenchWhat,
     /// Claims held when sandboxd's RSS is measured.
@@ -125,6 +131,13 @@ pub struct BenchArgs {
     /// Size of the file `fs_pull` streams, in MiB.
     #[arg(long, default_value_t = 64)]
     pub pull_mib: u64,
+    /// `vnode`: Sandboxes created one after another to time Sandbox → Pod Running.
+    #[arg(long, default_value_t = 30)]
+    pub sandboxes: usize,
+    /// `vnode`: Sandboxes created at once for the burst figure (the warm pool is sized to it;
+    /// lowered, and said so, when the machine lacks the memory for that many idle VMs).
+    #[arg(long, default_value_t = 100)]
+    pub burst: usize,
 }
 
 #[derive(Debug, Args)]
@@ -146,6 +159,7 @@ pub enum BenchWhat {
     All,
     Vm,
     Sandboxd,
+    Vnode,
 }
 
 #[derive(Debug, Subcommand)]
@@ -157,6 +171,22 @@ pub enum ClusterCmd {
     Down(ClusterArgs),
     /// What runs, the endpoint, and whether the apiserver is ready.
     Status(ClusterArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct VkSandboxArgs {
+    /// The virtual node's name.
+    #[arg(long, default_value = "vk-sandboxd")]
+    pub node_name: String,
+    /// The kubelet HTTPS port of the virtual node.
+    #[arg(long, default_value_t = 10260)]
+    pub kubelet_port: u16,
+    /// Where sandboxd listens.
+    #[arg(long, default_value = "127.0.0.1:7777")]
+    pub sandboxd_listen: String,
+    /// The cluster's apiserver port (as given to `cargo xtask cluster up --port`).
+    #[arg(long, env = "CHRYSALIS_CLUSTER_PORT", default_value_t = test_infra::cluster::DEFAULT_PORT)]
+    pub port: u16,
 }
 
 #[derive(Debug, Args)]

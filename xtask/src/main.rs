@@ -6,6 +6,7 @@
 
 mod bench;
 mod bench_sandboxd;
+mod bench_vnode;
 mod cluster;
 mod flags;
 mod fuzz;
@@ -15,6 +16,7 @@ mod prereqs;
 mod python;
 mod sandboxd;
 mod test;
+mod vk_sandbox;
 mod vm_image;
 mod vm_run;
 
@@ -36,5 +38,6 @@ fn main() -> Result<()> {
         flags::Cmd::Sandboxd(args) => sandboxd::run(&args),
         flags::Cmd::Vm(flags::VmCmd::Run(args)) => vm_run::run(&args),
         flags::Cmd::Cluster(cmd) => cluster::run(&cmd),
+        flags::Cmd::VkSandbox(args) => vk_sandbox::run(&args),
     }
 }

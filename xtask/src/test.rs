@@ -62,9 +62,16 @@ pub fn run(args: &TestArgs) -> Result<()> {
 
     let python = crate::python::ensure_sdk_venv()?;
 
+    // The suites in tests/ run these binaries from the target directory they are built into.
+    let built = Command::new("cargo")
+        .args(["build", "-p", "sandboxd", "-p", "vk-sandbox", "--bins"])
+        .status()
+        .context("running cargo build")?;
+    anyhow::ensure!(built.success(), "building the sandboxd and vk-sandbox binaries failed");
+
     let mut tally = Tally::default();
     let mut cargo = Command::new("cargo");
-    cargo.args(["test", "--workspace", "--no-fail-fast", "--features", "chrysalis-tests/e2e,chrysalis-tests/cluster,join/cluster,sandboxd/sdk-tests,sandboxd/e2e,silkd/sdk-tests,vmm/qemu-tests"]);
+    cargo.args(["test", "--workspace", "--no-fail-fast", "--features", "chrysalis-tests/e2e,chrysalis-tests/cluster,join/cluster,vnode/cluster,sandboxd/sdk-tests,sandboxd/e2e,silkd/sdk-tests,vmm/qemu-tests"]);
     cargo.env("CHRYSALIS_PYTHON", &python);
     if let Some(filter) = &args.filter {
         cargo.arg(filter);
@@ -102,7 +109,9 @@ mod tests {
     #[test]
     fn tally_reads_cargo_result_lines() {
         let mut t = Tally::default();
-        t.add_cargo_line("test result: ok. 8 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out; finished in 0.60s");
+        t.add_cargo_line(
+            "test result: ok. 8 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out; finished in 0.60s",
+        );
         t.add_cargo_line("test result: FAILED. 1 passed; 3 failed; 0 ignored; 0 measured; 0 filtered out");
         t.add_cargo_line("running 4 tests");
         assert_eq!((t.passed, t.failed, t.skipped), (9, 3, 2));
