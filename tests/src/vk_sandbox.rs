@@ -46,7 +46,8 @@ pub fn sibling_bin(name: &str) -> Result<PathBuf, String> {
     }
 }
 
-/// The running node: cluster, sandboxd, provider.
+/// The running node: cluster, sandboxd, provider. Dropping it without [`NodeEnv::down`] (a
+/// panic) stops everything too.
 pub struct NodeEnv {
     _dir: tempfile::TempDir,
     /// Scratch space of this environment (under /tmp: QEMU socket paths must stay short).
@@ -56,6 +57,7 @@ pub struct NodeEnv {
     pub sandboxd: Harness,
     pub provider: Provider,
     pub node_name: String,
+    stopped: bool,
 }
 
 impl NodeEnv {
@@ -97,8 +99,16 @@ impl NodeEnv {
         ];
         args.extend(spec.extra_args);
         let provider = Provider { bin: spec.provider_bin, args, dir: dir.clone(), child: None, starts: 0 };
-        let mut env =
-            NodeEnv { _dir: dir_guard, dir, opts, cluster, sandboxd, provider, node_name: spec.node_name.into() };
+        let mut env = NodeEnv {
+            _dir: dir_guard,
+            dir,
+            opts,
+            cluster,
+            sandboxd,
+            provider,
+            node_name: spec.node_name.into(),
+            stopped: false,
+        };
         env.provider.ensure_running()?;
         env.wait_node_ready()?;
         Ok(env)
@@ -106,6 +116,13 @@ impl NodeEnv {
 
     /// Stops the provider (SIGTERM), the cluster, sandboxd and every QEMU of this environment.
     pub fn down(mut self) {
+        self.stop_all();
+    }
+
+    fn stop_all(&mut self) {
+        if std::mem::replace(&mut self.stopped, true) {
+            return;
+        }
         self.provider.stop();
         if let Err(e) = Cluster::down_with(&self.opts) {
             eprintln!("cluster down: {e}");
@@ -224,6 +241,12 @@ impl NodeEnv {
     }
 }
 
+impl Drop for NodeEnv {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
 /// Polls `f` every 200 ms until it yields a value or `timeout` passes.
 pub fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
     let until = Instant::now() + timeout;
@@ -256,6 +279,12 @@ pub struct Provider {
     dir: PathBuf,
     child: Option<Child>,
     starts: usize,
+}
+
+impl Drop for Provider {
+    fn drop(&mut self) {
+        self.kill9();
+    }
 }
 
 impl Provider {

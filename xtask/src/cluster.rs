@@ -2,6 +2,7 @@
 //! `test_infra::cluster` so test suites start the very same cluster; this only prints.
 
 use crate::flags::{ClusterArgs, ClusterCmd};
+use anyhow::Context as _;
 use anyhow::Result;
 use test_infra::cluster::{Cluster, Options};
 
@@ -27,6 +28,15 @@ pub fn run(cmd: &ClusterCmd) -> Result<()> {
             for d in stopped {
                 println!("stopped {:<26} pid {}", d.name, d.pid);
             }
+            Ok(())
+        }
+        ClusterCmd::Kubectl(k) => {
+            let status = Cluster::status_with(&options(&k.cluster))?;
+            let Some(cluster) = status.cluster else {
+                anyhow::bail!("the cluster is not running: `cargo xtask cluster up` starts it");
+            };
+            let st = cluster.kubectl().args(&k.args).status().context("running kubectl")?;
+            anyhow::ensure!(st.success(), "kubectl exited with {st}");
             Ok(())
         }
         ClusterCmd::Status(args) => {

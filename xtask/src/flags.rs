@@ -171,6 +171,17 @@ pub enum ClusterCmd {
     Down(ClusterArgs),
     /// What runs, the endpoint, and whether the apiserver is ready.
     Status(ClusterArgs),
+    /// Run the pinned kubectl as the cluster admin: `cargo xtask cluster kubectl -- get nodes`.
+    Kubectl(KubectlArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct KubectlArgs {
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    /// kubectl's arguments (after `--`).
+    #[arg(last = true)]
+    pub args: Vec<String>,
 }
 
 #[derive(Debug, Args)]

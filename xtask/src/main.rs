@@ -25,6 +25,8 @@ use clap::Parser;
 
 fn main() -> Result<()> {
     let flags = flags::Xtask::parse();
+    // kube (bench, cluster clients) uses rustls: pick its ring provider once.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     std::env::set_current_dir(paths::project_root())?;
     match flags.cmd {
         flags::Cmd::Prereqs => prereqs::ensure_all(),

@@ -14,14 +14,14 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
 use k8s_openapi::api::core::v1::Taint;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use tokio::sync::Notify;
 use vk_sandbox::authority::KubeOwners;
+use vnode::session::{terminated, JoinArgs, Session};
 use vk_sandbox::sandboxd::SandboxdClient;
 use vk_sandbox::{status, ProviderConfig, SandboxProvider};
 
@@ -39,7 +39,8 @@ const TAINT_VALUE: &str = "sandboxd";
         virtual-kubelet.io/provider Exists NoSchedule, annotation sandbox.cocoonstack.io/template) \
         becomes one sandboxd claim. Deleting a Pod releases its VM only when the Pod's controller \
         owner is gone; otherwise the claim is kept for a same-name replacement.\n\n\
-        Every flag with an environment variable may be set either way; the flag wins."
+        Every flag with an environment variable may be set either way; the flag wins.",
+    mut_arg("credentials_dir", |a| a.default_value("/var/lib/vk-sandbox/pki"))
 )]
 struct Cli {
     /// Node name (with --join-server, also the system:node:<name> identity).
@@ -99,21 +100,9 @@ struct Cli {
     /// Record only Warning pod events (each Normal event is an API write).
     #[arg(long, default_value_t = false)]
     disable_pod_events: bool,
-    /// Kubeconfig file; else the in-cluster service account; else $KUBECONFIG.
-    #[arg(long)]
-    kubeconfig: Option<PathBuf>,
-    /// Join this cluster (https://host:port) with a bootstrap token instead of using a kubeconfig.
-    #[arg(long, value_name = "https://host:port")]
-    join_server: Option<String>,
-    /// File holding the bootstrap token (<id>.<secret>), with --join-server.
-    #[arg(long, env = "VK_JOIN_TOKEN_FILE")]
-    join_token_file: Option<PathBuf>,
-    /// Accepted cluster CA public-key hash (sha256:<hex>); repeatable; at least one with --join-server.
-    #[arg(long, value_name = "sha256:<hex>")]
-    join_ca_hash: Vec<String>,
-    /// Where the node's client identity and kubeconfig are kept, with --join-server.
-    #[arg(long, default_value = "/var/lib/vk-sandbox/pki")]
-    credentials_dir: PathBuf,
+    // --kubeconfig, --join-server, --join-token-file, --join-ca-hash, --credentials-dir.
+    #[command(flatten)]
+    join: JoinArgs,
 }
 
 /// `":port"` (all interfaces), `"ip:port"` or `"[v6]:port"`.
@@ -227,115 +216,6 @@ fn node_setup(cli: &Cli) -> anyhow::Result<NodeSetup> {
     Ok(NodeSetup { node, runtime })
 }
 
-/// The one call into the node runtime.
-async fn run_node(
-    client: kube::Client,
-    setup: &NodeSetup,
-    provider: Arc<SandboxProvider>,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> anyhow::Result<()> {
-    vnode::run(client, setup.node.clone(), setup.runtime.clone(), provider, shutdown)
-        .await
-        .context("the node runtime failed")
-}
-
-/// A joined cluster: what renewal needs.
-struct Joined {
-    cluster: join::ClusterInfo,
-    dir: PathBuf,
-}
-
-async fn join_cluster(cli: &Cli, server: &str) -> anyhow::Result<(Joined, join::NodeCredentials)> {
-    let token_file = cli
-        .join_token_file
-        .as_deref()
-        .context("--join-server needs --join-token-file (or VK_JOIN_TOKEN_FILE) with the bootstrap token")?;
-    let token: join::BootstrapToken =
-        read_trimmed(token_file, "the bootstrap token file")?.parse().context("the bootstrap token")?;
-    if cli.join_ca_hash.is_empty() {
-        bail!("--join-server needs at least one --join-ca-hash sha256:<hex>: an unpinned cluster CA is never trusted");
-    }
-    let pins = cli
-        .join_ca_hash
-        .iter()
-        .map(|h| h.parse::<join::CaHash>().with_context(|| format!("--join-ca-hash {h:?}")))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let cluster =
-        join::discover(server, &token, &pins).await.with_context(|| format!("discovering the cluster at {server}"))?;
-    let creds = join::bootstrap(&cluster, &token, &cli.node_name, &cli.credentials_dir)
-        .await
-        .with_context(|| format!("bootstrapping the identity system:node:{}", cli.node_name))?;
-    Ok((Joined { cluster, dir: cli.credentials_dir.clone() }, creds))
-}
-
-async fn kubeconfig_client(path: &Path) -> anyhow::Result<kube::Client> {
-    let kc =
-        kube::config::Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-        .await
-        .with_context(|| format!("loading kubeconfig {}", path.display()))?;
-    kube::Client::try_from(cfg).context("building the API client")
-}
-
-/// `--kubeconfig`, else in-cluster (when running in a Pod), else `$KUBECONFIG` (the spec's order).
-async fn plain_client(cli: &Cli) -> anyhow::Result<kube::Client> {
-    if let Some(p) = &cli.kubeconfig {
-        return kubeconfig_client(p).await;
-    }
-    let cfg = match kube::Config::incluster() {
-        Ok(cfg) => cfg,
-        Err(in_cluster) if std::env::var_os("KUBECONFIG").is_some_and(|v| !v.is_empty()) => {
-            tracing::debug!(error = %in_cluster, "not in a cluster; using $KUBECONFIG");
-            kube::Config::from_kubeconfig(&kube::config::KubeConfigOptions::default())
-                .await
-                .context("loading $KUBECONFIG")?
-        }
-        Err(in_cluster) => {
-            return Err(anyhow::Error::new(in_cluster)
-                .context("no --join-server, no --kubeconfig, not running in a cluster and no $KUBECONFIG"))
-        }
-    };
-    kube::Client::try_from(cfg).context("building the API client")
-}
-
-fn now_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
-
-/// Resolves with renewed credentials once `current` reaches its rotation deadline and renewal
-/// succeeds (failures are logged and retried every minute; the node keeps running meanwhile).
-async fn renewed(joined: &Joined, current: &join::NodeCredentials, node: &str) -> join::NodeCredentials {
-    let deadline = join::rotation_deadline(current);
-    tracing::info!(rotation_deadline = deadline, not_after = current.not_after, "node certificate renewal scheduled");
-    loop {
-        tokio::time::sleep(Duration::from_secs(deadline.saturating_sub(now_secs()))).await;
-        match join::renew_if_due(&joined.cluster, current, deadline, node, &joined.dir).await {
-            Ok(Some(new)) => return new,
-            Ok(None) => continue,
-            Err(e) => {
-                tracing::warn!(error = %vk_sandbox::provider::error_chain(&e), "renewing the node certificate failed; retrying in 1 min");
-                tokio::time::sleep(Duration::from_secs(60)).await;
-            }
-        }
-    }
-}
-
-async fn terminated() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM"),
-                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT"),
-            }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot watch SIGTERM; only SIGINT stops the node");
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-}
-
 async fn run(cli: Cli) -> anyhow::Result<()> {
     if cli.publish_inventory {
         bail!("--publish-inventory is not supported yet: this build does not publish NodeInventory; drop the flag");
@@ -364,50 +244,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let provider = Arc::new(SandboxProvider::new(sandboxd, owners.clone(), pcfg).context("starting the provider")?);
     let _loops = provider.spawn_loops();
 
-    let mut joined = match cli.join_server.as_deref() {
-        Some(server) => Some(join_cluster(&cli, server).await?),
-        None => None,
-    };
-    let mut stop_signal = std::pin::pin!(terminated());
-    loop {
-        let client = match &joined {
-            Some((_, creds)) => kubeconfig_client(&creds.kubeconfig_path).await?,
-            None => plain_client(&cli).await?,
-        };
-        owners.set_client(client.clone());
-        let stop_run = Arc::new(Notify::new());
-        let shutdown = {
-            let s = stop_run.clone();
-            async move { s.notified().await }
-        };
-        let mut node = std::pin::pin!(run_node(client, &setup, provider.clone(), shutdown));
-        let renewal = async {
-            match &joined {
-                Some((j, creds)) => renewed(j, creds, &cli.node_name).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            r = &mut node => {
-                r?;
-                bail!("the node runtime stopped without being asked to");
-            }
-            _ = &mut stop_signal => {
-                tracing::info!("stopping: claims and VMs stay as they are");
-                stop_run.notify_one();
-                node.await?;
-                return Ok(());
-            }
-            new = renewal => {
-                tracing::info!(not_after = new.not_after, "node certificate renewed; restarting the runtime with the new identity");
-                stop_run.notify_one();
-                node.await?;
-                if let Some((_, creds)) = joined.as_mut() {
-                    *creds = new;
-                }
-            }
-        }
-    }
+    let session = Session::open(&cli.join, &cli.node_name).await?;
+    session
+        .run(setup.node, setup.runtime, provider, terminated(), |client| owners.set_client(client.clone()))
+        .await?;
+    Ok(())
 }
 
 #[tokio::main]
@@ -448,7 +289,7 @@ mod tests {
         assert_eq!(cli.publish_interval, Duration::from_secs(30));
         assert_eq!(cli.node_labels, "sandbox.cocoonstack.io/runtime=sandboxd");
         assert!(!cli.publish_inventory && !cli.disable_pod_events);
-        assert_eq!(cli.credentials_dir, PathBuf::from("/var/lib/vk-sandbox/pki"));
+        assert_eq!(cli.join.credentials_dir, PathBuf::from("/var/lib/vk-sandbox/pki"));
         let cli = Cli::try_parse_from([
             "vk-sandbox",
             "--kube-api-qps",
@@ -463,7 +304,7 @@ mod tests {
         .unwrap();
         assert_eq!(cli.kube_api_qps, -1.0);
         assert!(cli.orphan_scan_interval.is_zero());
-        assert_eq!(cli.join_ca_hash.len(), 2);
+        assert_eq!(cli.join.join_ca_hash.len(), 2);
     }
 
     #[test]
