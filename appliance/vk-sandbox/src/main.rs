@@ -21,9 +21,9 @@ use clap::Parser;
 use k8s_openapi::api::core::v1::Taint;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use vk_sandbox::authority::KubeOwners;
-use vnode::session::{terminated, JoinArgs, Session};
 use vk_sandbox::sandboxd::SandboxdClient;
 use vk_sandbox::{status, ProviderConfig, SandboxProvider};
+use vnode::session::{terminated, JoinArgs, Session};
 
 /// The taint every vk-sandbox node registers with.
 const TAINT_KEY: &str = "virtual-kubelet.io/provider";
@@ -245,9 +245,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let _loops = provider.spawn_loops();
 
     let session = Session::open(&cli.join, &cli.node_name).await?;
-    session
-        .run(setup.node, setup.runtime, provider, terminated(), |client| owners.set_client(client.clone()))
-        .await?;
+    session.run(setup.node, setup.runtime, provider, terminated(), |client| owners.set_client(client.clone())).await?;
     Ok(())
 }
 

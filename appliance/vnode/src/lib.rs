@@ -8,7 +8,8 @@
 //! Modules: [`config`] (what callers pass), [`node`] (the Node object, pure), `registration`
 //! (create/patch the Node, status loop), [`lease`], `ping`, [`queue`] (the work queue),
 //! [`sync`] (the sync rules, pure), `controller` (informer + workers), [`status`] (provider
-//! pushes → `pods/status`), [`events`], [`kubelet`] + [`tls`] (HTTPS), [`error`].
+//! pushes → `pods/status`), [`events`], [`kubelet`] + [`tls`] (HTTPS), [`error`];
+//! [`session`] (a provider binary's join flags, API client and renewal-restart loop).
 
 pub mod config;
 mod controller;
@@ -21,6 +22,7 @@ mod ping;
 pub mod provider;
 pub mod queue;
 mod registration;
+pub mod session;
 pub mod status;
 pub mod sync;
 pub mod tls;
