@@ -8,8 +8,13 @@
 //! | `chrysalis.silkd=/path` | the agent binary to run (default `/.chrysalis/silkd`, else `/sbin/silkd`) |
 //! | `chrysalis.env.NAME=VALUE` | extra environment variable for silkd |
 //! | `chrysalis.debug_shell` | also run `/bin/sh` on the console (debugging only) |
+//! | `chrysalis.ip=A.B.C.D/LEN` | configure `eth0` with this address (the VM's NIC) |
+//! | `chrysalis.gw=A.B.C.D` | default route via this gateway (with `chrysalis.ip`) |
+//! | `chrysalis.mac=xx:xx:xx:xx:xx:xx` | set this MAC on `eth0` first (with `chrysalis.ip`) |
 //!
 //! Parsing never fails: malformed values are reported as warnings and ignored.
+
+use crate::net::{parse_ip_cidr, parse_mac, Ipv4Config};
 
 /// Where the writable layer of an image root lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,6 +40,8 @@ pub struct BootConfig {
     pub env: Vec<(String, String)>,
     /// Run a shell on the console too.
     pub debug_shell: bool,
+    /// Static configuration of `eth0` (`chrysalis.ip` / `gw` / `mac`).
+    pub net: Option<Ipv4Config>,
     /// Problems found while parsing (printed on the console, otherwise ignored).
     pub warnings: Vec<String>,
 }
@@ -48,6 +55,7 @@ impl Default for BootConfig {
             silkd: None,
             env: Vec::new(),
             debug_shell: false,
+            net: None,
             warnings: Vec::new(),
         }
     }
@@ -111,6 +119,7 @@ fn flag(v: Option<&str>) -> Option<bool> {
 pub fn parse(cmdline: &str) -> BootConfig {
     let mut cfg = BootConfig::default();
     let mut overlay_given = false;
+    let (mut ip, mut gw, mut mac) = (None, None, None);
     for param in split(cmdline) {
         let Some(rest) = param.strip_prefix("chrysalis.") else {
             continue;
@@ -132,11 +141,21 @@ pub fn parse(cmdline: &str) -> BootConfig {
             ("hostname", Some(v)) if is_hostname(v) => cfg.hostname = v.to_string(),
             ("silkd", Some(v)) if v.starts_with('/') => cfg.silkd = Some(v.to_string()),
             ("debug_shell", v) if flag(v).is_some() => cfg.debug_shell = flag(v).unwrap_or(false),
+            ("ip", Some(v)) if parse_ip_cidr(v).is_some() => ip = parse_ip_cidr(v),
+            ("gw", Some(v)) if v.parse::<std::net::Ipv4Addr>().is_ok() => gw = v.parse().ok(),
+            ("mac", Some(v)) if parse_mac(v).is_some() => mac = parse_mac(v),
             (k, Some(v)) if k.starts_with("env.") && is_env_name(&k[4..]) => {
                 cfg.env.push((k[4..].to_string(), v.to_string()));
             }
             _ => cfg.warnings.push(format!("ignoring malformed or unknown parameter `{param}`")),
         }
+    }
+    match ip {
+        Some((ip, prefix)) => cfg.net = Some(Ipv4Config { ip, prefix, gateway: gw, mac }),
+        None if gw.is_some() || mac.is_some() => {
+            cfg.warnings.push("chrysalis.gw / chrysalis.mac are ignored without chrysalis.ip".to_string())
+        }
+        None => {}
     }
     if overlay_given && cfg.rootfs.is_none() {
         cfg.warnings.push("chrysalis.overlay is ignored without chrysalis.rootfs".to_string());
@@ -204,6 +223,25 @@ mod tests {
         assert!(!parse("chrysalis.debug_shell=0").debug_shell);
         assert!(parse("chrysalis.debug_shell=1").debug_shell);
         assert!(!parse("chrysalis.env.1BAD=x").env.iter().any(|(k, _)| k == "1BAD"));
+    }
+
+    #[test]
+    fn network_keys() {
+        let cfg = parse("chrysalis.ip=10.88.0.5/24 chrysalis.gw=10.88.0.1 chrysalis.mac=02:aa:bb:cc:dd:ee");
+        assert!(cfg.warnings.is_empty(), "{:?}", cfg.warnings);
+        let net = cfg.net.expect("net");
+        assert_eq!(net.ip, std::net::Ipv4Addr::new(10, 88, 0, 5));
+        assert_eq!(net.prefix, 24);
+        assert_eq!(net.gateway, Some(std::net::Ipv4Addr::new(10, 88, 0, 1)));
+        assert_eq!(net.mac, Some([2, 0xaa, 0xbb, 0xcc, 0xdd, 0xee]));
+        let only_ip = parse("chrysalis.ip=10.0.0.2/8").net.expect("net");
+        assert_eq!((only_ip.gateway, only_ip.mac), (None, None));
+        let bad = parse("chrysalis.ip=10.0.0.2 chrysalis.gw=x chrysalis.mac=01:00:00:00:00:00");
+        assert_eq!(bad.net, None);
+        assert_eq!(bad.warnings.len(), 3, "{:?}", bad.warnings);
+        let orphan = parse("chrysalis.gw=10.0.0.1");
+        assert_eq!(orphan.net, None);
+        assert_eq!(orphan.warnings.len(), 1);
     }
 
     #[test]

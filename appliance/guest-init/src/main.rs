@@ -7,6 +7,10 @@
 //!
 //! PID 1 must never exit (the kernel would panic): every error is printed and the process keeps
 //! reaping and waiting for a shutdown signal; panics are caught.
+//!
+//! Multi-call: a copy of this binary is installed as `/.chrysalis/guest-init` (on every
+//! template), and `guest-init net-config <ip/prefix> <gw> <mac>` run as any pid other than 1
+//! re-addresses `eth0` and exits (0 = done): the network fixup of a clone, run through the agent.
 
 mod cmdline;
 mod console;
@@ -33,6 +37,46 @@ pub(crate) fn chain(err: &dyn std::error::Error) -> String {
 
 /// The silkd binary shipped in the initramfs.
 const INITRAMFS_SILKD: &str = "/sbin/silkd";
+
+/// Where guest-init installs a copy of itself in the final root (for `net-config`).
+const INSTALLED_SELF: &str = "/.chrysalis/guest-init";
+
+/// Copies the running binary to [`INSTALLED_SELF`] (through `/proc/self/exe`, which still
+/// reaches the initramfs file after the switch to an image root).
+fn install_self() -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(mounts::CHRYSALIS_DIR)?;
+    let tmp = format!("{INSTALLED_SELF}.tmp");
+    std::fs::copy("/proc/self/exe", &tmp)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::rename(&tmp, INSTALLED_SELF)
+}
+
+/// `guest-init net-config <ip/prefix> <gw> <mac>`: configures eth0; returns the exit code.
+fn net_config(args: &[String]) -> i32 {
+    // Only inside a Chrysalis guest (PID 1 installed this copy at boot): never re-address a host.
+    if !Path::new(INSTALLED_SELF).is_file() {
+        eprintln!("guest-init net-config: {INSTALLED_SELF} is missing: not a Chrysalis guest, refusing");
+        return 2;
+    }
+    let cfg = match net::parse_net_config_args(args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("guest-init net-config: {e}\nusage: guest-init net-config <ip/prefix> <gateway> <mac>");
+            return 2;
+        }
+    };
+    match net::configure(net::ETH0, &cfg) {
+        Ok(()) => {
+            println!("{}: {}/{} via {}", net::ETH0, cfg.ip, cfg.prefix, args[1]);
+            0
+        }
+        Err(e) => {
+            eprintln!("guest-init net-config: {}", chain(&e));
+            1
+        }
+    }
+}
 
 /// Makes fds 0-2 the console if the kernel could not open it for us.
 fn ensure_console() {
@@ -95,6 +139,21 @@ fn setup() -> Vec<Service> {
         Ok(()) => say!("lo up"),
         Err(e) => say!("ERROR: {}", chain(&e)),
     }
+    if let Some(netcfg) = &cfg.net {
+        match net::configure(net::ETH0, netcfg) {
+            Ok(()) => say!(
+                "{} {}/{} gw {}",
+                net::ETH0,
+                netcfg.ip,
+                netcfg.prefix,
+                netcfg.gateway.map(|g| g.to_string()).unwrap_or_else(|| "none".into())
+            ),
+            Err(e) => say!("ERROR: {}", chain(&e)),
+        }
+    }
+    if let Err(e) = install_self() {
+        say!("ERROR: installing {INSTALLED_SELF}: {e}");
+    }
 
     let candidates =
         [cfg.silkd.clone(), Some(format!("{}/silkd", mounts::CHRYSALIS_DIR)), Some(INITRAMFS_SILKD.into())];
@@ -114,7 +173,14 @@ fn setup() -> Vec<Service> {
 
 fn main() {
     if std::process::id() != 1 {
-        eprintln!("guest-init: must run as PID 1 inside a Chrysalis guest (refusing to touch this system)");
+        let args: Vec<String> = std::env::args().collect();
+        if args.get(1).map(String::as_str) == Some("net-config") {
+            std::process::exit(net_config(&args[2..]));
+        }
+        eprintln!(
+            "guest-init: must run as PID 1 inside a Chrysalis guest (refusing to touch this system); \
+             the only other use is `guest-init net-config <ip/prefix> <gateway> <mac>` inside a guest"
+        );
         std::process::exit(2);
     }
     std::panic::set_hook(Box::new(|info| say!("PANIC: {info}")));

@@ -184,6 +184,7 @@ pub fn fake_spec(name: &str) -> BootSpec {
         cmdline: String::new(),
         size: vmm::SizeClass::Small,
         accel: vmm::AccelPreference::Tcg,
+        nic: None,
     }
 }
 

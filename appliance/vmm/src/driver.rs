@@ -152,6 +152,87 @@ pub struct BootSpec {
     /// Which accelerator to use; `Auto` probes.
     #[serde(default)]
     pub accel: AccelPreference,
+    /// A network interface (virtio-net on a host TAP), if the VM gets one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nic: Option<NicSpec>,
+}
+
+/// One virtio-net NIC backed by a persistent host TAP (made by the `vmnet` crate), plus the
+/// guest's address, passed on the kernel command line as `chrysalis.ip=<ip_cidr>
+/// chrysalis.gw=<gateway> chrysalis.mac=<mac>` (guest-init configures `eth0` from it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NicSpec {
+    /// Host TAP device name (≤ 15 chars); QEMU opens it by name.
+    pub tap: String,
+    /// Guest MAC, `xx:xx:xx:xx:xx:xx`.
+    pub mac: String,
+    /// Named network namespace (`/run/netns/<name>`) holding the TAP; the hypervisor is started
+    /// inside it. `None` = the caller's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns: Option<String>,
+    /// Guest address with prefix, e.g. `10.88.0.5/24`.
+    pub ip_cidr: String,
+    /// Default gateway, e.g. `10.88.0.1`.
+    pub gateway: String,
+}
+
+impl NicSpec {
+    /// Checks every field's syntax (they end up on QEMU's and the kernel's command lines).
+    pub fn validate(&self) -> Result<(), DriverError> {
+        let bad = |what: &str, v: &str| Err(DriverError::Invalid(format!("nic: {what} {v:?} is malformed")));
+        let ifname_ok = !self.tap.is_empty()
+            && self.tap.len() < 16
+            && self.tap.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
+        if !ifname_ok || self.tap == "." || self.tap == ".." {
+            return bad("tap name", &self.tap);
+        }
+        let mac: Vec<&str> = self.mac.split(':').collect();
+        if mac.len() != 6 || !mac.iter().all(|o| o.len() == 2 && o.bytes().all(|b| b.is_ascii_hexdigit())) {
+            return bad("mac", &self.mac);
+        }
+        if u8::from_str_radix(mac[0], 16).map(|b| b & 1 == 1).unwrap_or(true) {
+            return bad("mac (multicast)", &self.mac);
+        }
+        if let Some(ns) = &self.netns {
+            let ok = !ns.is_empty()
+                && ns.len() <= 64
+                && ns != "."
+                && ns != ".."
+                && ns.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
+            if !ok {
+                return bad("netns name", ns);
+            }
+        }
+        let Some((ip, prefix)) = self.ip_cidr.split_once('/') else { return bad("ip_cidr", &self.ip_cidr) };
+        let prefix_ok = prefix.parse::<u8>().is_ok_and(|p| (1..=30).contains(&p)) && !prefix.starts_with('0');
+        if ip.parse::<std::net::Ipv4Addr>().is_err() || !prefix_ok {
+            return bad("ip_cidr", &self.ip_cidr);
+        }
+        if self.gateway.parse::<std::net::Ipv4Addr>().is_err() {
+            return bad("gateway", &self.gateway);
+        }
+        Ok(())
+    }
+
+    /// The namespace file, if any: `/run/netns/<netns>`.
+    pub fn netns_path(&self) -> Option<PathBuf> {
+        self.netns.as_ref().map(|n| Path::new("/run/netns").join(n))
+    }
+
+    /// The guest kernel arguments: `chrysalis.ip=… chrysalis.gw=… chrysalis.mac=…`.
+    pub fn kernel_args(&self) -> String {
+        format!("chrysalis.ip={} chrysalis.gw={} chrysalis.mac={}", self.ip_cidr, self.gateway, self.mac)
+    }
+}
+
+/// Options of [`Driver::restore_with`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RestoreOptions {
+    /// The clone's own NIC. Required when the snapshot's VM had one (the clone cannot share the
+    /// parent's TAP); not allowed when it had none. The guest keeps the parent's MAC and address
+    /// until it is re-addressed (`guest-init net-config <ip/prefix> <gw> <mac>` through the agent).
+    pub nic: Option<NicSpec>,
 }
 
 impl BootSpec {
@@ -168,6 +249,7 @@ impl BootSpec {
             cmdline: t.cmdline.clone(),
             size,
             accel: AccelPreference::from_env(),
+            nic: None,
         })
     }
 }
@@ -469,6 +551,15 @@ pub trait Driver: Send + Sync {
     /// once the clone's vCPUs run. Its guest agent restarts its session on the fresh host connection.
     async fn restore(&self, snapshot: &Snapshot, id: &VmId) -> Result<Vm, DriverError>;
 
+    /// [`Driver::restore`] with options (the clone's own NIC). Drivers without NIC support
+    /// refuse a NIC; without one this is [`Driver::restore`].
+    async fn restore_with(&self, snapshot: &Snapshot, id: &VmId, opts: &RestoreOptions) -> Result<Vm, DriverError> {
+        if opts.nic.is_some() {
+            return Err(DriverError::Unsupported { backend: self.backend(), what: "a NIC on restore".into() });
+        }
+        self.restore(snapshot, id).await
+    }
+
     /// Asks the guest to power off (ACPI / `system_powerdown`), kills the hypervisor after
     /// `timeout`, then removes the VM's directory.
     async fn shutdown(&self, vm: &Vm, timeout: Duration) -> Result<(), DriverError>;
@@ -518,6 +609,57 @@ mod tests {
         let id: VmId = serde_json::from_str("\"abc\"").expect("valid id");
         assert_eq!(id.as_str(), "abc");
         assert!(serde_json::from_str::<VmId>("\"../x\"").is_err());
+    }
+
+    fn nic() -> NicSpec {
+        NicSpec {
+            tap: "ct-0123456789ab".into(),
+            mac: "02:aa:bb:cc:dd:ee".into(),
+            netns: Some("vmnet-t".into()),
+            ip_cidr: "10.88.0.5/24".into(),
+            gateway: "10.88.0.1".into(),
+        }
+    }
+
+    #[test]
+    fn nic_spec_validation() {
+        nic().validate().expect("valid");
+        assert_eq!(
+            nic().kernel_args(),
+            "chrysalis.ip=10.88.0.5/24 chrysalis.gw=10.88.0.1 chrysalis.mac=02:aa:bb:cc:dd:ee"
+        );
+        assert_eq!(nic().netns_path(), Some(PathBuf::from("/run/netns/vmnet-t")));
+        type Breaker = Box<dyn Fn(&mut NicSpec)>;
+        let bad: Vec<Breaker> = vec![
+            Box::new(|n| n.tap = "ct-x,script=/bin/evil".into()),
+            Box::new(|n| n.tap = "a-tap-name-too-long".into()),
+            Box::new(|n| n.tap = String::new()),
+            Box::new(|n| n.mac = "02:aa:bb:cc:dd".into()),
+            Box::new(|n| n.mac = "02:aa:bb:cc:dd:zz".into()),
+            Box::new(|n| n.mac = "03:aa:bb:cc:dd:ee".into()),
+            Box::new(|n| n.netns = Some("../x".into())),
+            Box::new(|n| n.ip_cidr = "10.88.0.5".into()),
+            Box::new(|n| n.ip_cidr = "10.88.0.5/33".into()),
+            Box::new(|n| n.ip_cidr = "10.88.0.5/24 chrysalis.rootfs=/dev/x".into()),
+            Box::new(|n| n.gateway = "gw".into()),
+        ];
+        for (i, f) in bad.iter().enumerate() {
+            let mut n = nic();
+            f(&mut n);
+            assert!(matches!(n.validate(), Err(DriverError::Invalid(_))), "case {i}: {n:?}");
+        }
+    }
+
+    #[test]
+    fn boot_spec_nic_is_optional_in_json() {
+        let old = r#"{"name":"base","kernel":"/k","initrd":"/i","rootfs":null,"overlay_base":null,"cmdline":"","size":"small"}"#;
+        let spec: BootSpec = serde_json::from_str(old).expect("old spec parses");
+        assert_eq!(spec.nic, None);
+        let json = serde_json::to_value(&spec).expect("ser");
+        assert!(json.get("nic").is_none(), "no nic key without a NIC: {json}");
+        let with = BootSpec { nic: Some(nic()), ..spec };
+        let back: BootSpec = serde_json::from_value(serde_json::to_value(&with).expect("ser")).expect("de");
+        assert_eq!(back, with);
     }
 
     #[test]

@@ -23,8 +23,8 @@ pub use accel::{Accel, AccelPreference};
 pub use agent::CONTROL_PORT;
 pub use catalog::{Catalog, CatalogError};
 pub use driver::{
-    AfterSnapshot, AgentInfo, AgentStream, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId, VmState,
-    AGENT_PORT,
+    AfterSnapshot, AgentInfo, AgentStream, Backend, BootSpec, Driver, DriverError, NicSpec, RestoreOptions, Snapshot,
+    Vm, VmId, VmState, AGENT_PORT,
 };
 pub use size::SizeClass;
 

@@ -392,6 +392,7 @@ mod tests {
                 cmdline: String::new(),
                 size: SizeClass::Small,
                 accel: AccelPreference::Auto,
+                nic: None,
             },
             restored_from: None,
             created_at_epoch_secs: 1,

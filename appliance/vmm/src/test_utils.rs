@@ -11,7 +11,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, DuplexStream};
 
 use crate::accel::Accel;
 use crate::driver::{
-    AfterSnapshot, AgentStream, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId, AGENT_PORT,
+    AfterSnapshot, AgentStream, Backend, BootSpec, Driver, DriverError, RestoreOptions, Snapshot, Vm, VmId, AGENT_PORT,
 };
 
 /// A [`Driver`] operation, for failure injection and call counting.
@@ -226,11 +226,22 @@ impl Driver for FakeDriver {
     }
 
     async fn restore(&self, snapshot: &Snapshot, id: &VmId) -> Result<Vm, DriverError> {
+        self.restore_with(snapshot, id, &RestoreOptions::default()).await
+    }
+
+    /// Like the QEMU driver: a clone has a NIC iff the snapshot's VM had one; it is recorded in
+    /// the clone's spec.
+    async fn restore_with(&self, snapshot: &Snapshot, id: &VmId, opts: &RestoreOptions) -> Result<Vm, DriverError> {
         self.enter(Op::Restore, None)?;
+        if snapshot.spec.nic.is_some() != opts.nic.is_some() {
+            return Err(DriverError::Invalid("a clone has a NIC iff its snapshot's VM had one".into()));
+        }
         if self.st().vms.contains_key(id) {
             return Err(DriverError::Invalid(format!("vm {id} exists")));
         }
-        Ok(self.add(id.clone(), &snapshot.spec, Some(snapshot.dir.clone())))
+        let mut spec = snapshot.spec.clone();
+        spec.nic = opts.nic.clone();
+        Ok(self.add(id.clone(), &spec, Some(snapshot.dir.clone())))
     }
 
     async fn shutdown(&self, vm: &Vm, _timeout: Duration) -> Result<(), DriverError> {
@@ -273,6 +284,7 @@ mod tests {
             cmdline: String::new(),
             size: SizeClass::Small,
             accel: AccelPreference::Auto,
+            nic: None,
         }
     }
 
@@ -289,6 +301,25 @@ mod tests {
         d.kill(&vm).await.expect("kill");
         assert!(matches!(d.attach(&vm.id).await, Err(DriverError::NotFound(_))));
         assert_eq!(d.list().await.expect("list"), vec![clone.clone()]);
+
+        // A NIC'd VM's clone needs its own NIC, recorded in its spec.
+        let mut nspec = spec();
+        nspec.nic = Some(crate::NicSpec {
+            tap: "ct-parent".into(),
+            mac: "02:00:00:00:00:01".into(),
+            netns: None,
+            ip_cidr: "10.88.0.2/24".into(),
+            gateway: "10.88.0.1".into(),
+        });
+        let nvm = d.boot(&nspec).await.expect("boot");
+        let nsnap = d.snapshot(&nvm, Path::new("/snap2"), AfterSnapshot::Resumed).await.expect("snap");
+        let cid = VmId::new("clone-2").expect("id");
+        assert!(matches!(d.restore(&nsnap, &cid).await, Err(DriverError::Invalid(_))), "clone without its own NIC");
+        let own = crate::NicSpec { tap: "ct-clone".into(), ..nspec.nic.clone().expect("nic") };
+        let opts = RestoreOptions { nic: Some(own.clone()) };
+        let nclone = d.restore_with(&nsnap, &cid, &opts).await.expect("restore_with");
+        assert_eq!(nclone.spec.nic, Some(own));
+        assert!(matches!(d.restore_with(&snap, &cid, &opts).await, Err(DriverError::Invalid(_))), "no NIC to replace");
 
         let fake = FakeDriver::new();
         fake.fail_next(Op::Boot, "no capacity");

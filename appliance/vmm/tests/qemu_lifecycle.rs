@@ -42,6 +42,7 @@ fn spec() -> BootSpec {
         cmdline: String::new(),
         size: SizeClass::Small,
         accel: AccelPreference::Auto,
+        nic: None,
     }
 }
 

@@ -58,6 +58,7 @@ fn spec(root: &Path, name: &str, size: SizeClass, rootfs: bool) -> BootSpec {
         cmdline: if rootfs { "quiet".into() } else { String::new() },
         size,
         accel: AccelPreference::Auto,
+        nic: None,
     }
 }
 

@@ -58,6 +58,9 @@ pub fn kernel_cmdline(spec: &BootSpec, accel: Accel, tsc_khz: Option<u64>) -> St
     if !extra.is_empty() {
         parts.push(extra.to_string());
     }
+    if let Some(nic) = &spec.nic {
+        parts.push(nic.kernel_args());
+    }
     parts.join(" ")
 }
 
@@ -98,6 +101,12 @@ pub fn qemu_args(l: &Launch<'_>) -> Vec<String> {
     push(&["-device", "virtio-serial-device,max_ports=2"]);
     push(&["-chardev", &format!("socket,id=agent0,path={},server=on,wait=off", p(&d.join(files::AGENT_SERIAL)))]);
     push(&["-device", &format!("virtserialport,chardev=agent0,name={}", agent_mux::AGENT_PORT_NAME)]);
+    // After every other device, so VMs without a NIC keep their virtio-mmio layout (and
+    // snapshots taken before NICs existed stay restorable).
+    if let Some(nic) = &l.spec.nic {
+        push(&["-netdev", &format!("tap,id=net0,ifname={},script=no,downscript=no", nic.tap)]);
+        push(&["-device", &format!("virtio-net-device,netdev=net0,mac={}", nic.mac)]);
+    }
     if l.paused {
         push(&["-S"]);
     }
@@ -172,6 +181,7 @@ mod tests {
             cmdline: "chrysalis.rootfs=/dev/vda".into(),
             size: SizeClass::Medium,
             accel: AccelPreference::Auto,
+            nic: None,
         }
     }
 
@@ -243,6 +253,45 @@ mod tests {
         assert!(a.iter().any(|x| x == "-S"));
         assert!(after(&a, "-drive").is_empty());
         assert!(!after(&a, "-append")[0].contains("tsc_early_khz"), "only under TCG");
+    }
+
+    #[test]
+    fn nic_adds_a_tap_netdev_a_virtio_net_device_and_kernel_args() {
+        let mut s = spec(true);
+        s.nic = Some(crate::driver::NicSpec {
+            tap: "ct-0123456789ab".into(),
+            mac: "02:11:22:33:44:55".into(),
+            netns: Some("t1".into()),
+            ip_cidr: "10.88.0.5/24".into(),
+            gateway: "10.88.0.1".into(),
+        });
+        let launch = |spec| {
+            qemu_args(&Launch {
+                name: "n",
+                dir: Path::new("/d"),
+                spec,
+                accel: Accel::Tcg,
+                tsc_khz: None,
+                overlay: None,
+                incoming: false,
+                paused: false,
+                firmware_only: false,
+            })
+        };
+        let a = launch(&s);
+        assert_eq!(after(&a, "-netdev"), ["tap,id=net0,ifname=ct-0123456789ab,script=no,downscript=no"]);
+        let devs = after(&a, "-device");
+        assert_eq!(devs.last(), Some(&"virtio-net-device,netdev=net0,mac=02:11:22:33:44:55"), "NIC is the last device");
+        assert_eq!(devs[0], "virtio-blk-device,drive=rootfs");
+        assert_eq!(
+            after(&a, "-append"),
+            ["console=ttyS0 reboot=t panic=-1 chrysalis.rootfs=/dev/vda chrysalis.ip=10.88.0.5/24 chrysalis.gw=10.88.0.1 chrysalis.mac=02:11:22:33:44:55"]
+        );
+        // Without a NIC: no network device at all.
+        let a = launch(&spec(true));
+        assert!(after(&a, "-netdev").is_empty());
+        assert!(!after(&a, "-device").iter().any(|d| d.starts_with("virtio-net")));
+        assert!(!after(&a, "-append")[0].contains("chrysalis.ip"));
     }
 
     #[test]

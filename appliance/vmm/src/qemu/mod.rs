@@ -7,6 +7,11 @@
 //! Snapshots are QMP `stop` + `migrate` to `exec:cat > <dir>/state` + a copy of the overlay;
 //! restore starts QEMU with `-incoming defer`, `migrate-incoming`, then `cont`.
 //!
+//! A [`BootSpec::nic`] adds `-netdev tap,ifname=<tap>,script=no` + `virtio-net-device` (the last
+//! device) and `chrysalis.ip/gw/mac` kernel arguments; QEMU is spawned inside the NIC's netns.
+//! A clone of a NIC'd VM is restored with its own NIC ([`Driver::restore_with`]); its guest keeps
+//! the parent's MAC/IP until re-addressed (`guest-init net-config`).
+//!
 //! Boot and restore share one path ([`QemuDriver`]'s `create`): the `creating` record is written
 //! right after `mkdir`, the QEMU pid (from `-pidfile`, read as soon as the daemonizing parent
 //! returned) right after spawn, `running` at the end ([`crate::lifecycle`]). `list` shows
@@ -27,7 +32,9 @@ use async_trait::async_trait;
 use tracing::Instrument;
 
 use crate::accel::{self, Accel, AccelPreference};
-use crate::driver::{AfterSnapshot, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId, VmState};
+use crate::driver::{
+    AfterSnapshot, Backend, BootSpec, Driver, DriverError, NicSpec, RestoreOptions, Snapshot, Vm, VmId, VmState,
+};
 use crate::lifecycle::{self, VmRecord};
 use crate::record;
 use cmdline::{files, Launch};
@@ -114,8 +121,8 @@ impl Drop for Pending {
 enum Origin<'a> {
     /// A fresh boot.
     Boot(&'a BootSpec),
-    /// A clone of a snapshot.
-    Restore(&'a Snapshot),
+    /// A clone of a snapshot, with the clone's own NIC (if the snapshot's VM had one).
+    Restore(&'a Snapshot, Option<&'a NicSpec>),
 }
 
 fn now_secs() -> u64 {
@@ -153,6 +160,9 @@ impl QemuDriver {
 
     fn check_inputs(&self, spec: &BootSpec) -> Result<(), DriverError> {
         let mut need: Vec<&Path> = Vec::new();
+        if let Some(nic) = &spec.nic {
+            nic.validate()?;
+        }
         if !self.cfg.firmware_only {
             need.extend([spec.kernel.as_path(), spec.initrd.as_path()]);
         }
@@ -277,11 +287,15 @@ impl QemuDriver {
     async fn create(&self, id: &VmId, origin: Origin<'_>) -> Result<Vm, DriverError> {
         let t0 = Instant::now();
         let (spec, accel, from) = match origin {
-            Origin::Boot(spec) => (spec, self.resolve_accel(spec.accel), None),
-            Origin::Restore(snap) => (&snap.spec, snap.accel, Some(snap.dir.clone())),
+            Origin::Boot(spec) => (spec.clone(), self.resolve_accel(spec.accel), None),
+            Origin::Restore(snap, nic) => {
+                let mut spec = snap.spec.clone();
+                spec.nic = nic.cloned();
+                (spec, snap.accel, Some(snap.dir.clone()))
+            }
         };
-        self.check_inputs(spec)?;
-        let mut rec = VmRecord::creating(self.make_vm(id, accel, spec, from));
+        self.check_inputs(&spec)?;
+        let mut rec = VmRecord::creating(self.make_vm(id, accel, &spec, from));
         let mut pending = self.new_vm_dir(&rec)?;
         match self.create_inner(&mut rec, origin, &mut pending).await {
             Ok(()) => {
@@ -309,13 +323,13 @@ impl QemuDriver {
         let dir = rec.vm.dir.clone();
         let backing = match origin {
             Origin::Boot(spec) => spec.overlay_base.as_deref().map(|b| (b, "raw")),
-            Origin::Restore(snap) => snap.overlay.as_deref().map(|o| (o, "qcow2")),
+            Origin::Restore(snap, _) => snap.overlay.as_deref().map(|o| (o, "qcow2")),
         };
         let overlay = match backing {
             Some((b, fmt)) => Some(self.create_overlay(&dir, b, fmt).await?),
             None => None,
         };
-        let incoming = matches!(origin, Origin::Restore(_));
+        let incoming = matches!(origin, Origin::Restore(..));
         let args = cmdline::qemu_args(&Launch {
             name: rec.vm.id.as_str(),
             dir: &dir,
@@ -328,11 +342,13 @@ impl QemuDriver {
             firmware_only: self.cfg.firmware_only,
         });
         tracing::debug!(?args, "starting qemu");
-        let (pid, start_time) = process::start_daemonized(&self.cfg.qemu, &args, &dir.join(files::PID)).await?;
+        let netns = rec.vm.spec.nic.as_ref().and_then(|n| n.netns_path());
+        let (pid, start_time) =
+            process::start_daemonized_in(&self.cfg.qemu, &args, &dir.join(files::PID), netns.as_deref()).await?;
         pending.pid = Some((pid, start_time));
         rec.spawned(pid, start_time)?;
         rec.store()?;
-        if let Origin::Restore(snap) = origin {
+        if let Origin::Restore(snap, _) = origin {
             let id = &rec.vm.id;
             let q = self.qmp(&rec.vm).await?;
             let state = snap.dir.join(files::STATE);
@@ -447,6 +463,10 @@ impl Driver for QemuDriver {
     }
 
     async fn restore(&self, snapshot: &Snapshot, id: &VmId) -> Result<Vm, DriverError> {
+        self.restore_with(snapshot, id, &RestoreOptions::default()).await
+    }
+
+    async fn restore_with(&self, snapshot: &Snapshot, id: &VmId, opts: &RestoreOptions) -> Result<Vm, DriverError> {
         if snapshot.backend != Backend::Qemu {
             return Err(DriverError::Invalid(format!(
                 "snapshot {} was written by {}",
@@ -454,8 +474,26 @@ impl Driver for QemuDriver {
                 snapshot.backend
             )));
         }
+        // The migration stream holds the device set: a clone has a NIC iff its parent had one.
+        // Its TAP may be the parent's only once the parent is gone (a woken hibernated VM): a
+        // TAP held by a live QEMU makes the clone's QEMU fail to start (EBUSY).
+        match (&snapshot.spec.nic, &opts.nic) {
+            (Some(_), None) => {
+                return Err(DriverError::Invalid(format!(
+                    "snapshot {} has a NIC: restore it with RestoreOptions {{ nic: Some(the clone's own) }}",
+                    snapshot.dir.display()
+                )))
+            }
+            (None, Some(_)) => {
+                return Err(DriverError::Invalid(format!(
+                    "snapshot {} has no NIC: a clone cannot add one",
+                    snapshot.dir.display()
+                )))
+            }
+            _ => {}
+        }
         let span = tracing::info_span!("vm_restore", vm = %id, from = %snapshot.source, template = %snapshot.spec.name);
-        self.create(id, Origin::Restore(snapshot)).instrument(span).await
+        self.create(id, Origin::Restore(snapshot, opts.nic.as_ref())).instrument(span).await
     }
 
     async fn shutdown(&self, vm: &Vm, timeout: Duration) -> Result<(), DriverError> {

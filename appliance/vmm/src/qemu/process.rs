@@ -1,5 +1,6 @@
 //! The QEMU process: daemonized start, pid file, kill, and helpers like `qemu-img`.
 
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -33,15 +34,43 @@ pub async fn run(program: &Path, args: &[String]) -> Result<(), DriverError> {
 /// Starts QEMU with `-daemonize -pidfile <pidfile>` and returns `(pid, start_time)` of the
 /// daemon once the parent has exited successfully.
 pub async fn start_daemonized(qemu: &Path, args: &[String], pidfile: &Path) -> Result<(u32, u64), DriverError> {
+    start_daemonized_in(qemu, args, pidfile, None).await
+}
+
+/// [`start_daemonized`] inside the network namespace file `netns` (e.g. `/run/netns/<name>`):
+/// the child joins it (`setns(CLONE_NEWNET)`) between fork and exec, so QEMU opens its TAP there.
+pub async fn start_daemonized_in(
+    qemu: &Path,
+    args: &[String],
+    pidfile: &Path,
+    netns: Option<&Path>,
+) -> Result<(u32, u64), DriverError> {
     let program = qemu.display().to_string();
-    let child = tokio::process::Command::new(qemu)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| DriverError::Spawn { program: program.clone(), detail: e.to_string() })?;
+    let mut cmd = tokio::process::Command::new(qemu);
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
+    // Opened close-on-exec; kept open until the child has exec'ed (spawn returns after exec).
+    let ns_file = match netns {
+        Some(path) => Some(
+            std::fs::File::open(path)
+                .map_err(|e| DriverError::io(format!("opening network namespace {}", path.display()), e))?,
+        ),
+        None => None,
+    };
+    if let Some(f) = &ns_file {
+        let fd = f.as_raw_fd();
+        // SAFETY: the closure runs in the forked child before exec and only calls setns(2), which
+        // is async-signal-safe, on a descriptor the parent keeps open until spawn returns.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let child = cmd.spawn().map_err(|e| DriverError::Spawn { program: program.clone(), detail: e.to_string() })?;
+    drop(ns_file);
     let out = tokio::time::timeout(DAEMONIZE_TIMEOUT, child.wait_with_output())
         .await
         .map_err(|_| DriverError::Spawn {

@@ -1,0 +1,143 @@
+//! [`NetConfig`]: which bridge, which IPv4 range, which netns, which lease file.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+use ipnet::Ipv4Net;
+use serde::{Deserialize, Serialize};
+
+use crate::VmnetError;
+
+/// The default bridge name.
+pub const DEFAULT_BRIDGE: &str = "chrysalis0";
+
+/// Network configuration of one host (or one test netns).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetConfig {
+    /// Bridge every TAP is enslaved to (default [`DEFAULT_BRIDGE`]).
+    #[serde(default = "default_bridge")]
+    pub bridge: String,
+    /// The VM address range, e.g. `10.88.0.0/24`; its first host is the gateway (the bridge's
+    /// address); the network and broadcast addresses are never leased. Prefix length ≤ 30.
+    pub cidr: Ipv4Net,
+    /// A named network namespace (`/run/netns/<name>`) holding the bridge and TAPs; `None` = the
+    /// caller's own namespace (production). Tests always set it.
+    #[serde(default)]
+    pub netns: Option<String>,
+    /// The JSON lease file (written 0600, atomically).
+    pub leases_path: PathBuf,
+}
+
+fn default_bridge() -> String {
+    DEFAULT_BRIDGE.to_string()
+}
+
+/// True for a usable Linux interface name (1..=15 bytes, no `/`, whitespace, `:` or NUL).
+pub fn valid_ifname(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() < libc::IFNAMSIZ
+        && name != "."
+        && name != ".."
+        && name.bytes().all(|b| b.is_ascii_graphic() && b != b'/' && b != b':' && b != b',')
+}
+
+/// True for a usable netns name (a file name under `/run/netns`).
+pub fn valid_netns_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name != "."
+        && name != ".."
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+impl NetConfig {
+    /// A config for `cidr` with the default bridge, no netns.
+    pub fn new(cidr: Ipv4Net, leases_path: impl Into<PathBuf>) -> Self {
+        NetConfig { bridge: default_bridge(), cidr: cidr.trunc(), netns: None, leases_path: leases_path.into() }
+    }
+
+    /// The gateway: the range's first host, assigned to the bridge.
+    pub fn gateway(&self) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.cidr.network()).wrapping_add(1))
+    }
+
+    /// The prefix length of the range.
+    pub fn prefix_len(&self) -> u8 {
+        self.cidr.prefix_len()
+    }
+
+    /// Checks the names and the range.
+    pub fn validate(&self) -> Result<(), VmnetError> {
+        if !valid_ifname(&self.bridge) {
+            return Err(VmnetError::Config(format!("bridge name {:?} is not a valid interface name", self.bridge)));
+        }
+        if self.cidr.prefix_len() > 30 {
+            return Err(VmnetError::Config(format!(
+                "range {} is too small: a gateway and at least one VM need a /30 or larger",
+                self.cidr
+            )));
+        }
+        if self.cidr != self.cidr.trunc() {
+            return Err(VmnetError::Config(format!(
+                "range {} has host bits set (did you mean {}?)",
+                self.cidr,
+                self.cidr.trunc()
+            )));
+        }
+        if let Some(ns) = &self.netns {
+            if !valid_netns_name(ns) {
+                return Err(VmnetError::Config(format!("netns name {ns:?} is not a plain name under /run/netns")));
+            }
+        }
+        if self.leases_path.file_name().is_none() {
+            return Err(VmnetError::Config(format!("lease file {} has no file name", self.leases_path.display())));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(cidr: &str) -> NetConfig {
+        NetConfig::new(cidr.parse().expect("cidr"), "/tmp/l.json")
+    }
+
+    #[test]
+    fn gateway_is_first_host() {
+        let c = cfg("10.88.0.0/24");
+        assert_eq!(c.gateway(), Ipv4Addr::new(10, 88, 0, 1));
+        assert_eq!(c.prefix_len(), 24);
+        assert_eq!(c.bridge, "chrysalis0");
+        c.validate().expect("valid");
+    }
+
+    #[test]
+    fn validation() {
+        assert!(cfg("10.88.0.0/31").validate().is_err());
+        assert!(cfg("10.88.0.0/30").validate().is_ok());
+        let mut c = cfg("10.88.0.0/24");
+        c.cidr = "10.88.0.5/24".parse().expect("cidr");
+        assert!(c.validate().is_err(), "host bits set");
+        let mut c = cfg("10.88.0.0/24");
+        c.bridge = "a-bridge-name-too-long".into();
+        assert!(c.validate().is_err());
+        let mut c = cfg("10.88.0.0/24");
+        c.netns = Some("../etc".into());
+        assert!(c.validate().is_err());
+        c.netns = Some("vmnet-test-1".into());
+        assert!(c.validate().is_ok());
+        // `new` truncates.
+        assert_eq!(NetConfig::new("10.88.0.9/24".parse().expect("cidr"), "/x").cidr.to_string(), "10.88.0.0/24");
+    }
+
+    #[test]
+    fn serde_defaults() {
+        let c: NetConfig =
+            serde_json::from_str(r#"{"cidr":"10.9.0.0/16","leases_path":"/var/lib/x.json"}"#).expect("parse");
+        assert_eq!(c.bridge, DEFAULT_BRIDGE);
+        assert_eq!(c.netns, None);
+        assert_eq!(c.gateway(), Ipv4Addr::new(10, 9, 0, 1));
+    }
+}
