@@ -1,0 +1,571 @@
+//! The Pod contract's keys (cocoon-common, `virtual-node.md` §3.3; `runtime-backends.md`):
+//! what a Pod asks vk-cocoon for, parsed into a typed [`VmSpec`], and the keys vk-cocoon writes
+//! back. Parsing is pure; every refusal names the annotation and what to change.
+//!
+//! Rules: booleans are true only for the literal `"true"`; an empty value is the same as an
+//! absent one. Keys this node cannot serve (other guest OSes, `static` mode, `fork-from`,
+//! `clone-from-dir`, `restore-from-hibernate`, Firecracker) are refused with
+//! [`AnnotationError::Unsupported`] rather than ignored, since ignoring them would boot
+//! something other than what the Pod asked for. `force-pull`, `generation`,
+//! `hibernated-on-node`, `conn-type` and `no-direct-io` are accepted and have no effect here;
+//! `hibernate` is answered by [`crate::provider`] as not supported.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use k8s_openapi::api::core::v1::Pod;
+
+use crate::backend::{Hypervisor, SnapshotRef, SnapshotRefError};
+use crate::quantity::{self, QuantityError};
+
+// ---- cocoonset.cocoonstack.io/… (operator → provider)
+/// `"true"`: vk-cocoon owns the VM's lifecycle.
+pub const MANAGED: &str = "cocoonset.cocoonstack.io/managed";
+/// `run` | `clone` (default).
+pub const MODE: &str = "cocoonset.cocoonstack.io/mode";
+/// `run`: the image; `clone`: the snapshot `repo[:tag]` (bare repo = `latest`).
+pub const IMAGE: &str = "cocoonset.cocoonstack.io/image";
+/// `linux` (default) | `windows` | `android` | `macos`.
+pub const OS: &str = "cocoonset.cocoonstack.io/os";
+/// Writable disk size, a quantity.
+pub const STORAGE: &str = "cocoonset.cocoonstack.io/storage";
+/// Network name.
+pub const NETWORK: &str = "cocoonset.cocoonstack.io/network";
+/// `always` (default) | `main-only` | `never`.
+pub const SNAPSHOT_POLICY: &str = "cocoonset.cocoonstack.io/snapshot-policy";
+/// Accepted, no effect here (images are local).
+pub const FORCE_PULL: &str = "cocoonset.cocoonstack.io/force-pull";
+/// Label: `main` | `sub-agent` | `toolbox`.
+pub const ROLE: &str = "cocoonset.cocoonstack.io/role";
+/// The CocoonSet owner kind (role from the slot in the VM name when no role label).
+pub const COCOONSET_KIND: &str = "CocoonSet";
+
+// ---- vm.cocoonstack.io/…
+/// **Required**: the VM's name on the node.
+pub const VM_NAME: &str = "vm.cocoonstack.io/name";
+/// In (unmanaged, required) and out: the VM id.
+pub const VM_ID: &str = "vm.cocoonstack.io/id";
+/// In (unmanaged, required) and out: the VM IP.
+pub const VM_IP: &str = "vm.cocoonstack.io/ip";
+/// `cloud-hypervisor` | `qemu` (default: the first the host runs) | `firecracker` (refused).
+pub const BACKEND: &str = "vm.cocoonstack.io/backend";
+/// TCP port the readiness probe dials; absent = a guest-agent round trip.
+pub const PROBE_PORT: &str = "vm.cocoonstack.io/probe-port";
+/// `"true"`: DeletePod leaves the VM's snapshots in the library.
+pub const KEEP_SNAPSHOT_ON_DELETE: &str = "vm.cocoonstack.io/keep-snapshot-on-delete";
+/// Hibernation request (not supported on this node).
+pub const HIBERNATE: &str = "vm.cocoonstack.io/hibernate";
+/// Refused: VM sources this node does not implement.
+pub const FORK_FROM: &str = "vm.cocoonstack.io/fork-from";
+pub const CLONE_FROM_DIR: &str = "vm.cocoonstack.io/clone-from-dir";
+pub const RESTORE_FROM_HIBERNATE: &str = "vm.cocoonstack.io/restore-from-hibernate";
+/// Out: `creating` | `ready` | `failed` (`hibernating`/`hibernated` never, here).
+pub const LIFECYCLE_STATE: &str = "vm.cocoonstack.io/lifecycle-state";
+/// Out: why the lifecycle state is what it is (written empty when there is nothing to say:
+/// a status push cannot remove an annotation).
+pub const LIFECYCLE_MESSAGE: &str = "vm.cocoonstack.io/lifecycle-state-message";
+/// Out: base64 of the guest command that applies the clone's network by hand.
+pub const POST_CLONE_HINT: &str = "vm.cocoonstack.io/post-clone-hint";
+
+// ---- node selector keys
+/// The node's CPU class for snapshots (a Pod selecting another class is refused).
+pub const CPU_CLASS_LABEL: &str = "cocoonstack.io/snapshot-cpu-class";
+/// The node's pool.
+pub const POOL_LABEL: &str = "cocoonstack.io/pool";
+
+/// How a managed VM comes to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Boot `image` fresh.
+    Run,
+    /// Restore the snapshot `image` (the default).
+    Clone,
+}
+
+/// Which deletions save a snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotPolicy {
+    Always,
+    MainOnly,
+    Never,
+}
+
+/// A pre-assigned VM of an unmanaged Pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Preassigned {
+    pub id: String,
+    pub ip: String,
+}
+
+/// Everything a Pod asks for, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmSpec {
+    /// `vm.cocoonstack.io/name`.
+    pub vm_name: String,
+    /// `managed == "true"`.
+    pub managed: bool,
+    /// Unmanaged Pods: the VM someone else runs.
+    pub preassigned: Option<Preassigned>,
+    pub mode: Mode,
+    /// Managed: the image (`run`) or the snapshot (`clone`) source, as written.
+    pub image: Option<String>,
+    /// `clone`: the parsed snapshot reference.
+    pub snapshot: Option<SnapshotRef>,
+    pub storage_bytes: Option<u64>,
+    pub network: Option<String>,
+    pub snapshot_policy: SnapshotPolicy,
+    pub probe_port: Option<u16>,
+    /// `None` = the host's default hypervisor.
+    pub hypervisor: Option<Hypervisor>,
+    pub keep_snapshot_on_delete: bool,
+    pub hibernate: bool,
+}
+
+/// Why a Pod's annotations cannot be served. The text becomes the Pod's `ProviderFailed`
+/// message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AnnotationError {
+    #[error("annotation {VM_NAME} is missing: name the VM this pod runs in (e.g. vk-<namespace>-<pod>)")]
+    MissingVmName,
+    #[error("annotation {VM_NAME}={0:?} is not a usable VM name (1-63 characters, no whitespace or '/')")]
+    BadVmName(String),
+    #[error(
+        "an unmanaged pod ({MANAGED} is not \"true\") must carry the pre-assigned {VM_ID} and {VM_IP}; missing: {0}"
+    )]
+    UnmanagedWithoutVm(&'static str),
+    #[error("annotation {VM_IP}={0:?} is not an IP address")]
+    BadIp(String),
+    #[error("annotation {MODE}={0:?}: expected run or clone")]
+    BadMode(String),
+    #[error("annotation {IMAGE} is missing: mode {0} needs an {1}")]
+    MissingImage(&'static str, &'static str),
+    #[error("annotation {IMAGE}")]
+    BadSnapshot(#[source] SnapshotRefError),
+    #[error("annotation {OS}={0:?}: expected linux, windows, android or macos")]
+    BadOs(String),
+    #[error("annotation {STORAGE}")]
+    BadStorage(#[source] QuantityError),
+    #[error("annotation {SNAPSHOT_POLICY}={0:?}: expected always, main-only or never")]
+    BadSnapshotPolicy(String),
+    #[error("annotation {PROBE_PORT}={0:?}: expected a TCP port 1-65535")]
+    BadProbePort(String),
+    #[error("annotation {BACKEND}={0:?}: expected cloud-hypervisor or qemu")]
+    BadBackend(String),
+    /// A valid request this node cannot serve.
+    #[error("{what} is unsupported on this node")]
+    Unsupported { what: String },
+}
+
+fn annotations(pod: &Pod) -> Option<&BTreeMap<String, String>> {
+    pod.metadata.annotations.as_ref()
+}
+
+/// The trimmed value of `key`; empty counts as absent.
+pub fn value<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
+    annotations(pod).and_then(|a| a.get(key)).map(|v| v.trim()).filter(|v| !v.is_empty())
+}
+
+/// True only for the literal `"true"`.
+pub fn flag(pod: &Pod, key: &str) -> bool {
+    annotations(pod).and_then(|a| a.get(key)).is_some_and(|v| v == "true")
+}
+
+fn unsupported(what: impl Into<String>) -> AnnotationError {
+    AnnotationError::Unsupported { what: what.into() }
+}
+
+/// `vm.cocoonstack.io/name`, required (CreatePod step 1).
+pub fn vm_name(pod: &Pod) -> Result<String, AnnotationError> {
+    let name = value(pod, VM_NAME).ok_or(AnnotationError::MissingVmName)?;
+    if name.len() > 63 || name.contains('/') || name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(AnnotationError::BadVmName(name.to_owned()));
+    }
+    Ok(name.to_owned())
+}
+
+/// Parses and validates every key the provider acts on.
+pub fn parse(pod: &Pod) -> Result<VmSpec, AnnotationError> {
+    let vm_name = vm_name(pod)?;
+    let managed = flag(pod, MANAGED);
+
+    match value(pod, OS).unwrap_or("linux") {
+        "linux" => {}
+        os @ ("windows" | "android" | "macos") => return Err(unsupported(format!("guest OS {os} ({OS})"))),
+        other => return Err(AnnotationError::BadOs(other.to_owned())),
+    }
+    let mode = match value(pod, MODE).unwrap_or("clone") {
+        "clone" => Mode::Clone,
+        "run" => Mode::Run,
+        "static" => return Err(unsupported(format!("{MODE}=static"))),
+        other => return Err(AnnotationError::BadMode(other.to_owned())),
+    };
+    let hypervisor = match value(pod, BACKEND) {
+        None => None,
+        Some("cloud-hypervisor") => Some(Hypervisor::CloudHypervisor),
+        Some("qemu") => Some(Hypervisor::Qemu),
+        Some("firecracker") => return Err(unsupported(format!("{BACKEND}=firecracker"))),
+        Some(other) => return Err(AnnotationError::BadBackend(other.to_owned())),
+    };
+    let snapshot_policy = match value(pod, SNAPSHOT_POLICY).unwrap_or("always") {
+        "always" => SnapshotPolicy::Always,
+        "main-only" => SnapshotPolicy::MainOnly,
+        "never" => SnapshotPolicy::Never,
+        other => return Err(AnnotationError::BadSnapshotPolicy(other.to_owned())),
+    };
+    let probe_port = match value(pod, PROBE_PORT) {
+        None => None,
+        Some(p) => match p.parse::<u16>() {
+            Ok(n) if n > 0 => Some(n),
+            _ => return Err(AnnotationError::BadProbePort(p.to_owned())),
+        },
+    };
+    let storage_bytes = match value(pod, STORAGE) {
+        None => None,
+        Some(s) => {
+            let b = quantity::units_ceil(s).map_err(AnnotationError::BadStorage)?;
+            Some(u64::try_from(b).map_err(|_| AnnotationError::BadStorage(QuantityError::Overflow(s.to_owned())))?)
+        }
+    };
+
+    let preassigned = if managed {
+        for key in [FORK_FROM, CLONE_FROM_DIR] {
+            if value(pod, key).is_some() {
+                return Err(unsupported(format!("the VM source {key}")));
+            }
+        }
+        if flag(pod, RESTORE_FROM_HIBERNATE) {
+            return Err(unsupported(format!("{RESTORE_FROM_HIBERNATE} (hibernation)")));
+        }
+        None
+    } else {
+        let (id, ip) = (value(pod, VM_ID), value(pod, VM_IP));
+        let (id, ip) = match (id, ip) {
+            (Some(id), Some(ip)) => (id, ip),
+            (None, None) => return Err(AnnotationError::UnmanagedWithoutVm("both")),
+            (None, _) => return Err(AnnotationError::UnmanagedWithoutVm(VM_ID)),
+            (_, None) => return Err(AnnotationError::UnmanagedWithoutVm(VM_IP)),
+        };
+        if ip.parse::<IpAddr>().is_err() {
+            return Err(AnnotationError::BadIp(ip.to_owned()));
+        }
+        Some(Preassigned { id: id.to_owned(), ip: ip.to_owned() })
+    };
+
+    let image = value(pod, IMAGE).map(str::to_owned);
+    let snapshot = match (managed, mode, &image) {
+        (true, Mode::Run, None) => return Err(AnnotationError::MissingImage("run", "image to boot")),
+        (true, Mode::Clone, None) => {
+            return Err(AnnotationError::MissingImage("clone", "snapshot repo[:tag] to clone"))
+        }
+        (true, Mode::Clone, Some(i)) => Some(i.parse::<SnapshotRef>().map_err(AnnotationError::BadSnapshot)?),
+        _ => None,
+    };
+
+    Ok(VmSpec {
+        vm_name,
+        managed,
+        preassigned,
+        mode,
+        image,
+        snapshot,
+        storage_bytes,
+        network: value(pod, NETWORK).map(str::to_owned),
+        snapshot_policy,
+        probe_port,
+        hypervisor,
+        keep_snapshot_on_delete: flag(pod, KEEP_SNAPSHOT_ON_DELETE),
+        hibernate: flag(pod, HIBERNATE),
+    })
+}
+
+/// Whether the Pod is the main agent of its set: the `role` label when set; else, for a
+/// CocoonSet member, slot 0 (the VM name's last `-<n>`); a Pod outside any CocoonSet is its
+/// own main.
+pub fn is_main(pod: &Pod, vm_name: &str) -> bool {
+    if let Some(role) = pod.metadata.labels.as_ref().and_then(|l| l.get(ROLE)).map(|r| r.trim()) {
+        if !role.is_empty() {
+            return role == "main";
+        }
+    }
+    let in_set =
+        pod.metadata.owner_references.iter().flatten().any(|o| o.kind == COCOONSET_KIND && o.controller == Some(true));
+    if !in_set {
+        return true;
+    }
+    vm_name.rsplit_once('-').is_some_and(|(_, slot)| slot == "0")
+}
+
+/// cocoon-common's `ShouldSnapshotVM`: `never` → no; `main-only` → only the main agent;
+/// `always` → yes.
+pub fn should_snapshot(pod: &Pod, spec: &VmSpec) -> bool {
+    match spec.snapshot_policy {
+        SnapshotPolicy::Never => false,
+        SnapshotPolicy::MainOnly => is_main(pod, &spec.vm_name),
+        SnapshotPolicy::Always => true,
+    }
+}
+
+/// What DeletePod does about snapshots, read leniently so that a Pod whose other annotations
+/// no longer parse is still deleted: an unknown `snapshot-policy` counts as `always` (when in
+/// doubt, keep the data). `vm_name` falls back to `fallback_name` (the tracked VM's name).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeletePolicy {
+    /// The VM name the snapshot is saved under (`<vm_name>:latest`).
+    pub vm_name: String,
+    /// Save a snapshot before removing the VM (`ShouldSnapshotVM`).
+    pub save: bool,
+    /// `keep-snapshot-on-delete`.
+    pub keep: bool,
+}
+
+/// The [`DeletePolicy`] of `pod`.
+pub fn delete_policy(pod: &Pod, fallback_name: &str) -> DeletePolicy {
+    let vm_name = vm_name(pod).unwrap_or_else(|_| fallback_name.to_owned());
+    let policy = match value(pod, SNAPSHOT_POLICY) {
+        Some("never") => SnapshotPolicy::Never,
+        Some("main-only") => SnapshotPolicy::MainOnly,
+        _ => SnapshotPolicy::Always,
+    };
+    let save = match policy {
+        SnapshotPolicy::Never => false,
+        SnapshotPolicy::MainOnly => is_main(pod, &vm_name),
+        SnapshotPolicy::Always => true,
+    };
+    DeletePolicy { vm_name, save, keep: flag(pod, KEEP_SNAPSHOT_ON_DELETE) }
+}
+
+/// The `cocoonstack.io/snapshot-cpu-class` the Pod's nodeSelector asks for, if any.
+pub fn selected_cpu_class(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.node_selector.as_ref()?.get(CPU_CLASS_LABEL).map(|s| s.trim())
+}
+
+/// Guest vCPUs and memory (MiB) for `mode: run`, summed over the Pod's containers: vCPUs =
+/// the CPU limit rounded up, else the request, else 1; memory = the request, else the limit,
+/// else 512 MiB. Unparseable quantities count as absent (the API server validated them).
+pub fn run_resources(pod: &Pod) -> (u32, u64) {
+    let containers = pod.spec.as_ref().map(|s| s.containers.as_slice()).unwrap_or_default();
+    let sum = |pick: &dyn Fn(&k8s_openapi::api::core::v1::ResourceRequirements) -> Option<String>| -> Option<u128> {
+        let mut total: Option<u128> = None;
+        for c in containers {
+            if let Some(q) = c.resources.as_ref().and_then(pick) {
+                if let Ok(m) = quantity::milli(&q) {
+                    total = Some(total.unwrap_or(0).saturating_add(m));
+                }
+            }
+        }
+        total
+    };
+    let get = |which: &'static str, key: &'static str| {
+        move |r: &k8s_openapi::api::core::v1::ResourceRequirements| {
+            let map = if which == "limits" { r.limits.as_ref() } else { r.requests.as_ref() };
+            map.and_then(|m| m.get(key)).map(|q| q.0.clone())
+        }
+    };
+    let cpu_milli = sum(&get("limits", "cpu")).or_else(|| sum(&get("requests", "cpu")));
+    let vcpus = cpu_milli.map(|m| m.div_ceil(1000)).unwrap_or(1).clamp(1, u128::from(u32::MAX));
+    let mem_milli = sum(&get("requests", "memory")).or_else(|| sum(&get("limits", "memory")));
+    let mib = mem_milli.map(|m| m.div_ceil(1000).div_ceil(1 << 20)).unwrap_or(512).clamp(1, u128::from(u64::MAX));
+    // Both clamped into range above.
+    (u32::try_from(vcpus).unwrap_or(u32::MAX), u64::try_from(mib).unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{Container, PodSpec, ResourceRequirements};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+    fn pod(pairs: &[(&str, &str)]) -> Pod {
+        let mut p = Pod::default();
+        p.metadata.annotations = Some(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+        p
+    }
+
+    fn managed(extra: &[(&str, &str)]) -> Pod {
+        let mut pairs = vec![(VM_NAME, "vm-a"), (MANAGED, "true"), (IMAGE, "snap-a")];
+        pairs.extend_from_slice(extra);
+        pod(&pairs)
+    }
+
+    #[test]
+    fn vm_name_is_required_and_sane() {
+        assert_eq!(parse(&pod(&[])).unwrap_err(), AnnotationError::MissingVmName);
+        assert_eq!(parse(&pod(&[(VM_NAME, "  ")])).unwrap_err(), AnnotationError::MissingVmName);
+        assert!(matches!(parse(&pod(&[(VM_NAME, "a/b")])).unwrap_err(), AnnotationError::BadVmName(_)));
+        assert!(matches!(parse(&pod(&[(VM_NAME, &"x".repeat(64))])).unwrap_err(), AnnotationError::BadVmName(_)));
+        let msg = AnnotationError::MissingVmName.to_string();
+        assert!(msg.contains("vm.cocoonstack.io/name"), "{msg}");
+    }
+
+    #[test]
+    fn managed_is_true_only_for_the_literal() {
+        for v in ["True", "TRUE", "yes", "1", " true"] {
+            let p = pod(&[(VM_NAME, "vm-a"), (MANAGED, v), (VM_ID, "id-1"), (VM_IP, "10.0.0.2")]);
+            assert!(!parse(&p).unwrap().managed, "{v:?}");
+        }
+        assert!(parse(&managed(&[])).unwrap().managed);
+    }
+
+    #[test]
+    fn unmanaged_needs_id_and_ip() {
+        let e = parse(&pod(&[(VM_NAME, "vm-a")])).unwrap_err();
+        assert_eq!(e, AnnotationError::UnmanagedWithoutVm("both"));
+        let e = parse(&pod(&[(VM_NAME, "vm-a"), (VM_IP, "10.0.0.2")])).unwrap_err();
+        assert_eq!(e, AnnotationError::UnmanagedWithoutVm(VM_ID));
+        let e = parse(&pod(&[(VM_NAME, "vm-a"), (VM_ID, "i")])).unwrap_err();
+        assert_eq!(e, AnnotationError::UnmanagedWithoutVm(VM_IP));
+        let e = parse(&pod(&[(VM_NAME, "vm-a"), (VM_ID, "i"), (VM_IP, "ten")])).unwrap_err();
+        assert_eq!(e, AnnotationError::BadIp("ten".into()));
+        let s = parse(&pod(&[(VM_NAME, "vm-a"), (VM_ID, "i"), (VM_IP, "10.0.0.2")])).unwrap();
+        assert_eq!(s.preassigned, Some(Preassigned { id: "i".into(), ip: "10.0.0.2".into() }));
+        assert!(!s.managed && s.snapshot.is_none());
+    }
+
+    #[test]
+    fn mode_and_image() {
+        let s = parse(&managed(&[])).unwrap();
+        assert_eq!(s.mode, Mode::Clone, "clone is the default");
+        assert_eq!(s.snapshot, Some(SnapshotRef::latest("snap-a")), "a bare repo is latest");
+        let s = parse(&managed(&[(IMAGE, "snap-a:v3")])).unwrap();
+        assert_eq!(s.snapshot, Some(SnapshotRef::new("snap-a", "v3")));
+        let s = parse(&managed(&[(MODE, "run"), (IMAGE, "ubuntu-dev-base")])).unwrap();
+        assert_eq!((s.mode, s.image.as_deref(), s.snapshot), (Mode::Run, Some("ubuntu-dev-base"), None));
+        let no_image = pod(&[(VM_NAME, "v"), (MANAGED, "true"), (MODE, "run")]);
+        assert_eq!(parse(&no_image).unwrap_err(), AnnotationError::MissingImage("run", "image to boot"));
+        let no_image = pod(&[(VM_NAME, "v"), (MANAGED, "true")]);
+        assert!(matches!(parse(&no_image).unwrap_err(), AnnotationError::MissingImage("clone", _)));
+        assert!(matches!(parse(&managed(&[(IMAGE, "a:")])).unwrap_err(), AnnotationError::BadSnapshot(_)));
+        assert_eq!(parse(&managed(&[(MODE, "fork")])).unwrap_err(), AnnotationError::BadMode("fork".into()));
+        assert!(matches!(parse(&managed(&[(MODE, "static")])).unwrap_err(), AnnotationError::Unsupported { .. }));
+    }
+
+    #[test]
+    fn os_linux_only() {
+        assert!(parse(&managed(&[(OS, "linux")])).is_ok());
+        assert!(parse(&managed(&[(OS, "")])).is_ok(), "empty means linux");
+        for os in ["windows", "android", "macos"] {
+            let e = parse(&managed(&[(OS, os)])).unwrap_err();
+            assert!(matches!(&e, AnnotationError::Unsupported { .. }), "{os}");
+            assert!(e.to_string().contains("unsupported on this node") && e.to_string().contains(os), "{e}");
+        }
+        assert_eq!(parse(&managed(&[(OS, "beos")])).unwrap_err(), AnnotationError::BadOs("beos".into()));
+    }
+
+    #[test]
+    fn storage_network_policy_port_backend_keep() {
+        let s = parse(&managed(&[
+            (STORAGE, "10Gi"),
+            (NETWORK, "lan"),
+            (SNAPSHOT_POLICY, "main-only"),
+            (PROBE_PORT, "8080"),
+            (BACKEND, "qemu"),
+            (KEEP_SNAPSHOT_ON_DELETE, "true"),
+            (HIBERNATE, "true"),
+        ]))
+        .unwrap();
+        assert_eq!(s.storage_bytes, Some(10 << 30));
+        assert_eq!(s.network.as_deref(), Some("lan"));
+        assert_eq!(s.snapshot_policy, SnapshotPolicy::MainOnly);
+        assert_eq!(s.probe_port, Some(8080));
+        assert_eq!(s.hypervisor, Some(Hypervisor::Qemu));
+        assert!(s.keep_snapshot_on_delete && s.hibernate);
+        let d = parse(&managed(&[])).unwrap();
+        assert_eq!(
+            (d.storage_bytes, d.network, d.snapshot_policy, d.probe_port, d.hypervisor),
+            (None, None, SnapshotPolicy::Always, None, None)
+        );
+        assert!(!d.keep_snapshot_on_delete && !d.hibernate);
+        assert!(!parse(&managed(&[(KEEP_SNAPSHOT_ON_DELETE, "yes")])).unwrap().keep_snapshot_on_delete);
+        assert_eq!(
+            parse(&managed(&[(BACKEND, "cloud-hypervisor")])).unwrap().hypervisor,
+            Some(Hypervisor::CloudHypervisor)
+        );
+        assert!(matches!(parse(&managed(&[(STORAGE, "ten")])).unwrap_err(), AnnotationError::BadStorage(_)));
+        assert_eq!(
+            parse(&managed(&[(SNAPSHOT_POLICY, "sometimes")])).unwrap_err(),
+            AnnotationError::BadSnapshotPolicy("sometimes".into())
+        );
+        for bad in ["0", "65536", "http", "-1"] {
+            assert_eq!(parse(&managed(&[(PROBE_PORT, bad)])).unwrap_err(), AnnotationError::BadProbePort(bad.into()));
+        }
+        assert!(matches!(
+            parse(&managed(&[(BACKEND, "firecracker")])).unwrap_err(),
+            AnnotationError::Unsupported { .. }
+        ));
+        assert_eq!(parse(&managed(&[(BACKEND, "kvm")])).unwrap_err(), AnnotationError::BadBackend("kvm".into()));
+    }
+
+    #[test]
+    fn unimplemented_sources_are_refused_for_managed_pods() {
+        for (k, v) in [(FORK_FROM, "vm-b"), (CLONE_FROM_DIR, "/x"), (RESTORE_FROM_HIBERNATE, "true")] {
+            assert!(matches!(parse(&managed(&[(k, v)])).unwrap_err(), AnnotationError::Unsupported { .. }), "{k}");
+        }
+        assert!(parse(&managed(&[(RESTORE_FROM_HIBERNATE, "false")])).is_ok());
+    }
+
+    #[test]
+    fn snapshot_policy_and_roles() {
+        let set_member = |vm: &str, role: Option<&str>| {
+            let mut p = managed(&[(VM_NAME, vm), (SNAPSHOT_POLICY, "main-only")]);
+            p.metadata.owner_references = Some(vec![OwnerReference {
+                kind: COCOONSET_KIND.into(),
+                controller: Some(true),
+                name: "set".into(),
+                ..OwnerReference::default()
+            }]);
+            if let Some(r) = role {
+                p.metadata.labels = Some([(ROLE.to_string(), r.to_string())].into());
+            }
+            p
+        };
+        let check = |p: &Pod| should_snapshot(p, &parse(p).unwrap());
+        assert!(check(&set_member("vk-ns-set-0", None)), "slot 0 is main");
+        assert!(!check(&set_member("vk-ns-set-1", None)), "slot 1 is a sub-agent");
+        assert!(check(&set_member("vk-ns-set-1", Some("main"))), "the role label wins");
+        assert!(!check(&set_member("vk-ns-set-0", Some("toolbox"))));
+        assert!(check(&managed(&[(SNAPSHOT_POLICY, "main-only")])), "a pod outside a set is its own main");
+        assert!(check(&managed(&[])), "always");
+        assert!(!check(&managed(&[(SNAPSHOT_POLICY, "never")])));
+    }
+
+    #[test]
+    fn delete_policy_is_lenient() {
+        let p = managed(&[(SNAPSHOT_POLICY, "bogus"), (OS, "windows")]);
+        assert_eq!(delete_policy(&p, "x"), DeletePolicy { vm_name: "vm-a".into(), save: true, keep: false });
+        let p = pod(&[(SNAPSHOT_POLICY, "never"), (KEEP_SNAPSHOT_ON_DELETE, "true")]);
+        assert_eq!(delete_policy(&p, "tracked"), DeletePolicy { vm_name: "tracked".into(), save: false, keep: true });
+    }
+
+    #[test]
+    fn cpu_class_and_resources() {
+        let mut p = managed(&[]);
+        assert_eq!(selected_cpu_class(&p), None);
+        assert_eq!(run_resources(&p), (1, 512));
+        let res = |limits: &[(&str, &str)], requests: &[(&str, &str)]| ResourceRequirements {
+            limits: Some(limits.iter().map(|(k, v)| (k.to_string(), Quantity(v.to_string()))).collect()),
+            requests: Some(requests.iter().map(|(k, v)| (k.to_string(), Quantity(v.to_string()))).collect()),
+            ..ResourceRequirements::default()
+        };
+        p.spec = Some(PodSpec {
+            node_selector: Some([(CPU_CLASS_LABEL.to_string(), "skylake".to_string())].into()),
+            containers: vec![
+                Container {
+                    name: "agent".into(),
+                    resources: Some(res(&[("cpu", "1500m"), ("memory", "2Gi")], &[("cpu", "1"), ("memory", "1Gi")])),
+                    ..Container::default()
+                },
+                Container {
+                    name: "side".into(),
+                    resources: Some(res(&[], &[("cpu", "250m"), ("memory", "100M")])),
+                    ..Container::default()
+                },
+            ],
+            ..PodSpec::default()
+        });
+        assert_eq!(selected_cpu_class(&p), Some("skylake"));
+        // CPU: limits 1.5 (side has none) → 2; memory: requests 1Gi + 100M → 1120 MiB (rounded up).
+        assert_eq!(run_resources(&p), (2, 1024 + 96));
+    }
+}

@@ -1,0 +1,299 @@
+//! [`VmBackend`]: every VM operation the provider needs, and nothing else. The provider never
+//! spawns a hypervisor, touches an image or a TAP device itself; it calls this trait.
+//!
+//! The production implementation (over `vmm` drivers, the `images` library and `vmnet`) lives
+//! outside this crate's provider logic; [`crate::test_utils::FakeBackend`] is the in-memory
+//! double the unit tests use.
+//!
+//! # Contract every implementation keeps
+//! * **Scope.** A backend sees only the VMs *it* created (its own state directory under
+//!   `COCOON_ROOT_DIR`), never other VMs on the host (sandboxd's warm pool): [`VmBackend::list`]
+//!   feeds the orphan policy, which may destroy what it lists.
+//! * **Names are durable and unique.** `name` (the Pod's `vm.cocoonstack.io/name`) is recorded
+//!   with the VM so that [`VmBackend::list`] reports it after a provider crash; a second VM with
+//!   a name in use is refused ([`BackendError::NameInUse`]).
+//! * **VMs outlive the provider.** Hypervisors run daemonized: a killed (even `kill -9`)
+//!   provider leaves them running, and a new provider finds them with [`VmBackend::list`].
+//! * **Idempotent teardown.** [`VmBackend::remove`], [`VmBackend::snapshot_rm`] and
+//!   [`VmBackend::release_ip`] succeed when the thing is already gone.
+//! * **A failed listing is an error, never an empty list** (`virtual-node.md` §5 pitfall 2).
+//! * Calls may run concurrently for different VMs; the provider never runs two calls for one
+//!   VM at once except [`VmBackend::inspect`] / [`VmBackend::probe_agent`] next to others.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// The hypervisor a VM runs under (`vm.cocoonstack.io/backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Hypervisor {
+    /// `cloud-hypervisor` (production, KVM).
+    #[serde(rename = "cloud-hypervisor")]
+    CloudHypervisor,
+    /// `qemu` (`-M microvm`; the only choice under TCG).
+    #[serde(rename = "qemu")]
+    Qemu,
+}
+
+impl Hypervisor {
+    /// The annotation spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Hypervisor::CloudHypervisor => "cloud-hypervisor",
+            Hypervisor::Qemu => "qemu",
+        }
+    }
+}
+
+impl fmt::Display for Hypervisor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A snapshot in the image library, `repo:tag` (the repo may carry a registry host with a
+/// port: only a `:` after the last `/` starts the tag).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SnapshotRef {
+    pub repo: String,
+    pub tag: String,
+}
+
+/// The tag a bare repo means, and the tag DeletePod saves under.
+pub const LATEST: &str = "latest";
+
+/// A snapshot reference that is empty or malformed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a snapshot reference repo[:tag] (e.g. my-vm or my-vm:latest)")]
+pub struct SnapshotRefError(pub String);
+
+impl SnapshotRef {
+    /// `repo:tag`.
+    pub fn new(repo: impl Into<String>, tag: impl Into<String>) -> SnapshotRef {
+        SnapshotRef { repo: repo.into(), tag: tag.into() }
+    }
+
+    /// `<repo>:latest`.
+    pub fn latest(repo: impl Into<String>) -> SnapshotRef {
+        SnapshotRef::new(repo, LATEST)
+    }
+}
+
+impl FromStr for SnapshotRef {
+    type Err = SnapshotRefError;
+
+    /// `repo[:tag]`; a bare `repo` means `repo:latest`.
+    fn from_str(s: &str) -> Result<SnapshotRef, SnapshotRefError> {
+        let s = s.trim();
+        let bad = || SnapshotRefError(s.to_owned());
+        if s.is_empty() || s.chars().any(|c| c.is_whitespace() || c.is_control()) || s.contains('@') {
+            return Err(bad());
+        }
+        let last_slash = s.rfind('/').map(|i| i + 1).unwrap_or(0);
+        let (repo, tag) = match s[last_slash..].rfind(':') {
+            Some(i) => (&s[..last_slash + i], &s[last_slash + i + 1..]),
+            None => (s, LATEST),
+        };
+        if repo.is_empty() || tag.is_empty() || repo.ends_with('/') {
+            return Err(bad());
+        }
+        Ok(SnapshotRef::new(repo, tag))
+    }
+}
+
+impl fmt::Display for SnapshotRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.repo, self.tag)
+    }
+}
+
+/// Where a VM is, as the backend sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VmState {
+    /// Being booted or restored (a VM still `Creating` when a provider starts was left by a
+    /// crashed create: nothing is creating it any more).
+    Creating,
+    /// The hypervisor process is alive.
+    Running,
+    /// The record exists but the hypervisor exited (crash, guest poweroff, host OOM kill);
+    /// [`VmBackend::start`] boots it again.
+    Stopped,
+}
+
+/// One VM the backend manages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmInfo {
+    /// Backend-generated, unique for the VM's life (`[a-z0-9-]`, ≤ 63 chars); written to the
+    /// Pod as `vm.cocoonstack.io/id`.
+    pub id: String,
+    /// The Pod's `vm.cocoonstack.io/name`, recorded durably with the VM.
+    pub name: String,
+    /// The guest's IPv4 address from the VM's network lease, when it has one.
+    pub ip: Option<String>,
+    pub state: VmState,
+    pub hypervisor: Hypervisor,
+}
+
+/// `mode: run`: boot `image` fresh.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunRequest {
+    /// `vm.cocoonstack.io/name`.
+    pub name: String,
+    /// An image reference the image library resolves (a catalog name or alias, `repo[:tag]`).
+    pub image: String,
+    /// Guest vCPUs (≥ 1): the Pod's CPU limit rounded up, else its request. A backend with
+    /// fixed size classes picks the smallest class that fits both numbers.
+    pub vcpus: u32,
+    /// Guest memory in MiB (≥ 1): the Pod's memory request, else its limit.
+    pub memory_mib: u64,
+    /// Writable disk size in bytes (`cocoonset.cocoonstack.io/storage`); `None` = the image's.
+    pub storage_bytes: Option<u64>,
+    /// Network name (`cocoonset.cocoonstack.io/network`); `None` = the default network.
+    pub network: Option<String>,
+    pub hypervisor: Hypervisor,
+}
+
+/// `mode: clone` (the default): restore a snapshot under a new identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CloneRequest {
+    /// `vm.cocoonstack.io/name`.
+    pub name: String,
+    /// The snapshot to restore.
+    pub snapshot: SnapshotRef,
+    /// Network name; `None` = the default network.
+    pub network: Option<String>,
+    /// Must match the hypervisor that wrote the snapshot, else [`BackendError::Unsupported`].
+    pub hypervisor: Hypervisor,
+}
+
+/// Why a backend call failed. The provider shows the chain on the Pod, so each variant names
+/// its object.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// An image, snapshot or VM that does not exist.
+    #[error("{what} does not exist")]
+    NotFound { what: String },
+    /// Another VM already carries this name.
+    #[error("VM name {name} is already used by VM {id}")]
+    NameInUse { name: String, id: String },
+    /// The request cannot be served on this host (e.g. a snapshot written by another
+    /// hypervisor, a hypervisor this host cannot run).
+    #[error("{what}")]
+    Unsupported { what: String },
+    /// The operation failed.
+    #[error("{op} {target}")]
+    Failed {
+        op: &'static str,
+        target: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
+}
+
+impl BackendError {
+    /// `op` on `target` failed because of `source`.
+    pub fn failed(
+        op: &'static str,
+        target: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> BackendError {
+        BackendError::Failed { op, target: target.into(), source: source.into() }
+    }
+}
+
+/// The VM operations of vk-cocoon. Object safe; the provider holds an `Arc<dyn VmBackend>`.
+#[async_trait::async_trait]
+pub trait VmBackend: Send + Sync + 'static {
+    /// The hypervisors this host can run, preferred first (never empty). The first is the
+    /// default of `vm.cocoonstack.io/backend`; here (TCG only) that is `[Qemu]`.
+    fn hypervisors(&self) -> Vec<Hypervisor>;
+
+    /// Boots a new VM named `req.name` from `req.image`, with a fresh network lease (TAP, MAC,
+    /// IP) attached. Returns once the hypervisor runs (the guest agent may still be booting).
+    /// On error nothing is left behind (no VM record, no lease).
+    async fn run(&self, req: &RunRequest) -> Result<VmInfo, BackendError>;
+
+    /// Restores `req.snapshot` as a new VM named `req.name` with a fresh lease. The guest
+    /// still carries the source's network configuration until [`VmBackend::configure_network`]
+    /// runs. `NotFound` when the snapshot is missing; nothing is left behind on error.
+    /// (Not `clone_from`: that name collides with `Clone::clone_from` on `Arc<dyn VmBackend>`.)
+    async fn clone_vm(&self, req: &CloneRequest) -> Result<VmInfo, BackendError>;
+
+    /// Applies the VM's own lease inside the guest (agent exec of `/.chrysalis/guest-init
+    /// net-config <ip/prefix> <gw> <mac>`). Idempotent; fails while the agent is unreachable,
+    /// and the provider retries it (every 3 s, ≤ 180 s) after a clone.
+    async fn configure_network(&self, id: &str) -> Result<(), BackendError>;
+
+    /// The guest command [`VmBackend::configure_network`] runs for `vm`, for a human to run
+    /// when automatic configuration gave up (written base64-encoded as
+    /// `vm.cocoonstack.io/post-clone-hint`). `None`: no hint.
+    fn network_hint(&self, _vm: &VmInfo) -> Option<String> {
+        None
+    }
+
+    /// The VM with this id; `Ok(None)` only when the backend is sure it does not exist.
+    async fn inspect(&self, id: &str) -> Result<Option<VmInfo>, BackendError>;
+
+    /// Every VM this backend manages, whatever its state. An error when the listing is
+    /// incomplete — never a partial or empty list standing in for a failure.
+    async fn list(&self) -> Result<Vec<VmInfo>, BackendError>;
+
+    /// Boots a `Stopped` VM again from its own disks with its existing lease (a cold boot);
+    /// a `Running` VM is returned as is.
+    async fn start(&self, id: &str) -> Result<VmInfo, BackendError>;
+
+    /// Stops the hypervisor (forcefully) and deletes the VM's record and disks. The network
+    /// lease is *not* released (see [`VmBackend::release_ip`]). An absent VM is success.
+    async fn remove(&self, id: &str) -> Result<(), BackendError>;
+
+    /// Saves the running VM's memory and disk state into the library as `snapshot`,
+    /// replacing an existing snapshot of that name atomically (the old one stays until the new
+    /// one is complete). The VM keeps running afterwards.
+    async fn snapshot_save(&self, id: &str, snapshot: &SnapshotRef) -> Result<(), BackendError>;
+
+    /// Whether the library holds `snapshot`.
+    async fn snapshot_exists(&self, snapshot: &SnapshotRef) -> Result<bool, BackendError>;
+
+    /// Deletes `snapshot` from the library (its content is garbage-collected when no VM uses
+    /// it). An absent snapshot is success.
+    async fn snapshot_rm(&self, snapshot: &SnapshotRef) -> Result<(), BackendError>;
+
+    /// One guest-agent round trip (silkd `info`); `Ok` means the agent answered.
+    async fn probe_agent(&self, id: &str) -> Result<(), BackendError>;
+
+    /// Returns the VM's network lease (IP, MAC, TAP) to the pool. Called after
+    /// [`VmBackend::remove`]; a lease already released (or never taken) is success.
+    async fn release_ip(&self, id: &str) -> Result<(), BackendError>;
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_refs() {
+        for (s, repo, tag) in [
+            ("my-vm", "my-vm", "latest"),
+            ("my-vm:v2", "my-vm", "v2"),
+            ("ghcr.io/x/rt:24.04", "ghcr.io/x/rt", "24.04"),
+            ("registry:5000/x/rt", "registry:5000/x/rt", "latest"),
+            ("registry:5000/x/rt:t", "registry:5000/x/rt", "t"),
+        ] {
+            assert_eq!(s.parse::<SnapshotRef>().unwrap(), SnapshotRef::new(repo, tag), "{s}");
+        }
+        for bad in ["", " ", "a:", ":t", "a b", "x/", "r@sha256:00"] {
+            assert!(bad.parse::<SnapshotRef>().is_err(), "{bad:?}");
+        }
+        assert_eq!(SnapshotRef::latest("vm-a").to_string(), "vm-a:latest");
+    }
+
+    #[test]
+    fn backend_is_object_safe() {
+        fn takes(_: Option<std::sync::Arc<dyn VmBackend>>) {}
+        takes(None);
+        assert_eq!(Hypervisor::CloudHypervisor.to_string(), "cloud-hypervisor");
+    }
+}

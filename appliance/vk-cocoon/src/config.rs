@@ -1,0 +1,369 @@
+//! vk-cocoon's configuration: the environment of `virtual-node.md` §3.1 (no flags besides the
+//! shared join flags), parsed into a typed [`CocoonConfig`]. Every error names its variable.
+//!
+//! Variables of upstream vk-cocoon that have no meaning here (a registry, the `cocoon` CLI,
+//! cocoon-net, peer snapshot transfer, …) are accepted and reported as ignored
+//! ([`CocoonConfig::ignored`], [`IGNORED`]) so an existing deployment's environment does not
+//! break the start.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+
+use crate::quantity::{self, QuantityError};
+
+/// What to do with a VM no Pod on this node references, found at start-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OrphanPolicy {
+    /// Remove it and release its lease (the default).
+    Destroy,
+    /// Leave it and log a warning.
+    Alert,
+    /// Leave it quietly (logged at info).
+    Keep,
+}
+
+/// Exact capacity values that replace the measured ones (no reserve applied to them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CapacityOverrides {
+    pub cpu_millis: Option<u64>,
+    pub memory_bytes: Option<u64>,
+    pub storage_bytes: Option<u64>,
+    /// `VK_NODE_PODS`, default 256.
+    pub pods: u64,
+}
+
+/// The parsed environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CocoonConfig {
+    /// `VK_NODE_NAME` (`cocoon-pool`).
+    pub node_name: String,
+    /// `VK_NODE_POOL` (`default`).
+    pub pool: String,
+    /// `VK_KUBELET_PORT` (`10250`): the kubelet HTTPS endpoint listens on all interfaces.
+    pub kubelet_port: u16,
+    /// `VK_NODE_IP`, else the first non-loopback IPv4 of an interface that is up.
+    pub node_ip: IpAddr,
+    /// `VK_TLS_CERT` / `VK_TLS_KEY`; unreadable → a self-signed P-256 pair.
+    pub tls_cert: PathBuf,
+    pub tls_key: PathBuf,
+    /// `VK_PROVIDER_ID` → `spec.providerID`.
+    pub provider_id: Option<String>,
+    /// `VK_SNAPSHOT_CPU_CLASS` → label `cocoonstack.io/snapshot-cpu-class`.
+    pub snapshot_cpu_class: Option<String>,
+    /// `VK_ORPHAN_POLICY` (`destroy`).
+    pub orphan_policy: OrphanPolicy,
+    /// `VK_RESERVE_PERCENT` (`20`): allocatable = measured × (100 − reserve) / 100.
+    pub reserve_percent: u8,
+    /// `VK_NODE_CPU`, `VK_NODE_MEM`, `VK_NODE_STORAGE`, `VK_NODE_PODS`.
+    pub overrides: CapacityOverrides,
+    /// `COCOON_ROOT_DIR` (`/var/lib/cocoon`): VM state, the image library; storage capacity is
+    /// measured here.
+    pub root_dir: PathBuf,
+    /// `VK_LOG_LEVEL` (`info`): a tracing filter (`RUST_LOG` wins when set).
+    pub log_level: String,
+    /// Variables that were set but do not apply on this node, with their values.
+    pub ignored: Vec<(&'static str, String)>,
+}
+
+/// An environment variable that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{var}={value:?}: {why}")]
+    Invalid { var: &'static str, value: String, why: &'static str },
+    #[error("{var}={value:?}")]
+    Quantity {
+        var: &'static str,
+        value: String,
+        #[source]
+        source: QuantityError,
+    },
+    #[error("VK_NODE_IP is not set and this host has no non-loopback IPv4 address: set VK_NODE_IP")]
+    NoNodeIp,
+}
+
+/// Upstream variables accepted and ignored, with the reason shown in `--help` and the log.
+pub const IGNORED: &[(&str, &str)] = &[
+    ("OCI_REGISTRY", "no registry: images and snapshots are in COCOON_ROOT_DIR"),
+    ("GOOGLE_APPLICATION_CREDENTIALS", "no registry credentials are used"),
+    ("VK_COCOON_BIN", "no cocoon CLI: VMs run through the built-in VMM layer"),
+    ("VK_COCOON_MACOS_BIN", "macOS guests are not supported"),
+    ("VK_LEASES_PATH", "IP leases are kept by the built-in VM network"),
+    ("VK_COCOON_NET_CONTROL_SOCKET", "there is no cocoon-net"),
+    ("COCOON_CGROUP_PARENT", "VMs are not placed in a cgroup by vk-cocoon"),
+    ("VK_RESTORE_MODE", "restores always copy the snapshot"),
+    ("VK_STAGING_DIR", "no peer or registry snapshot transfer"),
+    ("VK_PEER_ADDR", "no peer snapshot transfer"),
+    ("VK_COCOON_SNAPSHOT_DIR", "snapshots are in the local library"),
+    ("VK_METRICS_ADDR", "no metrics endpoint yet"),
+    ("VK_NODE_HUGEPAGES", "no hugepages capacity is advertised"),
+    ("SNAPSHOT_ZSTD_LEVEL", "no snapshot transfer"),
+    ("SNAPSHOT_CHUNK_SIZE_MIB", "no snapshot transfer"),
+    ("SNAPSHOT_TRANSFER_CONCURRENCY", "no snapshot transfer"),
+    ("SNAPSHOT_MEMORY_BUDGET_MIB", "no snapshot transfer"),
+    ("SNAPSHOT_PULL_BUDGET_MIB", "no snapshot transfer"),
+];
+
+/// The environment section of `--help`.
+pub fn env_help() -> String {
+    let mut s = String::from(
+        "Environment (virtual-node.md §3.1; an empty value counts as unset):\n  \
+         VK_NODE_NAME           node name (cocoon-pool); with --join-server its identity\n  \
+         VK_NODE_POOL           label cocoonstack.io/pool (default)\n  \
+         VK_KUBELET_PORT        kubelet HTTPS port, all interfaces (10250)\n  \
+         VK_NODE_IP             InternalIP (first non-loopback IPv4; fatal if none)\n  \
+         VK_TLS_CERT            serving certificate (/etc/cocoon/vk/tls/vk-kubelet.crt)\n  \
+         VK_TLS_KEY             serving key (/etc/cocoon/vk/tls/vk-kubelet.key);\n                         \
+         an unreadable pair → self-signed P-256\n  \
+         VK_PROVIDER_ID         spec.providerID\n  \
+         VK_SNAPSHOT_CPU_CLASS  label cocoonstack.io/snapshot-cpu-class;\n                         \
+         pods selecting another class are refused\n  \
+         VK_ORPHAN_POLICY       destroy (default) | alert | keep: unreferenced VMs at start-up\n  \
+         VK_RESERVE_PERCENT     20: allocatable = measured capacity × (100 − reserve)/100\n  \
+         VK_NODE_CPU            exact CPU capacity, a quantity (no reserve applied)\n  \
+         VK_NODE_MEM            exact memory capacity, a quantity (no reserve applied)\n  \
+         VK_NODE_STORAGE        exact ephemeral-storage capacity (no reserve applied)\n  \
+         VK_NODE_PODS           pod capacity (256)\n  \
+         COCOON_ROOT_DIR        VM state and image library (/var/lib/cocoon)\n  \
+         VK_LOG_LEVEL           log filter (info); RUST_LOG wins\n  \
+         VK_JOIN_TOKEN_FILE     as --join-token-file\n  \
+         KUBECONFIG             used without --join-server/--kubeconfig outside a cluster\n\n\
+         Accepted and ignored on this node:\n",
+    );
+    for (var, why) in IGNORED {
+        s.push_str(&format!("  {var:<30} {why}\n"));
+    }
+    s
+}
+
+fn non_empty(get: &dyn Fn(&str) -> Option<String>, var: &str) -> Option<String> {
+    get(var).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())
+}
+
+fn invalid(var: &'static str, value: &str, why: &'static str) -> ConfigError {
+    ConfigError::Invalid { var, value: value.to_owned(), why }
+}
+
+/// A positive quantity as whole units (`millis = true`: thousandths).
+fn positive_quantity(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &'static str,
+    millis: bool,
+) -> Result<Option<u64>, ConfigError> {
+    let Some(v) = non_empty(get, var) else { return Ok(None) };
+    let q = if millis { quantity::milli(&v) } else { quantity::units_ceil(&v) }
+        .map_err(|source| ConfigError::Quantity { var, value: v.clone(), source })?;
+    let n = u64::try_from(q).map_err(|_| invalid(var, &v, "is too large"))?;
+    if n == 0 {
+        return Err(invalid(var, &v, "is zero: zero allocatable rejects every pod"));
+    }
+    Ok(Some(n))
+}
+
+impl CocoonConfig {
+    /// From the process environment.
+    pub fn from_env() -> Result<CocoonConfig, ConfigError> {
+        CocoonConfig::from_lookup(&|k| std::env::var(k).ok(), first_non_loopback_ipv4)
+    }
+
+    /// From `get` (one variable's value), with `detect_ip` answering when `VK_NODE_IP` is unset.
+    pub fn from_lookup(
+        get: &dyn Fn(&str) -> Option<String>,
+        detect_ip: impl FnOnce() -> Option<Ipv4Addr>,
+    ) -> Result<CocoonConfig, ConfigError> {
+        let node_name = non_empty(get, "VK_NODE_NAME").unwrap_or_else(|| "cocoon-pool".into());
+        let pool = non_empty(get, "VK_NODE_POOL").unwrap_or_else(|| "default".into());
+        let kubelet_port = match non_empty(get, "VK_KUBELET_PORT") {
+            None => 10250,
+            Some(v) => match v.parse::<u16>() {
+                Ok(p) if p > 0 => p,
+                _ => return Err(invalid("VK_KUBELET_PORT", &v, "is not a TCP port 1-65535")),
+            },
+        };
+        let node_ip = match non_empty(get, "VK_NODE_IP") {
+            Some(v) => v.parse::<IpAddr>().map_err(|_| invalid("VK_NODE_IP", &v, "is not an IP address"))?,
+            None => IpAddr::V4(detect_ip().ok_or(ConfigError::NoNodeIp)?),
+        };
+        let orphan_policy = match non_empty(get, "VK_ORPHAN_POLICY").as_deref() {
+            None | Some("destroy") => OrphanPolicy::Destroy,
+            Some("alert") => OrphanPolicy::Alert,
+            Some("keep") => OrphanPolicy::Keep,
+            Some(v) => return Err(invalid("VK_ORPHAN_POLICY", v, "expected destroy, alert or keep")),
+        };
+        let reserve_percent = match non_empty(get, "VK_RESERVE_PERCENT") {
+            None => 20,
+            Some(v) => match v.parse::<u8>() {
+                Ok(p) if p < 100 => p,
+                _ => return Err(invalid("VK_RESERVE_PERCENT", &v, "expected a whole percentage 0-99")),
+            },
+        };
+        let pods = match non_empty(get, "VK_NODE_PODS") {
+            None => 256,
+            Some(v) => match v.parse::<u64>() {
+                Ok(n) if n > 0 => n,
+                _ => return Err(invalid("VK_NODE_PODS", &v, "expected a positive whole number")),
+            },
+        };
+        let overrides = CapacityOverrides {
+            cpu_millis: positive_quantity(get, "VK_NODE_CPU", true)?,
+            memory_bytes: positive_quantity(get, "VK_NODE_MEM", false)?,
+            storage_bytes: positive_quantity(get, "VK_NODE_STORAGE", false)?,
+            pods,
+        };
+        let log_level = non_empty(get, "VK_LOG_LEVEL").unwrap_or_else(|| "info".into());
+        let ignored = IGNORED
+            .iter()
+            .filter_map(|(var, _)| get(var).filter(|v| !v.trim().is_empty()).map(|v| (*var, v)))
+            .collect();
+        Ok(CocoonConfig {
+            node_name,
+            pool,
+            kubelet_port,
+            node_ip,
+            tls_cert: non_empty(get, "VK_TLS_CERT")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| "/etc/cocoon/vk/tls/vk-kubelet.crt".into()),
+            tls_key: non_empty(get, "VK_TLS_KEY")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| "/etc/cocoon/vk/tls/vk-kubelet.key".into()),
+            provider_id: non_empty(get, "VK_PROVIDER_ID"),
+            snapshot_cpu_class: non_empty(get, "VK_SNAPSHOT_CPU_CLASS"),
+            orphan_policy,
+            reserve_percent,
+            overrides,
+            root_dir: non_empty(get, "COCOON_ROOT_DIR").map(PathBuf::from).unwrap_or_else(|| "/var/lib/cocoon".into()),
+            log_level,
+            ignored,
+        })
+    }
+}
+
+/// The first IPv4 address of an interface that is up and not a loopback.
+pub fn first_non_loopback_ipv4() -> Option<Ipv4Addr> {
+    use nix::net::if_::InterfaceFlags;
+    let addrs = nix::ifaddrs::getifaddrs().ok()?;
+    for a in addrs {
+        if !a.flags.contains(InterfaceFlags::IFF_UP) || a.flags.contains(InterfaceFlags::IFF_LOOPBACK) {
+            continue;
+        }
+        let Some(sin) = a.address.as_ref().and_then(|s| s.as_sockaddr_in()) else { continue };
+        let ip = sin.ip();
+        if !ip.is_loopback() && !ip.is_unspecified() {
+            return Some(ip);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Result<CocoonConfig, ConfigError> {
+        let env: BTreeMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        CocoonConfig::from_lookup(&move |k| env.get(k).cloned(), || Some(Ipv4Addr::new(192, 0, 2, 7)))
+    }
+
+    #[test]
+    fn defaults_follow_the_spec() {
+        let c = cfg(&[]).unwrap();
+        assert_eq!((c.node_name.as_str(), c.pool.as_str(), c.kubelet_port), ("cocoon-pool", "default", 10250));
+        assert_eq!(c.node_ip, IpAddr::V4(Ipv4Addr::new(192, 0, 2, 7)));
+        assert_eq!(c.tls_cert, PathBuf::from("/etc/cocoon/vk/tls/vk-kubelet.crt"));
+        assert_eq!(c.tls_key, PathBuf::from("/etc/cocoon/vk/tls/vk-kubelet.key"));
+        assert_eq!((c.provider_id, c.snapshot_cpu_class), (None, None));
+        assert_eq!(c.orphan_policy, OrphanPolicy::Destroy);
+        assert_eq!(c.reserve_percent, 20);
+        assert_eq!(c.overrides, CapacityOverrides { pods: 256, ..CapacityOverrides::default() });
+        assert_eq!(c.root_dir, PathBuf::from("/var/lib/cocoon"));
+        assert_eq!(c.log_level, "info");
+        assert!(c.ignored.is_empty());
+    }
+
+    #[test]
+    fn values_are_parsed() {
+        let c = cfg(&[
+            ("VK_NODE_NAME", "n1"),
+            ("VK_NODE_POOL", "gpu"),
+            ("VK_KUBELET_PORT", "10333"),
+            ("VK_NODE_IP", "10.1.2.3"),
+            ("VK_TLS_CERT", "/c"),
+            ("VK_TLS_KEY", "/k"),
+            ("VK_PROVIDER_ID", "chrysalis://n1"),
+            ("VK_SNAPSHOT_CPU_CLASS", "skylake"),
+            ("VK_ORPHAN_POLICY", "alert"),
+            ("VK_RESERVE_PERCENT", "0"),
+            ("VK_NODE_CPU", "7500m"),
+            ("VK_NODE_MEM", "16Gi"),
+            ("VK_NODE_STORAGE", "100G"),
+            ("VK_NODE_PODS", "10"),
+            ("COCOON_ROOT_DIR", "/srv/cocoon"),
+            ("VK_LOG_LEVEL", "debug"),
+            ("OCI_REGISTRY", "ghcr.io/x"),
+            ("VK_COCOON_BIN", ""),
+        ])
+        .unwrap();
+        assert_eq!((c.node_name.as_str(), c.pool.as_str(), c.kubelet_port), ("n1", "gpu", 10333));
+        assert_eq!(c.node_ip.to_string(), "10.1.2.3");
+        assert_eq!((c.tls_cert.to_str(), c.tls_key.to_str()), (Some("/c"), Some("/k")));
+        assert_eq!(c.provider_id.as_deref(), Some("chrysalis://n1"));
+        assert_eq!(c.snapshot_cpu_class.as_deref(), Some("skylake"));
+        assert_eq!(c.orphan_policy, OrphanPolicy::Alert);
+        assert_eq!(c.reserve_percent, 0);
+        assert_eq!(
+            c.overrides,
+            CapacityOverrides {
+                cpu_millis: Some(7500),
+                memory_bytes: Some(16 << 30),
+                storage_bytes: Some(100_000_000_000),
+                pods: 10
+            }
+        );
+        assert_eq!(c.root_dir, PathBuf::from("/srv/cocoon"));
+        assert_eq!(c.log_level, "debug");
+        assert_eq!(c.ignored, vec![("OCI_REGISTRY", "ghcr.io/x".to_string())], "an empty value is not reported");
+        assert_eq!(cfg(&[("VK_ORPHAN_POLICY", "keep")]).unwrap().orphan_policy, OrphanPolicy::Keep);
+        assert_eq!(cfg(&[("VK_ORPHAN_POLICY", "destroy")]).unwrap().orphan_policy, OrphanPolicy::Destroy);
+    }
+
+    #[test]
+    fn errors_name_the_variable() {
+        for (var, value) in [
+            ("VK_ORPHAN_POLICY", "nuke"),
+            ("VK_KUBELET_PORT", "0"),
+            ("VK_KUBELET_PORT", "70000"),
+            ("VK_NODE_IP", "ten"),
+            ("VK_RESERVE_PERCENT", "100"),
+            ("VK_RESERVE_PERCENT", "-1"),
+            ("VK_NODE_PODS", "0"),
+            ("VK_NODE_CPU", "0"),
+            ("VK_NODE_CPU", "lots"),
+            ("VK_NODE_MEM", "8Tb"),
+            ("VK_NODE_STORAGE", "0Gi"),
+        ] {
+            let e = cfg(&[(var, value)]).unwrap_err();
+            assert!(e.to_string().starts_with(&format!("{var}=")), "{var}={value}: {e}");
+        }
+        let none = CocoonConfig::from_lookup(&|_| None, || None).unwrap_err();
+        assert_eq!(none, ConfigError::NoNodeIp);
+        assert!(none.to_string().contains("VK_NODE_IP"));
+    }
+
+    #[test]
+    fn help_lists_every_ignored_variable() {
+        let h = env_help();
+        for (var, _) in IGNORED {
+            assert!(h.contains(var), "{var}");
+        }
+        assert!(h.contains("VK_ORPHAN_POLICY") && h.contains("COCOON_ROOT_DIR"));
+    }
+
+    #[test]
+    fn this_host_has_an_ipv4_or_says_so() {
+        // The detector must not return a loopback address, whatever the host has.
+        if let Some(ip) = first_non_loopback_ipv4() {
+            assert!(!ip.is_loopback());
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! Pod events the provider records itself (`virtual-node.md` §3.8), besides the runtime's
+//! `Provider*` events. Every Warning here also sets `vm.cocoonstack.io/lifecycle-state=failed`
+//! on the Pod (done by the caller). [`EventSink`] decouples the provider from the API client:
+//! [`KubeEvents`] writes through `vnode`'s recorder; tests use [`RecordedEvents`].
+
+use std::sync::Mutex;
+
+use k8s_openapi::api::core::v1::Pod;
+
+/// Warning: run/clone failed (the create is retried).
+pub const CREATE_BRING_UP_FAILED: &str = "CreateBringUpFailed";
+/// Warning: the clone's network could not be configured within the deadline.
+pub const POST_CLONE_EXEC_EXHAUSTED: &str = "PostCloneExecExhausted";
+/// Normal: the clone's network is configured.
+pub const POST_CLONE_SUCCEEDED: &str = "PostCloneSucceeded";
+/// Normal: a VM that outlived a provider restart was adopted.
+pub const RESUMED_AFTER_RESTART: &str = "ResumedAfterRestart";
+/// Warning: an adopted VM was stopped and could not be started.
+pub const RESUME_START_FAILED: &str = "ResumeStartFailed";
+/// Warning: `vm.cocoonstack.io/hibernate` asked for something this node cannot do.
+pub const HIBERNATE_UNSUPPORTED: &str = "HibernateUnsupported";
+/// Warning + pod `Failed` reasons of the VM watcher.
+pub const VM_GONE: &str = "VMGone";
+pub const RESTART_COOLDOWN: &str = "RestartCooldown";
+pub const RESTART_FAILED: &str = "RestartFailed";
+/// Normal: the watcher started a VM that had stopped.
+pub const VM_RESTARTED: &str = "VMRestarted";
+
+/// Where provider events go. Recording never blocks or fails the caller.
+pub trait EventSink: Send + Sync {
+    /// Records a `Normal` (`warning == false`) or `Warning` event about `pod`.
+    fn record(&self, pod: &Pod, warning: bool, reason: &str, message: &str);
+}
+
+/// Events written to the API as the node (through `vnode::events::Recorder`).
+pub struct KubeEvents(pub vnode::events::Recorder);
+
+impl EventSink for KubeEvents {
+    fn record(&self, pod: &Pod, warning: bool, reason: &str, message: &str) {
+        if warning {
+            self.0.warning(pod, reason, message);
+        } else {
+            self.0.normal(pod, reason, message);
+        }
+    }
+}
+
+/// One recorded event (tests).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recorded {
+    /// `namespace/name` of the Pod.
+    pub pod: String,
+    pub warning: bool,
+    pub reason: String,
+    pub message: String,
+}
+
+/// Keeps events in memory (tests, and a provider before it has a client).
+#[derive(Debug, Default)]
+pub struct RecordedEvents(Mutex<Vec<Recorded>>);
+
+impl RecordedEvents {
+    /// Every event so far.
+    pub fn all(&self) -> Vec<Recorded> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// The reasons so far, in order.
+    pub fn reasons(&self) -> Vec<String> {
+        self.all().into_iter().map(|e| e.reason).collect()
+    }
+}
+
+impl EventSink for RecordedEvents {
+    fn record(&self, pod: &Pod, warning: bool, reason: &str, message: &str) {
+        let key = vnode::PodKey::of(pod).to_string();
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Recorded {
+            pod: key,
+            warning,
+            reason: reason.to_owned(),
+            message: message.to_owned(),
+        });
+    }
+}

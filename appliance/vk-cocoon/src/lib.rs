@@ -1,0 +1,32 @@
+//! The vk-cocoon provider (`shared/spec/virtual-node.md` §3): every Pod bound to this virtual
+//! node gets one microVM of its own, booted from an image (`mode: run`) or cloned from a
+//! snapshot (`mode: clone`), on the `vnode` runtime.
+//!
+//! Code map: [`config`] (the §3.1 environment), [`node`] (the Node: labels, taint, measured
+//! capacity, conditions), [`annotations`] (the Pod contract), [`backend`] (the [`VmBackend`]
+//! trait every VM operation goes through), [`provider`] ([`CocoonProvider`]: CreatePod,
+//! UpdatePod, DeletePod; the decisions on snapshots, authority and state are documented
+//! there), [`probe`] (readiness), [`watcher`] (VMs that die on their own), [`reconcile`]
+//! (start-up adoption and orphans), [`status`] (pushed Pod status), [`events`],
+//! [`quantity`], [`test_utils`] ([`test_utils::FakeBackend`]).
+//!
+//! Architecture invariants: the provider never spawns a hypervisor or touches an image itself
+//! (only through [`VmBackend`]); a failed VM listing is never read as empty; nothing is
+//! persisted by the provider — a restart derives its state from the backend's VM list and the
+//! Pods' annotations.
+
+pub mod annotations;
+pub mod backend;
+pub mod config;
+pub mod events;
+pub mod node;
+mod probe;
+pub mod provider;
+pub mod quantity;
+pub mod reconcile;
+pub mod status;
+pub mod test_utils;
+pub mod watcher;
+
+pub use backend::{BackendError, Hypervisor, SnapshotRef, VmBackend, VmInfo, VmState};
+pub use provider::{BackgroundLoops, CocoonProvider, CocoonProviderError, ProviderConfig};

@@ -1,0 +1,186 @@
+//! `vk-cocoon`: the virtual node whose Pods each boot or clone one microVM
+//! (`shared/spec/virtual-node.md` §3). A thin binary: environment → [`CocoonConfig`] → the
+//! [`CocoonProvider`] under the `vnode` runtime.
+//!
+//! Start-up: parse the environment (errors name the variable; inapplicable upstream variables
+//! are logged as ignored); create `COCOON_ROOT_DIR` and measure the host; open the VM backend;
+//! join the cluster (`--join-server`) or use a kubeconfig; list the node's Pods and run the
+//! start-up reconcile — retried until it succeeds, since the node must not register before it
+//! knows its VMs; start the VM watcher; run the node until SIGTERM/SIGINT (restarted with a
+//! fresh client after each certificate renewal). A stop — or a crash — leaves every VM running;
+//! the next start adopts them. Errors print as one chain and exit 1.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ListParams;
+use vk_cocoon::config::{self, CocoonConfig};
+use vk_cocoon::events::KubeEvents;
+use vk_cocoon::node::{self, HostResources};
+use vk_cocoon::{CocoonProvider, ProviderConfig, VmBackend};
+use vnode::session::{terminated, JoinArgs, Session};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "vk-cocoon",
+    version,
+    about = "A virtual Kubernetes node whose Pods each boot or clone one microVM.",
+    long_about = "A virtual Kubernetes node whose Pods each boot or clone one microVM.\n\n\
+        A Pod scheduled here (nodeSelector cocoonstack.io/pool=<pool>, toleration \
+        virtual-kubelet.io/provider Exists NoSchedule, annotation vm.cocoonstack.io/name; \
+        cocoonset.cocoonstack.io/managed \"true\" with mode run + image, or mode clone + a \
+        snapshot repo[:tag]) gets a VM of its own. Deleting it saves <vm-name>:latest per \
+        cocoonset.cocoonstack.io/snapshot-policy, then removes the VM.\n\n\
+        Configured by environment variables (below); the only flags are the cluster join flags. \
+        The kubeconfig order is --kubeconfig, the in-cluster service account, then $KUBECONFIG.",
+    after_long_help = config::env_help(),
+    mut_arg("credentials_dir", |a| a.default_value("/var/lib/vk-cocoon/pki"))
+)]
+struct Cli {
+    #[command(flatten)]
+    join: JoinArgs,
+}
+
+/// The VM backend of this build. The production backend (vmm drivers + the image library +
+/// VM networking) is plugged in here; until it is, the binary refuses to start rather than
+/// pretend to run VMs.
+fn open_backend(cfg: &CocoonConfig) -> anyhow::Result<Arc<dyn VmBackend>> {
+    bail!(
+        "this build has no VM backend yet (vmm + images + vmnet under {}); vk-cocoon cannot run pods",
+        cfg.root_dir.display()
+    )
+}
+
+/// Every Pod bound to the node (a failure is an error: reconcile needs the complete list).
+async fn node_pods(client: &kube::Client, node: &str) -> anyhow::Result<Vec<Pod>> {
+    let api: kube::Api<Pod> = kube::Api::all(client.clone());
+    let list = api
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await
+        .with_context(|| format!("listing the pods bound to {node}"))?;
+    Ok(list.items)
+}
+
+async fn run(cli: Cli, cfg: CocoonConfig) -> anyhow::Result<()> {
+    for (var, _) in &cfg.ignored {
+        // Names only: a value may be a credential's location.
+        let why = config::IGNORED.iter().find(|(v, _)| v == var).map(|(_, w)| *w).unwrap_or("");
+        tracing::info!(var, why, "environment variable ignored on this node");
+    }
+    std::fs::create_dir_all(&cfg.root_dir)
+        .with_context(|| format!("COCOON_ROOT_DIR={}: creating the directory", cfg.root_dir.display()))?;
+    let host = HostResources::measure(&cfg.root_dir).context("measuring the host")?;
+    let (node_cfg, runtime) = node::setup(&cfg, &host).context("the node's capacity")?;
+    tracing::info!(node = %cfg.node_name, ip = %cfg.node_ip, capacity = ?node_cfg.capacity, "node configured");
+    let backend = open_backend(&cfg)?;
+    let mut pcfg = ProviderConfig::new(cfg.node_ip.to_string());
+    pcfg.cpu_class = cfg.snapshot_cpu_class.clone();
+    pcfg.orphan_policy = cfg.orphan_policy;
+    let provider = Arc::new(CocoonProvider::new(backend, pcfg));
+
+    let session = Session::open(&cli.join, &cfg.node_name).await?;
+    let mut stop = std::pin::pin!(terminated());
+    // The node registers only after the reconcile succeeded.
+    let mut delay = Duration::from_secs(1);
+    loop {
+        let attempt = async {
+            let client = session.client().await?;
+            let pods = node_pods(&client, &cfg.node_name).await?;
+            let report = provider.reconcile_startup(&pods).await?;
+            anyhow::Ok(report)
+        };
+        tokio::select! {
+            r = attempt => match r {
+                Ok(report) => {
+                    tracing::info!(adoptable = report.adoptable.len(), orphans_destroyed = report.orphans_destroyed.len(), orphans_left = report.orphans_left.len(), "start-up reconcile succeeded");
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = format!("{e:#}"), retry_in = ?delay, "start-up reconcile failed; the node does not register until it succeeds");
+                }
+            },
+            _ = &mut stop => return Ok(()),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = &mut stop => return Ok(()),
+        }
+        delay = (delay * 2).min(Duration::from_secs(30));
+    }
+    let _watcher = provider.spawn_watcher();
+    let node_name = cfg.node_name.clone();
+    let events_for = provider.clone();
+    session
+        .run(node_cfg, runtime, provider, &mut stop, move |client| {
+            events_for.set_events(Arc::new(KubeEvents(vnode::events::Recorder::new(
+                client.clone(),
+                node_name.clone(),
+                false,
+            ))));
+        })
+        .await?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let cfg = match CocoonConfig::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("vk-cocoon: {}", vk_cocoon::provider::error_chain(&e));
+            return ExitCode::FAILURE;
+        }
+    };
+    let filter = match tracing_subscriber::EnvFilter::try_from_default_env() {
+        Ok(f) => f,
+        Err(_) => match tracing_subscriber::EnvFilter::try_new(&cfg.log_level) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("vk-cocoon: VK_LOG_LEVEL={:?}: {e}", cfg.log_level);
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
+    // kube and the kubelet endpoint use rustls; pick its ring provider once (already set is fine).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    match run(cli, cfg).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vk-cocoon: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_has_only_the_join_flags_and_documents_the_environment() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from(["vk-cocoon"]).unwrap();
+        assert_eq!(cli.join.credentials_dir, std::path::PathBuf::from("/var/lib/vk-cocoon/pki"));
+        let help = Cli::command().render_long_help().to_string();
+        for s in ["--join-server", "VK_ORPHAN_POLICY", "OCI_REGISTRY", "VK_COCOON_BIN", "ignored"] {
+            assert!(help.contains(s), "{s} missing from --help");
+        }
+        let ids: Vec<String> = Cli::command().get_arguments().map(|a| a.get_id().to_string()).collect();
+        for id in &ids {
+            assert!(
+                ["kubeconfig", "join_server", "join_token_file", "join_ca_hash", "credentials_dir", "help", "version"]
+                    .contains(&id.as_str()),
+                "unexpected flag {id}"
+            );
+        }
+    }
+}

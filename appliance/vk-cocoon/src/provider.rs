@@ -1,0 +1,1069 @@
+//! [`CocoonProvider`]: the [`vnode::Provider`] that gives each Pod bound to this node one
+//! microVM of its own (`virtual-node.md` §3.4–§3.7), through a [`VmBackend`].
+//!
+//! # Expected flow
+//! * **CreatePod** (key `ns/name`): a tracked entry of an older Pod under the key is retired
+//!   first (its VM kept for adoption when the new Pod names the same VM, else deleted as in
+//!   DeletePod) → 1. parse the annotations (`vm.cocoonstack.io/name` required; CPU-class gate;
+//!   hypervisor check) → 3. *unmanaged*: track the pre-assigned `id`/`ip`, no backend call →
+//!   2. *adopt* a live VM: from the start-up map by `vm.cocoonstack.io/id`, then by name, else a
+//!   VM of this name in a fresh listing (a create whose answer was lost; a failed listing fails
+//!   the create rather than boot a duplicate); a stopped one is started, a `Creating` leftover
+//!   removed → 4. *managed*: `run` the image or `clone` the snapshot (`repo[:tag]`, bare =
+//!   `latest`), pushing `lifecycle-state=creating` first; a failure records Warning
+//!   `CreateBringUpFailed`, pushes `lifecycle-state=failed` and returns the error (retried) →
+//!   6. `id`/`ip` written back on every push → 7. clones (and adopted clones not yet `ready`):
+//!   guest network configuration every 3 s for ≤ 180 s, exhaustion → `post-clone-hint`,
+//!   Warning `PostCloneExecExhausted`, lifecycle `failed` → 8. one synchronous probe, `Running`
+//!   + `startTime` pushed, the probe loop started.
+//! * **Probe** ([`crate::probe`]): TCP to `probe-port`, else the agent's `info`; unmanaged
+//!   without a port: "has an IP". 100 ms ×1.5 → 1 s until Ready, then every 5 s; 3 consecutive
+//!   failures flip Ready off. Every flip is pushed.
+//! * **UpdatePod**: another UID under the key → CreatePod; else the Pod is stored (probe port
+//!   and snapshot policy follow it). Hibernation is not supported: `hibernate: "true"` gets a
+//!   Warning `HibernateUnsupported` and a `lifecycle-state-message`, the VM keeps running.
+//! * **DeletePod**: unmanaged → forget. Managed: [`annotations::delete_policy`] says whether to
+//!   save `<vm-name>:latest`; if so and the VM runs, `snapshot_save` (failure → the VM and the
+//!   entry stay, the error is returned and the runtime retries); `remove` (absent = OK);
+//!   `release_ip` (best effort); when the policy saves no snapshot and `keep-snapshot-on-delete`
+//!   is not `"true"`, `<vm-name>:latest` is dropped (best effort); forget. (A VM that is not
+//!   running when a policy wants a snapshot is removed without one, and its earlier snapshot
+//!   is kept.)
+//! * **VM watcher** ([`crate::watcher`]) and **start-up reconcile** ([`crate::reconcile`]).
+//!
+//! # Decisions
+//! * **Snapshot naming.** DeletePod saves under `<vm-name>:latest`, where `<vm-name>` is the
+//!   Pod's `vm.cocoonstack.io/name`; a later Pod clones it with `mode: clone` and
+//!   `image: <vm-name>`. (Not under the image repo: the image library names images and
+//!   snapshots in one namespace, and a snapshot tagged `latest` under the image's repo would
+//!   shadow the image every other Pod boots.)
+//! * **Spec §3.7 step 4 vs "a later clone boots from it".** The snapshot a policy asked for is
+//!   the deliverable of the delete, so it is kept (upstream pushes it to a registry before
+//!   dropping its *local* copies; here the library is the registry). Step 4 applies when no
+//!   snapshot was saved (`never`, or `main-only` on a sub-agent): the VM's stale
+//!   `<vm-name>:latest` is dropped unless `keep-snapshot-on-delete: "true"`.
+//! * **Owner authority (§2.7).** Not adopted: as upstream vk-cocoon, deleting a managed Pod
+//!   *is* the VM's end (`managed: "true"` hands the lifecycle to this provider), and continuity
+//!   across Pods goes through the snapshot policy, not through a preserved VM. What keeps §5
+//!   pitfall 1: DeletePod only runs for a Pod the API deleted; a failed snapshot keeps the VM;
+//!   unmanaged VMs are never touched; orphans are destroyed only after a complete VM listing
+//!   *and* a complete Pod listing name no Pod for them (`VK_ORPHAN_POLICY` can turn that off).
+//! * **Two Pods, one VM name.** Refused (the second CreatePod fails naming the first), unlike
+//!   upstream where the second Pod would adopt the first one's VM.
+//! * **State.** Nothing is persisted by the provider: what a restart needs is derived from the
+//!   backend's VM list (durable names, ids, states) and the Pods' annotations (`id`,
+//!   `lifecycle-state`); see [`crate::reconcile`]. Restart cooldowns and probe state start
+//!   afresh.
+//!
+//! # Caveats
+//! A Pod deleted while its status shows no running container is force-deleted by the runtime
+//! without a DeletePod call (§1.2 rule 1); a VM booted at that moment is left to the next
+//! start-up reconcile (orphan policy).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use base64::Engine;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use tokio::task::AbortHandle;
+use vnode::{PodKey, PodNotifier, Provider, ProviderError};
+
+use crate::annotations::{self, AnnotationError, Mode, VmSpec};
+use crate::backend::{BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotRef, VmBackend, VmInfo, VmState};
+use crate::config::OrphanPolicy;
+use crate::events::{self, EventSink, RecordedEvents};
+use crate::status::{self, VmView};
+
+/// Timings and node facts of a [`CocoonProvider`].
+#[derive(Debug, Clone)]
+pub struct ProviderConfig {
+    /// Reported as every Pod's `hostIP`.
+    pub node_ip: String,
+    /// The node's `VK_SNAPSHOT_CPU_CLASS`.
+    pub cpu_class: Option<String>,
+    /// `VK_ORPHAN_POLICY`.
+    pub orphan_policy: OrphanPolicy,
+    /// First pre-Ready probe delay (100 ms), growth factor (1.5) and cap (1 s).
+    pub probe_initial: Duration,
+    pub probe_factor: f64,
+    pub probe_max: Duration,
+    /// Probe period once Ready (5 s).
+    pub probe_ready_interval: Duration,
+    /// Consecutive failures that flip Ready off (3).
+    pub probe_failures: u32,
+    /// One probe's time limit (2 s).
+    pub probe_timeout: Duration,
+    /// VM watcher period (2 s).
+    pub watch_interval: Duration,
+    /// A VM that stops again within this long after a restart is removed (30 s).
+    pub restart_cooldown: Duration,
+    /// Post-clone network configuration: retry period (3 s) and deadline (180 s).
+    pub net_retry_interval: Duration,
+    pub net_deadline: Duration,
+}
+
+impl ProviderConfig {
+    /// The spec's timings.
+    pub fn new(node_ip: impl Into<String>) -> ProviderConfig {
+        ProviderConfig {
+            node_ip: node_ip.into(),
+            cpu_class: None,
+            orphan_policy: OrphanPolicy::Destroy,
+            probe_initial: Duration::from_millis(100),
+            probe_factor: 1.5,
+            probe_max: Duration::from_secs(1),
+            probe_ready_interval: Duration::from_secs(5),
+            probe_failures: 3,
+            probe_timeout: Duration::from_secs(2),
+            watch_interval: Duration::from_secs(2),
+            restart_cooldown: Duration::from_secs(30),
+            net_retry_interval: Duration::from_secs(3),
+            net_deadline: Duration::from_secs(180),
+        }
+    }
+}
+
+/// Why a provider call failed. The chain becomes the Pod's `ProviderFailed` message.
+#[derive(Debug, thiserror::Error)]
+pub enum CocoonProviderError {
+    #[error("pod {key}")]
+    Annotation {
+        key: String,
+        #[source]
+        source: AnnotationError,
+    },
+    #[error(
+        "pod {key} selects snapshot CPU class {wanted:?} but this node's class is {node:?}: \
+         schedule it onto a node of that class"
+    )]
+    CpuClass { key: String, wanted: String, node: Option<String> },
+    #[error("pod {key}: hypervisor {wanted} is unsupported on this node (it runs: {available})")]
+    Hypervisor { key: String, wanted: Hypervisor, available: String },
+    #[error("pod {key}: VM name {name} is already used by pod {other}; give each pod its own vm.cocoonstack.io/name")]
+    VmNameTaken { key: String, name: String, other: String },
+    #[error("pod {key}: the VMs cannot be listed, so a VM named {name} may exist; not booting a duplicate")]
+    List {
+        key: String,
+        name: String,
+        #[source]
+        source: BackendError,
+    },
+    #[error(
+        "pod {key}: snapshot {snapshot} is not in the image library: delete a pod whose \
+         vm.cocoonstack.io/name is {repo} with snapshot-policy always to create it, or use mode run",
+        repo = .snapshot.repo
+    )]
+    SnapshotMissing { key: String, snapshot: SnapshotRef },
+    /// `what`: the VM and the step, e.g. `VM vm-a (run of image ubuntu)`.
+    #[error("pod {key}: bringing up {what}")]
+    BringUp {
+        key: String,
+        what: String,
+        #[source]
+        source: BackendError,
+    },
+    #[error("pod {key}: starting the stopped VM {id} to adopt it")]
+    Adopt {
+        key: String,
+        id: String,
+        #[source]
+        source: BackendError,
+    },
+    #[error("pod {key}: cannot tell whether VM {id} runs, so cannot decide on its snapshot; the VM is kept")]
+    Inspect {
+        key: String,
+        id: String,
+        #[source]
+        source: BackendError,
+    },
+    #[error("pod {key}: saving snapshot {snapshot} of VM {id} failed; the VM is kept and the delete retried")]
+    Snapshot {
+        key: String,
+        id: String,
+        snapshot: SnapshotRef,
+        #[source]
+        source: Box<BackendError>,
+    },
+    #[error("pod {key}: removing VM {id}")]
+    Remove {
+        key: String,
+        id: String,
+        #[source]
+        source: BackendError,
+    },
+    #[error("start-up reconcile: the VMs cannot be listed")]
+    Reconcile(#[source] BackendError),
+}
+
+/// The provider error the runtime shows: the whole chain as one message.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct ReportedError(String);
+
+fn report(e: &dyn std::error::Error) -> ProviderError {
+    ProviderError::new(ReportedError(error_chain(e)))
+}
+
+/// `e: cause: cause…` on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// `vm.cocoonstack.io/lifecycle-state`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lifecycle {
+    Creating,
+    Ready,
+    Failed,
+}
+
+impl Lifecycle {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lifecycle::Creating => "creating",
+            Lifecycle::Ready => "ready",
+            Lifecycle::Failed => "failed",
+        }
+    }
+}
+
+/// Why a tracked Pod is `Failed`.
+#[derive(Debug, Clone)]
+pub(crate) struct Terminal {
+    pub reason: String,
+    pub message: String,
+    pub at: Time,
+}
+
+/// One tracked Pod and its VM.
+pub(crate) struct Entry {
+    /// The latest Pod from the API (its status is replaced on every push).
+    pub pod: Pod,
+    pub uid: String,
+    pub spec: VmSpec,
+    pub vm: VmInfo,
+    pub started_at: Time,
+    pub lifecycle: Lifecycle,
+    pub message: Option<String>,
+    pub hint: Option<String>,
+    /// The probe's verdict; Ready = this ∧ lifecycle `ready`.
+    pub probe_ok: bool,
+    /// Consecutive probe failures while `probe_ok`.
+    pub failures: u32,
+    /// Evicted: the Pod is `Failed` and the VM gone.
+    pub terminal: Option<Terminal>,
+    /// When the watcher last started this VM again.
+    pub last_restart: Option<tokio::time::Instant>,
+    /// Distinguishes this entry from an earlier one under the same key (background tasks
+    /// check it after every await).
+    pub gen: u64,
+    /// A provider call is working on the VM (create finishing, delete): the watcher and the
+    /// probe loop leave it alone.
+    pub busy: bool,
+    /// The probe loop's task.
+    pub probe: Option<AbortHandle>,
+    /// The hibernate request was already answered.
+    pub hibernate_noted: bool,
+}
+
+impl Entry {
+    pub fn ready(&self) -> bool {
+        self.probe_ok && self.lifecycle == Lifecycle::Ready && self.terminal.is_none()
+    }
+
+    /// The annotations vk-cocoon writes back (none for unmanaged Pods: their VM is not ours).
+    fn out_annotations(&self) -> BTreeMap<String, String> {
+        if !self.spec.managed {
+            return BTreeMap::new();
+        }
+        let mut a = lifecycle_annotations(self.lifecycle, self.message.as_deref());
+        a.insert(annotations::VM_ID.into(), self.vm.id.clone());
+        if let Some(ip) = &self.vm.ip {
+            a.insert(annotations::VM_IP.into(), ip.clone());
+        }
+        if let Some(h) = &self.hint {
+            a.insert(annotations::POST_CLONE_HINT.into(), h.clone());
+        }
+        a
+    }
+
+    /// The Pod as pushed: status from the VM, annotations written back.
+    pub fn view(&self, node_ip: &str) -> Pod {
+        let v = VmView {
+            vm_id: &self.vm.id,
+            ip: self.vm.ip.as_deref(),
+            node_ip,
+            started_at: &self.started_at,
+            ready: self.ready(),
+        };
+        let st = match &self.terminal {
+            Some(t) => status::failed(&self.pod, &v, &t.reason, &t.message, &t.at),
+            None => status::running(&self.pod, &v),
+        };
+        status::pushed(&self.pod, st, &self.out_annotations())
+    }
+
+    fn stop_probe(&mut self) {
+        if let Some(h) = self.probe.take() {
+            h.abort();
+        }
+    }
+}
+
+/// `lifecycle-state` and `lifecycle-state-message`. The message is written empty when there
+/// is none: a push can add or change annotations but never remove one (the runtime merges
+/// them into `pods/status`), so an empty value is how an earlier message is cleared.
+fn lifecycle_annotations(l: Lifecycle, message: Option<&str>) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (annotations::LIFECYCLE_STATE.to_owned(), l.as_str().to_owned()),
+        (annotations::LIFECYCLE_MESSAGE.to_owned(), message.unwrap_or_default().to_owned()),
+    ])
+}
+
+#[derive(Default)]
+pub(crate) struct Inner {
+    /// Key → tracked Pod.
+    pub entries: BTreeMap<String, Entry>,
+    /// VM id → a live VM found at start-up that a Pod references and no Pod has adopted yet.
+    pub adoptable: BTreeMap<String, VmInfo>,
+    /// Ids in `adoptable` that outlived a provider restart (found by the start-up reconcile),
+    /// as opposed to a VM handed from an older Pod to a newer one under the same key.
+    pub restarted: BTreeSet<String>,
+    /// VM name → the key creating it (between the name check and the entry).
+    pub reserved: BTreeMap<String, String>,
+    pub next_gen: u64,
+}
+
+/// The provider's shared state (background tasks hold it too).
+pub(crate) struct Shared {
+    pub backend: Arc<dyn VmBackend>,
+    pub cfg: ProviderConfig,
+    inner: Mutex<Inner>,
+    notifier: Mutex<Option<PodNotifier>>,
+    events: Mutex<Arc<dyn EventSink>>,
+}
+
+/// Releases a VM-name reservation when the create ends, however it ends.
+struct Reservation {
+    shared: Arc<Shared>,
+    name: String,
+    key: String,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut g = self.shared.lock();
+        if g.reserved.get(&self.name) == Some(&self.key) {
+            g.reserved.remove(&self.name);
+        }
+    }
+}
+
+fn uid_of(pod: &Pod) -> String {
+    pod.metadata.uid.clone().unwrap_or_default()
+}
+
+fn now() -> Time {
+    Time(Timestamp::now())
+}
+
+impl Shared {
+    pub fn lock(&self) -> MutexGuard<'_, Inner> {
+        // No await under the lock: the tables are whole at every unlock, so a poisoned lock
+        // (a panic elsewhere) still guards valid data.
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub fn notify(&self, pod: Pod) {
+        let n = self.notifier.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        match n {
+            Some(n) => n.notify(pod),
+            None => tracing::debug!("no notifier yet; status push dropped"),
+        }
+    }
+
+    pub fn event(&self, pod: &Pod, warning: bool, reason: &str, message: &str) {
+        if warning {
+            tracing::warn!(reason, message, "pod event");
+        } else {
+            tracing::info!(reason, message, "pod event");
+        }
+        let sink = self.events.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        sink.record(pod, warning, reason, message);
+    }
+
+    /// Pushes the entry at `key` if it is still generation `gen`.
+    pub fn push_entry(&self, key: &str, gen: u64) {
+        let view = self.lock().entries.get(key).filter(|e| e.gen == gen).map(|e| e.view(&self.cfg.node_ip));
+        if let Some(v) = view {
+            self.notify(v);
+        }
+    }
+
+    /// A Pending push carrying a lifecycle state (before a VM exists, or after a failed bring-up).
+    fn push_pending(&self, pod: &Pod, l: Lifecycle, message: Option<&str>) {
+        self.notify(status::pushed(pod, status::pending(pod), &lifecycle_annotations(l, message)));
+    }
+
+    fn insert_entry(&self, key: &str, pod: &Pod, spec: VmSpec, vm: VmInfo, lifecycle: Lifecycle) -> u64 {
+        let mut g = self.lock();
+        g.next_gen += 1;
+        let gen = g.next_gen;
+        let started_at = pod.status.as_ref().and_then(|s| s.start_time.clone()).unwrap_or_else(now);
+        let entry = Entry {
+            pod: pod.clone(),
+            uid: uid_of(pod),
+            spec,
+            vm,
+            started_at,
+            lifecycle,
+            message: None,
+            hint: None,
+            probe_ok: false,
+            failures: 0,
+            terminal: None,
+            last_restart: None,
+            gen,
+            busy: true,
+            probe: None,
+            hibernate_noted: false,
+        };
+        if let Some(mut old) = g.entries.insert(key.to_owned(), entry) {
+            old.stop_probe();
+        }
+        gen
+    }
+
+    // ------------------------------------------------------------------ CreatePod
+
+    #[tracing::instrument(name = "create_pod", skip_all, fields(pod = %PodKey::of(pod), vm = tracing::field::Empty))]
+    async fn create(self: &Arc<Self>, pod: &Pod) -> Result<(), CocoonProviderError> {
+        let key = PodKey::of(pod).to_string();
+        let uid = uid_of(pod);
+        let same = self.lock().entries.get(&key).map(|e| e.uid == uid);
+        match same {
+            Some(true) => return self.update(pod).await,
+            Some(false) => self.retire(&key, pod).await?,
+            None => {}
+        }
+        // 1. The spec.
+        let spec =
+            annotations::parse(pod).map_err(|source| CocoonProviderError::Annotation { key: key.clone(), source })?;
+        if let Some(wanted) = annotations::selected_cpu_class(pod) {
+            if self.cfg.cpu_class.as_deref() != Some(wanted) {
+                return Err(CocoonProviderError::CpuClass {
+                    key,
+                    wanted: wanted.to_owned(),
+                    node: self.cfg.cpu_class.clone(),
+                });
+            }
+        }
+        // 3. Unmanaged: only tracked.
+        if !spec.managed {
+            return self.track_unmanaged(&key, pod, spec).await;
+        }
+        let hypervisor = self.hypervisor_for(&key, &spec)?;
+        // 2. Adopt a live VM.
+        let _reservation = self.reserve(&key, &spec.vm_name)?;
+        if let Some((vm, from_startup)) = self.find_adoptable(&key, pod, &spec).await? {
+            return self.adopt(&key, pod, spec, hypervisor, vm, from_startup).await;
+        }
+        // 4. Boot.
+        self.boot(&key, pod, spec, hypervisor).await
+    }
+
+    fn hypervisor_for(&self, key: &str, spec: &VmSpec) -> Result<Hypervisor, CocoonProviderError> {
+        let available = self.backend.hypervisors();
+        let wanted = spec.hypervisor.or_else(|| available.first().copied()).unwrap_or(Hypervisor::Qemu);
+        if !available.contains(&wanted) {
+            return Err(CocoonProviderError::Hypervisor {
+                key: key.to_owned(),
+                wanted,
+                available: available.iter().map(|h| h.as_str()).collect::<Vec<_>>().join(", "),
+            });
+        }
+        Ok(wanted)
+    }
+
+    /// Claims `name` for `key`, refusing a name another live Pod uses or is creating.
+    fn reserve(self: &Arc<Self>, key: &str, name: &str) -> Result<Reservation, CocoonProviderError> {
+        let mut g = self.lock();
+        let other = g
+            .entries
+            .iter()
+            .find(|(k, e)| k.as_str() != key && e.terminal.is_none() && e.spec.managed && e.spec.vm_name == name)
+            .map(|(k, _)| k.clone())
+            .or_else(|| g.reserved.get(name).filter(|k| k.as_str() != key).cloned());
+        if let Some(other) = other {
+            return Err(CocoonProviderError::VmNameTaken { key: key.to_owned(), name: name.to_owned(), other });
+        }
+        g.reserved.insert(name.to_owned(), key.to_owned());
+        Ok(Reservation { shared: self.clone(), name: name.to_owned(), key: key.to_owned() })
+    }
+
+    /// Step 2's candidates: the adoptable map by id, then by name; else a VM of this name in a
+    /// fresh listing that no entry tracks. `true` = the VM outlived a provider restart.
+    async fn find_adoptable(
+        &self,
+        key: &str,
+        pod: &Pod,
+        spec: &VmSpec,
+    ) -> Result<Option<(VmInfo, bool)>, CocoonProviderError> {
+        {
+            let mut g = self.lock();
+            let by_id = annotations::value(pod, annotations::VM_ID).and_then(|id| g.adoptable.get(id)).cloned();
+            let found = by_id.or_else(|| g.adoptable.values().find(|v| v.name == spec.vm_name).cloned());
+            if let Some(vm) = found {
+                g.adoptable.remove(&vm.id);
+                let restarted = g.restarted.remove(&vm.id);
+                return Ok(Some((vm, restarted)));
+            }
+        }
+        let vms = self.backend.list().await.map_err(|source| CocoonProviderError::List {
+            key: key.to_owned(),
+            name: spec.vm_name.clone(),
+            source,
+        })?;
+        let g = self.lock();
+        let tracked: BTreeSet<&str> =
+            g.entries.values().filter(|e| e.terminal.is_none()).map(|e| e.vm.id.as_str()).collect();
+        Ok(vms.into_iter().find(|v| v.name == spec.vm_name && !tracked.contains(v.id.as_str())).map(|v| (v, false)))
+    }
+
+    async fn adopt(
+        self: &Arc<Self>,
+        key: &str,
+        pod: &Pod,
+        spec: VmSpec,
+        hypervisor: Hypervisor,
+        vm: VmInfo,
+        from_startup: bool,
+    ) -> Result<(), CocoonProviderError> {
+        tracing::Span::current().record("vm", vm.id.as_str());
+        let vm = match vm.state {
+            VmState::Running => vm,
+            VmState::Creating => {
+                // A create that never finished: nothing is creating it any more.
+                tracing::info!(vm = %vm.id, "removing a VM left half-created; booting afresh");
+                self.backend.remove(&vm.id).await.map_err(|source| CocoonProviderError::Remove {
+                    key: key.to_owned(),
+                    id: vm.id.clone(),
+                    source,
+                })?;
+                if let Err(e) = self.backend.release_ip(&vm.id).await {
+                    tracing::warn!(vm = %vm.id, error = %error_chain(&e), "releasing the half-created VM's lease failed");
+                }
+                return self.boot(key, pod, spec, hypervisor).await;
+            }
+            VmState::Stopped => match self.backend.start(&vm.id).await {
+                Ok(v) => v,
+                Err(source) => {
+                    let e = CocoonProviderError::Adopt { key: key.to_owned(), id: vm.id.clone(), source };
+                    let msg = error_chain(&e);
+                    self.event(pod, true, events::RESUME_START_FAILED, &msg);
+                    self.push_pending(pod, Lifecycle::Failed, Some(&msg));
+                    let mut g = self.lock();
+                    if from_startup {
+                        g.restarted.insert(vm.id.clone());
+                    }
+                    g.adoptable.insert(vm.id.clone(), vm);
+                    return Err(e);
+                }
+            },
+        };
+        let owed_network =
+            spec.mode == Mode::Clone && annotations::value(pod, annotations::LIFECYCLE_STATE) != Some("ready");
+        let lifecycle = if owed_network { Lifecycle::Creating } else { Lifecycle::Ready };
+        let gen = self.insert_entry(key, pod, spec, vm.clone(), lifecycle);
+        tracing::info!(vm = %vm.id, name = %vm.name, from_startup, "adopted a live VM");
+        if from_startup {
+            self.event(
+                pod,
+                false,
+                events::RESUMED_AFTER_RESTART,
+                &format!("adopted VM {} after a provider restart", vm.id),
+            );
+        }
+        if owed_network {
+            self.post_clone(key, gen).await;
+        }
+        self.finish(key, gen).await;
+        Ok(())
+    }
+
+    async fn boot(
+        self: &Arc<Self>,
+        key: &str,
+        pod: &Pod,
+        spec: VmSpec,
+        hypervisor: Hypervisor,
+    ) -> Result<(), CocoonProviderError> {
+        self.push_pending(pod, Lifecycle::Creating, None);
+        let result = match (spec.mode, &spec.snapshot, &spec.image) {
+            (Mode::Clone, Some(snapshot), _) => match self.backend.snapshot_exists(snapshot).await {
+                Ok(true) => self
+                    .backend
+                    .clone_vm(&CloneRequest {
+                        name: spec.vm_name.clone(),
+                        snapshot: snapshot.clone(),
+                        network: spec.network.clone(),
+                        hypervisor,
+                    })
+                    .await
+                    .map_err(|source| (format!("clone of {snapshot}"), source)),
+                Ok(false) => {
+                    let e = CocoonProviderError::SnapshotMissing { key: key.to_owned(), snapshot: snapshot.clone() };
+                    return Err(self.bring_up_failed(pod, e));
+                }
+                Err(source) => Err((format!("looking up snapshot {snapshot}"), source)),
+            },
+            (Mode::Run, _, Some(image)) => {
+                let (vcpus, memory_mib) = annotations::run_resources(pod);
+                self.backend
+                    .run(&RunRequest {
+                        name: spec.vm_name.clone(),
+                        image: image.clone(),
+                        vcpus,
+                        memory_mib,
+                        storage_bytes: spec.storage_bytes,
+                        network: spec.network.clone(),
+                        hypervisor,
+                    })
+                    .await
+                    .map_err(|source| (format!("run of image {image}"), source))
+            }
+            // `annotations::parse` gives every managed spec its source; keep the error typed anyway.
+            _ => Err((
+                "no source".to_owned(),
+                BackendError::NotFound { what: format!("the image or snapshot of VM {}", spec.vm_name) },
+            )),
+        };
+        let vm = match result {
+            Ok(vm) => vm,
+            Err((what, source)) => {
+                let what = format!("VM {} ({what})", spec.vm_name);
+                let e = CocoonProviderError::BringUp { key: key.to_owned(), what, source };
+                return Err(self.bring_up_failed(pod, e));
+            }
+        };
+        tracing::Span::current().record("vm", vm.id.as_str());
+        tracing::info!(vm = %vm.id, ip = ?vm.ip, mode = ?spec.mode, "VM up");
+        let clone = spec.mode == Mode::Clone;
+        let gen = self.insert_entry(key, pod, spec, vm, if clone { Lifecycle::Creating } else { Lifecycle::Ready });
+        if clone {
+            self.post_clone(key, gen).await;
+        }
+        self.finish(key, gen).await;
+        Ok(())
+    }
+
+    /// Warning `CreateBringUpFailed` + lifecycle `failed`; returns the error for the caller.
+    fn bring_up_failed(&self, pod: &Pod, e: CocoonProviderError) -> CocoonProviderError {
+        let msg = error_chain(&e);
+        self.event(pod, true, events::CREATE_BRING_UP_FAILED, &msg);
+        self.push_pending(pod, Lifecycle::Failed, Some(&msg));
+        e
+    }
+
+    /// Step 7: configure the clone's network, every `net_retry_interval` until `net_deadline`.
+    async fn post_clone(&self, key: &str, gen: u64) {
+        let Some(id) = self.lock().entries.get(key).filter(|e| e.gen == gen).map(|e| e.vm.id.clone()) else {
+            return;
+        };
+        let deadline = tokio::time::Instant::now() + self.cfg.net_deadline;
+        let mut attempts = 0u32;
+        let last_error = loop {
+            attempts += 1;
+            match self.backend.configure_network(&id).await {
+                Ok(()) => {
+                    let pod = {
+                        let mut g = self.lock();
+                        let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen) else { return };
+                        e.lifecycle = Lifecycle::Ready;
+                        e.message = None;
+                        e.pod.clone()
+                    };
+                    self.event(&pod, false, events::POST_CLONE_SUCCEEDED, &format!("network of VM {id} configured"));
+                    return;
+                }
+                Err(e) => {
+                    tracing::debug!(vm = %id, attempts, error = %error_chain(&e), "post-clone network configuration failed");
+                    if tokio::time::Instant::now() + self.cfg.net_retry_interval > deadline {
+                        break e;
+                    }
+                    tokio::time::sleep(self.cfg.net_retry_interval).await;
+                }
+            }
+        };
+        let msg = format!(
+            "the network of VM {id} could not be configured after {attempts} attempts in {:?}: {}",
+            self.cfg.net_deadline,
+            error_chain(&last_error)
+        );
+        let pod = {
+            let mut g = self.lock();
+            let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen) else { return };
+            e.lifecycle = Lifecycle::Failed;
+            e.message = Some(msg.clone());
+            e.hint = self.backend.network_hint(&e.vm).map(|h| base64::engine::general_purpose::STANDARD.encode(h));
+            e.pod.clone()
+        };
+        self.event(&pod, true, events::POST_CLONE_EXEC_EXHAUSTED, &msg);
+    }
+
+    /// Step 8: one synchronous probe, Running pushed, the probe loop started.
+    async fn finish(self: &Arc<Self>, key: &str, gen: u64) {
+        if let Some(target) = self.probe_target(key, gen) {
+            let ok = self.probe_once(&target).await;
+            let hibernate = {
+                let mut g = self.lock();
+                let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen) else { return };
+                e.probe_ok = ok;
+                e.busy = false;
+                e.spec.hibernate
+            };
+            if hibernate {
+                self.note_hibernate(key, gen);
+            }
+        }
+        let task = tokio::spawn(self.clone().probe_loop(key.to_owned(), gen));
+        {
+            let mut g = self.lock();
+            match g.entries.get_mut(key).filter(|e| e.gen == gen) {
+                Some(e) => e.probe = Some(task.abort_handle()),
+                None => task.abort(),
+            }
+        }
+        self.push_entry(key, gen);
+    }
+
+    async fn track_unmanaged(self: &Arc<Self>, key: &str, pod: &Pod, spec: VmSpec) -> Result<(), CocoonProviderError> {
+        let Some(pre) = spec.preassigned.clone() else {
+            // `annotations::parse` requires both for an unmanaged Pod.
+            return Err(CocoonProviderError::Annotation {
+                key: key.to_owned(),
+                source: AnnotationError::UnmanagedWithoutVm("both"),
+            });
+        };
+        tracing::Span::current().record("vm", pre.id.as_str());
+        let vm = VmInfo {
+            id: pre.id,
+            name: spec.vm_name.clone(),
+            ip: Some(pre.ip),
+            state: VmState::Running,
+            hypervisor: self.backend.hypervisors().first().copied().unwrap_or(Hypervisor::Qemu),
+        };
+        let gen = self.insert_entry(key, pod, spec, vm, Lifecycle::Ready);
+        tracing::info!("tracking an unmanaged VM");
+        self.finish(key, gen).await;
+        Ok(())
+    }
+
+    /// An entry of an older Pod under `key`: its VM goes to the new Pod when the names match,
+    /// else it is deleted like a DeletePod of the old Pod.
+    async fn retire(self: &Arc<Self>, key: &str, new_pod: &Pod) -> Result<(), CocoonProviderError> {
+        let (old_pod, vm, managed, terminal, gen, name) = {
+            let g = self.lock();
+            let Some(e) = g.entries.get(key) else { return Ok(()) };
+            (e.pod.clone(), e.vm.clone(), e.spec.managed, e.terminal.is_some(), e.gen, e.spec.vm_name.clone())
+        };
+        if terminal || !managed || annotations::vm_name(new_pod).ok().as_deref() == Some(name.as_str()) {
+            let mut g = self.lock();
+            if let Some(mut e) = g.entries.remove(key) {
+                e.stop_probe();
+            }
+            if managed && !terminal {
+                tracing::info!(vm = %vm.id, "a new pod took over this key and names the same VM; it adopts it");
+                g.adoptable.insert(vm.id.clone(), vm);
+            }
+            return Ok(());
+        }
+        tracing::info!(vm = %vm.id, "a new pod took over this key; deleting the old pod's VM");
+        self.delete_vm(key, &old_pod, vm, Some(gen)).await
+    }
+
+    // ------------------------------------------------------------------ UpdatePod
+
+    #[tracing::instrument(name = "update_pod", skip_all, fields(pod = %PodKey::of(pod)))]
+    async fn update(self: &Arc<Self>, pod: &Pod) -> Result<(), CocoonProviderError> {
+        let key = PodKey::of(pod).to_string();
+        let uid = uid_of(pod);
+        enum Next {
+            Create,
+            Push(Box<Pod>),
+            Hibernate(u64),
+            Nothing,
+        }
+        let next = {
+            let mut g = self.lock();
+            match g.entries.get_mut(&key) {
+                None => Next::Create,
+                Some(e) if e.uid != uid => Next::Create,
+                Some(e) => {
+                    e.pod = pod.clone();
+                    if let Ok(spec) = annotations::parse(pod) {
+                        e.spec.probe_port = spec.probe_port;
+                        e.spec.snapshot_policy = spec.snapshot_policy;
+                        e.spec.keep_snapshot_on_delete = spec.keep_snapshot_on_delete;
+                        e.spec.hibernate = spec.hibernate;
+                    }
+                    if e.terminal.is_some() {
+                        Next::Push(Box::new(e.view(&self.cfg.node_ip)))
+                    } else if e.spec.hibernate && !e.hibernate_noted && !e.busy {
+                        Next::Hibernate(e.gen)
+                    } else {
+                        Next::Nothing
+                    }
+                }
+            }
+        };
+        match next {
+            Next::Create => return Box::pin(self.create(pod)).await,
+            Next::Push(p) => self.notify(*p),
+            Next::Hibernate(gen) => {
+                self.note_hibernate(&key, gen);
+                self.push_entry(&key, gen);
+            }
+            Next::Nothing => {}
+        }
+        Ok(())
+    }
+
+    /// Answers `hibernate: "true"` once per entry: not supported, the VM keeps running.
+    fn note_hibernate(&self, key: &str, gen: u64) {
+        let pod = {
+            let mut g = self.lock();
+            let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen && !e.hibernate_noted) else { return };
+            e.hibernate_noted = true;
+            if e.spec.managed {
+                e.message = Some(HIBERNATE_MESSAGE.to_owned());
+            }
+            e.pod.clone()
+        };
+        self.event(&pod, true, events::HIBERNATE_UNSUPPORTED, HIBERNATE_MESSAGE);
+    }
+
+    // ------------------------------------------------------------------ DeletePod
+
+    #[tracing::instrument(name = "delete_pod", skip_all, fields(pod = %PodKey::of(pod), vm = tracing::field::Empty))]
+    async fn delete(self: &Arc<Self>, pod: &Pod) -> Result<(), CocoonProviderError> {
+        let key = PodKey::of(pod).to_string();
+        let uid = uid_of(pod);
+        enum Plan {
+            Done,
+            Tracked(VmInfo, u64),
+            Untracked(VmInfo),
+            ReleaseOnly(String),
+        }
+        let plan = {
+            let mut g = self.lock();
+            match g.entries.get_mut(&key) {
+                Some(e) if !uid.is_empty() && e.uid != uid => {
+                    tracing::debug!(%uid, "ignoring a delete for another pod generation");
+                    Plan::Done
+                }
+                Some(e) if e.terminal.is_some() || !e.spec.managed => {
+                    if let Some(mut e) = g.entries.remove(&key) {
+                        e.stop_probe();
+                    }
+                    tracing::info!("forgot the pod (unmanaged, or its VM is already gone)");
+                    Plan::Done
+                }
+                Some(e) => {
+                    e.busy = true;
+                    Plan::Tracked(e.vm.clone(), e.gen)
+                }
+                None if !annotations::flag(pod, annotations::MANAGED) => Plan::Done,
+                None => {
+                    let id = annotations::value(pod, annotations::VM_ID);
+                    let name = annotations::vm_name(pod).ok();
+                    let found = id
+                        .and_then(|id| g.adoptable.get(id))
+                        .or_else(|| g.adoptable.values().find(|v| Some(&v.name) == name.as_ref()))
+                        .cloned();
+                    match (found, id) {
+                        (Some(vm), _) => {
+                            g.adoptable.remove(&vm.id);
+                            g.restarted.remove(&vm.id);
+                            Plan::Untracked(vm)
+                        }
+                        (None, Some(id)) if !g.entries.values().any(|e| e.vm.id == id) => {
+                            Plan::ReleaseOnly(id.to_owned())
+                        }
+                        (None, _) => Plan::Done,
+                    }
+                }
+            }
+        };
+        match plan {
+            Plan::Done => Ok(()),
+            Plan::Tracked(vm, gen) => self.delete_vm(&key, pod, vm, Some(gen)).await,
+            Plan::Untracked(vm) => {
+                let r = self.delete_vm(&key, pod, vm.clone(), None).await;
+                if r.is_err() {
+                    self.lock().adoptable.insert(vm.id.clone(), vm);
+                }
+                r
+            }
+            Plan::ReleaseOnly(id) => {
+                // The VM is not listed (it was removed before a restart): only the lease may remain.
+                if let Err(e) = self.backend.release_ip(&id).await {
+                    tracing::warn!(vm = %id, error = %error_chain(&e), "releasing the lease of a gone VM failed");
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Snapshot per policy → remove → release the lease → drop the stale snapshot → forget.
+    /// Any error before the removal keeps the VM (and the entry, no longer busy).
+    async fn delete_vm(
+        &self,
+        key: &str,
+        pod: &Pod,
+        vm: VmInfo,
+        tracked: Option<u64>,
+    ) -> Result<(), CocoonProviderError> {
+        tracing::Span::current().record("vm", vm.id.as_str());
+        let unbusy = |r: CocoonProviderError| {
+            if let Some(gen) = tracked {
+                if let Some(e) = self.lock().entries.get_mut(key).filter(|e| e.gen == gen) {
+                    e.busy = false;
+                }
+            }
+            r
+        };
+        let policy = annotations::delete_policy(pod, &vm.name);
+        let snapshot = SnapshotRef::latest(&policy.vm_name);
+        let mut saved = false;
+        if policy.save {
+            let current = self.backend.inspect(&vm.id).await.map_err(|source| {
+                unbusy(CocoonProviderError::Inspect { key: key.to_owned(), id: vm.id.clone(), source })
+            })?;
+            if current.as_ref().is_some_and(|v| v.state == VmState::Running) {
+                self.backend.snapshot_save(&vm.id, &snapshot).await.map_err(|source| {
+                    unbusy(CocoonProviderError::Snapshot {
+                        key: key.to_owned(),
+                        id: vm.id.clone(),
+                        snapshot: snapshot.clone(),
+                        source: Box::new(source),
+                    })
+                })?;
+                saved = true;
+                tracing::info!(%snapshot, "saved the VM's snapshot");
+            } else {
+                tracing::info!(state = ?current.map(|v| v.state), "the VM is not running; no snapshot");
+            }
+        }
+        self.backend
+            .remove(&vm.id)
+            .await
+            .map_err(|source| unbusy(CocoonProviderError::Remove { key: key.to_owned(), id: vm.id.clone(), source }))?;
+        if let Err(e) = self.backend.release_ip(&vm.id).await {
+            tracing::warn!(error = %error_chain(&e), "releasing the VM's lease failed (best effort)");
+        }
+        if !policy.save && !policy.keep {
+            if let Err(e) = self.backend.snapshot_rm(&snapshot).await {
+                tracing::warn!(%snapshot, error = %error_chain(&e), "dropping the VM's snapshot failed (best effort)");
+            }
+        }
+        if let Some(gen) = tracked {
+            let mut g = self.lock();
+            if g.entries.get(key).is_some_and(|e| e.gen == gen) {
+                if let Some(mut e) = g.entries.remove(key) {
+                    e.stop_probe();
+                }
+            }
+        }
+        tracing::info!(saved, "removed the VM");
+        Ok(())
+    }
+}
+
+/// The message answering a hibernate request.
+const HIBERNATE_MESSAGE: &str =
+    "hibernation (vm.cocoonstack.io/hibernate) is not supported on this node; the VM keeps running";
+
+/// The vk-cocoon provider.
+pub struct CocoonProvider(pub(crate) Arc<Shared>);
+
+/// The provider's background loops; dropping this stops them (VMs are untouched).
+pub struct BackgroundLoops(pub(crate) Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for BackgroundLoops {
+    fn drop(&mut self) {
+        for h in &self.0 {
+            h.abort();
+        }
+    }
+}
+
+impl CocoonProvider {
+    /// A provider over `backend`. Events go nowhere until [`CocoonProvider::set_events`].
+    pub fn new(backend: Arc<dyn VmBackend>, cfg: ProviderConfig) -> CocoonProvider {
+        let events: Arc<dyn EventSink> = Arc::new(RecordedEvents::default());
+        CocoonProvider(Arc::new(Shared {
+            backend,
+            cfg,
+            inner: Mutex::new(Inner::default()),
+            notifier: Mutex::new(None),
+            events: Mutex::new(events),
+        }))
+    }
+
+    /// Where provider events go from now on (e.g. [`events::KubeEvents`] for each new client).
+    pub fn set_events(&self, sink: Arc<dyn EventSink>) {
+        *self.0.events.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = sink;
+    }
+
+    /// The VM tracked for `key` (`ns/name`), if any.
+    pub fn tracked_vm(&self, key: &str) -> Option<VmInfo> {
+        self.0.lock().entries.get(key).map(|e| e.vm.clone())
+    }
+
+    /// Live VMs found at start-up that await their Pod's CreatePod (adoption) or DeletePod.
+    pub fn adoptable(&self) -> Vec<VmInfo> {
+        self.0.lock().adoptable.values().cloned().collect()
+    }
+}
+
+#[async_trait::async_trait]
+impl Provider for CocoonProvider {
+    async fn create_pod(&self, pod: &Pod) -> Result<(), ProviderError> {
+        self.0.create(pod).await.map_err(|e| report(&e))
+    }
+
+    async fn update_pod(&self, pod: &Pod) -> Result<(), ProviderError> {
+        self.0.update(pod).await.map_err(|e| report(&e))
+    }
+
+    async fn delete_pod(&self, pod: &Pod) -> Result<(), ProviderError> {
+        self.0.delete(pod).await.map_err(|e| report(&e))
+    }
+
+    fn get_pod(&self, key: &PodKey) -> Option<Pod> {
+        self.0.lock().entries.get(&key.to_string()).map(|e| e.view(&self.0.cfg.node_ip))
+    }
+
+    fn get_pods(&self) -> Vec<Pod> {
+        self.0.lock().entries.values().map(|e| e.view(&self.0.cfg.node_ip)).collect()
+    }
+
+    fn notify_pods(&self, notifier: PodNotifier) {
+        *self.0.notifier.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(notifier);
+    }
+}
+
+#[cfg(test)]
+#[path = "provider_tests.rs"]
+mod tests;

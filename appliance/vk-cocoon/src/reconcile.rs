@@ -1,0 +1,117 @@
+//! Start-up reconcile (`virtual-node.md` §3.8): before the node registers, the backend's VMs
+//! are matched with the node's Pods, so that a provider restarted after a crash (even
+//! `kill -9`: the hypervisors are daemonized and keep running) takes its VMs back instead of
+//! booting new ones.
+//!
+//! * A failed VM listing fails the reconcile (the node must not register on a guess).
+//! * A VM still `Creating` was left by a crashed create: removed, its lease released.
+//! * A VM referenced by a live (not `Failed`/`Succeeded`) Pod on this node — its
+//!   `vm.cocoonstack.io/id`, else its `vm.cocoonstack.io/name` — becomes *adoptable*: the Pod's
+//!   CreatePod adopts it (by id, then name), its DeletePod removes it.
+//! * Every other VM is an orphan, handled per `VK_ORPHAN_POLICY`: `destroy` removes it and
+//!   releases its lease (no snapshot: no Pod says which policy applies), `alert` logs a
+//!   warning, `keep` logs at info. The Pod list must be complete (the caller lists every Pod
+//!   bound to the node; a failed Pod list must not reach here).
+//!
+//! Nothing else is persisted: the backend's list (durable names) plus the Pods' annotations
+//! are the whole state.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::api::core::v1::Pod;
+
+use crate::annotations;
+use crate::backend::VmState;
+use crate::config::OrphanPolicy;
+use crate::provider::{error_chain, CocoonProvider, CocoonProviderError};
+
+/// What a reconcile found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    /// VM ids kept for their Pods.
+    pub adoptable: Vec<String>,
+    /// Half-created VMs removed.
+    pub stale_removed: Vec<String>,
+    /// Orphans removed (`destroy`).
+    pub orphans_destroyed: Vec<String>,
+    /// Orphans left in place (`alert`, `keep`, or a failed removal).
+    pub orphans_left: Vec<String>,
+}
+
+impl CocoonProvider {
+    /// Matches the backend's VMs with `pods` (every Pod bound to this node). Run once, before
+    /// the node runtime starts.
+    pub async fn reconcile_startup(&self, pods: &[Pod]) -> Result<ReconcileReport, CocoonProviderError> {
+        let shared = &self.0;
+        let vms = shared.backend.list().await.map_err(CocoonProviderError::Reconcile)?;
+        let live = pods.iter().filter(|p| !vnode::sync::is_finished(p));
+        let mut ids = BTreeSet::new();
+        let mut names = BTreeSet::new();
+        for p in live {
+            if let Some(id) = annotations::value(p, annotations::VM_ID) {
+                ids.insert(id.to_owned());
+            }
+            if let Some(n) = annotations::value(p, annotations::VM_NAME) {
+                names.insert(n.to_owned());
+            }
+        }
+        let mut report = ReconcileReport::default();
+        for vm in vms {
+            let tracked = shared.lock().entries.values().any(|e| e.vm.id == vm.id);
+            if tracked {
+                continue;
+            }
+            if vm.state == VmState::Creating {
+                tracing::info!(vm = %vm.id, name = %vm.name, "removing a VM a crashed create left half-made");
+                match shared.backend.remove(&vm.id).await {
+                    Ok(()) => {
+                        if let Err(e) = shared.backend.release_ip(&vm.id).await {
+                            tracing::warn!(vm = %vm.id, error = %error_chain(&e), "releasing its lease failed");
+                        }
+                        report.stale_removed.push(vm.id);
+                    }
+                    Err(e) => {
+                        tracing::warn!(vm = %vm.id, error = %error_chain(&e), "removing a half-made VM failed; leaving it");
+                        report.orphans_left.push(vm.id);
+                    }
+                }
+                continue;
+            }
+            if ids.contains(&vm.id) || names.contains(&vm.name) {
+                tracing::info!(vm = %vm.id, name = %vm.name, state = ?vm.state, "a pod references this VM; it will be adopted");
+                report.adoptable.push(vm.id.clone());
+                let mut g = shared.lock();
+                g.restarted.insert(vm.id.clone());
+                g.adoptable.insert(vm.id.clone(), vm);
+                continue;
+            }
+            match shared.cfg.orphan_policy {
+                OrphanPolicy::Destroy => {
+                    tracing::warn!(vm = %vm.id, name = %vm.name, "orphan VM (no pod on this node references it); destroying it");
+                    match shared.backend.remove(&vm.id).await {
+                        Ok(()) => {
+                            if let Err(e) = shared.backend.release_ip(&vm.id).await {
+                                tracing::warn!(vm = %vm.id, error = %error_chain(&e), "releasing the orphan's lease failed");
+                            }
+                            report.orphans_destroyed.push(vm.id);
+                        }
+                        Err(e) => {
+                            tracing::warn!(vm = %vm.id, error = %error_chain(&e), "destroying the orphan failed; leaving it");
+                            report.orphans_left.push(vm.id);
+                        }
+                    }
+                }
+                OrphanPolicy::Alert => {
+                    tracing::warn!(vm = %vm.id, name = %vm.name, "orphan VM (no pod on this node references it); left running (VK_ORPHAN_POLICY=alert)");
+                    report.orphans_left.push(vm.id);
+                }
+                OrphanPolicy::Keep => {
+                    tracing::info!(vm = %vm.id, name = %vm.name, "orphan VM kept (VK_ORPHAN_POLICY=keep)");
+                    report.orphans_left.push(vm.id);
+                }
+            }
+        }
+        tracing::info!(?report, "start-up reconcile done");
+        Ok(report)
+    }
+}

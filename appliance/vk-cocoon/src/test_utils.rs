@@ -1,0 +1,298 @@
+//! [`FakeBackend`]: an in-memory [`VmBackend`] with settable failures and a call log, for the
+//! provider's unit tests (and any other test that needs a backend without VMs). It keeps the
+//! trait's contract: unique names, idempotent teardown, leases released only by
+//! `release_ip`, a failed `list` is an error.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::backend::{BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotRef, VmBackend, VmInfo, VmState};
+
+/// The failure a [`FakeBackend`] injects.
+#[derive(Debug, thiserror::Error)]
+#[error("injected failure")]
+pub struct Injected;
+
+#[derive(Debug, Clone)]
+struct FakeVm {
+    info: VmInfo,
+    agent_ok: bool,
+    /// Where it came from: `run:<image>` or `clone:<repo:tag>`.
+    source: String,
+}
+
+#[derive(Debug, Default)]
+struct FakeState {
+    vms: BTreeMap<String, FakeVm>,
+    snapshots: BTreeMap<SnapshotRef, String>,
+    leases: BTreeSet<String>,
+    next: u64,
+    calls: Vec<String>,
+    /// op → remaining injected failures (`u32::MAX` = every call).
+    failures: BTreeMap<&'static str, u32>,
+    /// The `ip` new VMs get is `10.88.0.<n>`; `None` → no IP.
+    no_ip: bool,
+}
+
+/// The fake backend. Cheap to share behind an `Arc`.
+#[derive(Debug)]
+pub struct FakeBackend {
+    state: Mutex<FakeState>,
+    hypervisors: Vec<Hypervisor>,
+}
+
+impl Default for FakeBackend {
+    fn default() -> Self {
+        FakeBackend::new()
+    }
+}
+
+impl FakeBackend {
+    /// A backend that runs QEMU only (like this TCG host).
+    pub fn new() -> FakeBackend {
+        FakeBackend::with_hypervisors(vec![Hypervisor::Qemu])
+    }
+
+    pub fn with_hypervisors(hypervisors: Vec<Hypervisor>) -> FakeBackend {
+        FakeBackend { state: Mutex::default(), hypervisors }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FakeState> {
+        // Test support: the state is whole at every unlock.
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The next `times` calls of `op` (the trait method's name) fail; `u32::MAX` = all.
+    pub fn fail(&self, op: &'static str, times: u32) {
+        self.lock().failures.insert(op, times);
+    }
+
+    /// Stops injecting failures into `op`.
+    pub fn heal(&self, op: &'static str) {
+        self.lock().failures.remove(op);
+    }
+
+    /// New VMs get no IP.
+    pub fn without_ips(&self) {
+        self.lock().no_ip = true;
+    }
+
+    /// Every call so far, `op arg…` (probes and listings excluded, they are noisy).
+    pub fn calls(&self) -> Vec<String> {
+        self.lock().calls.clone()
+    }
+
+    /// Forgets the call log.
+    pub fn clear_calls(&self) {
+        self.lock().calls.clear();
+    }
+
+    /// A VM that exists already (as if created by an earlier provider process).
+    pub fn add_vm(&self, name: &str, state: VmState) -> VmInfo {
+        let mut s = self.lock();
+        let info = Self::new_vm(&mut s, name, Hypervisor::Qemu);
+        let info = VmInfo { state, ..info };
+        s.vms.insert(info.id.clone(), FakeVm { info: info.clone(), agent_ok: true, source: "preexisting".into() });
+        info
+    }
+
+    /// A snapshot in the library.
+    pub fn add_snapshot(&self, snapshot: &SnapshotRef) {
+        self.lock().snapshots.insert(snapshot.clone(), "preexisting".into());
+    }
+
+    /// The VM's state changes (e.g. to `Stopped`: the hypervisor died).
+    pub fn set_state(&self, id: &str, state: VmState) {
+        if let Some(v) = self.lock().vms.get_mut(id) {
+            v.info.state = state;
+        }
+    }
+
+    /// The VM disappears without `remove` (its record deleted behind the provider's back).
+    pub fn vanish(&self, id: &str) {
+        self.lock().vms.remove(id);
+    }
+
+    /// Whether the VM's agent answers probes.
+    pub fn set_agent(&self, id: &str, ok: bool) {
+        if let Some(v) = self.lock().vms.get_mut(id) {
+            v.agent_ok = ok;
+        }
+    }
+
+    /// The VM with this id.
+    pub fn vm(&self, id: &str) -> Option<VmInfo> {
+        self.lock().vms.get(id).map(|v| v.info.clone())
+    }
+
+    /// Every VM.
+    pub fn vms(&self) -> Vec<VmInfo> {
+        self.lock().vms.values().map(|v| v.info.clone()).collect()
+    }
+
+    /// Where the VM came from: `run:<image>`, `clone:<repo:tag>` or `preexisting`.
+    pub fn source_of(&self, id: &str) -> Option<String> {
+        self.lock().vms.get(id).map(|v| v.source.clone())
+    }
+
+    /// Snapshot → the name of the VM it was saved from.
+    pub fn snapshots(&self) -> BTreeMap<SnapshotRef, String> {
+        self.lock().snapshots.clone()
+    }
+
+    /// VM ids holding a network lease.
+    pub fn leases(&self) -> BTreeSet<String> {
+        self.lock().leases.clone()
+    }
+
+    fn new_vm(s: &mut FakeState, name: &str, hypervisor: Hypervisor) -> VmInfo {
+        s.next += 1;
+        let n = s.next;
+        s.leases.insert(format!("vm-{n}"));
+        VmInfo {
+            id: format!("vm-{n}"),
+            name: name.to_owned(),
+            ip: (!s.no_ip).then(|| format!("10.88.0.{}", n % 250 + 2)),
+            state: VmState::Running,
+            hypervisor,
+        }
+    }
+
+    /// Logs the call and answers an injected failure, if one is due.
+    fn enter(&self, s: &mut FakeState, op: &'static str, arg: &str) -> Result<(), BackendError> {
+        if !matches!(op, "probe_agent" | "list" | "inspect") {
+            s.calls.push(format!("{op} {arg}"));
+        }
+        if let Some(n) = s.failures.get_mut(op) {
+            if *n > 0 {
+                if *n != u32::MAX {
+                    *n -= 1;
+                }
+                return Err(BackendError::failed(op, arg, Injected));
+            }
+        }
+        Ok(())
+    }
+
+    fn create(&self, name: &str, hypervisor: Hypervisor, source: String) -> Result<VmInfo, BackendError> {
+        let mut s = self.lock();
+        if let Some(v) = s.vms.values().find(|v| v.info.name == name) {
+            return Err(BackendError::NameInUse { name: name.to_owned(), id: v.info.id.clone() });
+        }
+        if !self.hypervisors.contains(&hypervisor) {
+            return Err(BackendError::Unsupported { what: format!("hypervisor {hypervisor}") });
+        }
+        let info = Self::new_vm(&mut s, name, hypervisor);
+        s.vms.insert(info.id.clone(), FakeVm { info: info.clone(), agent_ok: true, source });
+        Ok(info)
+    }
+}
+
+#[async_trait::async_trait]
+impl VmBackend for FakeBackend {
+    fn hypervisors(&self) -> Vec<Hypervisor> {
+        self.hypervisors.clone()
+    }
+
+    async fn run(&self, req: &RunRequest) -> Result<VmInfo, BackendError> {
+        {
+            let mut s = self.lock();
+            let arg = format!("{} {} {}x{}", req.name, req.image, req.vcpus, req.memory_mib);
+            self.enter(&mut s, "run", &arg)?;
+        }
+        self.create(&req.name, req.hypervisor, format!("run:{}", req.image))
+    }
+
+    async fn clone_vm(&self, req: &CloneRequest) -> Result<VmInfo, BackendError> {
+        {
+            let mut s = self.lock();
+            self.enter(&mut s, "clone_vm", &format!("{} {}", req.name, req.snapshot))?;
+            if !s.snapshots.contains_key(&req.snapshot) {
+                return Err(BackendError::NotFound { what: format!("snapshot {}", req.snapshot) });
+            }
+        }
+        self.create(&req.name, req.hypervisor, format!("clone:{}", req.snapshot))
+    }
+
+    async fn configure_network(&self, id: &str) -> Result<(), BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "configure_network", id)?;
+        match s.vms.get(id) {
+            Some(v) if v.info.state == VmState::Running && v.agent_ok => Ok(()),
+            Some(_) => Err(BackendError::failed("configure_network", id, Injected)),
+            None => Err(BackendError::NotFound { what: format!("VM {id}") }),
+        }
+    }
+
+    fn network_hint(&self, vm: &VmInfo) -> Option<String> {
+        vm.ip.as_ref().map(|ip| format!("/.chrysalis/guest-init net-config {ip}/24 10.88.0.1 02:00:00:00:00:01"))
+    }
+
+    async fn inspect(&self, id: &str) -> Result<Option<VmInfo>, BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "inspect", id)?;
+        Ok(s.vms.get(id).map(|v| v.info.clone()))
+    }
+
+    async fn list(&self) -> Result<Vec<VmInfo>, BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "list", "")?;
+        Ok(s.vms.values().map(|v| v.info.clone()).collect())
+    }
+
+    async fn start(&self, id: &str) -> Result<VmInfo, BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "start", id)?;
+        let v = s.vms.get_mut(id).ok_or_else(|| BackendError::NotFound { what: format!("VM {id}") })?;
+        v.info.state = VmState::Running;
+        Ok(v.info.clone())
+    }
+
+    async fn remove(&self, id: &str) -> Result<(), BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "remove", id)?;
+        s.vms.remove(id);
+        Ok(())
+    }
+
+    async fn snapshot_save(&self, id: &str, snapshot: &SnapshotRef) -> Result<(), BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "snapshot_save", &format!("{id} {snapshot}"))?;
+        let name = match s.vms.get(id) {
+            Some(v) if v.info.state == VmState::Running => v.info.name.clone(),
+            Some(_) => return Err(BackendError::failed("snapshot_save", id, Injected)),
+            None => return Err(BackendError::NotFound { what: format!("VM {id}") }),
+        };
+        s.snapshots.insert(snapshot.clone(), name);
+        Ok(())
+    }
+
+    async fn snapshot_exists(&self, snapshot: &SnapshotRef) -> Result<bool, BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "snapshot_exists", &snapshot.to_string())?;
+        Ok(s.snapshots.contains_key(snapshot))
+    }
+
+    async fn snapshot_rm(&self, snapshot: &SnapshotRef) -> Result<(), BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "snapshot_rm", &snapshot.to_string())?;
+        s.snapshots.remove(snapshot);
+        Ok(())
+    }
+
+    async fn probe_agent(&self, id: &str) -> Result<(), BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "probe_agent", id)?;
+        match s.vms.get(id) {
+            Some(v) if v.info.state == VmState::Running && v.agent_ok => Ok(()),
+            _ => Err(BackendError::failed("probe_agent", id, Injected)),
+        }
+    }
+
+    async fn release_ip(&self, id: &str) -> Result<(), BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "release_ip", id)?;
+        s.leases.remove(id);
+        Ok(())
+    }
+}
