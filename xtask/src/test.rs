@@ -71,7 +71,7 @@ pub fn run(args: &TestArgs) -> Result<()> {
 
     let mut tally = Tally::default();
     let mut cargo = Command::new("cargo");
-    cargo.args(["test", "--workspace", "--no-fail-fast", "--features", "chrysalis-tests/e2e,chrysalis-tests/cluster,join/cluster,vnode/cluster,sandboxd/sdk-tests,sandboxd/e2e,silkd/sdk-tests,vmm/qemu-tests"]);
+    cargo.args(["test", "--workspace", "--no-fail-fast", "--features", "chrysalis-tests/e2e,chrysalis-tests/cluster,join/cluster,vnode/cluster,sandboxd/sdk-tests,sandboxd/e2e,silkd/sdk-tests,vmm/qemu-tests,images/qemu-tests,chrysalis/qemu-tests,vmnet/vm-tests"]);
     cargo.env("CHRYSALIS_PYTHON", &python);
     if let Some(filter) = &args.filter {
         cargo.arg(filter);
