@@ -1,8 +1,8 @@
 //! [`VmBackend`]: every VM operation the provider needs, and nothing else. The provider never
 //! spawns a hypervisor, touches an image or a TAP device itself; it calls this trait.
 //!
-//! The production implementation (over `vmm` drivers, the `images` library and `vmnet`) lives
-//! outside this crate's provider logic; [`crate::test_utils::FakeBackend`] is the in-memory
+//! The production implementation (over `vmm` drivers, the `images` library and `vmnet`) is
+//! [`crate::vmm_backend::VmmBackend`], outside the provider logic; [`crate::test_utils::FakeBackend`] is the in-memory
 //! double the unit tests use.
 //!
 //! # Contract every implementation keeps

@@ -123,7 +123,14 @@ pub fn env_help() -> String {
          VK_NODE_MEM            exact memory capacity, a quantity (no reserve applied)\n  \
          VK_NODE_STORAGE        exact ephemeral-storage capacity (no reserve applied)\n  \
          VK_NODE_PODS           pod capacity (256)\n  \
-         COCOON_ROOT_DIR        VM state and image library (/var/lib/cocoon)\n  \
+         COCOON_ROOT_DIR        VM state and image library (/var/lib/cocoon): <root>/vms\n                         \
+         (hypervisors), <root>/cocoon (VM records), <root>/images,\n                         \
+         <root>/net/leases.json\n  \
+         CHRYSALIS_IMAGES       the image library instead of <root>/images\n  \
+         VK_BRIDGE              VM bridge (chrysalis0); its address is the range's first host\n  \
+         VK_VM_CIDR             VM address range (10.88.0.0/24)\n  \
+         VK_NETNS               run the bridge, TAPs and VMs in this named netns (unset)\n  \
+         VK_BOOT_TIMEOUT        seconds a boot may take until the guest agent answers (300)\n  \
          VK_LOG_LEVEL           log filter (info); RUST_LOG wins\n  \
          VK_JOIN_TOKEN_FILE     as --join-token-file\n  \
          KUBECONFIG             used without --join-server/--kubeconfig outside a cluster\n\n\

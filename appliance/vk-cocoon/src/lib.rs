@@ -8,7 +8,9 @@
 //! UpdatePod, DeletePod; the decisions on snapshots, authority and state are documented
 //! there), [`probe`] (readiness), [`watcher`] (VMs that die on their own), [`reconcile`]
 //! (start-up adoption and orphans), [`status`] (pushed Pod status), [`events`],
-//! [`quantity`], [`test_utils`] ([`test_utils::FakeBackend`]).
+//! [`quantity`], [`test_utils`] ([`test_utils::FakeBackend`]), [`vmm_backend`] (the production
+//! backend: QEMU through `vmm`, the `images` library, `vmnet` networking; its environment and
+//! VM-id scheme are documented there).
 //!
 //! Architecture invariants: the provider never spawns a hypervisor or touches an image itself
 //! (only through [`VmBackend`]); a failed VM listing is never read as empty; nothing is
@@ -26,6 +28,7 @@ pub mod quantity;
 pub mod reconcile;
 pub mod status;
 pub mod test_utils;
+pub mod vmm_backend;
 pub mod watcher;
 
 pub use backend::{BackendError, Hypervisor, SnapshotRef, VmBackend, VmInfo, VmState};

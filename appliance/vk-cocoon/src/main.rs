@@ -14,13 +14,14 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Parser;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use vk_cocoon::config::{self, CocoonConfig};
 use vk_cocoon::events::KubeEvents;
 use vk_cocoon::node::{self, HostResources};
+use vk_cocoon::vmm_backend::{BackendConfig, VmmBackend};
 use vk_cocoon::{CocoonProvider, ProviderConfig, VmBackend};
 use vnode::session::{terminated, JoinArgs, Session};
 
@@ -45,14 +46,16 @@ struct Cli {
     join: JoinArgs,
 }
 
-/// The VM backend of this build. The production backend (vmm drivers + the image library +
-/// VM networking) is plugged in here; until it is, the binary refuses to start rather than
-/// pretend to run VMs.
-fn open_backend(cfg: &CocoonConfig) -> anyhow::Result<Arc<dyn VmBackend>> {
-    bail!(
-        "this build has no VM backend yet (vmm + images + vmnet under {}); vk-cocoon cannot run pods",
-        cfg.root_dir.display()
-    )
+/// The VM backend: QEMU microVMs through `vmm`, the image library and the VM network
+/// ([`VmmBackend`]), configured by `COCOON_ROOT_DIR`, `CHRYSALIS_IMAGES`, `VK_BRIDGE`,
+/// `VK_VM_CIDR`, `VK_NETNS` and `VK_BOOT_TIMEOUT` (see [`vk_cocoon::vmm_backend`]).
+async fn open_backend(cfg: &CocoonConfig) -> anyhow::Result<Arc<dyn VmBackend>> {
+    let bcfg = BackendConfig::from_env(&cfg.root_dir)?;
+    let backend = VmmBackend::open(&bcfg)
+        .await
+        .map_err(|e| anyhow::anyhow!("{}", vk_cocoon::provider::error_chain(&e)))
+        .context("opening the VM backend")?;
+    Ok(Arc::new(backend))
 }
 
 /// Every Pod bound to the node (a failure is an error: reconcile needs the complete list).
@@ -76,7 +79,7 @@ async fn run(cli: Cli, cfg: CocoonConfig) -> anyhow::Result<()> {
     let host = HostResources::measure(&cfg.root_dir).context("measuring the host")?;
     let (node_cfg, runtime) = node::setup(&cfg, &host).context("the node's capacity")?;
     tracing::info!(node = %cfg.node_name, ip = %cfg.node_ip, capacity = ?node_cfg.capacity, "node configured");
-    let backend = open_backend(&cfg)?;
+    let backend = open_backend(&cfg).await?;
     let mut pcfg = ProviderConfig::new(cfg.node_ip.to_string());
     pcfg.cpu_class = cfg.snapshot_cpu_class.clone();
     pcfg.orphan_policy = cfg.orphan_policy;
@@ -171,7 +174,7 @@ mod tests {
         let cli = Cli::try_parse_from(["vk-cocoon"]).unwrap();
         assert_eq!(cli.join.credentials_dir, std::path::PathBuf::from("/var/lib/vk-cocoon/pki"));
         let help = Cli::command().render_long_help().to_string();
-        for s in ["--join-server", "VK_ORPHAN_POLICY", "OCI_REGISTRY", "VK_COCOON_BIN", "ignored"] {
+        for s in ["--join-server", "VK_ORPHAN_POLICY", "OCI_REGISTRY", "VK_COCOON_BIN", "ignored", "VK_NETNS", "VK_VM_CIDR", "VK_BRIDGE"] {
             assert!(help.contains(s), "{s} missing from --help");
         }
         let ids: Vec<String> = Cli::command().get_arguments().map(|a| a.get_id().to_string()).collect();
