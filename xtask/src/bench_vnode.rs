@@ -59,8 +59,11 @@ fn sandbox_resource() -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("agents.x-k8s.io", "v1beta1", "Sandbox"), "sandboxes")
 }
 
+/// When the pod watch first saw each Pod exist and first saw it bound (for the per-hop split).
+type Sightings = std::sync::Arc<std::sync::Mutex<HashMap<String, (Instant, Option<Instant>)>>>;
+
 /// Watches the namespace's Pods and reports each Pod's first Running sighting.
-fn running_feed(client: kube::Client) -> mpsc::UnboundedReceiver<(String, Instant)> {
+fn running_feed(client: kube::Client, sightings: Sightings) -> mpsc::UnboundedReceiver<(String, Instant)> {
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         let pods: Api<Pod> = Api::namespaced(client, NS);
@@ -73,6 +76,13 @@ fn running_feed(client: kube::Client) -> mpsc::UnboundedReceiver<(String, Instan
                 _ => continue,
             };
             for p in objs {
+                if let Ok(mut s) = sightings.lock() {
+                    let bound = p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();
+                    let e = s.entry(p.metadata.name.clone().unwrap_or_default()).or_insert((now, None));
+                    if bound && e.1.is_none() {
+                        e.1 = Some(now);
+                    }
+                }
                 let running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
                 let name = p.metadata.name.clone().unwrap_or_default();
                 if running && seen.insert(name.clone()) && tx.send((name, now)).is_err() {
@@ -137,19 +147,30 @@ async fn measure(env: &NodeEnv, figures: &mut Vec<Figure>, samples: usize, burst
     let client = kube::Client::try_from(config)?;
     env.kubectl_ok(&["create", "namespace", NS]).map_err(|e| anyhow!(e))?;
     let sandboxes: Api<DynamicObject> = Api::namespaced_with(client.clone(), NS, &sandbox_resource());
-    let mut feed = running_feed(client.clone());
+    let sightings = Sightings::default();
+    let mut feed = running_feed(client.clone(), sightings.clone());
     let mut seen = HashMap::new();
 
     // 1. One at a time: Sandbox created → Pod Running.
     let mut lat = Vec::with_capacity(samples);
+    let (mut to_pod, mut to_bound, mut to_running) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..samples {
         let name = format!("lat-{i}");
         let t0 = Instant::now();
         sandboxes.create(&PostParams::default(), &sandbox(&name)).await.context("creating a Sandbox")?;
         wait_running(&mut feed, &mut seen, std::slice::from_ref(&name), Duration::from_secs(60)).await?;
-        lat.push(seen[&name] - t0);
+        let running = seen[&name];
+        lat.push(running - t0);
+        if let Some((created, Some(bound))) = sightings.lock().ok().and_then(|s| s.get(&name).copied()) {
+            to_pod.push(created.saturating_duration_since(t0));
+            to_bound.push(bound.saturating_duration_since(created));
+            to_running.push(running.saturating_duration_since(bound));
+        }
     }
     lat.sort();
+    for v in [&mut to_pod, &mut to_bound, &mut to_running] {
+        v.sort();
+    }
     figures.push(Figure {
         name: format!("Sandbox → Pod Running, warm pool (n={samples}) p50"),
         value: ms(percentile(&lat, 0.5)),
@@ -160,6 +181,17 @@ async fn measure(env: &NodeEnv, figures: &mut Vec<Figure>, samples: usize, burst
         value: ms(percentile(&lat, 0.99)),
         target: "(no target; the VM is pre-booted, so the accelerator does not enter)",
     });
+    for (hop, v) in [
+        ("  of which Sandbox → Pod exists (agent-sandbox controller) p50", &to_pod),
+        ("  of which Pod → bound (kube-scheduler) p50", &to_bound),
+        ("  of which bound → Running (vk-sandbox: claim + status push) p50", &to_running),
+    ] {
+        figures.push(Figure {
+            name: hop.to_string(),
+            value: ms(percentile(v, 0.5)),
+            target: "(split as seen by one pod watch)",
+        });
+    }
 
     // Give the claims back and let the pool refill before the burst.
     env.kubectl_ok(&["delete", "sandboxes", "--all", "-n", NS, "--wait=true", "--timeout=120s"])
