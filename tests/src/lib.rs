@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod sandboxd;
+pub mod vk_cocoon;
 pub mod vk_sandbox;
 
 use anyhow::{Context, Result};
