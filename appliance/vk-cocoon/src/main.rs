@@ -174,7 +174,16 @@ mod tests {
         let cli = Cli::try_parse_from(["vk-cocoon"]).unwrap();
         assert_eq!(cli.join.credentials_dir, std::path::PathBuf::from("/var/lib/vk-cocoon/pki"));
         let help = Cli::command().render_long_help().to_string();
-        for s in ["--join-server", "VK_ORPHAN_POLICY", "OCI_REGISTRY", "VK_COCOON_BIN", "ignored", "VK_NETNS", "VK_VM_CIDR", "VK_BRIDGE"] {
+        for s in [
+            "--join-server",
+            "VK_ORPHAN_POLICY",
+            "OCI_REGISTRY",
+            "VK_COCOON_BIN",
+            "ignored",
+            "VK_NETNS",
+            "VK_VM_CIDR",
+            "VK_BRIDGE",
+        ] {
             assert!(help.contains(s), "{s} missing from --help");
         }
         let ids: Vec<String> = Cli::command().get_arguments().map(|a| a.get_id().to_string()).collect();

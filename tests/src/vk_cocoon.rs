@@ -1,0 +1,481 @@
+//! A vk-cocoon virtual node on the test control plane, for the end-to-end suite:
+//! [`CocoonEnv::up`] creates a network namespace of its own (`vkc-e2e-<pid>`: the bridge, the
+//! TAPs and every QEMU live in it, so no VM packet leaves it), a `COCOON_ROOT_DIR` under /tmp
+//! with the built catalog's `rt` imported as `ubuntu-dev-base` and `base` as `base`, starts the
+//! cluster on its own port and the real `vk-cocoon` binary joined with the bootstrap token
+//! ([`CocoonProvider`], restartable and killable), and waits for the Node to be Ready.
+//! [`CocoonEnv::down`] stops all of it, kills every QEMU under the root, deletes the netns and
+//! reports whatever survived.
+//!
+//! Guest access goes through the provider's own agent socket (`<root>/vms/<instance>/vsock.sock`,
+//! served by the provider's QEMU driver): vk-cocoon's instance ids are `<vm id>-<8 hex>`.
+
+use std::io::{Read as _, Write as _};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use silkd_client::{AgentConn, ExecOptions};
+use vmm::AGENT_PORT;
+use wire::{Request, Response};
+
+use crate::cluster::{Cluster, Options};
+use crate::sandboxd::free_port;
+use crate::vk_sandbox::{condition, poll};
+
+/// What [`CocoonEnv::up`] starts.
+pub struct CocoonSpec<'a> {
+    /// The apiserver port.
+    pub port: u16,
+    pub node_name: &'a str,
+    pub provider_bin: PathBuf,
+}
+
+/// The running node.
+pub struct CocoonEnv {
+    _dir: tempfile::TempDir,
+    /// Scratch space (under /tmp: QEMU socket paths must stay short).
+    pub dir: PathBuf,
+    /// `COCOON_ROOT_DIR`.
+    pub root: PathBuf,
+    /// The netns holding the bridge, TAPs and VMs.
+    pub netns: String,
+    pub opts: Options,
+    pub cluster: Cluster,
+    pub provider: CocoonProvider,
+    pub node_name: String,
+    rt: tokio::runtime::Runtime,
+    stopped: bool,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(())
+}
+
+/// Whether `/run/netns/<name>` exists.
+pub fn netns_exists(name: &str) -> bool {
+    Path::new("/run/netns").join(name).exists()
+}
+
+impl CocoonEnv {
+    /// Netns, image library, cluster, provider; waits for the Node to be Ready.
+    pub fn up(spec: CocoonSpec<'_>) -> Result<CocoonEnv, String> {
+        let dir_guard = tempfile::Builder::new().prefix("vkc").tempdir_in("/tmp").map_err(|e| e.to_string())?;
+        let dir = dir_guard.path().to_path_buf();
+        let root = dir.join("root");
+        let netns = format!("vkc-e2e-{}", std::process::id());
+        if netns_exists(&netns) {
+            ip(&["netns", "del", &netns])?;
+        }
+        ip(&["netns", "add", &netns])?;
+        ip(&["-n", &netns, "link", "set", "lo", "up"])?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        // From here on a failure must still delete the netns: build the env piece by piece.
+        let images = root.join("images");
+        let imported = (|| -> Result<(), String> {
+            let catalog = crate::catalog().map_err(|e| format!("{e:#}"))?;
+            let store = images::Store::open(&images).map_err(|e| format!("image store: {e}"))?;
+            for (template, name) in [("rt", "ubuntu-dev-base"), ("base", "base")] {
+                let (_, t) = catalog.resolve(template).map_err(|e| format!("catalog: {e}"))?;
+                store.import_catalog_template(name, t).map_err(|e| format!("importing {template} as {name}: {e}"))?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = imported {
+            let _ = ip(&["netns", "del", &netns]);
+            return Err(e);
+        }
+        let opts = Options { state_dir: dir.join("cluster"), port: spec.port, ..Options::default() };
+        let cluster = match Cluster::up_with(&opts) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = ip(&["netns", "del", &netns]);
+                return Err(format!("cluster up: {e}"));
+            }
+        };
+        let token_file = dir.join("bootstrap-token");
+        std::fs::write(&token_file, &cluster.token).map_err(|e| e.to_string())?;
+        let s = |p: &Path| p.display().to_string();
+        let args: Vec<String> = vec![
+            "--join-server".into(),
+            cluster.endpoint.clone(),
+            "--join-token-file".into(),
+            s(&token_file),
+            "--join-ca-hash".into(),
+            cluster.ca_hash.clone(),
+            "--credentials-dir".into(),
+            s(&dir.join("vk/pki")),
+        ];
+        let envs: Vec<(String, String)> = vec![
+            ("VK_NODE_NAME".into(), spec.node_name.into()),
+            ("VK_NODE_IP".into(), "127.0.0.1".into()),
+            ("VK_KUBELET_PORT".into(), free_port().to_string()),
+            ("VK_NETNS".into(), netns.clone()),
+            ("COCOON_ROOT_DIR".into(), s(&root)),
+            ("VK_TLS_CERT".into(), s(&dir.join("vk/tls.crt"))),
+            ("VK_TLS_KEY".into(), s(&dir.join("vk/tls.key"))),
+        ];
+        let provider = CocoonProvider { bin: spec.provider_bin, args, envs, dir: dir.clone(), child: None, starts: 0 };
+        let mut env = CocoonEnv {
+            _dir: dir_guard,
+            dir,
+            root,
+            netns,
+            opts,
+            cluster,
+            provider,
+            node_name: spec.node_name.into(),
+            rt,
+            stopped: false,
+        };
+        env.provider.ensure_running()?;
+        env.wait_node_ready().map_err(|e| format!("{e}\n{}", env.provider.log_tail(60)))?;
+        Ok(env)
+    }
+
+    /// Stops the provider (SIGTERM), the cluster, every QEMU under the root, and deletes the
+    /// netns. Returns what survived (empty = clean).
+    pub fn down(mut self) -> Vec<String> {
+        self.stop_all()
+    }
+
+    fn stop_all(&mut self) -> Vec<String> {
+        if std::mem::replace(&mut self.stopped, true) {
+            return Vec::new();
+        }
+        let mut left = Vec::new();
+        self.provider.stop();
+        if let Err(e) = Cluster::down_with(&self.opts) {
+            left.push(format!("cluster down: {e}"));
+        }
+        for pid in crate::qemu_processes_under(&self.root) {
+            // SAFETY: kill(2) on a QEMU pid naming this environment's root.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+        let qemus = crate::sandboxd::wait_for_gone(&self.root.display().to_string());
+        if !qemus.is_empty() {
+            left.push(format!("QEMU processes survived SIGKILL: {qemus:?}"));
+        }
+        if let Err(e) = ip(&["netns", "del", &self.netns]) {
+            left.push(e);
+        }
+        if netns_exists(&self.netns) {
+            left.push(format!("netns {} still exists", self.netns));
+        }
+        left
+    }
+
+    pub fn kubectl(&self, args: &[&str]) -> std::io::Result<std::process::Output> {
+        self.cluster.kubectl().args(args).output()
+    }
+
+    pub fn kubectl_ok(&self, args: &[&str]) -> Result<String, String> {
+        let out = self.kubectl(args).map_err(|e| format!("kubectl: {e}"))?;
+        if !out.status.success() {
+            return Err(format!("kubectl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr)));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// `kubectl get … -o json`, `None` when it does not exist.
+    pub fn get(&self, args: &[&str]) -> Result<Option<Value>, String> {
+        let mut a = vec!["get"];
+        a.extend_from_slice(args);
+        a.extend_from_slice(&["-o", "json"]);
+        let out = self.kubectl(&a).map_err(|e| format!("kubectl: {e}"))?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            if err.contains("NotFound") || err.contains("not found") {
+                return Ok(None);
+            }
+            return Err(format!("kubectl {}: {err}", a.join(" ")));
+        }
+        serde_json::from_slice(&out.stdout).map(Some).map_err(|e| format!("kubectl json: {e}"))
+    }
+
+    /// `kubectl apply` of a JSON object into `ns`.
+    pub fn apply(&self, ns: &str, object: &Value) -> Result<(), String> {
+        let mut child = self
+            .cluster
+            .kubectl()
+            .args(["apply", "-n", ns, "-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("kubectl: {e}"))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin.write_all(object.to_string().as_bytes()).map_err(|e| e.to_string())?;
+        }
+        let out = child.wait_with_output().map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(format!("kubectl apply: {}", String::from_utf8_lossy(&out.stderr)));
+        }
+        Ok(())
+    }
+
+    pub fn wait_node_ready(&self) -> Result<Value, String> {
+        poll(&format!("node {} Ready", self.node_name), Duration::from_secs(120), || {
+            let node = self.get(&["node", &self.node_name])?;
+            Ok(node.filter(|n| condition(n, "Ready").is_some_and(|c| c["status"] == "True")))
+        })
+    }
+
+    pub fn pod(&self, ns: &str, name: &str) -> Result<Option<Value>, String> {
+        self.get(&["pod", name, "-n", ns])
+    }
+
+    /// Waits up to `within` for the pod to satisfy `f`.
+    pub fn wait_pod(
+        &self,
+        ns: &str,
+        name: &str,
+        what: &str,
+        within: Duration,
+        f: impl Fn(&Value) -> bool,
+    ) -> Result<Value, String> {
+        poll(&format!("pod {ns}/{name} {what}"), within, || Ok(self.pod(ns, name)?.filter(|p| f(p))))
+    }
+
+    /// Events about `pod` as (type, reason, message).
+    pub fn events(&self, ns: &str, pod: &str) -> Result<Vec<(String, String, String)>, String> {
+        let sel = format!("involvedObject.name={pod}");
+        let list = self.get(&["events", "-n", ns, "--field-selector", &sel])?.unwrap_or_default();
+        Ok(list["items"]
+            .as_array()
+            .map(|items| {
+                items
+                    .iter()
+                    .map(|e| {
+                        let s = |k: &str| e[k].as_str().unwrap_or_default().to_string();
+                        (s("type"), s("reason"), s("message"))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
+    // ------------------------------------------------------------------------ VMs and guests
+
+    /// The live hypervisor instances (`<root>/vms/<id>-<8 hex>/vm.json`) of VM `id`.
+    pub fn instances(&self, id: &str) -> Vec<vmm::Vm> {
+        let Ok(rd) = std::fs::read_dir(self.root.join("vms")) else { return Vec::new() };
+        rd.flatten()
+            .filter_map(|e| vmm::lifecycle::VmRecord::load(&e.path()).ok().flatten())
+            .map(|r| r.vm)
+            .filter(|vm| {
+                vm.id.as_str().rsplit_once('-').is_some_and(|(owner, sfx)| owner == id && sfx.len() == 8)
+                    && vmm::record::is_alive(vm.pid, vm.pid_start_time)
+            })
+            .collect()
+    }
+
+    /// Every live QEMU under the root.
+    pub fn qemus(&self) -> Vec<u32> {
+        crate::qemu_processes_under(&self.root)
+    }
+
+    /// Whether vk-cocoon holds a record of VM `id` (`<root>/cocoon/<id>.json`).
+    pub fn has_record(&self, id: &str) -> bool {
+        self.root.join("cocoon").join(format!("{id}.json")).exists()
+    }
+
+    /// The lease of `id` in `<root>/net/leases.json`, as JSON.
+    pub fn lease(&self, id: &str) -> Option<Value> {
+        let text = std::fs::read_to_string(self.root.join("net/leases.json")).ok()?;
+        let v: Value = serde_json::from_str(&text).ok()?;
+        v["leases"].get(id).cloned()
+    }
+
+    /// The image library.
+    pub fn store(&self) -> Result<images::Store, String> {
+        images::Store::open(self.root.join("images")).map_err(|e| e.to_string())
+    }
+
+    fn one_instance(&self, id: &str) -> Result<vmm::Vm, String> {
+        let mut v = self.instances(id);
+        match v.len() {
+            1 => Ok(v.remove(0)),
+            n => Err(format!("VM {id} has {n} live instances")),
+        }
+    }
+
+    /// Runs `sh -c script` in VM `id`'s guest through its agent; stdout on exit 0.
+    pub fn guest_sh(&self, id: &str, script: &str) -> Result<String, String> {
+        let vm = self.one_instance(id)?;
+        self.rt.block_on(async {
+            let s = vmm::agent::dial(&vm.vsock_socket, AGENT_PORT).await.map_err(|e| format!("dial {id}: {e}"))?;
+            let out = tokio::time::timeout(
+                Duration::from_secs(60),
+                AgentConn::new(s).exec(&["sh", "-c", script], ExecOptions::default(), b""),
+            )
+            .await
+            .map_err(|_| format!("{id}: {script}: timed out"))?
+            .map_err(|e| format!("{id}: exec: {e}"))?;
+            if out.code != 0 {
+                return Err(format!("{id}: {script}: exit {}: {}", out.code, String::from_utf8_lossy(&out.stderr)));
+            }
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        })
+    }
+
+    /// Starts `argv` detached in VM `id`'s guest.
+    pub fn guest_spawn(&self, id: &str, argv: &[&str]) -> Result<(), String> {
+        let vm = self.one_instance(id)?;
+        self.rt.block_on(async {
+            let s = vmm::agent::dial(&vm.vsock_socket, AGENT_PORT).await.map_err(|e| format!("dial {id}: {e}"))?;
+            let mut conn = AgentConn::new(s);
+            conn.send(&Request::Exec {
+                argv: argv.iter().map(|a| a.to_string()).collect(),
+                cwd: None,
+                env: None,
+                user: None,
+                detach: Some(true),
+                session: None,
+            })
+            .await
+            .map_err(|e| format!("{id}: send: {e}"))?;
+            match conn.recv().await.map_err(|e| format!("{id}: recv: {e}"))? {
+                Response::Started { .. } => Ok(()),
+                other => Err(format!("{id}: detached exec answered {other:?}")),
+            }
+        })
+    }
+
+    /// Connects from inside the netns to `ip:port` (retrying up to `within`) and returns what
+    /// the server wrote before closing. Sends nothing: a server closing with unread input
+    /// would answer with a reset that can discard its reply.
+    pub fn tcp_from_netns(&self, ip: &str, port: u16, within: Duration) -> Result<String, String> {
+        let addr: Ipv4Addr = ip.parse().map_err(|_| format!("{ip} is not an IPv4 address"))?;
+        let ns_path = Path::new("/run/netns").join(&self.netns);
+        std::thread::spawn(move || -> Result<String, String> {
+            let f = std::fs::File::open(&ns_path).map_err(|e| format!("{}: {e}", ns_path.display()))?;
+            // SAFETY: setns(2) on a namespace file we hold open; it switches only this thread.
+            if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(format!("setns: {}", std::io::Error::last_os_error()));
+            }
+            let deadline = Instant::now() + within;
+            let mut last = String::new();
+            while Instant::now() < deadline {
+                match TcpStream::connect_timeout(&SocketAddr::from((addr, port)), Duration::from_secs(3)) {
+                    Ok(mut s) => {
+                        let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+                        let mut buf = Vec::new();
+                        match s.read_to_end(&mut buf) {
+                            Ok(_) if !buf.is_empty() => return Ok(String::from_utf8_lossy(&buf).into_owned()),
+                            other => last = format!("read: {other:?}"),
+                        }
+                    }
+                    Err(e) => last = format!("connect: {e}"),
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            Err(format!("no answer from {addr}:{port} within {within:?} ({last})"))
+        })
+        .join()
+        .map_err(|_| "the netns thread panicked".to_string())?
+    }
+}
+
+impl Drop for CocoonEnv {
+    fn drop(&mut self) {
+        let left = self.stop_all();
+        if !left.is_empty() {
+            eprintln!("vk-cocoon environment teardown left: {left:?}");
+        }
+    }
+}
+
+/// The vk-cocoon child process (restartable, one log per start).
+pub struct CocoonProvider {
+    pub bin: PathBuf,
+    pub args: Vec<String>,
+    pub envs: Vec<(String, String)>,
+    dir: PathBuf,
+    child: Option<Child>,
+    starts: usize,
+}
+
+impl Drop for CocoonProvider {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+impl CocoonProvider {
+    pub fn log_path(&self, n: usize) -> PathBuf {
+        self.dir.join(format!("vk-cocoon-{n}.log"))
+    }
+
+    /// How many times it was started.
+    pub fn starts(&self) -> usize {
+        self.starts
+    }
+
+    pub fn ensure_running(&mut self) -> Result<(), String> {
+        if let Some(c) = self.child.as_mut() {
+            if c.try_wait().map_err(|e| e.to_string())?.is_none() {
+                return Ok(());
+            }
+            self.child = None;
+        }
+        self.starts += 1;
+        let log = std::fs::File::create(self.log_path(self.starts)).map_err(|e| e.to_string())?;
+        let err = log.try_clone().map_err(|e| e.to_string())?;
+        let child = Command::new(&self.bin)
+            .args(&self.args)
+            .envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env("RUST_LOG", "info,vk_cocoon=debug,vnode=info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| format!("spawning {}: {e}", self.bin.display()))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// SIGKILL, like a crash.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after 10 s.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
+            let until = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < until && matches!(c.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(self.log_path(self.starts)).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        format!(
+            "---- vk-cocoon run {} (last lines) ----\n{}",
+            self.starts,
+            all[all.len().saturating_sub(lines)..].join("\n")
+        )
+    }
+}

@@ -1,0 +1,379 @@
+//! The scenarios and the one environment they share (see the suite's doc).
+
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use test_infra::vk_cocoon::{CocoonEnv, CocoonSpec};
+use test_infra::vk_sandbox::{annotation, condition, poll, sibling_bin};
+
+/// The apiserver port of this suite's cluster (others: 16443 xtask, 26443 cluster_e2e, 27443
+/// join, 28443 vnode, 29443 vk_sandbox_e2e).
+const PORT: u16 = 31443;
+const NODE: &str = "vk-cocoon-e2e";
+/// How long a Pod may take to be Running on a freshly booted VM (TCG boots are slow).
+const VM_RUNNING: Duration = Duration::from_secs(300);
+/// How long a Pod may take to reach a state that needs no VM.
+const QUICK: Duration = Duration::from_secs(90);
+/// The image the scenarios boot where the seed does not dictate one (initrd only: short boots).
+const BASE: &str = "base";
+
+const NAME: &str = "vm.cocoonstack.io/name";
+const ID: &str = "vm.cocoonstack.io/id";
+const IP: &str = "vm.cocoonstack.io/ip";
+const LIFECYCLE: &str = "vm.cocoonstack.io/lifecycle-state";
+
+type Outcome = Result<(), String>;
+
+/// Fails the scenario with a message (the harness prints it).
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(format!($($fmt)+));
+        }
+    };
+}
+
+type Env = CocoonEnv;
+
+static ENV: Mutex<Option<Env>> = Mutex::new(None);
+
+fn env_up() -> Result<Env, String> {
+    CocoonEnv::up(CocoonSpec { port: PORT, node_name: NODE, provider_bin: sibling_bin("vk-cocoon")? })
+}
+
+/// Runs one scenario, bringing the environment up on first use.
+pub fn run(name: &str) -> Result<(), String> {
+    let mut guard = ENV.lock().unwrap_or_else(|p| p.into_inner());
+    if guard.is_none() {
+        *guard = Some(env_up()?);
+    }
+    let Some(env) = guard.as_mut() else { return Err("no environment".into()) };
+    env.provider.ensure_running()?;
+    let n = SCENARIOS_SEEN.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let short: String = name.replace('_', "-").chars().take(40).collect();
+    let ns = format!("t{n:02}-{}", short.trim_end_matches('-'));
+    env.kubectl_ok(&["create", "namespace", &ns])?;
+    let result = match name {
+        "seed_cocoon_example_runs_with_its_vm_ip_and_serves_tcp" => seed_example(env, &ns),
+        "second_sandbox_with_the_same_vm_name_is_refused_not_given_a_vm" => same_vm_name(env, &ns),
+        "clone_boots_from_the_snapshot_a_policy_always_delete_saved" => clone_from_snapshot(env, &ns),
+        "unmanaged_pod_with_id_and_ip_is_tracked_without_a_vm" => unmanaged(env, &ns),
+        "missing_vm_name_is_pending_with_event_and_failed_under_restart_never" => missing_name(env, &ns),
+        "windows_guest_is_refused_with_a_typed_error" => windows(env, &ns),
+        "provider_kill9_leaves_vms_running_and_the_restart_readopts_them" => kill9(env, &ns),
+        other => Err(format!("unknown scenario {other}")),
+    };
+    // Delete the namespace's objects so their VMs go (best effort; every QEMU is killed at teardown).
+    let _ = env.kubectl(&["delete", "sandboxes,pods", "--all", "-n", &ns, "--wait=false"]);
+    result.map_err(|e| format!("{e}\n{}", env.provider.log_tail(80)))
+}
+
+static SCENARIOS_SEEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Stops everything the scenarios started; an error lists what survived.
+pub fn teardown() -> Result<(), String> {
+    let mut guard = ENV.lock().unwrap_or_else(|p| p.into_inner());
+    match guard.take() {
+        Some(env) => {
+            let left = env.down();
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(left.join("; "))
+            }
+        }
+        None => Ok(()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Objects
+
+fn toleration() -> Value {
+    json!({"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"})
+}
+
+fn pod_spec(extra: Value) -> Value {
+    let mut spec = json!({
+        "nodeSelector": {"cocoonstack.io/pool": "default"},
+        "tolerations": [toleration()],
+        "containers": [{"name": "agent", "image": BASE}],
+    });
+    if let (Some(s), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
+        for (k, v) in extra {
+            s.insert(k.clone(), v.clone());
+        }
+    }
+    spec
+}
+
+/// A Sandbox shaped like the seed's cocoon example.
+fn sandbox(name: &str, annotations: Value) -> Value {
+    json!({
+        "apiVersion": "agents.x-k8s.io/v1beta1",
+        "kind": "Sandbox",
+        "metadata": {"name": name},
+        "spec": {"podTemplate": {"metadata": {"annotations": annotations}, "spec": pod_spec(json!({}))}},
+    })
+}
+
+/// A bare Pod for this node.
+fn pod(name: &str, annotations: Value, extra: Value) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": pod_spec(extra),
+    })
+}
+
+/// A managed `run` of `image` named `vm`, with a snapshot policy.
+fn run_vm(vm: &str, image: &str, policy: &str) -> Value {
+    json!({
+        NAME: vm,
+        "cocoonset.cocoonstack.io/managed": "true",
+        "cocoonset.cocoonstack.io/mode": "run",
+        "cocoonset.cocoonstack.io/image": image,
+        "cocoonset.cocoonstack.io/snapshot-policy": policy,
+    })
+}
+
+/// The id vk-cocoon derives from a short, valid VM name.
+fn vm_id(name: &str) -> String {
+    format!("vc-{name}")
+}
+
+fn running(env: &Env, ns: &str, name: &str) -> Result<Value, String> {
+    env.wait_pod(ns, name, "Running", VM_RUNNING, |p| p["status"]["phase"] == "Running")
+}
+
+fn ready(env: &Env, ns: &str, name: &str, within: Duration) -> Result<Value, String> {
+    env.wait_pod(ns, name, "Ready", within, |p| {
+        p["status"]["phase"] == "Running" && condition(p, "Ready").is_some_and(|c| c["status"] == "True")
+    })
+}
+
+/// A managed pod's VM as the API and the node see it: (id, ip), after checking they agree.
+fn vm_of(env: &Env, pod: &Value, vm_name: &str) -> Result<(String, String), String> {
+    let id = annotation(pod, ID).ok_or("no vm.cocoonstack.io/id annotation")?.to_string();
+    ensure!(id == vm_id(vm_name), "id {id}, expected {}", vm_id(vm_name));
+    let ip = annotation(pod, IP).ok_or("no vm.cocoonstack.io/ip annotation")?.to_string();
+    ensure!(pod["status"]["podIP"] == ip.as_str(), "podIP {} != vm ip {ip}", pod["status"]["podIP"]);
+    ensure!(ip.starts_with("10.88.0."), "ip {ip} is outside VK_VM_CIDR's default 10.88.0.0/24");
+    let lease = env.lease(&id).ok_or(format!("no lease for {id}"))?;
+    ensure!(lease["ip"] == ip.as_str(), "lease {lease} does not hold {ip}");
+    let n = env.instances(&id).len();
+    ensure!(n == 1, "VM {id} has {n} live QEMU instances, want 1");
+    ensure!(env.has_record(&id), "vk-cocoon has no record of {id}");
+    Ok((id, ip))
+}
+
+/// ProviderFailed on the pod's status and a Warning event carrying the provider's message.
+fn assert_provider_failed(env: &Env, ns: &str, name: &str, phase: &str, needles: &[&str]) -> Outcome {
+    let pod = env.wait_pod(ns, name, &format!("{phase} ProviderFailed"), QUICK, |p| {
+        p["status"]["phase"] == phase && p["status"]["reason"] == "ProviderFailed"
+    })?;
+    let msg = pod["status"]["message"].as_str().unwrap_or_default();
+    for needle in needles {
+        ensure!(msg.contains(needle), "status message {msg:?} does not mention {needle:?}");
+    }
+    let events = poll("a ProviderCreateFailed event", Duration::from_secs(30), || {
+        let ev = env.events(ns, name)?;
+        Ok(ev.iter().any(|(t, r, _)| t == "Warning" && r == "ProviderCreateFailed").then_some(ev))
+    })?;
+    ensure!(
+        events.iter().any(|(_, r, m)| r == "ProviderCreateFailed" && needles.iter().all(|n| m.contains(n))),
+        "events do not carry the error: {events:?}"
+    );
+    Ok(())
+}
+
+/// Writes a TCP service into the guest (every connection gets `hello-from-<contents of
+/// /tmp/who>`) with busybox `nc` and starts it detached.
+fn serve_busybox(env: &Env, id: &str, who: &str, port: u16) -> Outcome {
+    env.guest_sh(
+        id,
+        &format!(
+            "echo {who} > /tmp/who && printf '#!/bin/sh\\necho hello-from-$(cat /tmp/who)\\n' > /tmp/reply.sh \
+             && chmod +x /tmp/reply.sh"
+        ),
+    )?;
+    env.guest_spawn(id, &["nc", "-ll", "-p", &port.to_string(), "-e", "/tmp/reply.sh"])
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios
+
+fn seed_example(env: &mut Env, ns: &str) -> Outcome {
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("seed/examples/cocoon-example.yaml");
+    env.kubectl_ok(&["apply", "-n", ns, "-f", &seed.display().to_string()])?;
+    let pod = running(env, ns, "cocoon-example")?;
+    ensure!(pod["spec"]["nodeName"] == NODE, "bound to {}", pod["spec"]["nodeName"]);
+    let (id, ip) = vm_of(env, &pod, "sandbox-default-cocoon-example")?;
+    ensure!(annotation(&pod, LIFECYCLE) == Some("ready"), "lifecycle-state {:?}", annotation(&pod, LIFECYCLE));
+    ready(env, ns, "cocoon-example", Duration::from_secs(60))?;
+    // The image is ubuntu-dev-base (rt): a Debian userland with python3.
+    let os = env.guest_sh(&id, "cat /etc/os-release")?;
+    ensure!(os.contains("Debian"), "the guest is not the rt image: {os}");
+    let server = "import socket\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+s.bind(('0.0.0.0', 8080))\ns.listen()\nwhile True:\n    c, _ = s.accept()\n    c.sendall(b'hello-from-cocoon-example\\n')\n    c.close()\n";
+    env.guest_sh(&id, &format!("cat > /tmp/srv.py <<'PY'\n{server}PY\n"))?;
+    env.guest_spawn(&id, &["sh", "-c", "exec python3 /tmp/srv.py > /tmp/srv.log 2>&1"])?;
+    let got = env
+        .tcp_from_netns(&ip, 8080, Duration::from_secs(60))
+        .map_err(|e| format!("{e}; server log: {:?}", env.guest_sh(&id, "cat /tmp/srv.log")))?;
+    ensure!(got.trim() == "hello-from-cocoon-example", "the guest answered {got:?}");
+    // The Sandbox is Ready once the provider pushed a Ready pod.
+    poll("Sandbox Ready", QUICK, || {
+        let s = env.get(&["sandbox", "cocoon-example", "-n", ns])?;
+        Ok(s.filter(|s| condition(s, "Ready").is_some_and(|c| c["status"] == "True")))
+    })?;
+    Ok(())
+}
+
+fn same_vm_name(env: &mut Env, ns: &str) -> Outcome {
+    env.apply(ns, &sandbox("first", run_vm("shared-vm", BASE, "never")))?;
+    let first = running(env, ns, "first")?;
+    let (id, ip) = vm_of(env, &first, "shared-vm")?;
+    let pid = env.instances(&id).first().map(|v| v.pid).ok_or("no instance")?;
+    // The seed's constraint: a second Pod carrying the same VM name. Upstream it would adopt
+    // the first one's VM; this provider refuses it (provider.rs "Two Pods, one VM name").
+    env.apply(ns, &sandbox("second", run_vm("shared-vm", BASE, "never")))?;
+    assert_provider_failed(
+        env,
+        ns,
+        "second",
+        "Pending",
+        &["VM name shared-vm is already used by pod", &format!("{ns}/first")],
+    )?;
+    let second = env.pod(ns, "second")?.ok_or("second pod gone")?;
+    ensure!(annotation(&second, ID).is_none(), "the refused pod carries a VM id: {:?}", annotation(&second, ID));
+    // Still exactly one VM of that name, the first one's, untouched.
+    let inst = env.instances(&id);
+    ensure!(inst.len() == 1 && inst[0].pid == pid, "instances of {id}: {inst:?}, want the one QEMU {pid}");
+    let first = env.pod(ns, "first")?.ok_or("first pod gone")?;
+    ensure!(first["status"]["phase"] == "Running", "first pod: {}", first["status"]);
+    ensure!(
+        annotation(&first, ID) == Some(id.as_str()) && annotation(&first, IP) == Some(ip.as_str()),
+        "first pod changed"
+    );
+    Ok(())
+}
+
+fn clone_from_snapshot(env: &mut Env, ns: &str) -> Outcome {
+    env.apply(ns, &sandbox("src", run_vm("snap-src", BASE, "always")))?;
+    let src = running(env, ns, "src")?;
+    let (src_id, src_ip) = vm_of(env, &src, "snap-src")?;
+    serve_busybox(env, &src_id, "parent", 8080)?;
+    let got = env.tcp_from_netns(&src_ip, 8080, Duration::from_secs(60))?;
+    ensure!(got.trim() == "hello-from-parent", "the source answered {got:?}");
+    // Deleting it with snapshot-policy always saves snap-src:latest, then removes the VM.
+    env.kubectl_ok(&["delete", "sandbox", "src", "-n", ns, "--wait=true", "--timeout=240s"])?;
+    poll("snap-src:latest saved and the source VM removed", Duration::from_secs(240), || {
+        let store = env.store()?;
+        let saved = match store.lookup("snap-src:latest") {
+            Ok(d) => store.manifest(&d).map_err(|e| e.to_string())?.kind() == images::Kind::Snapshot,
+            Err(_) => false,
+        };
+        let gone = env.instances(&src_id).is_empty() && !env.has_record(&src_id) && env.lease(&src_id).is_none();
+        Ok((saved && gone).then_some(()))
+    })?;
+    // A clone of it: its own VM, lease and address; the guest (with the parent's nc still
+    // running from the memory image) is re-addressed and answers on the clone's IP.
+    let mut a = run_vm("snap-dst", "snap-src", "never");
+    a["cocoonset.cocoonstack.io/mode"] = json!("clone");
+    env.apply(ns, &sandbox("dst", a))?;
+    let dst = running(env, ns, "dst")?;
+    let (dst_id, dst_ip) = vm_of(env, &dst, "snap-dst")?;
+    ensure!(annotation(&dst, LIFECYCLE) == Some("ready"), "clone lifecycle-state {:?}", annotation(&dst, LIFECYCLE));
+    let events = env.events(ns, "dst")?;
+    ensure!(events.iter().any(|(_, r, _)| r == "PostCloneSucceeded"), "no PostCloneSucceeded event: {events:?}");
+    let addr = env.guest_sh(&dst_id, "ip -4 addr show dev eth0")?;
+    ensure!(addr.contains(&format!("{dst_ip}/24")), "the clone's eth0 is not re-addressed: {addr}");
+    let who = env.guest_sh(&dst_id, "cat /tmp/who")?;
+    ensure!(who.trim() == "parent", "the clone does not carry the parent's memory/disk state: /tmp/who = {who:?}");
+    env.guest_sh(&dst_id, "echo clone > /tmp/who")?;
+    let got = env.tcp_from_netns(&dst_ip, 8080, Duration::from_secs(60))?;
+    ensure!(got.trim() == "hello-from-clone", "the clone answered {got:?} on {dst_ip}");
+    ready(env, ns, "dst", Duration::from_secs(60))?;
+    Ok(())
+}
+
+fn unmanaged(env: &mut Env, ns: &str) -> Outcome {
+    let a = json!({NAME: "ext-vm", ID: "ext-0001", IP: "10.88.0.250"});
+    env.apply(ns, &pod("ext", a, json!({})))?;
+    let p = env.wait_pod(ns, "ext", "Running", QUICK, |p| p["status"]["phase"] == "Running")?;
+    ensure!(p["status"]["podIP"] == "10.88.0.250", "podIP {}", p["status"]["podIP"]);
+    ready(env, ns, "ext", QUICK)?;
+    let p = env.pod(ns, "ext")?.ok_or("pod gone")?;
+    ensure!(annotation(&p, ID) == Some("ext-0001"), "the pre-assigned id changed: {:?}", annotation(&p, ID));
+    ensure!(annotation(&p, LIFECYCLE).is_none(), "vk-cocoon wrote lifecycle state on an unmanaged pod");
+    for id in [vm_id("ext-vm"), "ext-0001".to_string()] {
+        ensure!(env.instances(&id).is_empty() && !env.has_record(&id), "a VM {id} was created for an unmanaged pod");
+        ensure!(env.lease(&id).is_none(), "a lease was taken for {id}");
+    }
+    Ok(())
+}
+
+fn missing_name(env: &mut Env, ns: &str) -> Outcome {
+    let mut a = run_vm("unused", BASE, "never");
+    if let Some(m) = a.as_object_mut() {
+        m.remove(NAME);
+    }
+    env.apply(ns, &pod("noname", a.clone(), json!({})))?;
+    env.apply(ns, &pod("noname-never", a, json!({"restartPolicy": "Never"})))?;
+    assert_provider_failed(env, ns, "noname", "Pending", &["vm.cocoonstack.io/name is missing"])?;
+    assert_provider_failed(env, ns, "noname-never", "Failed", &["vm.cocoonstack.io/name is missing"])?;
+    // Failed is terminal.
+    std::thread::sleep(Duration::from_secs(3));
+    let p = env.pod(ns, "noname-never")?.ok_or("pod gone")?;
+    ensure!(p["status"]["phase"] == "Failed", "a Failed pod changed: {}", p["status"]);
+    ensure!(env.instances(&vm_id("unused")).is_empty(), "a VM was booted without a name");
+    Ok(())
+}
+
+fn windows(env: &mut Env, ns: &str) -> Outcome {
+    let mut a = run_vm("win-vm", BASE, "never");
+    a["cocoonset.cocoonstack.io/os"] = json!("windows");
+    env.apply(ns, &pod("win", a, json!({})))?;
+    assert_provider_failed(env, ns, "win", "Pending", &["guest OS windows", "unsupported on this node"])?;
+    let id = vm_id("win-vm");
+    ensure!(env.instances(&id).is_empty() && !env.has_record(&id), "a VM was booted for a windows pod");
+    Ok(())
+}
+
+fn kill9(env: &mut Env, ns: &str) -> Outcome {
+    env.apply(ns, &sandbox("survivor", run_vm("survivor", BASE, "never")))?;
+    let pod = running(env, ns, "survivor")?;
+    let (id, ip) = vm_of(env, &pod, "survivor")?;
+    ready(env, ns, "survivor", Duration::from_secs(60))?;
+    let pid = env.instances(&id).first().map(|v| v.pid).ok_or("no instance")?;
+    serve_busybox(env, &id, "survivor", 8080)?;
+    let starts = env.provider.starts();
+    env.provider.kill9();
+    // The VM keeps running without its provider, and keeps serving.
+    std::thread::sleep(Duration::from_secs(2));
+    let inst = env.instances(&id);
+    ensure!(inst.len() == 1 && inst[0].pid == pid, "after kill -9 the VM's QEMU {pid} is gone: {inst:?}");
+    let got = env.tcp_from_netns(&ip, 8080, Duration::from_secs(30))?;
+    ensure!(got.trim() == "hello-from-survivor", "the orphaned guest answered {got:?}");
+    env.provider.ensure_running()?;
+    ensure!(env.provider.starts() == starts + 1, "the provider was not restarted");
+    env.wait_node_ready()?;
+    let events = poll("a ResumedAfterRestart event", QUICK, || {
+        let ev = env.events(ns, "survivor")?;
+        Ok(ev.iter().any(|(_, r, _)| r == "ResumedAfterRestart").then_some(ev))
+    })?;
+    ensure!(events.iter().any(|(_, r, m)| r == "ResumedAfterRestart" && m.contains(&id)), "events: {events:?}");
+    let p = ready(env, ns, "survivor", QUICK)?;
+    ensure!(annotation(&p, ID) == Some(id.as_str()), "id changed to {:?}", annotation(&p, ID));
+    ensure!(p["status"]["podIP"] == ip.as_str(), "podIP changed to {}", p["status"]["podIP"]);
+    let inst = env.instances(&id);
+    ensure!(inst.len() == 1 && inst[0].pid == pid, "the restart did not re-adopt QEMU {pid}: {inst:?}");
+    // The re-adopted VM's agent is reachable through the new provider's bridge.
+    let who = env.guest_sh(&id, "cat /tmp/who")?;
+    ensure!(who.trim() == "survivor", "guest state after re-adoption: {who:?}");
+    Ok(())
+}
