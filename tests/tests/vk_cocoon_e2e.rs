@@ -25,7 +25,7 @@ mod scenarios;
 /// Every scenario, by name (the names `cargo test` filters on).
 const SCENARIOS: &[&str] = &[
     "seed_cocoon_example_runs_with_its_vm_ip_and_serves_tcp",
-    "second_sandbox_with_the_same_vm_name_is_refused_not_given_a_vm",
+    "second_sandbox_with_the_same_vm_name_adopts_the_first_vm",
     "clone_boots_from_the_snapshot_a_policy_always_delete_saved",
     "unmanaged_pod_with_id_and_ip_is_tracked_without_a_vm",
     "missing_vm_name_is_pending_with_event_and_failed_under_restart_never",

@@ -34,6 +34,11 @@ pub enum Cmd {
     /// cluster's bootstrap token and pinned CA hash. Then `kubectl get nodes` shows it Ready and
     /// the seed's sandboxd example runs on it. Ctrl-C stops both; claims and VMs are kept.
     VkSandbox(VkSandboxArgs),
+    /// Join the local test cluster as the vk-cocoon virtual node: imports the built `rt` image
+    /// as `ubuntu-dev-base` (and `base`) into the node's image library, then runs vk-cocoon joined
+    /// with the cluster's bootstrap token. VMs get addresses on the bridge `chrysalis0`
+    /// (10.88.0.0/24), reachable from this host. Ctrl-C stops the provider; VMs keep running.
+    VkCocoon(VkCocoonArgs),
     /// Boot microVMs by hand.
     #[command(subcommand)]
     Vm(VmCmd),
@@ -195,6 +200,19 @@ pub struct VkSandboxArgs {
     /// Where sandboxd listens.
     #[arg(long, default_value = "127.0.0.1:7777")]
     pub sandboxd_listen: String,
+    /// The cluster's apiserver port (as given to `cargo xtask cluster up --port`).
+    #[arg(long, env = "CHRYSALIS_CLUSTER_PORT", default_value_t = test_infra::cluster::DEFAULT_PORT)]
+    pub port: u16,
+}
+
+#[derive(Debug, Args)]
+pub struct VkCocoonArgs {
+    /// The virtual node's name.
+    #[arg(long, default_value = "cocoon-pool")]
+    pub node_name: String,
+    /// The kubelet HTTPS port of the virtual node.
+    #[arg(long, default_value_t = 10250)]
+    pub kubelet_port: u16,
     /// The cluster's apiserver port (as given to `cargo xtask cluster up --port`).
     #[arg(long, env = "CHRYSALIS_CLUSTER_PORT", default_value_t = test_infra::cluster::DEFAULT_PORT)]
     pub port: u16,

@@ -16,6 +16,7 @@ mod prereqs;
 mod python;
 mod sandboxd;
 mod test;
+mod vk_cocoon;
 mod vk_sandbox;
 mod vm_image;
 mod vm_run;
@@ -41,5 +42,6 @@ fn main() -> Result<()> {
         flags::Cmd::Vm(flags::VmCmd::Run(args)) => vm_run::run(&args),
         flags::Cmd::Cluster(cmd) => cluster::run(&cmd),
         flags::Cmd::VkSandbox(args) => vk_sandbox::run(&args),
+        flags::Cmd::VkCocoon(args) => vk_cocoon::run(&args),
     }
 }

@@ -64,10 +64,10 @@ pub fn run(args: &TestArgs) -> Result<()> {
 
     // The suites in tests/ run these binaries from the target directory they are built into.
     let built = Command::new("cargo")
-        .args(["build", "-p", "sandboxd", "-p", "vk-sandbox", "--bins"])
+        .args(["build", "-p", "sandboxd", "-p", "vk-sandbox", "-p", "vk-cocoon", "--bins"])
         .status()
         .context("running cargo build")?;
-    anyhow::ensure!(built.success(), "building the sandboxd and vk-sandbox binaries failed");
+    anyhow::ensure!(built.success(), "building the sandboxd, vk-sandbox and vk-cocoon binaries failed");
 
     let mut tally = Tally::default();
     let mut cargo = Command::new("cargo");

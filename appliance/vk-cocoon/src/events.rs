@@ -15,6 +15,8 @@ pub const POST_CLONE_EXEC_EXHAUSTED: &str = "PostCloneExecExhausted";
 pub const POST_CLONE_SUCCEEDED: &str = "PostCloneSucceeded";
 /// Normal: a VM that outlived a provider restart was adopted.
 pub const RESUMED_AFTER_RESTART: &str = "ResumedAfterRestart";
+/// Warning: the Pod names another Pod's running VM and adopts it (the seed's constraint).
+pub const VM_NAME_SHARED: &str = "VMNameShared";
 /// Warning: an adopted VM was stopped and could not be started.
 pub const RESUME_START_FAILED: &str = "ResumeStartFailed";
 /// Warning: `vm.cocoonstack.io/hibernate` asked for something this node cannot do.

@@ -48,8 +48,11 @@
 //!   pitfall 1: DeletePod only runs for a Pod the API deleted; a failed snapshot keeps the VM;
 //!   unmanaged VMs are never touched; orphans are destroyed only after a complete VM listing
 //!   *and* a complete Pod listing name no Pod for them (`VK_ORPHAN_POLICY` can turn that off).
-//! * **Two Pods, one VM name.** Refused (the second CreatePod fails naming the first), unlike
-//!   upstream where the second Pod would adopt the first one's VM.
+//! * **Two Pods, one VM name.** As upstream and as the seed documents: a Pod naming the running
+//!   VM of another Pod adopts that VM instead of booting its own (Warning `VMNameShared` on the
+//!   Pod). Both Pods then share one VM, and deleting either removes it (the other is evicted
+//!   with `VMGone`) — the reason a SandboxTemplate cannot carry `vm.cocoonstack.io/name`. While
+//!   the first Pod is still creating its VM, the second Pod's create fails and is retried.
 //! * **State.** Nothing is persisted by the provider: what a restart needs is derived from the
 //!   backend's VM list (durable names, ids, states) and the Pods' annotations (`id`,
 //!   `lifecycle-state`); see [`crate::reconcile`]. Restart cooldowns and probe state start
@@ -142,7 +145,9 @@ pub enum CocoonProviderError {
     CpuClass { key: String, wanted: String, node: Option<String> },
     #[error("pod {key}: hypervisor {wanted} is unsupported on this node (it runs: {available})")]
     Hypervisor { key: String, wanted: Hypervisor, available: String },
-    #[error("pod {key}: VM name {name} is already used by pod {other}; give each pod its own vm.cocoonstack.io/name")]
+    #[error(
+        "pod {key}: pod {other} is still creating VM {name}; retrying (give each pod its own vm.cocoonstack.io/name)"
+    )]
     VmNameTaken { key: String, name: String, other: String },
     #[error("pod {key}: the VMs cannot be listed, so a VM named {name} may exist; not booting a duplicate")]
     List {
@@ -473,6 +478,18 @@ impl Shared {
             return self.track_unmanaged(&key, pod, spec).await;
         }
         let hypervisor = self.hypervisor_for(&key, &spec)?;
+        // 2a. The seed's documented constraint: a Pod naming the live VM of another Pod adopts
+        // that VM instead of booting its own (upstream behaviour; shown, not hidden).
+        if let Some((other, vm)) = self.live_vm_named(&key, &spec.vm_name) {
+            let msg = format!(
+                "VM name {} is already used by pod {other}: this pod adopts VM {} instead of booting its own \
+                 (give each Sandbox its own vm.cocoonstack.io/name)",
+                spec.vm_name, vm.id
+            );
+            tracing::warn!(vm = %vm.id, other = %other, "{msg}");
+            self.event(pod, true, events::VM_NAME_SHARED, &msg);
+            return self.adopt(&key, pod, spec, hypervisor, vm, false).await;
+        }
         // 2. Adopt a live VM.
         let _reservation = self.reserve(&key, &spec.vm_name)?;
         if let Some((vm, from_startup)) = self.find_adoptable(&key, pod, &spec).await? {
@@ -495,7 +512,23 @@ impl Shared {
         Ok(wanted)
     }
 
-    /// Claims `name` for `key`, refusing a name another live Pod uses or is creating.
+    /// Another live, managed Pod's running VM called `name`, with that Pod's key.
+    fn live_vm_named(&self, key: &str, name: &str) -> Option<(String, VmInfo)> {
+        let g = self.lock();
+        g.entries
+            .iter()
+            .find(|(k, e)| {
+                k.as_str() != key
+                    && e.terminal.is_none()
+                    && e.spec.managed
+                    && e.spec.vm_name == name
+                    && e.vm.state == VmState::Running
+            })
+            .map(|(k, e)| (k.clone(), e.vm.clone()))
+    }
+
+    /// Claims `name` for `key`, refusing a name another Pod is still creating (retried with
+    /// backoff; once that VM runs, this Pod adopts it).
     fn reserve(self: &Arc<Self>, key: &str, name: &str) -> Result<Reservation, CocoonProviderError> {
         let mut g = self.lock();
         let other = g

@@ -264,12 +264,13 @@ async fn refusals_name_what_to_change() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn two_pods_may_not_share_a_vm_name() {
+async fn a_second_pod_naming_a_live_vm_adopts_it_instead_of_booting() {
+    // The seed's documented constraint: no second VM, the second Pod shares the first's.
     let r = Rig::new();
     create(&r, &run_pod("a", "shared", &[])).await.unwrap();
-    let e = create(&r, &run_pod("b", "shared", &[])).await.unwrap_err();
-    assert!(e.contains("VM name shared is already used by pod ns/a"), "{e}");
+    create(&r, &run_pod("b", "shared", &[])).await.unwrap();
     assert_eq!(r.backend.vms().len(), 1);
+    assert_eq!(r.vm(&key("a")).id, r.vm(&key("b")).id);
 }
 
 #[tokio::test(start_paused = true)]

@@ -57,7 +57,7 @@ pub fn run(name: &str) -> Result<(), String> {
     env.kubectl_ok(&["create", "namespace", &ns])?;
     let result = match name {
         "seed_cocoon_example_runs_with_its_vm_ip_and_serves_tcp" => seed_example(env, &ns),
-        "second_sandbox_with_the_same_vm_name_is_refused_not_given_a_vm" => same_vm_name(env, &ns),
+        "second_sandbox_with_the_same_vm_name_adopts_the_first_vm" => same_vm_name(env, &ns),
         "clone_boots_from_the_snapshot_a_policy_always_delete_saved" => clone_from_snapshot(env, &ns),
         "unmanaged_pod_with_id_and_ip_is_tracked_without_a_vm" => unmanaged(env, &ns),
         "missing_vm_name_is_pending_with_event_and_failed_under_restart_never" => missing_name(env, &ns),
@@ -238,27 +238,27 @@ fn same_vm_name(env: &mut Env, ns: &str) -> Outcome {
     let first = running(env, ns, "first")?;
     let (id, ip) = vm_of(env, &first, "shared-vm")?;
     let pid = env.instances(&id).first().map(|v| v.pid).ok_or("no instance")?;
-    // The seed's constraint: a second Pod carrying the same VM name. Upstream it would adopt
-    // the first one's VM; this provider refuses it (provider.rs "Two Pods, one VM name").
+    // The seed's constraint, shown: a second Pod carrying the same VM name adopts the first
+    // one's VM instead of booting its own (provider.rs "Two Pods, one VM name").
     env.apply(ns, &sandbox("second", run_vm("shared-vm", BASE, "never")))?;
-    assert_provider_failed(
-        env,
-        ns,
-        "second",
-        "Pending",
-        &["VM name shared-vm is already used by pod", &format!("{ns}/first")],
-    )?;
-    let second = env.pod(ns, "second")?.ok_or("second pod gone")?;
-    ensure!(annotation(&second, ID).is_none(), "the refused pod carries a VM id: {:?}", annotation(&second, ID));
-    // Still exactly one VM of that name, the first one's, untouched.
+    let second = running(env, ns, "second")?;
+    ensure!(
+        annotation(&second, ID) == Some(id.as_str()) && annotation(&second, IP) == Some(ip.as_str()),
+        "the second pod did not adopt VM {id} ({ip}): id {:?} ip {:?}",
+        annotation(&second, ID),
+        annotation(&second, IP)
+    );
+    ensure!(second["status"]["podIP"] == ip.as_str(), "second podIP {}", second["status"]["podIP"]);
+    let events = env.events(ns, "second")?;
+    ensure!(
+        events.iter().any(|(t, r, m)| t == "Warning" && r == "VMNameShared" && m.contains(&format!("{ns}/first"))),
+        "no VMNameShared warning on the second pod: {events:?}"
+    );
+    // Still exactly one VM of that name: the first one's QEMU, untouched.
     let inst = env.instances(&id);
     ensure!(inst.len() == 1 && inst[0].pid == pid, "instances of {id}: {inst:?}, want the one QEMU {pid}");
     let first = env.pod(ns, "first")?.ok_or("first pod gone")?;
     ensure!(first["status"]["phase"] == "Running", "first pod: {}", first["status"]);
-    ensure!(
-        annotation(&first, ID) == Some(id.as_str()) && annotation(&first, IP) == Some(ip.as_str()),
-        "first pod changed"
-    );
     Ok(())
 }
 
