@@ -21,6 +21,7 @@
 pub mod bootstrap;
 pub mod build;
 pub mod lock;
+mod objects;
 pub mod pki;
 pub mod procs;
 

@@ -10,7 +10,7 @@
 //! Guest access goes through the provider's own agent socket (`<root>/vms/<instance>/vsock.sock`,
 //! served by the provider's QEMU driver): vk-cocoon's instance ids are `<vm id>-<8 hex>`.
 
-use std::io::{Read as _, Write as _};
+use std::io::Read as _;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -181,48 +181,17 @@ impl CocoonEnv {
     }
 
     pub fn kubectl_ok(&self, args: &[&str]) -> Result<String, String> {
-        let out = self.kubectl(args).map_err(|e| format!("kubectl: {e}"))?;
-        if !out.status.success() {
-            return Err(format!("kubectl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr)));
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        self.cluster.kubectl_ok(args)
     }
 
     /// `kubectl get … -o json`, `None` when it does not exist.
     pub fn get(&self, args: &[&str]) -> Result<Option<Value>, String> {
-        let mut a = vec!["get"];
-        a.extend_from_slice(args);
-        a.extend_from_slice(&["-o", "json"]);
-        let out = self.kubectl(&a).map_err(|e| format!("kubectl: {e}"))?;
-        if !out.status.success() {
-            let err = String::from_utf8_lossy(&out.stderr);
-            if err.contains("NotFound") || err.contains("not found") {
-                return Ok(None);
-            }
-            return Err(format!("kubectl {}: {err}", a.join(" ")));
-        }
-        serde_json::from_slice(&out.stdout).map(Some).map_err(|e| format!("kubectl json: {e}"))
+        self.cluster.get_json(args)
     }
 
     /// `kubectl apply` of a JSON object into `ns`.
     pub fn apply(&self, ns: &str, object: &Value) -> Result<(), String> {
-        let mut child = self
-            .cluster
-            .kubectl()
-            .args(["apply", "-n", ns, "-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("kubectl: {e}"))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin.write_all(object.to_string().as_bytes()).map_err(|e| e.to_string())?;
-        }
-        let out = child.wait_with_output().map_err(|e| e.to_string())?;
-        if !out.status.success() {
-            return Err(format!("kubectl apply: {}", String::from_utf8_lossy(&out.stderr)));
-        }
-        Ok(())
+        self.cluster.apply_json(ns, object)
     }
 
     pub fn wait_node_ready(&self) -> Result<Value, String> {
@@ -250,20 +219,7 @@ impl CocoonEnv {
 
     /// Events about `pod` as (type, reason, message).
     pub fn events(&self, ns: &str, pod: &str) -> Result<Vec<(String, String, String)>, String> {
-        let sel = format!("involvedObject.name={pod}");
-        let list = self.get(&["events", "-n", ns, "--field-selector", &sel])?.unwrap_or_default();
-        Ok(list["items"]
-            .as_array()
-            .map(|items| {
-                items
-                    .iter()
-                    .map(|e| {
-                        let s = |k: &str| e[k].as_str().unwrap_or_default().to_string();
-                        (s("type"), s("reason"), s("message"))
-                    })
-                    .collect()
-            })
-            .unwrap_or_default())
+        self.cluster.events(ns, pod)
     }
 
     // ------------------------------------------------------------------------ VMs and guests

@@ -23,6 +23,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let want_vm = matches!(args.what, BenchWhat::All | BenchWhat::Vm);
     let want_sandboxd = matches!(args.what, BenchWhat::All | BenchWhat::Sandboxd);
     let want_vnode = matches!(args.what, BenchWhat::All | BenchWhat::Vnode);
+    let want_cocoon = matches!(args.what, BenchWhat::All | BenchWhat::Cocoon);
     let bin = if want_sandboxd { Some(crate::sandboxd::build_binary()?) } else { None };
     let rt = tokio::runtime::Runtime::new()?;
     let mut figures = Vec::new();
@@ -35,6 +36,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     if want_vnode {
         crate::bench_vnode::run(&rt, &mut figures, args.sandboxes, args.burst)?;
+    }
+    if want_cocoon {
+        crate::bench_cocoon::run(&mut figures, args.cocoon_pods)?;
     }
     print_table(&figures);
     Ok(())

@@ -121,7 +121,8 @@ pub struct VmRunArgs {
 pub struct BenchArgs {
     /// Which benchmarks: `vm` (boot, clone, agent RPC, fs_pull, QEMU RSS), `sandboxd`
     /// (claim latency, claims/s, refill rate, sandboxd RSS), `vnode` (Sandbox → Pod Running
-    /// through the real control plane and the vk-sandbox node; a burst of Sandboxes), or `all`.
+    /// through the real control plane and the vk-sandbox node; a burst of Sandboxes), `cocoon`
+    /// (a Pod bound to the vk-cocoon node → Running, `run` and `clone`), or `all`.
     #[arg(value_enum, default_value = "all")]
     pub what: BenchWhat,
     /// Claims held when sandboxd's RSS is measured.
@@ -136,6 +137,9 @@ pub struct BenchArgs {
     /// Size of the file `fs_pull` streams, in MiB.
     #[arg(long, default_value_t = 64)]
     pub pull_mib: u64,
+    /// `cocoon`: Pods per mode (run, clone) to take the median of.
+    #[arg(long, default_value_t = 3)]
+    pub cocoon_pods: usize,
     /// `vnode`: Sandboxes created one after another to time Sandbox → Pod Running.
     #[arg(long, default_value_t = 30)]
     pub sandboxes: usize,
@@ -165,6 +169,7 @@ pub enum BenchWhat {
     Vm,
     Sandboxd,
     Vnode,
+    Cocoon,
 }
 
 #[derive(Debug, Subcommand)]

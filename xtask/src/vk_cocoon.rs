@@ -9,7 +9,7 @@ use std::process::Command;
 use test_infra::cluster::{Cluster, Options};
 
 /// Builds the vk-cocoon binary (release) and returns its path.
-fn build_provider() -> Result<std::path::PathBuf> {
+pub fn build_provider() -> Result<std::path::PathBuf> {
     let status = Command::new("cargo")
         .args(["build", "--release", "-p", "vk-cocoon", "--bin", "vk-cocoon"])
         .status()

@@ -204,25 +204,11 @@ pub enum CocoonProviderError {
 }
 
 /// The provider error the runtime shows: the whole chain as one message.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-struct ReportedError(String);
-
 fn report(e: &dyn std::error::Error) -> ProviderError {
-    ProviderError::new(ReportedError(error_chain(e)))
+    ProviderError::reported(e)
 }
 
-/// `e: cause: cause…` on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+pub use vnode::provider::error_chain;
 
 /// `vm.cocoonstack.io/lifecycle-state`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -29,7 +29,7 @@ pub mod tls;
 
 pub use config::{NodeConfig, NodeHandle, RuntimeConfig};
 pub use error::VnodeError;
-pub use provider::{PodKey, PodNotifier, Provider, ProviderError};
+pub use provider::{error_chain, PodKey, PodNotifier, Provider, ProviderError};
 
 use controller::Controller;
 use registration::Registrar;

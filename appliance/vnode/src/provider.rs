@@ -42,6 +42,28 @@ impl ProviderError {
     pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> ProviderError {
         ProviderError(Box::new(e))
     }
+
+    /// The error as the runtime shows it on the Pod: its whole chain as one message.
+    pub fn reported(e: &dyn std::error::Error) -> ProviderError {
+        ProviderError::new(ReportedError(error_chain(e)))
+    }
+}
+
+/// A chain flattened into one message (what [`ProviderError::reported`] carries).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct ReportedError(String);
+
+/// `e: cause: cause…` on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
 }
 
 /// Where a provider pushes Pod status changes (a deep copy of the Pod with the new `status`,
