@@ -2,6 +2,7 @@
 //! share to boot a real VM from the built catalog and talk to its agent.
 
 pub mod cluster;
+pub mod provider_process;
 pub mod sandboxd;
 pub mod vk_cocoon;
 pub mod vk_sandbox;

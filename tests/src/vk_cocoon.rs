@@ -14,7 +14,7 @@ use std::io::Read as _;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -25,6 +25,9 @@ use wire::{Request, Response};
 use crate::cluster::{Cluster, Options};
 use crate::sandboxd::free_port;
 use crate::vk_sandbox::{condition, poll};
+
+/// The vk-cocoon child process.
+pub type CocoonProvider = crate::provider_process::ProviderProcess;
 
 /// What [`CocoonEnv::up`] starts.
 pub struct CocoonSpec<'a> {
@@ -126,7 +129,14 @@ impl CocoonEnv {
             ("VK_TLS_CERT".into(), s(&dir.join("vk/tls.crt"))),
             ("VK_TLS_KEY".into(), s(&dir.join("vk/tls.key"))),
         ];
-        let provider = CocoonProvider { bin: spec.provider_bin, args, envs, dir: dir.clone(), child: None, starts: 0 };
+        let provider = CocoonProvider::new(
+            "vk-cocoon",
+            spec.provider_bin,
+            args,
+            envs,
+            "info,vk_cocoon=debug,vnode=info",
+            dir.clone(),
+        );
         let mut env = CocoonEnv {
             _dir: dir_guard,
             dir,
@@ -350,88 +360,5 @@ impl Drop for CocoonEnv {
         if !left.is_empty() {
             eprintln!("vk-cocoon environment teardown left: {left:?}");
         }
-    }
-}
-
-/// The vk-cocoon child process (restartable, one log per start).
-pub struct CocoonProvider {
-    pub bin: PathBuf,
-    pub args: Vec<String>,
-    pub envs: Vec<(String, String)>,
-    dir: PathBuf,
-    child: Option<Child>,
-    starts: usize,
-}
-
-impl Drop for CocoonProvider {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
-impl CocoonProvider {
-    pub fn log_path(&self, n: usize) -> PathBuf {
-        self.dir.join(format!("vk-cocoon-{n}.log"))
-    }
-
-    /// How many times it was started.
-    pub fn starts(&self) -> usize {
-        self.starts
-    }
-
-    pub fn ensure_running(&mut self) -> Result<(), String> {
-        if let Some(c) = self.child.as_mut() {
-            if c.try_wait().map_err(|e| e.to_string())?.is_none() {
-                return Ok(());
-            }
-            self.child = None;
-        }
-        self.starts += 1;
-        let log = std::fs::File::create(self.log_path(self.starts)).map_err(|e| e.to_string())?;
-        let err = log.try_clone().map_err(|e| e.to_string())?;
-        let child = Command::new(&self.bin)
-            .args(&self.args)
-            .envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .env("RUST_LOG", "info,vk_cocoon=debug,vnode=info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .spawn()
-            .map_err(|e| format!("spawning {}: {e}", self.bin.display()))?;
-        self.child = Some(child);
-        Ok(())
-    }
-
-    /// SIGKILL, like a crash.
-    pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// SIGTERM, then SIGKILL after 10 s.
-    pub fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SAFETY: kill(2) on our own child's pid.
-            unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
-            let until = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < until && matches!(c.try_wait(), Ok(None)) {
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    pub fn log_tail(&self, lines: usize) -> String {
-        let text = std::fs::read_to_string(self.log_path(self.starts)).unwrap_or_default();
-        let all: Vec<&str> = text.lines().collect();
-        format!(
-            "---- vk-cocoon run {} (last lines) ----\n{}",
-            self.starts,
-            all[all.len().saturating_sub(lines)..].join("\n")
-        )
     }
 }

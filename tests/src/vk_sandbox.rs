@@ -8,13 +8,15 @@
 use std::collections::BTreeMap;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 use crate::cluster::{Cluster, Options};
 use crate::sandboxd::{free_port, Harness};
+
+/// The vk-sandbox child process.
+pub type Provider = crate::provider_process::ProviderProcess;
 
 /// How long a Pod may take to go from created to Running (controller + scheduler + provider).
 pub const RUNNING: Duration = Duration::from_secs(90);
@@ -98,7 +100,14 @@ impl NodeEnv {
             s(&dir.join("vk/pki")),
         ];
         args.extend(spec.extra_args);
-        let provider = Provider { bin: spec.provider_bin, args, dir: dir.clone(), child: None, starts: 0 };
+        let provider = Provider::new(
+            "vk-sandbox",
+            spec.provider_bin,
+            args,
+            Vec::new(),
+            "info,vk_sandbox=debug,vnode=debug",
+            dir.clone(),
+        );
         let mut env = NodeEnv {
             _dir: dir_guard,
             dir,
@@ -226,78 +235,4 @@ pub fn condition<'a>(obj: &'a Value, kind: &str) -> Option<&'a Value> {
 
 pub fn annotation<'a>(obj: &'a Value, key: &str) -> Option<&'a str> {
     obj["metadata"]["annotations"][key].as_str()
-}
-
-/// The vk-sandbox child process (restartable, logs per start).
-pub struct Provider {
-    pub bin: PathBuf,
-    pub args: Vec<String>,
-    dir: PathBuf,
-    child: Option<Child>,
-    starts: usize,
-}
-
-impl Drop for Provider {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
-impl Provider {
-    pub fn log_path(&self, n: usize) -> PathBuf {
-        self.dir.join(format!("vk-sandbox-{n}.log"))
-    }
-
-    pub fn ensure_running(&mut self) -> Result<(), String> {
-        if let Some(c) = self.child.as_mut() {
-            if c.try_wait().map_err(|e| e.to_string())?.is_none() {
-                return Ok(());
-            }
-            self.child = None;
-        }
-        self.starts += 1;
-        let log = std::fs::File::create(self.log_path(self.starts)).map_err(|e| e.to_string())?;
-        let err = log.try_clone().map_err(|e| e.to_string())?;
-        let child = Command::new(&self.bin)
-            .args(&self.args)
-            .env("RUST_LOG", "info,vk_sandbox=debug,vnode=debug")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .spawn()
-            .map_err(|e| format!("spawning {}: {e}", self.bin.display()))?;
-        self.child = Some(child);
-        Ok(())
-    }
-
-    pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    pub fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SIGTERM first: a clean stop leaves claims and VMs as they are.
-            let _ = Command::new("kill").arg("-TERM").arg(c.id().to_string()).status();
-            let until = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < until && matches!(c.try_wait(), Ok(None)) {
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    pub fn log_tail(&self, lines: usize) -> String {
-        let text = std::fs::read_to_string(self.log_path(self.starts)).unwrap_or_default();
-        let all: Vec<&str> = text.lines().collect();
-        format!(
-            "---- vk-sandbox run {} (last lines) ----\n{}",
-            self.starts,
-            all[all.len().saturating_sub(lines)..].join("\n")
-        )
-    }
 }
