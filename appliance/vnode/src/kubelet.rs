@@ -97,9 +97,7 @@ async fn connection(acceptor: TlsAcceptor, tcp: tokio::net::TcpStream, peer: Soc
 mod tests {
     use super::*;
     use crate::provider::{PodKey, PodNotifier, ProviderError};
-    use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-    use rustls::{DigitallySignedStruct, SignatureScheme};
+    use rustls::pki_types::ServerName;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     struct OnePod;
@@ -127,49 +125,15 @@ mod tests {
         fn notify_pods(&self, _: PodNotifier) {}
     }
 
-    /// Accepts any server certificate (the endpoint's is self-signed).
-    #[derive(Debug)]
-    struct AnyCert;
-
-    impl ServerCertVerifier for AnyCert {
-        fn verify_server_cert(
-            &self,
-            _: &CertificateDer<'_>,
-            _: &[CertificateDer<'_>],
-            _: &ServerName<'_>,
-            _: &[u8],
-            _: UnixTime,
-        ) -> Result<ServerCertVerified, rustls::Error> {
-            Ok(ServerCertVerified::assertion())
-        }
-        fn verify_tls12_signature(
-            &self,
-            _: &[u8],
-            _: &CertificateDer<'_>,
-            _: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            Ok(HandshakeSignatureValid::assertion())
-        }
-        fn verify_tls13_signature(
-            &self,
-            _: &[u8],
-            _: &CertificateDer<'_>,
-            _: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            Ok(HandshakeSignatureValid::assertion())
-        }
-        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-            rustls::crypto::ring::default_provider().signature_verification_algorithms.supported_schemes()
-        }
-    }
-
     /// `GET path` over TLS (`version` only); returns (status, body).
     async fn get(addr: SocketAddr, path: &str, version: &'static rustls::SupportedProtocolVersion) -> (u16, String) {
         let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
             .with_protocol_versions(&[version])
             .expect("versions")
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AnyCert))
+            .with_custom_certificate_verifier(join::http::NoVerify::new(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            )))
             .with_no_client_auth();
         let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
         let name = ServerName::try_from("127.0.0.1").expect("name");

@@ -265,47 +265,10 @@ fn has_event(evs: &[Event], type_: &str, reason: &str) -> bool {
 
 mod https {
     //! A bare HTTPS GET that accepts the endpoint's self-signed certificate.
-    use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-    use rustls::{DigitallySignedStruct, SignatureScheme};
+    use rustls::pki_types::ServerName;
     use std::net::SocketAddr;
     use std::sync::Arc;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    #[derive(Debug)]
-    struct AnyCert;
-
-    impl ServerCertVerifier for AnyCert {
-        fn verify_server_cert(
-            &self,
-            _: &CertificateDer<'_>,
-            _: &[CertificateDer<'_>],
-            _: &ServerName<'_>,
-            _: &[u8],
-            _: UnixTime,
-        ) -> Result<ServerCertVerified, rustls::Error> {
-            Ok(ServerCertVerified::assertion())
-        }
-        fn verify_tls12_signature(
-            &self,
-            _: &[u8],
-            _: &CertificateDer<'_>,
-            _: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            Ok(HandshakeSignatureValid::assertion())
-        }
-        fn verify_tls13_signature(
-            &self,
-            _: &[u8],
-            _: &CertificateDer<'_>,
-            _: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            Ok(HandshakeSignatureValid::assertion())
-        }
-        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-            rustls::crypto::ring::default_provider().signature_verification_algorithms.supported_schemes()
-        }
-    }
 
     /// (status, body, peer certificate DER)
     pub async fn get(addr: SocketAddr, path: &str) -> (u16, String, Vec<u8>) {
@@ -313,7 +276,9 @@ mod https {
             .with_safe_default_protocol_versions()
             .unwrap()
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AnyCert))
+            .with_custom_certificate_verifier(join::http::NoVerify::new(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            )))
             .with_no_client_auth();
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
