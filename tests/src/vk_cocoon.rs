@@ -72,7 +72,9 @@ impl CocoonEnv {
     pub fn up(spec: CocoonSpec<'_>) -> Result<CocoonEnv, String> {
         let dir_guard = tempfile::Builder::new().prefix("vkc").tempdir_in("/tmp").map_err(|e| e.to_string())?;
         let dir = dir_guard.path().to_path_buf();
-        let root = dir.join("root");
+        // Long on purpose: VM socket paths under it exceed `sun_path` (as under a real
+        // `~/.cache/chrysalis/vk-cocoon/<node>` root), so the suite covers vmm's short socket links.
+        let root = dir.join("root-directory-long-enough-that-vm-socket-paths-exceed-sun-path");
         let netns = format!("vkc-e2e-{}", std::process::id());
         if netns_exists(&netns) {
             ip(&["netns", "del", &netns])?;

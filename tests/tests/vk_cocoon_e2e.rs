@@ -31,6 +31,8 @@ const SCENARIOS: &[&str] = &[
     "missing_vm_name_is_pending_with_event_and_failed_under_restart_never",
     "windows_guest_is_refused_with_a_typed_error",
     "provider_kill9_leaves_vms_running_and_the_restart_readopts_them",
+    "readiness_follows_the_probe_port",
+    "a_vm_that_dies_is_restarted_then_evicted_when_it_dies_again_or_vanishes",
 ];
 
 fn main() -> std::process::ExitCode {

@@ -263,6 +263,12 @@ pub trait VmBackend: Send + Sync + 'static {
     /// One guest-agent round trip (silkd `info`); `Ok` means the agent answered.
     async fn probe_agent(&self, id: &str) -> Result<(), BackendError>;
 
+    /// One TCP connect to a VM's `ip:port` within `timeout`, from where the VMs' network is
+    /// (a backend whose bridge lives in another network namespace connects from there).
+    async fn probe_tcp(&self, ip: &str, port: u16, timeout: std::time::Duration) -> bool {
+        crate::probe::tcp_probe(ip, port, timeout).await
+    }
+
     /// Returns the VM's network lease (IP, MAC, TAP) to the pool. Called after
     /// [`VmBackend::remove`]; a lease already released (or never taken) is success.
     async fn release_ip(&self, id: &str) -> Result<(), BackendError>;

@@ -49,7 +49,7 @@ impl Shared {
     /// One probe.
     pub(crate) async fn probe_once(&self, t: &ProbeTarget) -> bool {
         match (t.port, &t.ip) {
-            (Some(port), Some(ip)) => tcp_probe(ip, port, self.cfg.probe_timeout).await,
+            (Some(port), Some(ip)) => self.backend.probe_tcp(ip, port, self.cfg.probe_timeout).await,
             (Some(_), None) => false,
             (None, _) if t.managed => {
                 matches!(

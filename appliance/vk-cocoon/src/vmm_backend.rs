@@ -875,6 +875,22 @@ impl VmBackend for VmmBackend {
         Ok(())
     }
 
+    async fn probe_tcp(&self, ip: &str, port: u16, timeout: Duration) -> bool {
+        let Some(ns) = self.net.config().netns.clone() else { return crate::probe::tcp_probe(ip, port, timeout).await };
+        // The bridge and the VMs live in `VK_NETNS`: connect from a thread inside it.
+        let ip = ip.to_owned();
+        let connected =
+            vmnet::netns::run_in(
+                Some(&ns),
+                move || async move { Ok(crate::probe::tcp_probe(&ip, port, timeout).await) },
+            )
+            .await;
+        connected.unwrap_or_else(|e| {
+            tracing::warn!(netns = %ns, error = %vnode::provider::error_chain(&e), "TCP probe: cannot enter the VM network namespace");
+            false
+        })
+    }
+
     async fn release_ip(&self, id: &str) -> Result<(), BackendError> {
         if let Some(lease) = self.net.release(id).map_err(|e| failed("releasing the lease of", id.to_owned(), e))? {
             // remove() deleted it already; a TAP left by an interrupted remove goes too.

@@ -17,6 +17,7 @@ pub mod lifecycle;
 pub mod qemu;
 pub mod record;
 pub mod size;
+pub mod sockdir;
 pub mod test_utils;
 
 pub use accel::{Accel, AccelPreference};

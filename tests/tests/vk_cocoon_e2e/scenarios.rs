@@ -63,6 +63,8 @@ pub fn run(name: &str) -> Result<(), String> {
         "missing_vm_name_is_pending_with_event_and_failed_under_restart_never" => missing_name(env, &ns),
         "windows_guest_is_refused_with_a_typed_error" => windows(env, &ns),
         "provider_kill9_leaves_vms_running_and_the_restart_readopts_them" => kill9(env, &ns),
+        "readiness_follows_the_probe_port" => readiness(env, &ns),
+        "a_vm_that_dies_is_restarted_then_evicted_when_it_dies_again_or_vanishes" => vm_deaths(env, &ns),
         other => Err(format!("unknown scenario {other}")),
     };
     // Delete the namespace's objects so their VMs go (best effort; every QEMU is killed at teardown).
@@ -375,5 +377,92 @@ fn kill9(env: &mut Env, ns: &str) -> Outcome {
     // The re-adopted VM's agent is reachable through the new provider's bridge.
     let who = env.guest_sh(&id, "cat /tmp/who")?;
     ensure!(who.trim() == "survivor", "guest state after re-adoption: {who:?}");
+    Ok(())
+}
+
+/// Kills QEMU process `pid` (the VM "dies on its own").
+fn kill_qemu(pid: u32) -> Outcome {
+    let pid = i32::try_from(pid).map_err(|_| format!("pid {pid} out of range"))?;
+    // SAFETY: kill(2) on a pid we read from the VM's live record; no memory is involved.
+    if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
+        return Err(format!("kill -9 {pid}: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+fn ready_status(p: &Value) -> bool {
+    condition(p, "Ready").is_some_and(|c| c["status"] == "True")
+}
+
+fn readiness(env: &mut Env, ns: &str) -> Outcome {
+    let mut ann = run_vm("probed", BASE, "never");
+    ann["vm.cocoonstack.io/probe-port"] = json!("8080");
+    env.apply(ns, &sandbox("probed", ann))?;
+    let pod = running(env, ns, "probed")?;
+    let (id, ip) = vm_of(env, &pod, "probed")?;
+    // Nothing listens on the probe port yet: Running, never Ready.
+    std::thread::sleep(Duration::from_secs(5));
+    let p = env.pod(ns, "probed")?.ok_or("the pod vanished")?;
+    ensure!(!ready_status(&p), "Ready with nothing on the probe port: {}", p["status"]);
+    // A server on the port turns it Ready.
+    serve_busybox(env, &id, "probed", 8080)?;
+    ready(env, ns, "probed", QUICK)?;
+    ensure!(
+        env.tcp_from_netns(&ip, 8080, QUICK)?.trim() == "hello-from-probed",
+        "the probe port serves something else"
+    );
+    // Three failed probes (5 s apart) flip it back and the change is pushed.
+    let ps = env.guest_sh(&id, "killall -9 nc; sleep 1; ps")?;
+    env.wait_pod(ns, "probed", "Ready=False after the server stopped", QUICK, |p| {
+        p["status"]["phase"] == "Running" && !ready_status(p)
+    })
+    .map_err(|e| format!("{e}\nguest processes after killing the server:\n{ps}"))?;
+    Ok(())
+}
+
+fn vm_deaths(env: &mut Env, ns: &str) -> Outcome {
+    // 1. Dies once: started again with the same id and address (Normal VMRestarted).
+    env.apply(ns, &sandbox("mortal", run_vm("mortal", BASE, "never")))?;
+    let pod = running(env, ns, "mortal")?;
+    let (id, ip) = vm_of(env, &pod, "mortal")?;
+    ready(env, ns, "mortal", QUICK)?;
+    let first = env.instances(&id).first().map(|v| v.pid).ok_or("no instance")?;
+    kill_qemu(first)?;
+    poll("a VMRestarted event", QUICK, || {
+        let ev = env.events(ns, "mortal")?;
+        Ok(ev.iter().any(|(t, r, m)| t == "Normal" && r == "VMRestarted" && m.contains(&id)).then_some(()))
+    })?;
+    let second = poll("a new QEMU for the VM", VM_RUNNING, || {
+        Ok(env.instances(&id).first().map(|v| v.pid).filter(|p| *p != first))
+    })?;
+    let p = ready(env, ns, "mortal", VM_RUNNING)?;
+    ensure!(p["status"]["podIP"] == ip.as_str(), "the restarted VM moved from {ip} to {}", p["status"]["podIP"]);
+    ensure!(annotation(&p, ID) == Some(id.as_str()), "id changed to {:?}", annotation(&p, ID));
+    // 2. Dies again within the 30 s cooldown: removed, address released, Pod Failed RestartCooldown.
+    kill_qemu(second)?;
+    let p = env.wait_pod(ns, "mortal", "Failed RestartCooldown", QUICK, |p| {
+        p["status"]["phase"] == "Failed" && p["status"]["reason"] == "RestartCooldown"
+    })?;
+    let term = &p["status"]["containerStatuses"][0]["state"]["terminated"];
+    ensure!(term["reason"] == "RestartCooldown" && term["exitCode"] == 1, "container state {term}");
+    poll("the VM record and lease to go", QUICK, || {
+        Ok((!env.has_record(&id) && env.lease(&id).is_none()).then_some(()))
+    })?;
+    ensure!(env.instances(&id).is_empty(), "a QEMU of {id} is still running");
+
+    // 3. Vanishes (its hypervisor and every record of it removed behind the node's back): VMGone.
+    env.apply(ns, &sandbox("vanishing", run_vm("vanishing", BASE, "never")))?;
+    let pod = running(env, ns, "vanishing")?;
+    let (id, _) = vm_of(env, &pod, "vanishing")?;
+    let inst = env.instances(&id);
+    let vm = inst.first().ok_or("no instance")?;
+    kill_qemu(vm.pid)?;
+    let _ = std::fs::remove_dir_all(&vm.dir);
+    std::fs::remove_file(env.root.join("cocoon").join(format!("{id}.json")))
+        .map_err(|e| format!("removing the record of {id}: {e}"))?;
+    let p = env.wait_pod(ns, "vanishing", "Failed VMGone", QUICK, |p| {
+        p["status"]["phase"] == "Failed" && p["status"]["reason"] == "VMGone"
+    })?;
+    ensure!(p["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "VMGone", "status {}", p["status"]);
     Ok(())
 }

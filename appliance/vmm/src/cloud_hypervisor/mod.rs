@@ -258,22 +258,23 @@ impl CloudHypervisor {
         Ok(())
     }
 
-    fn skeleton(&self, id: &VmId, dir: &Path, spec: &BootSpec) -> Vm {
-        Vm {
+    fn skeleton(&self, id: &VmId, dir: &Path, spec: &BootSpec) -> Result<Vm, DriverError> {
+        let socks = crate::sockdir::socket_dir(dir)?;
+        Ok(Vm {
             id: id.clone(),
             backend: Backend::CloudHypervisor,
             accel: Accel::Kvm,
             pid: 0,
             pid_start_time: 0,
             dir: dir.to_path_buf(),
-            control_socket: dir.join(API_SOCKET),
-            vsock_socket: dir.join(VSOCK_SOCKET),
+            control_socket: socks.join(API_SOCKET),
+            vsock_socket: socks.join(VSOCK_SOCKET),
             console_log: dir.join(CONSOLE_LOG),
             spec: spec.clone(),
             restored_from: None,
             created_at_epoch_secs: now_epoch_secs(),
             state: VmState::Creating,
-        }
+        })
     }
 
     /// Spawns the process for `rec`, records its pid in `vm.json` at once, and waits for its
@@ -313,6 +314,7 @@ impl CloudHypervisor {
     }
 
     fn remove_dir(dir: &Path) -> Result<(), DriverError> {
+        crate::sockdir::release(dir);
         match std::fs::remove_dir_all(dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -377,7 +379,7 @@ impl CloudHypervisor {
     }
 
     async fn boot_as(&self, spec: &BootSpec, id: VmId) -> Result<Vm, DriverError> {
-        let mut rec = VmRecord::creating(self.skeleton(&id, &self.vm_dir(&id), spec));
+        let mut rec = VmRecord::creating(self.skeleton(&id, &self.vm_dir(&id), spec)?);
         lifecycle::create_vm_dir(&rec)?;
         let dir = rec.vm.dir.clone();
         let overlay = match &spec.overlay_base {
@@ -478,7 +480,7 @@ impl CloudHypervisor {
                 snapshot.backend
             )));
         }
-        let mut vm = self.skeleton(id, &self.vm_dir(id), &snapshot.spec);
+        let mut vm = self.skeleton(id, &self.vm_dir(id), &snapshot.spec)?;
         vm.accel = snapshot.accel;
         vm.restored_from = Some(snapshot.dir.clone());
         let mut rec = VmRecord::creating(vm);

@@ -30,6 +30,8 @@ pub struct Launch<'a> {
     pub name: &'a str,
     /// VM directory.
     pub dir: &'a Path,
+    /// Where the VM's sockets are addressed: `dir`, or a short link to it (see `sockdir`).
+    pub sock_dir: &'a Path,
     /// The spec (kernel, disks, size).
     pub spec: &'a BootSpec,
     /// Accelerator.
@@ -84,7 +86,7 @@ pub fn qemu_args(l: &Launch<'_>) -> Vec<String> {
     push(&["-smp", &smp, "-m", &mem]);
     push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
     push(&["-daemonize", "-pidfile", &p(&d.join(files::PID))]);
-    push(&["-qmp", &format!("unix:{},server=on,wait=off", p(&d.join(files::QMP)))]);
+    push(&["-qmp", &format!("unix:{},server=on,wait=off", p(&l.sock_dir.join(files::QMP)))]);
     push(&["-serial", &format!("file:{}", p(&d.join(files::CONSOLE)))]);
     if !l.firmware_only {
         push(&["-kernel", &p(&l.spec.kernel), "-initrd", &p(&l.spec.initrd)]);
@@ -99,7 +101,10 @@ pub fn qemu_args(l: &Launch<'_>) -> Vec<String> {
         push(&["-device", "virtio-blk-device,drive=overlay"]);
     }
     push(&["-device", "virtio-serial-device,max_ports=2"]);
-    push(&["-chardev", &format!("socket,id=agent0,path={},server=on,wait=off", p(&d.join(files::AGENT_SERIAL)))]);
+    push(&[
+        "-chardev",
+        &format!("socket,id=agent0,path={},server=on,wait=off", p(&l.sock_dir.join(files::AGENT_SERIAL))),
+    ]);
     push(&["-device", &format!("virtserialport,chardev=agent0,name={}", agent_mux::AGENT_PORT_NAME)]);
     // After every other device, so VMs without a NIC keep their virtio-mmio layout (and
     // snapshots taken before NICs existed stay restorable).
@@ -196,6 +201,7 @@ mod tests {
         let a = qemu_args(&Launch {
             name: "x",
             dir,
+            sock_dir: dir,
             spec: &s,
             accel: Accel::Tcg,
             tsc_khz: Some(2596130),
@@ -239,6 +245,7 @@ mod tests {
         let a = qemu_args(&Launch {
             name: "y",
             dir: Path::new("/d"),
+            sock_dir: Path::new("/d"),
             spec: &s,
             accel: Accel::Kvm,
             tsc_khz: Some(1),
@@ -269,6 +276,7 @@ mod tests {
             qemu_args(&Launch {
                 name: "n",
                 dir: Path::new("/d"),
+                sock_dir: Path::new("/d"),
                 spec,
                 accel: Accel::Tcg,
                 tsc_khz: None,

@@ -186,23 +186,24 @@ impl QemuDriver {
         Ok(Pending { dir: rec.vm.dir.clone(), pid: None, armed: true })
     }
 
-    fn make_vm(&self, id: &VmId, accel: Accel, spec: &BootSpec, from: Option<PathBuf>) -> Vm {
+    fn make_vm(&self, id: &VmId, accel: Accel, spec: &BootSpec, from: Option<PathBuf>) -> Result<Vm, DriverError> {
         let dir = self.vm_dir(id);
-        Vm {
+        let socks = crate::sockdir::socket_dir(&dir)?;
+        Ok(Vm {
             id: id.clone(),
             backend: Backend::Qemu,
             accel,
             pid: 0,
             pid_start_time: 0,
-            control_socket: dir.join(files::QMP),
-            vsock_socket: dir.join(files::VSOCK),
+            control_socket: socks.join(files::QMP),
+            vsock_socket: socks.join(files::VSOCK),
             console_log: dir.join(files::CONSOLE),
             dir,
             spec: spec.clone(),
             restored_from: from,
             created_at_epoch_secs: now_secs(),
             state: VmState::Creating,
-        }
+        })
     }
 
     /// Refuses a `Vm` whose directory is not ours (we delete it on stop).
@@ -220,10 +221,14 @@ impl QemuDriver {
     }
 
     fn start_bridge(&self, vm: &Vm) -> Result<(), DriverError> {
-        let b = Bridge::spawn(&vm.vsock_socket, &vm.dir.join(files::AGENT_SERIAL), self.cfg.agent_hello_timeout)
-            .map_err(|e| {
-                DriverError::io(format!("vm {}: vsock bridge", vm.id), std::io::Error::other(crate::error_chain(&e)))
-            })?;
+        let b = Bridge::spawn(
+            &vm.vsock_socket,
+            &vm.vsock_socket.with_file_name(files::AGENT_SERIAL),
+            self.cfg.agent_hello_timeout,
+        )
+        .map_err(|e| {
+            DriverError::io(format!("vm {}: vsock bridge", vm.id), std::io::Error::other(crate::error_chain(&e)))
+        })?;
         self.lock_bridges().insert(vm.id.clone(), b);
         Ok(())
     }
@@ -295,7 +300,7 @@ impl QemuDriver {
             }
         };
         self.check_inputs(&spec)?;
-        let mut rec = VmRecord::creating(self.make_vm(id, accel, &spec, from));
+        let mut rec = VmRecord::creating(self.make_vm(id, accel, &spec, from)?);
         let mut pending = self.new_vm_dir(&rec)?;
         match self.create_inner(&mut rec, origin, &mut pending).await {
             Ok(()) => {
@@ -333,6 +338,7 @@ impl QemuDriver {
         let args = cmdline::qemu_args(&Launch {
             name: rec.vm.id.as_str(),
             dir: &dir,
+            sock_dir: rec.vm.control_socket.parent().unwrap_or(&dir),
             spec: &rec.vm.spec,
             accel: rec.vm.accel,
             tsc_khz: self.tsc_khz,
@@ -383,6 +389,7 @@ impl QemuDriver {
                 after: KILL_WAIT,
             });
         }
+        crate::sockdir::release(&vm.dir);
         match std::fs::remove_dir_all(&vm.dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -566,6 +573,8 @@ impl Driver for QemuDriver {
         if !record::is_alive(vm.pid, vm.pid_start_time) {
             return Err(DriverError::NotFound(id.clone()));
         }
+        // A VM with a long directory is addressed through a link a temp cleaner may have removed.
+        crate::sockdir::socket_dir(&vm.dir)?;
         let q = self.qmp(&vm).await?;
         let status = q.status().await.map_err(control(id))?;
         tracing::info!(vm = %id, running = status.running, "re-attached");
