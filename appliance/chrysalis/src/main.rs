@@ -1,15 +1,17 @@
-//! `chrysalis`: the host CLI. Today the local image library (`chrysalis image …`,
-//! `chrysalis snapshot …`, on the `images` crate); the supervisor verbs (issue #6) join the
-//! same [`flags::Command`] enum.
+//! `chrysalis`: the host CLI. The appliance verbs (`run` = the supervisor, `status`, `logs`,
+//! `update`, `reboot`, `config`, in [`appliance`] over the `supervisor` crate) and the local
+//! image library (`chrysalis image …`, `chrysalis snapshot …`, on the `images` crate).
 //!
 //! Errors print as one chain (`chrysalis: a: b: c`) and exit with status 1; logs go to stderr
-//! (`RUST_LOG`, default `warn`).
+//! (`RUST_LOG`, default `warn`; `run` logs at `info`, JSON unless stderr is a terminal).
 
+mod appliance;
 mod flags;
 mod image;
 mod output;
 mod snapshot;
 
+use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
@@ -17,22 +19,35 @@ use clap::Parser;
 
 use flags::{Cli, Command};
 
-fn run(cli: Cli) -> Result<()> {
-    let store = images::Store::open(&cli.store)
-        .with_context(|| format!("opening the image library at {}", cli.store.display()))?;
-    match cli.command {
-        Command::Image(cmd) => image::run(&store, cmd),
-        Command::Snapshot(cmd) => snapshot::run(&store, cmd),
+fn library(root: &Path) -> Result<images::Store> {
+    images::Store::open(root).with_context(|| format!("opening the image library at {}", root.display()))
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let Cli { store, command } = cli;
+    match command {
+        Command::Image(cmd) => image::run(&library(&store)?, cmd)?,
+        Command::Snapshot(cmd) => snapshot::run(&library(&store)?, cmd)?,
+        Command::Run(a) => appliance::run(a)?,
+        Command::Status(a) => appliance::status(a)?,
+        Command::Logs(a) => appliance::logs(a)?,
+        Command::Update(cmd) => appliance::update(cmd)?,
+        Command::Reboot(a) => appliance::reboot(a)?,
+        Command::Config(cmd) => return appliance::config(cmd),
     }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn main() -> ExitCode {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .try_init();
-    match run(Cli::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
+    let cli = Cli::parse();
+    if !matches!(cli.command, Command::Run(_)) {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+    match run(cli) {
+        Ok(code) => code,
         Err(e) => {
             eprintln!("chrysalis: {e:#}");
             ExitCode::from(1)

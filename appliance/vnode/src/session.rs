@@ -39,6 +39,10 @@ pub struct JoinArgs {
     /// Join this cluster (https://host:port) with a bootstrap token instead of using a kubeconfig.
     #[arg(long, value_name = "https://host:port")]
     pub join_server: Option<String>,
+    /// The API server this node talks to after discovery, instead of the address cluster-info
+    /// names (for a box behind NAT or a port forward; the server's certificate must name it).
+    #[arg(long, value_name = "https://host:port", requires = "join_server")]
+    pub join_api_server: Option<String>,
     /// File holding the bootstrap token (<id>.<secret>), with --join-server.
     #[arg(long, env = "VK_JOIN_TOKEN_FILE")]
     pub join_token_file: Option<PathBuf>,
@@ -166,9 +170,13 @@ impl Session {
         let token_file = args.join_token_file.as_deref().ok_or(SessionError::NoTokenFile)?;
         let token = read_token(token_file)?;
         let pins = pins(&args.join_ca_hash)?;
-        let cluster = join::discover(server, &token, &pins)
+        let mut cluster = join::discover(server, &token, &pins)
             .await
             .map_err(|e| SessionError::Discover { server: server.to_owned(), source: Box::new(e) })?;
+        if let Some(api) = args.join_api_server.as_deref() {
+            tracing::info!(discovered = %cluster.server, using = api, "using --join-api-server instead of cluster-info's address");
+            cluster.server = api.to_owned();
+        }
         let creds = join::bootstrap(&cluster, &token, node_name, &args.credentials_dir)
             .await
             .map_err(|e| SessionError::Bootstrap { node: node_name.to_owned(), source: Box::new(e) })?;
@@ -334,6 +342,7 @@ mod tests {
         let base = JoinArgs {
             kubeconfig: None,
             join_server: Some("https://127.0.0.1:1".into()),
+            join_api_server: None,
             join_token_file: None,
             join_ca_hash: vec![],
             credentials_dir: dir.path().join("pki"),
@@ -360,6 +369,7 @@ mod tests {
         let args = JoinArgs {
             kubeconfig: Some(dir.path().join("missing.yaml")),
             join_server: None,
+            join_api_server: None,
             join_token_file: None,
             join_ca_hash: vec![],
             credentials_dir: dir.path().join("pki"),

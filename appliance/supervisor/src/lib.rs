@@ -1,0 +1,509 @@
+//! The Chrysalis appliance supervisor: the one long-running process beside init (a systemd
+//! `Type=notify` service with a watchdog) that runs sandboxd, vk-sandbox and vk-cocoon.
+//!
+//! # Start-up order ([`run`])
+//! 1. **Config** ([`config`]): the four layers are read, merged and validated. A broken
+//!    configuration starts no service; the supervisor logs every problem (key, source, fix),
+//!    shows them in `chrysalis status` and stays up so the box can be inspected (with
+//!    [`RunOptions::exit_on_config_error`] it exits instead).
+//! 2. **Subreaper**, stale services of a previous supervisor stopped ([`supervise`]).
+//! 3. **API** ([`api`]) bound on the Unix socket (and TCP / metrics listeners when configured).
+//! 4. **Services** ([`services`]) started in order: sandboxd, vk-sandbox, vk-cocoon.
+//! 5. **Main loop** (one task, a closed set of events: `SIGCHLD`, `SIGTERM`/`SIGINT`, a 250 ms
+//!    tick, the watchdog tick, API commands): reaps, restarts with backoff, publishes state,
+//!    sends `READY=1` once every enabled service has run for 1 s and sandboxd answers `/healthz`,
+//!    `STATUS=` on changes and `WATCHDOG=1` ([`notify`]).
+//! 6. **Health task** ([`health`]): sandboxd, pools and virtual nodes every few seconds; each
+//!    snapshot goes to [`UpdateControl::on_health`] (the A/B commit gate).
+//!
+//! `SIGTERM`/`SIGINT` stop the services (their process groups; VMs live on) and exit 0.
+//!
+//! # Logs
+//! [`init_logging`]: JSON lines on stderr when stderr is not a terminal (journald, the serial
+//! console, log shippers), human-readable text on a terminal; `CHRYSALIS_LOG_FORMAT=json|text`
+//! overrides, `RUST_LOG` filters (default `info`). Service output is re-emitted with a
+//! `service` field (target `chrysalis::service`), see [`logs`].
+//!
+//! # Architecture invariants
+//! * The supervisor never signals a process that is not one of its services' process groups:
+//!   VMs (daemonized QEMU, re-parented to us) are only ever reaped once dead.
+//! * Only the main loop starts, stops or reaps processes.
+
+pub mod ab;
+pub mod api;
+pub mod client;
+pub mod config;
+pub mod health;
+pub mod http;
+pub mod logs;
+pub mod metrics;
+pub mod notify;
+pub mod services;
+pub mod state;
+pub mod supervise;
+pub mod update;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::mpsc;
+
+pub use health::Health;
+pub use update::{BundleStream, GateVerdict, NoUpdates, UpdateControl, UpdateError, UpdateOutcome, UpdateStatus};
+
+use crate::config::{Issue, Settings, SourcePaths, ValidateEnv};
+use crate::services::{Layout, ServiceName};
+use crate::state::Shared;
+use crate::supervise::{Backoff, RunState, Supervisor};
+
+/// Default runtime directory (generated configs, pid files).
+pub const RUN_DIR: &str = "/run/chrysalis";
+/// Default binaries directory.
+pub const BIN_DIR: &str = "/usr/bin";
+/// Default API socket.
+pub const API_SOCKET: &str = "/run/chrysalis/api.sock";
+
+/// `a: b: c` for an error and its sources.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let m = c.to_string();
+        if !s.ends_with(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+/// Installs the tracing subscriber described in the crate doc (JSON unless stderr is a TTY).
+pub fn init_logging() {
+    use std::io::IsTerminal as _;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let json = match std::env::var("CHRYSALIS_LOG_FORMAT").as_deref() {
+        Ok("json") => true,
+        Ok("text") => false,
+        _ => !std::io::stderr().is_terminal(),
+    };
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = if json {
+        b.json().flatten_event(true).with_current_span(false).try_init()
+    } else {
+        b.with_ansi(std::io::stderr().is_terminal()).try_init()
+    };
+}
+
+/// Why the supervisor could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The configuration is invalid (only with [`RunOptions::exit_on_config_error`]).
+    #[error("invalid configuration")]
+    Config(#[source] config::ConfigError),
+    /// A directory, socket or listener could not be set up.
+    #[error("{what} {}", .path.display())]
+    Setup {
+        /// What was being done.
+        what: &'static str,
+        /// Where.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Supervision could not be set up.
+    #[error("setting up supervision")]
+    Supervise(#[from] supervise::SuperviseError),
+}
+
+/// Everything [`run`] can be told; [`RunOptions::new`] gives the appliance's defaults.
+#[derive(Clone)]
+pub struct RunOptions {
+    /// The config layers.
+    pub sources: SourcePaths,
+    /// Overrides `supervisor.state_dir`.
+    pub state_dir: Option<PathBuf>,
+    /// Overrides `supervisor.api_socket`.
+    pub api_socket: Option<PathBuf>,
+    /// Runtime files.
+    pub run_dir: PathBuf,
+    /// Service binaries.
+    pub bin_dir: PathBuf,
+    /// Guest catalog when `sandboxd.catalog` is unset.
+    pub catalog: PathBuf,
+    /// Restart delays.
+    pub backoff: Backoff,
+    /// How long services get to stop.
+    pub shutdown_timeout: Duration,
+    /// Full health probe period.
+    pub health_interval: Duration,
+    /// The reboot command; `None`: `systemctl reboot` when running under systemd
+    /// (`NOTIFY_SOCKET` set), else reboots are refused.
+    pub reboot_command: Option<Vec<String>>,
+    /// Exit with [`RunError::Config`] on a bad configuration instead of staying up.
+    pub exit_on_config_error: bool,
+    /// Overrides the hostname used for default node names.
+    pub hostname: Option<String>,
+    /// The update side.
+    pub update: Arc<dyn UpdateControl>,
+}
+
+impl RunOptions {
+    /// The appliance's defaults with `update` as the update side.
+    pub fn new(update: Arc<dyn UpdateControl>) -> Self {
+        RunOptions {
+            sources: SourcePaths::default(),
+            state_dir: None,
+            api_socket: None,
+            run_dir: RUN_DIR.into(),
+            bin_dir: BIN_DIR.into(),
+            catalog: config::DEFAULT_CATALOG.into(),
+            backoff: Backoff::default(),
+            shutdown_timeout: Duration::from_secs(20),
+            health_interval: Duration::from_secs(5),
+            reboot_command: None,
+            exit_on_config_error: false,
+            hostname: None,
+            update,
+        }
+    }
+}
+
+/// How [`run`] ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Exit {
+    /// Stopped by a signal.
+    Signal(&'static str),
+    /// The reboot command was run.
+    Reboot,
+}
+
+fn setup_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RunError + 'a {
+    move |source| RunError::Setup { what, path: path.to_path_buf(), source }
+}
+
+/// Loads and validates the configuration as `run` does (for `chrysalis config check`).
+pub fn load_settings(sources: &SourcePaths, hostname: Option<&str>) -> Result<Settings, config::ConfigError> {
+    let env =
+        ValidateEnv { hostname: hostname.map(str::to_string).unwrap_or_else(config::hostname), check_files: true };
+    config::load(sources)?.validate(&env)
+}
+
+/// `{"config", "sources"}` for `GET /v1/config`.
+fn config_view(s: Option<&Settings>) -> serde_json::Value {
+    match s {
+        Some(s) => serde_json::json!({"config": s.config, "sources": s.sources}),
+        None => serde_json::json!({"config": null, "sources": []}),
+    }
+}
+
+fn status_line(sup: &Supervisor, ready: bool, sandboxd: Option<bool>, errors: &[Issue]) -> String {
+    if let Some(first) = errors.first() {
+        let more = if errors.len() > 1 { format!(" (+{} more)", errors.len() - 1) } else { String::new() };
+        return format!("configuration error: {first}{more}");
+    }
+    let parts: Vec<String> = sup
+        .statuses()
+        .iter()
+        .map(|s| {
+            let st = match s.state {
+                RunState::Starting => "starting",
+                RunState::Running => "running",
+                RunState::Backoff => "restarting",
+                RunState::Stopping => "stopping",
+                RunState::Stopped => "stopped",
+            };
+            format!("{} {st}", s.name)
+        })
+        .collect();
+    let services = if parts.is_empty() { "no services".to_string() } else { parts.join(", ") };
+    match (ready, sandboxd) {
+        (true, _) => format!("ready: {services}"),
+        (false, Some(false)) => format!("starting: {services}; sandboxd not answering yet"),
+        (false, _) => format!("starting: {services}"),
+    }
+}
+
+/// Binds the Unix socket API (replacing a stale socket), mode 0600.
+fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, RunError> {
+    use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d).map_err(setup_err("creating", d))?;
+    }
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if m.file_type().is_socket() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    let l = tokio::net::UnixListener::bind(path).map_err(setup_err("binding the API socket", path))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(setup_err("chmod", path))?;
+    Ok(l)
+}
+
+async fn bind_tcp(addr: std::net::SocketAddr, what: &'static str) -> Result<tokio::net::TcpListener, RunError> {
+    tokio::net::TcpListener::bind(addr).await.map_err(|source| RunError::Setup {
+        what,
+        path: PathBuf::from(addr.to_string()),
+        source,
+    })
+}
+
+fn read_secret(p: &Path) -> Option<String> {
+    std::fs::read_to_string(p).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
+}
+
+/// The whole supervisor (see the crate doc). Returns when stopped by a signal or rebooting.
+pub async fn run(opts: RunOptions) -> Result<Exit, RunError> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut notifier = notify::Notifier::from_env();
+
+    // 1. Config.
+    let (settings, config_errors) = match load_settings(&opts.sources, opts.hostname.as_deref()) {
+        Ok(s) => (Some(s), Vec::new()),
+        Err(e) => {
+            let issues = e.to_issues();
+            for i in &issues {
+                tracing::error!(key = %i.key, source = %i.source, problem = %i.problem, fix = %i.fix, "configuration error");
+            }
+            if opts.exit_on_config_error {
+                return Err(RunError::Config(e));
+            }
+            tracing::error!(
+                "no service is started until the configuration is fixed; `chrysalis config check` explains each error"
+            );
+            (None, issues)
+        }
+    };
+    let cfg = settings.as_ref().map(|s| s.config.clone()).unwrap_or_default();
+    opts.update.configure(&cfg.update);
+    let layout = Layout {
+        state_dir: opts.state_dir.clone().unwrap_or(cfg.supervisor.state_dir.clone()),
+        run_dir: opts.run_dir.clone(),
+        bin_dir: opts.bin_dir.clone(),
+        default_catalog: opts.catalog.clone(),
+    };
+    let api_socket = opts.api_socket.clone().unwrap_or(cfg.supervisor.api_socket.clone());
+    for d in [layout.logs_dir(), layout.run_dir.clone()] {
+        std::fs::create_dir_all(&d).map_err(setup_err("creating", &d))?;
+    }
+
+    // 2. Subreaper; the services and their logs.
+    supervise::become_subreaper()?;
+    let specs = settings.as_ref().map(|s| services::plan(s, &layout)).unwrap_or_default();
+    let mut logs: HashMap<ServiceName, Arc<logs::ServiceLog>> = HashMap::new();
+    for s in &specs {
+        let log = logs::ServiceLog::open(s.name.as_str(), Some(&layout.logs_dir())).unwrap_or_else(|e| {
+            tracing::warn!(service = %s.name, error = %error_chain(&e), "service log file unavailable; keeping logs in memory");
+            logs::ServiceLog::memory(s.name.as_str())
+        });
+        logs.insert(s.name, Arc::new(log));
+    }
+    let by_name: BTreeMap<String, Arc<logs::ServiceLog>> =
+        logs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+    let shared = Arc::new(Shared::new(
+        by_name,
+        config_view(settings.as_ref()),
+        config_errors.clone(),
+        layout.state_dir.display().to_string(),
+    ));
+    let sandboxd_enabled = specs.iter().any(|s| s.name == ServiceName::Sandboxd);
+
+    // 3. API.
+    let (cmd_tx, mut cmd_rx) = mpsc::channel::<api::Command>(8);
+    let api_state = api::ApiState { shared: shared.clone(), update: opts.update.clone(), commands: cmd_tx.clone() };
+    let mut tasks = tokio::task::JoinSet::new();
+    let unix = bind_unix(&api_socket)?;
+    tracing::info!(socket = %api_socket.display(), "API listening");
+    let router = api::app(api_state.clone());
+    tasks.spawn(async move {
+        if let Err(e) = axum::serve(unix, router).await {
+            tracing::error!(error = %e, "the API socket server stopped");
+        }
+    });
+    if let Some(s) = &settings {
+        if let (Some(addr), Some(tf)) = (s.api_listen, &s.config.supervisor.api_token_file) {
+            let token = read_secret(tf).unwrap_or_default();
+            let l = bind_tcp(addr, "binding supervisor.api_listen").await?;
+            tracing::info!(listen = %addr, "remote API listening (bearer token)");
+            let router = api::with_token(api::app(api_state.clone()), token);
+            tasks.spawn(async move {
+                let _ = axum::serve(l, router).await;
+            });
+        }
+        if let Some(addr) = s.metrics_listen {
+            let l = bind_tcp(addr, "binding supervisor.metrics_listen").await?;
+            tracing::info!(listen = %addr, "metrics listening");
+            let router = api::metrics_app(api_state.clone());
+            tasks.spawn(async move {
+                let _ = axum::serve(l, router).await;
+            });
+        }
+    }
+
+    // 4. Services.
+    let mut sup = Supervisor::new(specs, &logs, opts.backoff, layout.clone());
+    sup.stop_stale(opts.shutdown_timeout).await;
+    sup.start_due();
+
+    // 6. Health task.
+    let prober = Arc::new(match &settings {
+        Some(s) => {
+            let sandboxd =
+                sandboxd_enabled.then(|| http::Endpoint::Tcp(services::local_addr(s.sandboxd_listen).to_string()));
+            let token = s.config.sandboxd.api_token_file.as_deref().and_then(read_secret);
+            let mut nodes = Vec::new();
+            if s.vk_sandbox {
+                nodes.push(health::NodeTarget {
+                    service: ServiceName::VkSandbox,
+                    name: s.vk_sandbox_name().into(),
+                    pki_dir: layout.pki_dir(ServiceName::VkSandbox),
+                });
+            }
+            if s.vk_cocoon {
+                nodes.push(health::NodeTarget {
+                    service: ServiceName::VkCocoon,
+                    name: s.vk_cocoon_name().into(),
+                    pki_dir: layout.pki_dir(ServiceName::VkCocoon),
+                });
+            }
+            health::Prober::new(sandboxd, token, nodes, s.config.cluster.as_ref().map(|c| c.endpoint.clone()))
+        }
+        None => health::Prober::new(None, None, Vec::new(), None),
+    });
+    {
+        let (shared, prober, update, cmd_tx, every) =
+            (shared.clone(), prober.clone(), opts.update.clone(), cmd_tx.clone(), opts.health_interval);
+        tasks.spawn(async move {
+            let mut last_full: Option<tokio::time::Instant> = None;
+            loop {
+                let answers = prober.sandboxd_answers().await;
+                shared.update_health(|h| h.sandboxd_answers = answers);
+                if last_full.is_none_or(|t| t.elapsed() >= every) {
+                    last_full = Some(tokio::time::Instant::now());
+                    let (pools, (nodes, reachable)) = tokio::join!(prober.pools(), prober.nodes());
+                    shared.update_health(|h| {
+                        match pools {
+                            Ok(p) => {
+                                h.pools = p;
+                                h.pools_error = None;
+                            }
+                            Err(e) => h.pools_error = Some(e),
+                        }
+                        h.nodes = nodes;
+                        h.api_reachable = reachable;
+                        h.checked_at = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map(|d| d.as_secs())
+                            .unwrap_or(0);
+                    });
+                    if let GateVerdict::Reboot { reason } = update.on_health(&shared.health()).await {
+                        let (reply, rx) = tokio::sync::oneshot::channel();
+                        if cmd_tx.send(api::Command::Reboot { reason: reason.clone(), reply }).await.is_ok() {
+                            if let Ok(Err(e)) = rx.await {
+                                tracing::error!(reason, error = %e, "the update gate asked for a reboot that was refused");
+                            }
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+    }
+
+    // 5. Main loop.
+    let sig = |k: SignalKind| signal(k).map_err(setup_err("installing a signal handler", Path::new("-")));
+    let (mut sigchld, mut sigterm, mut sigint) =
+        (sig(SignalKind::child())?, sig(SignalKind::terminate())?, sig(SignalKind::interrupt())?);
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut watchdog = tokio::time::interval(notifier.watchdog_interval().unwrap_or(Duration::from_secs(3600)));
+    watchdog.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    if let Some(w) = notifier.watchdog_interval() {
+        tracing::info!(every = ?w, "systemd watchdog enabled");
+    }
+    let reboot_cmd: Option<Vec<String>> = match (&opts.reboot_command, notifier.active()) {
+        (Some(c), _) => Some(c.clone()),
+        (None, true) => Some(vec!["systemctl".into(), "reboot".into()]),
+        (None, false) => None,
+    };
+    let exit = loop {
+        tokio::select! {
+            _ = sigchld.recv() => sup.reap(),
+            _ = sigterm.recv() => break Exit::Signal("SIGTERM"),
+            _ = sigint.recv() => break Exit::Signal("SIGINT"),
+            _ = tick.tick() => {
+                sup.reap();
+                sup.start_due();
+            }
+            _ = watchdog.tick() => notifier.watchdog(),
+            Some(cmd) = cmd_rx.recv() => match cmd {
+                api::Command::Reboot { reason, reply } => {
+                    let Some(argv) = reboot_cmd.clone() else {
+                        let _ = reply.send(Err("not running as the appliance's service (no NOTIFY_SOCKET); `chrysalis run --reboot-command …` enables reboots".into()));
+                        continue;
+                    };
+                    let _ = reply.send(Ok(()));
+                    tracing::warn!(reason, "rebooting");
+                    notifier.status(&format!("rebooting: {reason}"));
+                    tokio::time::sleep(Duration::from_millis(300)).await; // let the API answer
+                    sup.shutdown(opts.shutdown_timeout).await;
+                    if reboot(&argv).await {
+                        break Exit::Reboot;
+                    }
+                    sup.resume();
+                }
+            },
+        }
+        shared.tick();
+        let statuses = sup.statuses();
+        let answers = shared.health().sandboxd_answers;
+        let ready = settings.is_some()
+            && sup.all_running_for(supervise::STABLE_AFTER)
+            && (!sandboxd_enabled || answers == Some(true));
+        shared.set_services(statuses, ready);
+        let line = status_line(&sup, ready, answers, &config_errors);
+        if !notifier.is_ready() && (ready || !config_errors.is_empty()) {
+            tracing::info!(status = %line, "ready");
+            notifier.ready(&line);
+        } else {
+            notifier.status(&line);
+        }
+    };
+
+    // Shutdown (the reboot path already stopped the services).
+    tracing::info!(?exit, "stopping");
+    notifier.stopping("stopping services; VMs keep running");
+    if exit != Exit::Reboot {
+        sup.shutdown(opts.shutdown_timeout).await;
+    }
+    tasks.abort_all();
+    let _ = std::fs::remove_file(&api_socket);
+    Ok(exit)
+}
+
+/// Runs the reboot command; true when it succeeded.
+async fn reboot(argv: &[String]) -> bool {
+    let Some((prog, args)) = argv.split_first() else { return false };
+    let (prog, args) = (prog.clone(), args.to_vec());
+    let r = tokio::task::spawn_blocking(move || std::process::Command::new(&prog).args(&args).status()).await;
+    match r {
+        Ok(Ok(s)) if s.success() => true,
+        Ok(Ok(s)) => {
+            tracing::error!(command = ?argv, status = %s, "the reboot command failed; restarting the services");
+            false
+        }
+        Ok(Err(e)) => {
+            tracing::error!(command = ?argv, error = %e, "the reboot command could not run; restarting the services");
+            false
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "the reboot task failed");
+            false
+        }
+    }
+}

@@ -1,0 +1,390 @@
+//! The child table: which services run, with which program, flags, environment and generated
+//! files, derived from validated [`Settings`].
+//!
+//! | service | program | configured by |
+//! |---|---|---|
+//! | `sandboxd` | `<bin>/sandboxd --config <run>/sandboxd.json` | a JSON config generated here (`data_dir = <state>/sandboxd`, catalog, pools) |
+//! | `vk-sandbox` | `<bin>/vk-sandbox` | flags: node name, sandboxd URL and token, `--state-path <state>/vk-sandbox/claims.json`, join flags |
+//! | `vk-cocoon` | `<bin>/vk-cocoon` | join flags; env `VK_NODE_NAME`, `VK_NODE_POOL`, `COCOON_ROOT_DIR=<state>/vk-cocoon`, `CHRYSALIS_IMAGES=<state>/images` |
+//!
+//! Join flags (both nodes): `--join-server <endpoint> --join-api-server <endpoint>
+//! --join-token-file <file> --join-ca-hash <h>… --credentials-dir <state>/<svc>/pki`.
+//! Every child gets `CHRYSALIS_STATE=<state>` and `NO_COLOR=1`, and never the supervisor's
+//! `NOTIFY_SOCKET` / `WATCHDOG_*` / `LISTEN_*` (they belong to the supervisor alone).
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::config::Settings;
+
+/// Environment variables a child must not inherit.
+pub const SCRUBBED_ENV: [&str; 6] =
+    ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"];
+
+/// Why a service's files could not be prepared.
+#[derive(Debug, thiserror::Error)]
+pub enum ServicesError {
+    /// A directory or generated file could not be written.
+    #[error("writing {}", .path.display())]
+    Write {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The supervised services.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum ServiceName {
+    /// The warm-pool daemon.
+    #[serde(rename = "sandboxd")]
+    Sandboxd,
+    /// The sandbox virtual node.
+    #[serde(rename = "vk-sandbox")]
+    VkSandbox,
+    /// The VM-per-Pod virtual node.
+    #[serde(rename = "vk-cocoon")]
+    VkCocoon,
+}
+
+impl ServiceName {
+    /// All services, in start order.
+    pub const ALL: [ServiceName; 3] = [ServiceName::Sandboxd, ServiceName::VkSandbox, ServiceName::VkCocoon];
+
+    /// `sandboxd`, `vk-sandbox`, `vk-cocoon` (also the binary, log and state directory name).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ServiceName::Sandboxd => "sandboxd",
+            ServiceName::VkSandbox => "vk-sandbox",
+            ServiceName::VkCocoon => "vk-cocoon",
+        }
+    }
+
+    /// Parses [`ServiceName::as_str`].
+    pub fn parse(s: &str) -> Option<ServiceName> {
+        ServiceName::ALL.into_iter().find(|n| n.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for ServiceName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where things live on this box (the defaults are the appliance's; tests override them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// The state partition (`supervisor.state_dir`).
+    pub state_dir: PathBuf,
+    /// Runtime files (`/run/chrysalis`): generated configs, pid files.
+    pub run_dir: PathBuf,
+    /// Where the service binaries are (`/usr/bin`).
+    pub bin_dir: PathBuf,
+    /// The guest catalog when `sandboxd.catalog` is unset.
+    pub default_catalog: PathBuf,
+}
+
+impl Layout {
+    /// `<state>/logs`.
+    pub fn logs_dir(&self) -> PathBuf {
+        self.state_dir.join("logs")
+    }
+
+    /// `<state>/<svc>/pki`: a virtual node's credentials (its kubeconfig is `kubeconfig` there).
+    pub fn pki_dir(&self, svc: ServiceName) -> PathBuf {
+        self.state_dir.join(svc.as_str()).join("pki")
+    }
+
+    /// `<run>/services/<svc>.pid`.
+    pub fn pid_file(&self, svc: ServiceName) -> PathBuf {
+        self.run_dir.join("services").join(format!("{svc}.pid"))
+    }
+}
+
+/// A file the supervisor writes before starting a service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GeneratedFile {
+    /// Where.
+    pub path: PathBuf,
+    /// What.
+    pub contents: Vec<u8>,
+}
+
+/// How to run one service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceSpec {
+    /// Which.
+    pub name: ServiceName,
+    /// The binary.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Extra environment (on top of the supervisor's, minus [`SCRUBBED_ENV`]).
+    pub env: Vec<(String, String)>,
+    /// Directories to create first.
+    pub dirs: Vec<PathBuf>,
+    /// Files to write first (mode 0600).
+    pub files: Vec<GeneratedFile>,
+}
+
+impl ServiceSpec {
+    /// Creates the directories and writes the generated files (atomically).
+    pub fn prepare(&self) -> Result<(), ServicesError> {
+        for d in &self.dirs {
+            std::fs::create_dir_all(d).map_err(|source| ServicesError::Write { path: d.clone(), source })?;
+        }
+        for f in &self.files {
+            write_private(&f.path, &f.contents)?;
+        }
+        Ok(())
+    }
+}
+
+fn write_private(path: &Path, contents: &[u8]) -> Result<(), ServicesError> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let err = |source| ServicesError::Write { path: path.to_path_buf(), source };
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d).map_err(err)?;
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let mut f =
+        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(err)?;
+    f.write_all(contents).map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
+/// The address a local client uses to reach a listen address (`0.0.0.0` → `127.0.0.1`).
+pub fn local_addr(listen: SocketAddr) -> SocketAddr {
+    let ip = match listen.ip() {
+        IpAddr::V4(v) if v.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(v) if v.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    SocketAddr::new(ip, listen.port())
+}
+
+/// sandboxd's generated config (the schema of `sandboxd::config::Config`).
+pub fn sandboxd_config(settings: &Settings, layout: &Layout) -> serde_json::Value {
+    let sb = &settings.config.sandboxd;
+    let mut v = serde_json::json!({
+        "listen": settings.sandboxd_listen.to_string(),
+        "data_dir": layout.state_dir.join("sandboxd"),
+        "refill_concurrency": sb.refill_concurrency,
+        "boot_timeout_secs": sb.boot_timeout_secs,
+        "catalog": sb.catalog.clone().unwrap_or_else(|| layout.default_catalog.clone()),
+        "pools": sb.pools.iter().map(|p| serde_json::json!({
+            "template": p.template, "size": p.size, "net": p.net, "warm": p.warm,
+        })).collect::<Vec<_>>(),
+    });
+    if let Some(t) = &sb.api_token_file {
+        v["api_token_file"] = serde_json::json!(t);
+    }
+    if let Some(a) = &sb.advertise_addr {
+        v["advertise_addr"] = serde_json::json!(a);
+    }
+    v
+}
+
+fn join_args(settings: &Settings, layout: &Layout, svc: ServiceName) -> Vec<String> {
+    let mut a = Vec::new();
+    if let Some(cl) = &settings.config.cluster {
+        a.extend(["--join-server".into(), cl.endpoint.clone(), "--join-api-server".into(), cl.endpoint.clone()]);
+        a.extend(["--join-token-file".into(), cl.bootstrap_token_file.display().to_string()]);
+        for h in &cl.ca_cert_hashes {
+            a.extend(["--join-ca-hash".into(), h.clone()]);
+        }
+    }
+    a.extend(["--credentials-dir".into(), layout.pki_dir(svc).display().to_string()]);
+    a
+}
+
+/// The enabled services, in start order.
+pub fn plan(settings: &Settings, layout: &Layout) -> Vec<ServiceSpec> {
+    let state = layout.state_dir.display().to_string();
+    let common = || vec![("CHRYSALIS_STATE".to_string(), state.clone()), ("NO_COLOR".to_string(), "1".to_string())];
+    let mut out = Vec::new();
+    if settings.config.sandboxd.enabled {
+        let cfg_path = layout.run_dir.join("sandboxd.json");
+        let json = sandboxd_config(settings, layout);
+        out.push(ServiceSpec {
+            name: ServiceName::Sandboxd,
+            program: layout.bin_dir.join("sandboxd"),
+            args: vec!["--config".into(), cfg_path.display().to_string()],
+            env: common(),
+            dirs: vec![layout.state_dir.join("sandboxd")],
+            files: vec![GeneratedFile { path: cfg_path, contents: format!("{json:#}\n").into_bytes() }],
+        });
+    }
+    if settings.vk_sandbox {
+        let svc = ServiceName::VkSandbox;
+        let dir = layout.state_dir.join(svc.as_str());
+        let mut args = vec![
+            "--node-name".to_string(),
+            settings.vk_sandbox_name().to_string(),
+            "--sandboxd-url".into(),
+            format!("http://{}", local_addr(settings.sandboxd_listen)),
+            "--state-path".into(),
+            dir.join("claims.json").display().to_string(),
+        ];
+        if let Some(t) = &settings.config.sandboxd.api_token_file {
+            args.extend(["--sandboxd-token-file".into(), t.display().to_string()]);
+        }
+        args.extend(join_args(settings, layout, svc));
+        out.push(ServiceSpec {
+            name: svc,
+            program: layout.bin_dir.join(svc.as_str()),
+            args,
+            env: common(),
+            dirs: vec![layout.pki_dir(svc)],
+            files: Vec::new(),
+        });
+    }
+    if settings.vk_cocoon {
+        let svc = ServiceName::VkCocoon;
+        let mut env = common();
+        env.extend([
+            ("VK_NODE_NAME".to_string(), settings.vk_cocoon_name().to_string()),
+            ("VK_NODE_POOL".to_string(), settings.config.vk_cocoon.pool.clone()),
+            ("COCOON_ROOT_DIR".to_string(), layout.state_dir.join(svc.as_str()).display().to_string()),
+            ("CHRYSALIS_IMAGES".to_string(), layout.state_dir.join("images").display().to_string()),
+        ]);
+        out.push(ServiceSpec {
+            name: svc,
+            program: layout.bin_dir.join(svc.as_str()),
+            args: join_args(settings, layout, svc),
+            env,
+            dirs: vec![layout.pki_dir(svc), layout.state_dir.join("images")],
+            files: Vec::new(),
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
+mod tests {
+    use super::*;
+    use crate::config::{self, ValidateEnv};
+
+    const HASH: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    fn settings(text: &str) -> Settings {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        std::fs::write(&p, text).unwrap();
+        config::load_files(&[p]).unwrap().validate(&ValidateEnv { hostname: "box".into(), check_files: false }).unwrap()
+    }
+
+    fn layout() -> Layout {
+        Layout {
+            state_dir: "/state".into(),
+            run_dir: "/run/c".into(),
+            bin_dir: "/bin".into(),
+            default_catalog: "/cat.json".into(),
+        }
+    }
+
+    fn flag<'a>(args: &'a [String], name: &str) -> Vec<&'a str> {
+        args.windows(2).filter(|w| w[0] == name).map(|w| w[1].as_str()).collect()
+    }
+
+    #[test]
+    fn no_cluster_runs_sandboxd_alone() {
+        let s = settings("");
+        let plan = plan(&s, &layout());
+        assert_eq!(plan.len(), 1);
+        let sb = &plan[0];
+        assert_eq!(sb.name, ServiceName::Sandboxd);
+        assert_eq!(sb.program, PathBuf::from("/bin/sandboxd"));
+        assert_eq!(sb.args, ["--config", "/run/c/sandboxd.json"]);
+        assert!(sb.env.contains(&("CHRYSALIS_STATE".into(), "/state".into())));
+        let json: serde_json::Value = serde_json::from_slice(&sb.files[0].contents).unwrap();
+        assert_eq!(json["data_dir"], "/state/sandboxd");
+        assert_eq!(json["catalog"], "/cat.json");
+        assert_eq!(json["listen"], "0.0.0.0:7777");
+        assert!(json.get("api_token_file").is_none());
+    }
+
+    #[test]
+    fn sandboxd_json_carries_pools_token_and_catalog() {
+        let s = settings(
+            "[sandboxd]\nlisten = \"127.0.0.1:7000\"\napi_token_file = \"/t\"\ncatalog = \"/c.json\"\nrefill_concurrency = 2\n\
+             [[sandboxd.pools]]\ntemplate = \"base\"\nwarm = 2\n",
+        );
+        let j = sandboxd_config(&s, &layout());
+        assert_eq!(j["pools"], serde_json::json!([{"template": "base", "size": "small", "net": "none", "warm": 2}]));
+        assert_eq!(j["api_token_file"], "/t");
+        assert_eq!(j["catalog"], "/c.json");
+        assert_eq!(j["refill_concurrency"], 2);
+        assert_eq!(j["listen"], "127.0.0.1:7000");
+    }
+
+    #[test]
+    fn a_cluster_adds_both_nodes_with_join_flags() {
+        let s = settings(&format!(
+            "[sandboxd]\napi_token_file = \"/tok\"\n[cluster]\nendpoint = \"https://10.0.2.100:16443\"\n\
+             ca_cert_hashes = [\"{HASH}\", \"{HASH}\"]\nbootstrap_token_file = \"/boot\"\n[vk_cocoon]\npool = \"gpu\"\n"
+        ));
+        let plan = plan(&s, &layout());
+        let names: Vec<ServiceName> = plan.iter().map(|p| p.name).collect();
+        assert_eq!(names, ServiceName::ALL);
+        let vs = &plan[1];
+        assert_eq!(flag(&vs.args, "--node-name"), ["box-sandbox"]);
+        assert_eq!(flag(&vs.args, "--sandboxd-url"), ["http://127.0.0.1:7777"]);
+        assert_eq!(flag(&vs.args, "--sandboxd-token-file"), ["/tok"]);
+        assert_eq!(flag(&vs.args, "--state-path"), ["/state/vk-sandbox/claims.json"]);
+        for p in &plan[1..] {
+            assert_eq!(flag(&p.args, "--join-server"), ["https://10.0.2.100:16443"]);
+            assert_eq!(flag(&p.args, "--join-api-server"), ["https://10.0.2.100:16443"]);
+            assert_eq!(flag(&p.args, "--join-token-file"), ["/boot"]);
+            assert_eq!(flag(&p.args, "--join-ca-hash"), [HASH, HASH]);
+            assert_eq!(flag(&p.args, "--credentials-dir"), [format!("/state/{}/pki", p.name)]);
+        }
+        let vc = &plan[2];
+        let env = |k: &str| vc.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(env("VK_NODE_NAME"), Some("box-cocoon"));
+        assert_eq!(env("VK_NODE_POOL"), Some("gpu"));
+        assert_eq!(env("COCOON_ROOT_DIR"), Some("/state/vk-cocoon"));
+        assert_eq!(env("CHRYSALIS_IMAGES"), Some("/state/images"));
+    }
+
+    #[test]
+    fn disabled_services_are_left_out() {
+        let s = settings(&format!(
+            "[sandboxd]\nenabled = false\n[vk_sandbox]\nenabled = false\n[cluster]\nendpoint = \"https://a:1\"\n\
+             ca_cert_hashes = [\"{HASH}\"]\nbootstrap_token_file = \"/boot\"\n"
+        ));
+        let names: Vec<ServiceName> = plan(&s, &layout()).iter().map(|p| p.name).collect();
+        assert_eq!(names, [ServiceName::VkCocoon]);
+    }
+
+    #[test]
+    fn prepare_writes_private_files() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let l = Layout { state_dir: dir.path().join("s"), run_dir: dir.path().join("r"), ..layout() };
+        let specs = plan(&settings(""), &l);
+        specs[0].prepare().unwrap();
+        let f = dir.path().join("r/sandboxd.json");
+        assert_eq!(std::fs::metadata(&f).unwrap().permissions().mode() & 0o777, 0o600);
+        assert!(dir.path().join("s/sandboxd").is_dir());
+        let j: serde_json::Value = serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap();
+        assert_eq!(j["data_dir"], serde_json::json!(dir.path().join("s/sandboxd")));
+    }
+
+    #[test]
+    fn local_addresses() {
+        assert_eq!(local_addr("0.0.0.0:7777".parse().unwrap()).to_string(), "127.0.0.1:7777");
+        assert_eq!(local_addr("[::]:1".parse().unwrap()).to_string(), "[::1]:1");
+        assert_eq!(local_addr("10.0.0.5:7".parse().unwrap()).to_string(), "10.0.0.5:7");
+        assert_eq!(ServiceName::parse("vk-cocoon"), Some(ServiceName::VkCocoon));
+        assert_eq!(ServiceName::parse("vk_cocoon"), None);
+    }
+}
