@@ -78,6 +78,10 @@ pub enum ClusterError {
     },
 }
 
+/// Where an appliance VM (QEMU user networking, `guestfwd`) reaches this host's apiserver; the
+/// serving certificate names it, so a box joins with `--join-api-server https://<this>:<port>`.
+pub const APPLIANCE_API_ADDR: &str = "10.0.2.100";
+
 /// Where the cluster lives and which ports it takes.
 #[derive(Debug, Clone)]
 pub struct Options {

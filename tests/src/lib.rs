@@ -1,9 +1,11 @@
 //! `test_infra`: what the integration suites, `cargo xtask vm run` and `cargo xtask bench`
 //! share to boot a real VM from the built catalog and talk to its agent.
 
+pub mod appliance_vm;
 pub mod cluster;
 pub mod provider_process;
 pub mod sandboxd;
+pub mod suite;
 pub mod vk_cocoon;
 pub mod vk_sandbox;
 

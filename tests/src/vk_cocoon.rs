@@ -3,8 +3,9 @@
 //! TAPs and every QEMU live in it, so no VM packet leaves it), a `COCOON_ROOT_DIR` under /tmp
 //! with the built catalog's `rt` imported as `ubuntu-dev-base` and `base` as `base`, starts the
 //! cluster on its own port and the real `vk-cocoon` binary joined with the bootstrap token
-//! ([`CocoonProvider`], restartable and killable), and waits for the Node to be Ready.
-//! [`CocoonEnv::down`] stops all of it, kills every QEMU under the root, deletes the netns and
+//! ([`CocoonProvider`], restartable and killable), and waits for the Node to be Ready. The node,
+//! its provider and the kubectl helpers are the shared [`VirtualNode`] (`CocoonEnv` derefs to
+//! it). [`CocoonEnv::down`] stops all of it, kills every QEMU under the root, deletes the netns and
 //! reports whatever survived.
 //!
 //! Guest access goes through the provider's own agent socket (`<root>/vms/<instance>/vsock.sock`,
@@ -22,9 +23,8 @@ use silkd_client::{AgentConn, ExecOptions};
 use vmm::AGENT_PORT;
 use wire::{Request, Response};
 
-use crate::cluster::{Cluster, Options};
 use crate::sandboxd::free_port;
-use crate::vk_sandbox::{condition, poll};
+use crate::suite::{derefs_to_virtual_node, VirtualNode};
 
 /// The vk-cocoon child process.
 pub type CocoonProvider = crate::provider_process::ProviderProcess;
@@ -46,13 +46,13 @@ pub struct CocoonEnv {
     pub root: PathBuf,
     /// The netns holding the bridge, TAPs and VMs.
     pub netns: String,
-    pub opts: Options,
-    pub cluster: Cluster,
-    pub provider: CocoonProvider,
-    pub node_name: String,
+    /// Cluster, provider and node name.
+    pub node: VirtualNode,
     rt: tokio::runtime::Runtime,
     stopped: bool,
 }
+
+derefs_to_virtual_node!(CocoonEnv, node);
 
 fn ip(args: &[&str]) -> Result<(), String> {
     let out = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
@@ -101,27 +101,15 @@ impl CocoonEnv {
             let _ = ip(&["netns", "del", &netns]);
             return Err(e);
         }
-        let opts = Options { state_dir: dir.join("cluster"), port: spec.port, ..Options::default() };
-        let cluster = match Cluster::up_with(&opts) {
+        let (opts, cluster) = match VirtualNode::cluster_up(&dir, spec.port) {
             Ok(c) => c,
             Err(e) => {
                 let _ = ip(&["netns", "del", &netns]);
-                return Err(format!("cluster up: {e}"));
+                return Err(e);
             }
         };
-        let token_file = dir.join("bootstrap-token");
-        std::fs::write(&token_file, &cluster.token).map_err(|e| e.to_string())?;
+        let args = VirtualNode::join_args(&cluster, &dir)?;
         let s = |p: &Path| p.display().to_string();
-        let args: Vec<String> = vec![
-            "--join-server".into(),
-            cluster.endpoint.clone(),
-            "--join-token-file".into(),
-            s(&token_file),
-            "--join-ca-hash".into(),
-            cluster.ca_hash.clone(),
-            "--credentials-dir".into(),
-            s(&dir.join("vk/pki")),
-        ];
         let envs: Vec<(String, String)> = vec![
             ("VK_NODE_NAME".into(), spec.node_name.into()),
             ("VK_NODE_IP".into(), "127.0.0.1".into()),
@@ -144,10 +132,13 @@ impl CocoonEnv {
             dir,
             root,
             netns,
-            opts,
-            cluster,
-            provider,
-            node_name: spec.node_name.into(),
+            node: VirtualNode {
+                opts,
+                cluster,
+                provider,
+                node_name: spec.node_name.into(),
+                ready_within: Duration::from_secs(120),
+            },
             rt,
             stopped: false,
         };
@@ -167,9 +158,8 @@ impl CocoonEnv {
             return Vec::new();
         }
         let mut left = Vec::new();
-        self.provider.stop();
-        if let Err(e) = Cluster::down_with(&self.opts) {
-            left.push(format!("cluster down: {e}"));
+        if let Err(e) = self.node.stop() {
+            left.push(e);
         }
         for pid in crate::qemu_processes_under(&self.root) {
             // SAFETY: kill(2) on a QEMU pid naming this environment's root.
@@ -186,52 +176,6 @@ impl CocoonEnv {
             left.push(format!("netns {} still exists", self.netns));
         }
         left
-    }
-
-    pub fn kubectl(&self, args: &[&str]) -> std::io::Result<std::process::Output> {
-        self.cluster.kubectl().args(args).output()
-    }
-
-    pub fn kubectl_ok(&self, args: &[&str]) -> Result<String, String> {
-        self.cluster.kubectl_ok(args)
-    }
-
-    /// `kubectl get … -o json`, `None` when it does not exist.
-    pub fn get(&self, args: &[&str]) -> Result<Option<Value>, String> {
-        self.cluster.get_json(args)
-    }
-
-    /// `kubectl apply` of a JSON object into `ns`.
-    pub fn apply(&self, ns: &str, object: &Value) -> Result<(), String> {
-        self.cluster.apply_json(ns, object)
-    }
-
-    pub fn wait_node_ready(&self) -> Result<Value, String> {
-        poll(&format!("node {} Ready", self.node_name), Duration::from_secs(120), || {
-            let node = self.get(&["node", &self.node_name])?;
-            Ok(node.filter(|n| condition(n, "Ready").is_some_and(|c| c["status"] == "True")))
-        })
-    }
-
-    pub fn pod(&self, ns: &str, name: &str) -> Result<Option<Value>, String> {
-        self.get(&["pod", name, "-n", ns])
-    }
-
-    /// Waits up to `within` for the pod to satisfy `f`.
-    pub fn wait_pod(
-        &self,
-        ns: &str,
-        name: &str,
-        what: &str,
-        within: Duration,
-        f: impl Fn(&Value) -> bool,
-    ) -> Result<Value, String> {
-        poll(&format!("pod {ns}/{name} {what}"), within, || Ok(self.pod(ns, name)?.filter(|p| f(p))))
-    }
-
-    /// Events about `pod` as (type, reason, message).
-    pub fn events(&self, ns: &str, pod: &str) -> Result<Vec<(String, String, String)>, String> {
-        self.cluster.events(ns, pod)
     }
 
     // ------------------------------------------------------------------------ VMs and guests

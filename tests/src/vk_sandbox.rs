@@ -2,18 +2,19 @@
 //! benchmarks use it: [`NodeEnv::up`] starts the cluster on its own port and state directory, a
 //! real `sandboxd` with the given pools ([`crate::sandboxd::Harness`]) and the real `vk-sandbox`
 //! binary joined with the bootstrap token and the pinned CA hash ([`Provider`], restartable and
-//! killable), then waits for the Node to be Ready. Also the kubectl helpers the scenarios share.
-//! [`NodeEnv::down`] stops all of it and checks that no QEMU is left.
+//! killable), then waits for the Node to be Ready. The node, its provider and the kubectl
+//! helpers are the shared [`VirtualNode`] (`NodeEnv` derefs to it). [`NodeEnv::down`] stops all
+//! of it and checks that no QEMU is left.
 
 use std::collections::BTreeMap;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::cluster::{Cluster, Options};
 use crate::sandboxd::{free_port, Harness};
+use crate::suite::{derefs_to_virtual_node, VirtualNode};
 
 /// The vk-sandbox child process.
 pub type Provider = crate::provider_process::ProviderProcess;
@@ -35,48 +36,32 @@ pub struct NodeSpec<'a> {
     pub extra_args: Vec<String>,
 }
 
-/// A binary of the target directory this test executable was built into
-/// (`target/<profile>/deps/<test>` → `target/<profile>/<name>`; `cargo xtask test` builds them first).
-pub fn sibling_bin(name: &str) -> Result<PathBuf, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
-    // target/<profile>/deps/<test>-<hash> → target/<profile>/<name>
-    let bin = exe.parent().and_then(Path::parent).map(|d| d.join(name)).ok_or("odd test path")?;
-    if bin.is_file() {
-        Ok(bin)
-    } else {
-        Err(format!("{} is not built: run `cargo build -p {name}` first (cargo xtask test does)", bin.display()))
-    }
-}
-
 /// The running node: cluster, sandboxd, provider. Dropping it without [`NodeEnv::down`] (a
 /// panic) stops everything too.
 pub struct NodeEnv {
     _dir: tempfile::TempDir,
     /// Scratch space of this environment (under /tmp: QEMU socket paths must stay short).
     pub dir: PathBuf,
-    pub opts: Options,
-    pub cluster: Cluster,
+    /// Cluster, provider and node name.
+    pub node: VirtualNode,
     pub sandboxd: Harness,
-    pub provider: Provider,
-    pub node_name: String,
     stopped: bool,
 }
+
+derefs_to_virtual_node!(NodeEnv, node);
 
 impl NodeEnv {
     /// Starts everything and waits for the pools to fill and the Node to be Ready.
     pub fn up(spec: NodeSpec<'_>) -> Result<NodeEnv, String> {
         let dir_guard = tempfile::Builder::new().prefix("vknode").tempdir_in("/tmp").map_err(|e| e.to_string())?;
         let dir = dir_guard.path().to_path_buf();
-        let opts = Options { state_dir: dir.join("cluster"), port: spec.port, ..Options::default() };
-        let cluster = Cluster::up_with(&opts).map_err(|e| format!("cluster up: {e}"))?;
+        let (opts, cluster) = VirtualNode::cluster_up(&dir, spec.port)?;
         let sandboxd = Harness::new(&spec.sandboxd_bin, spec.pools.clone());
         for pool in spec.pools.as_array().into_iter().flatten() {
             if let Some(t) = pool["template"].as_str() {
                 sandboxd.wait_full(t);
             }
         }
-        let token_file = dir.join("bootstrap-token");
-        std::fs::write(&token_file, &cluster.token).map_err(|e| e.to_string())?;
         let sandboxd_token = sandboxd.dir.path().join("token");
         let s = |p: &Path| p.display().to_string();
         let mut args: Vec<String> = vec![
@@ -90,15 +75,8 @@ impl NodeEnv {
             s(&sandboxd_token),
             "--state-path".into(),
             s(&dir.join("vk/claims.json")),
-            "--join-server".into(),
-            cluster.endpoint.clone(),
-            "--join-token-file".into(),
-            s(&token_file),
-            "--join-ca-hash".into(),
-            cluster.ca_hash.clone(),
-            "--credentials-dir".into(),
-            s(&dir.join("vk/pki")),
         ];
+        args.extend(VirtualNode::join_args(&cluster, &dir)?);
         args.extend(spec.extra_args);
         let provider = Provider::new(
             "vk-sandbox",
@@ -108,16 +86,8 @@ impl NodeEnv {
             "info,vk_sandbox=debug,vnode=debug",
             dir.clone(),
         );
-        let mut env = NodeEnv {
-            _dir: dir_guard,
-            dir,
-            opts,
-            cluster,
-            sandboxd,
-            provider,
-            node_name: spec.node_name.into(),
-            stopped: false,
-        };
+        let node = VirtualNode { opts, cluster, provider, node_name: spec.node_name.into(), ready_within: RUNNING };
+        let mut env = NodeEnv { _dir: dir_guard, dir, node, sandboxd, stopped: false };
         env.provider.ensure_running()?;
         env.wait_node_ready()?;
         Ok(env)
@@ -132,9 +102,8 @@ impl NodeEnv {
         if std::mem::replace(&mut self.stopped, true) {
             return;
         }
-        self.provider.stop();
-        if let Err(e) = Cluster::down_with(&self.opts) {
-            eprintln!("cluster down: {e}");
+        if let Err(e) = self.node.stop() {
+            eprintln!("{e}");
         }
         self.sandboxd.kill_everything();
         let left = crate::sandboxd::wait_for_gone(&self.sandboxd.dir.path().display().to_string());
@@ -143,47 +112,8 @@ impl NodeEnv {
         }
     }
 
-    pub fn kubectl(&self, args: &[&str]) -> std::io::Result<std::process::Output> {
-        self.cluster.kubectl().args(args).output()
-    }
-
-    pub fn kubectl_ok(&self, args: &[&str]) -> Result<String, String> {
-        self.cluster.kubectl_ok(args)
-    }
-
-    /// `kubectl get … -o json`, `None` when it does not exist.
-    pub fn get(&self, args: &[&str]) -> Result<Option<Value>, String> {
-        self.cluster.get_json(args)
-    }
-
-    /// `kubectl apply` of a JSON object (or List) into `ns`.
-    pub fn apply(&self, ns: &str, object: &Value) -> Result<(), String> {
-        self.cluster.apply_json(ns, object)
-    }
-
-    pub fn wait_node_ready(&self) -> Result<Value, String> {
-        poll(&format!("node {} Ready", self.node_name), RUNNING, || {
-            let node = self.get(&["node", &self.node_name])?;
-            Ok(node.filter(|n| condition(n, "Ready").is_some_and(|c| c["status"] == "True")))
-        })
-    }
-
-    pub fn pod(&self, ns: &str, name: &str) -> Result<Option<Value>, String> {
-        self.get(&["pod", name, "-n", ns])
-    }
-
-    /// Waits for the pod to satisfy `f`.
-    pub fn wait_pod(&self, ns: &str, name: &str, what: &str, f: impl Fn(&Value) -> bool) -> Result<Value, String> {
-        poll(&format!("pod {ns}/{name} {what}"), RUNNING, || Ok(self.pod(ns, name)?.filter(|p| f(p))))
-    }
-
     pub fn wait_running(&self, ns: &str, name: &str) -> Result<Value, String> {
-        self.wait_pod(ns, name, "Running", |p| p["status"]["phase"] == "Running")
-    }
-
-    /// Events about `pod` as (type, reason, message).
-    pub fn events(&self, ns: &str, pod: &str) -> Result<Vec<(String, String, String)>, String> {
-        self.cluster.events(ns, pod)
+        self.wait_pod(ns, name, "Running", RUNNING, |p| p["status"]["phase"] == "Running")
     }
 
     /// sandboxd's claims whose `claim_ref` is in namespace `ns`: claim_ref → ids.
@@ -210,29 +140,4 @@ impl Drop for NodeEnv {
     fn drop(&mut self) {
         self.stop_all();
     }
-}
-
-/// Polls `f` every 200 ms until it yields a value or `timeout` passes.
-pub fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
-    let until = Instant::now() + timeout;
-    let mut last_err = String::new();
-    loop {
-        match f() {
-            Ok(Some(v)) => return Ok(v),
-            Ok(None) => {}
-            Err(e) => last_err = e,
-        }
-        if Instant::now() >= until {
-            return Err(format!("timed out after {timeout:?} waiting for {what} {last_err}"));
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-pub fn condition<'a>(obj: &'a Value, kind: &str) -> Option<&'a Value> {
-    obj["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == kind)
-}
-
-pub fn annotation<'a>(obj: &'a Value, key: &str) -> Option<&'a str> {
-    obj["metadata"]["annotations"][key].as_str()
 }

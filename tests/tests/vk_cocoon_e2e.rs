@@ -15,53 +15,12 @@
 //!
 //! Needs the `vk-cocoon` binary built into the same target directory (`cargo build -p
 //! vk-cocoon --bins`), the built-image catalog (`rt` and `base`), QEMU and root (netns, TAPs).
+//!
+//! The harness is `test_infra::suite`; the scenarios and their names are in `scenarios.rs`.
 
-use libtest_mimic::{Arguments, Failed, Trial};
-
-#[cfg(all(feature = "cluster", feature = "e2e"))]
 #[path = "vk_cocoon_e2e/scenarios.rs"]
 mod scenarios;
 
-/// Every scenario, by name (the names `cargo test` filters on).
-const SCENARIOS: &[&str] = &[
-    "seed_cocoon_example_runs_with_its_vm_ip_and_serves_tcp",
-    "second_sandbox_with_the_same_vm_name_adopts_the_first_vm",
-    "clone_boots_from_the_snapshot_a_policy_always_delete_saved",
-    "unmanaged_pod_with_id_and_ip_is_tracked_without_a_vm",
-    "missing_vm_name_is_pending_with_event_and_failed_under_restart_never",
-    "windows_guest_is_refused_with_a_typed_error",
-    "provider_kill9_leaves_vms_running_and_the_restart_readopts_them",
-    "readiness_follows_the_probe_port",
-    "a_vm_that_dies_is_restarted_then_evicted_when_it_dies_again_or_vanishes",
-];
-
 fn main() -> std::process::ExitCode {
-    let args = Arguments::from_args();
-    let trials: Vec<Trial> = SCENARIOS.iter().map(|name| trial(name)).collect();
-    let conclusion = libtest_mimic::run(&args, trials);
-    #[cfg(all(feature = "cluster", feature = "e2e"))]
-    if let Err(e) = scenarios::teardown() {
-        eprintln!("vk_cocoon_e2e: teardown left something behind: {e}");
-        return std::process::ExitCode::FAILURE;
-    }
-    conclusion.exit_code()
-}
-
-#[cfg(all(feature = "cluster", feature = "e2e"))]
-fn trial(name: &'static str) -> Trial {
-    Trial::test(name, move || scenarios::run(name).map_err(Failed::from))
-}
-
-#[cfg(not(all(feature = "cluster", feature = "e2e")))]
-fn trial(name: &'static str) -> Trial {
-    // Counted as skipped, with the reason printed once.
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        eprintln!(
-            "vk_cocoon_e2e: skipped: needs the real control plane, QEMU and root (features chrysalis-tests/cluster \
-             and chrysalis-tests/e2e; `cargo xtask test` enables both)"
-        )
-    });
-    let _ = Failed::without_message;
-    Trial::test(name, || Ok(())).with_ignored_flag(true)
+    test_infra::suite::main(&scenarios::SUITE)
 }

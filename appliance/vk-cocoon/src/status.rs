@@ -12,11 +12,11 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{
-    ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus, HostIP, Pod, PodCondition, PodIP,
-    PodStatus,
-};
+use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use vnode::pod_status::{self, Container};
+
+pub use vnode::pod_status::pending;
 
 /// The one container status every Pod reports.
 pub const CONTAINER: &str = "agent";
@@ -31,151 +31,46 @@ pub struct VmView<'a> {
     pub ready: bool,
 }
 
-fn condition(type_: &str, ok: bool, at: &Time, reason: Option<&str>) -> PodCondition {
-    PodCondition {
-        type_: type_.to_owned(),
-        status: if ok { "True" } else { "False" }.to_owned(),
-        last_transition_time: Some(at.clone()),
-        reason: reason.map(str::to_owned),
-        ..PodCondition::default()
-    }
+/// The `agent` container, imaged as the spec container named `agent`, else the first one.
+fn agent(pod: &Pod, v: &VmView<'_>) -> [Container; 1] {
+    let id = format!("cocoon://{}", v.vm_id);
+    [Container {
+        name: CONTAINER.into(),
+        image: pod_status::image_of(pod, CONTAINER),
+        image_id: id.clone(),
+        container_id: Some(id),
+    }]
 }
 
-/// The image reported for the `agent` container: the spec container named `agent`, else the
-/// first container's image.
-fn image_of(pod: &Pod) -> String {
-    let containers = pod.spec.as_ref().map(|s| s.containers.as_slice()).unwrap_or_default();
-    containers
-        .iter()
-        .find(|c| c.name == CONTAINER)
-        .or_else(|| containers.first())
-        .and_then(|c| c.image.clone())
-        .unwrap_or_default()
-}
-
-fn addresses(mut st: PodStatus, v: &VmView<'_>) -> PodStatus {
-    if let Some(ip) = v.ip.filter(|ip| !ip.is_empty()) {
-        st.pod_ip = Some(ip.to_owned());
-        st.pod_ips = Some(vec![PodIP { ip: ip.to_owned() }]);
-    }
-    if !v.node_ip.is_empty() {
-        st.host_ip = Some(v.node_ip.to_owned());
-        st.host_ips = Some(vec![HostIP { ip: v.node_ip.to_owned() }]);
-    }
-    st
+fn addresses(st: PodStatus, v: &VmView<'_>) -> PodStatus {
+    pod_status::with_addresses(st, v.ip.unwrap_or_default(), v.node_ip)
 }
 
 /// `Running` with readiness `v.ready`.
 pub fn running(pod: &Pod, v: &VmView<'_>) -> PodStatus {
-    let at = v.started_at;
     let not_ready = (!v.ready).then_some("VMNotReady");
-    let st = PodStatus {
-        phase: Some("Running".into()),
-        start_time: Some(at.clone()),
-        conditions: Some(vec![
-            condition("PodScheduled", true, at, None),
-            condition("Initialized", true, at, None),
-            condition("ContainersReady", v.ready, at, not_ready),
-            condition("Ready", v.ready, at, not_ready),
-        ]),
-        container_statuses: Some(vec![ContainerStatus {
-            name: CONTAINER.into(),
-            image: image_of(pod),
-            image_id: format!("cocoon://{}", v.vm_id),
-            container_id: Some(format!("cocoon://{}", v.vm_id)),
-            ready: v.ready,
-            started: Some(true),
-            restart_count: 0,
-            state: Some(ContainerState {
-                running: Some(ContainerStateRunning { started_at: Some(at.clone()) }),
-                ..ContainerState::default()
-            }),
-            ..ContainerStatus::default()
-        }]),
-        qos_class: pod.status.as_ref().and_then(|s| s.qos_class.clone()),
-        ..PodStatus::default()
-    };
-    addresses(st, v)
-}
-
-/// `Pending` (the Pod's other status fields kept).
-pub fn pending(pod: &Pod) -> PodStatus {
-    let mut st = pod.status.clone().unwrap_or_default();
-    st.phase = Some("Pending".into());
-    st
+    addresses(pod_status::running(pod, &agent(pod, v), v.started_at, not_ready), v)
 }
 
 /// `Failed` with `reason`: the VM is gone; `agent` Terminated, exit code 1, at `ended`.
 pub fn failed(pod: &Pod, v: &VmView<'_>, reason: &str, message: &str, ended: &Time) -> PodStatus {
-    let at = v.started_at;
-    let st = PodStatus {
-        phase: Some("Failed".into()),
-        reason: Some(reason.into()),
-        message: Some(message.into()),
-        start_time: Some(at.clone()),
-        conditions: Some(vec![
-            condition("PodScheduled", true, at, None),
-            condition("Initialized", true, at, None),
-            condition("ContainersReady", false, ended, Some(reason)),
-            condition("Ready", false, ended, Some(reason)),
-        ]),
-        container_statuses: Some(vec![ContainerStatus {
-            name: CONTAINER.into(),
-            image: image_of(pod),
-            image_id: format!("cocoon://{}", v.vm_id),
-            container_id: Some(format!("cocoon://{}", v.vm_id)),
-            ready: false,
-            started: Some(false),
-            restart_count: 0,
-            state: Some(ContainerState {
-                terminated: Some(ContainerStateTerminated {
-                    exit_code: 1,
-                    reason: Some(reason.into()),
-                    message: Some(message.into()),
-                    started_at: Some(at.clone()),
-                    finished_at: Some(ended.clone()),
-                    ..ContainerStateTerminated::default()
-                }),
-                ..ContainerState::default()
-            }),
-            ..ContainerStatus::default()
-        }]),
-        qos_class: pod.status.as_ref().and_then(|s| s.qos_class.clone()),
-        ..PodStatus::default()
-    };
-    addresses(st, v)
+    addresses(pod_status::failed(pod, &agent(pod, v), v.started_at, ended, reason, message), v)
 }
 
 /// A copy of `pod` with `status` and the annotations vk-cocoon writes back added.
 pub fn pushed(pod: &Pod, status: PodStatus, annotations: &BTreeMap<String, String>) -> Pod {
-    let mut out = pod.clone();
-    if !annotations.is_empty() {
-        let a = out.metadata.annotations.get_or_insert_with(Default::default);
-        for (k, v) in annotations {
-            a.insert(k.clone(), v.clone());
-        }
-    }
-    out.status = Some(status);
-    out
+    pod_status::pushed(pod, status, annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())))
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{Container, PodSpec};
 
     fn pod() -> Pod {
-        Pod {
-            spec: Some(PodSpec {
-                containers: vec![
-                    Container { name: "side".into(), image: Some("busybox".into()), ..Container::default() },
-                    Container { name: "agent".into(), image: Some("ubuntu-dev-base".into()), ..Container::default() },
-                ],
-                ..PodSpec::default()
-            }),
-            ..Pod::default()
-        }
+        let containers = [("side", "busybox"), ("agent", "ubuntu-dev-base")]
+            .map(|(n, i)| serde_json::json!({"name": n, "image": i}));
+        serde_json::from_value(serde_json::json!({"spec": {"containers": containers}})).unwrap()
     }
 
     fn view(ready: bool, t: &Time) -> VmView<'_> {

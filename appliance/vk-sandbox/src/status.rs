@@ -2,12 +2,10 @@
 //! backed by a claim. Nothing here is reported by a kubelet — there is no container runtime on
 //! this node — so every field is synthesized from the claim record. Pure functions.
 
-use k8s_openapi::api::core::v1::{
-    ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus, HostIP, Pod, PodCondition, PodIP,
-    PodStatus,
-};
+use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use vnode::pod_status::{self, Container};
 
 use crate::annotations::CLAIM_ID;
 use crate::state::ClaimRecord;
@@ -31,24 +29,9 @@ pub fn host_of(addr: &str) -> String {
     }
 }
 
-fn condition(type_: &str, status: &str, at: &Time, reason: Option<&str>) -> PodCondition {
-    PodCondition {
-        type_: type_.to_owned(),
-        status: status.to_owned(),
-        last_transition_time: Some(at.clone()),
-        reason: reason.map(str::to_owned),
-        ..PodCondition::default()
-    }
-}
-
-fn with_addresses(mut st: PodStatus, ip: &str) -> PodStatus {
-    if !ip.is_empty() {
-        st.pod_ip = Some(ip.to_owned());
-        st.pod_ips = Some(vec![PodIP { ip: ip.to_owned() }]);
-        st.host_ip = Some(ip.to_owned());
-        st.host_ips = Some(vec![HostIP { ip: ip.to_owned() }]);
-    }
-    st
+/// Pod and host IP: the claim's address (both, when there is one).
+fn with_addresses(st: PodStatus, ip: &str) -> PodStatus {
+    pod_status::with_addresses(st, ip, ip)
 }
 
 /// The IP a claim is reported under: the host of its `owner_addr`, else `fallback_host`.
@@ -64,41 +47,15 @@ fn claimed_at(rec: &ClaimRecord) -> Time {
     Time(rec.claimed_at.unwrap_or_else(Timestamp::now))
 }
 
+/// Every spec container, `imageID` `sandboxd://<claim id>`.
+fn containers(pod: &Pod, rec: &ClaimRecord) -> Vec<Container> {
+    Container::every_spec_container(pod, &format!("sandboxd://{}", rec.id))
+}
+
 /// `Running`: the claim's address as pod/host IP, started at the claim time, every spec
 /// container ready and running, `imageID` `sandboxd://<claim id>`.
 pub fn running(pod: &Pod, rec: &ClaimRecord, fallback_host: &str) -> PodStatus {
-    let at = claimed_at(rec);
-    let containers = pod.spec.as_ref().map(|s| s.containers.as_slice()).unwrap_or_default();
-    let st = PodStatus {
-        phase: Some("Running".into()),
-        start_time: Some(at.clone()),
-        conditions: Some(vec![
-            condition("PodScheduled", "True", &at, None),
-            condition("Initialized", "True", &at, None),
-            condition("ContainersReady", "True", &at, None),
-            condition("Ready", "True", &at, None),
-        ]),
-        container_statuses: Some(
-            containers
-                .iter()
-                .map(|c| ContainerStatus {
-                    name: c.name.clone(),
-                    image: c.image.clone().unwrap_or_default(),
-                    image_id: format!("sandboxd://{}", rec.id),
-                    ready: true,
-                    started: Some(true),
-                    restart_count: 0,
-                    state: Some(ContainerState {
-                        running: Some(ContainerStateRunning { started_at: Some(at.clone()) }),
-                        ..ContainerState::default()
-                    }),
-                    ..ContainerStatus::default()
-                })
-                .collect(),
-        ),
-        qos_class: pod.status.as_ref().and_then(|s| s.qos_class.clone()),
-        ..PodStatus::default()
-    };
+    let st = pod_status::running(pod, &containers(pod, rec), &claimed_at(rec), None);
     with_addresses(st, &claim_ip(rec, fallback_host))
 }
 
@@ -108,83 +65,27 @@ pub fn lease_expired(pod: &Pod, rec: &ClaimRecord, fallback_host: &str) -> PodSt
     let started = claimed_at(rec);
     let ended = rec.deadline.map(Time).unwrap_or_else(|| Time(Timestamp::now()));
     let message = format!("the sandbox lease of claim {} ended at {} and sandboxd no longer holds it", rec.id, ended.0);
-    let containers = pod.spec.as_ref().map(|s| s.containers.as_slice()).unwrap_or_default();
-    let st = PodStatus {
-        phase: Some("Failed".into()),
-        reason: Some(LEASE_EXPIRED.into()),
-        message: Some(message.clone()),
-        start_time: Some(started.clone()),
-        conditions: Some(vec![
-            condition("PodScheduled", "True", &started, None),
-            condition("Initialized", "True", &started, None),
-            condition("ContainersReady", "False", &ended, Some(LEASE_EXPIRED)),
-            condition("Ready", "False", &ended, Some(LEASE_EXPIRED)),
-        ]),
-        container_statuses: Some(
-            containers
-                .iter()
-                .map(|c| ContainerStatus {
-                    name: c.name.clone(),
-                    image: c.image.clone().unwrap_or_default(),
-                    image_id: format!("sandboxd://{}", rec.id),
-                    ready: false,
-                    started: Some(false),
-                    restart_count: 0,
-                    state: Some(ContainerState {
-                        terminated: Some(ContainerStateTerminated {
-                            exit_code: 1,
-                            reason: Some(LEASE_EXPIRED.into()),
-                            message: Some(message.clone()),
-                            started_at: Some(started.clone()),
-                            finished_at: Some(ended.clone()),
-                            ..ContainerStateTerminated::default()
-                        }),
-                        ..ContainerState::default()
-                    }),
-                    ..ContainerStatus::default()
-                })
-                .collect(),
-        ),
-        qos_class: pod.status.as_ref().and_then(|s| s.qos_class.clone()),
-        ..PodStatus::default()
-    };
+    let st = pod_status::failed(pod, &containers(pod, rec), &started, &ended, LEASE_EXPIRED, &message);
     with_addresses(st, &claim_ip(rec, fallback_host))
 }
 
 /// `Pending`: tracked without a settled claim (the Pod's other status fields kept).
-pub fn pending(pod: &Pod) -> PodStatus {
-    let mut st = pod.status.clone().unwrap_or_default();
-    st.phase = Some("Pending".into());
-    st
-}
+pub use vnode::pod_status::pending;
 
 /// A copy of `pod` with `status` and the `claim-id` annotation (never the token).
 pub fn pushed(pod: &Pod, status: PodStatus, claim_id: Option<&str>) -> Pod {
-    let mut out = pod.clone();
-    if let Some(id) = claim_id {
-        out.metadata.annotations.get_or_insert_with(Default::default).insert(CLAIM_ID.to_owned(), id.to_owned());
-    }
-    out.status = Some(status);
-    out
+    pod_status::pushed(pod, status, claim_id.map(|id| (CLAIM_ID, id)))
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{Container, PodSpec};
 
     fn pod() -> Pod {
-        Pod {
-            spec: Some(PodSpec {
-                containers: vec![
-                    Container { name: "agent".into(), image: Some("rt:24.04".into()), ..Container::default() },
-                    Container { name: "side".into(), image: Some("busybox".into()), ..Container::default() },
-                ],
-                ..PodSpec::default()
-            }),
-            ..Pod::default()
-        }
+        let containers =
+            [("agent", "rt:24.04"), ("side", "busybox")].map(|(n, i)| serde_json::json!({"name": n, "image": i}));
+        serde_json::from_value(serde_json::json!({"spec": {"containers": containers}})).unwrap()
     }
 
     fn rec(address: &str) -> ClaimRecord {

@@ -15,7 +15,7 @@
 mod support;
 
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -199,25 +199,50 @@ async fn tcp_from_netns(
     .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(
-    not(feature = "vm-tests"),
-    ignore = "root-only, boots QEMU in a test netns: cargo test -p vmnet --features vm-tests"
-)]
-async fn base_vm_and_its_clone_serve_tcp_on_their_own_ips() {
+/// Starts `argv` detached in the guest.
+async fn spawn_detached(driver: &Arc<dyn Driver>, vm: &Vm, argv: &[&str]) {
+    let mut conn = agent(driver, vm).await;
+    conn.send(&Request::Exec {
+        argv: argv.iter().map(|a| a.to_string()).collect(),
+        cwd: None,
+        env: None,
+        user: None,
+        detach: Some(true),
+        session: None,
+    })
+    .await
+    .expect("send");
+    assert!(matches!(conn.recv().await.expect("recv"), Response::Started { .. }));
+}
+
+/// A guest of a built template under QEMU with a NIC on its own lease, on a fresh bridge in a
+/// test netns of its own, its agent answering. Bind the fields in this order (`let NetVm { ns,
+/// dir, … } = …`) so that they drop in reverse: every QEMU killed before the netns goes.
+struct NetVm {
+    ns: TestNetns,
+    dir: tempfile::TempDir,
+    net: Network,
+    _reaper: KillQemuOnDrop,
+    state: PathBuf,
+    lease: Lease,
+    vm: Vm,
+    driver: Arc<dyn Driver>,
+}
+
+/// Boots `template` (small) in netns `ns_name` on network `cidr`, with the lease of `vm_name`.
+async fn boot_on_test_net(ns_name: &str, cidr: &str, template: &str, vm_name: &str) -> NetVm {
     let catalog = Catalog::load_default().expect("built images: run `cargo xtask vm-image --all` first");
-    let ns = TestNetns::new("vm");
+    let ns = TestNetns::new(ns_name);
     let dir = tempfile::tempdir().expect("tmp");
-    let net = network(&ns, dir.path(), "10.88.0.0/24").await;
+    let net = network(&ns, dir.path(), cidr).await;
     let state = dir.path().join("state");
-    let _reaper = KillQemuOnDrop(state.clone());
+    let reaper = KillQemuOnDrop(state.clone());
     let driver: Arc<dyn Driver> =
         Arc::new(QemuDriver::new(QemuConfig { state_dir: state.clone(), ..QemuConfig::from_env() }));
-
-    let pl = net.allocate("vm-parent").expect("lease");
-    net.create_tap(&pl).await.expect("tap");
-    let mut spec = BootSpec::from_template(&catalog, "base", SizeClass::Small).expect("base template");
-    spec.nic = Some(nic(&net, &pl));
+    let lease = net.allocate(vm_name).expect("lease");
+    net.create_tap(&lease).await.expect("tap");
+    let mut spec = BootSpec::from_template(&catalog, template, SizeClass::Small).expect("template");
+    spec.nic = Some(nic(&net, &lease));
     let t0 = Instant::now();
     let vm = driver.boot(&spec).await.expect("boot");
     if let Err(e) = driver.wait_agent(&vm, Duration::from_secs(180)).await {
@@ -225,7 +250,19 @@ async fn base_vm_and_its_clone_serve_tcp_on_their_own_ips() {
         let _ = driver.kill(&vm).await;
         panic!("agent never answered: {e}\n{console}");
     }
-    eprintln!("base with a NIC ready after {:?}", t0.elapsed());
+    eprintln!("{template} with a NIC ready after {:?}", t0.elapsed());
+    NetVm { ns, dir, net, _reaper: reaper, state, lease, vm, driver }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(feature = "vm-tests"),
+    ignore = "root-only, boots QEMU in a test netns: cargo test -p vmnet --features vm-tests"
+)]
+async fn base_vm_and_its_clone_serve_tcp_on_their_own_ips() {
+    // Bound in this order so that they drop in reverse: QEMUs killed before the netns goes.
+    let NetVm { ns, dir, net, _reaper, state, lease: pl, vm, driver } =
+        boot_on_test_net("vm", "10.88.0.0/24", "base", "vm-parent").await;
     let console = std::fs::read_to_string(&vm.console_log).unwrap_or_default();
     assert!(console.contains("eth0 10.88.0.2/24 gw 10.88.0.1"), "guest-init configured eth0:\n{console}");
     assert_eq!(sh(&driver, &vm, "cat /sys/class/net/eth0/address").await.trim(), pl.mac.to_string());
@@ -240,19 +277,7 @@ async fn base_vm_and_its_clone_serve_tcp_on_their_own_ips() {
          && chmod +x /tmp/reply.sh",
     )
     .await;
-    let mut conn = agent(&driver, &vm).await;
-    conn.send(&Request::Exec {
-        argv: ["nc", "-ll", "-p", "8080", "-e", "/tmp/reply.sh"].map(String::from).to_vec(),
-        cwd: None,
-        env: None,
-        user: None,
-        detach: Some(true),
-        session: None,
-    })
-    .await
-    .expect("send");
-    assert!(matches!(conn.recv().await.expect("recv"), Response::Started { .. }));
-    drop(conn);
+    spawn_detached(&driver, &vm, &["nc", "-ll", "-p", "8080", "-e", "/tmp/reply.sh"]).await;
     let got = tcp_from_netns(&ns.name, pl.ip, 8080, Duration::from_secs(60)).await.expect("tcp from the netns");
     assert_eq!(got.trim(), "hello-from-parent");
 
@@ -297,24 +322,8 @@ async fn base_vm_and_its_clone_serve_tcp_on_their_own_ips() {
     ignore = "root-only, boots QEMU in a test netns: cargo test -p vmnet --features vm-tests"
 )]
 async fn rt_vm_gets_its_address_and_has_guest_init_installed() {
-    let catalog = Catalog::load_default().expect("built images: run `cargo xtask vm-image --all` first");
-    let ns = TestNetns::new("rt");
-    let dir = tempfile::tempdir().expect("tmp");
-    let net = network(&ns, dir.path(), "10.90.0.0/24").await;
-    let state = dir.path().join("state");
-    let _reaper = KillQemuOnDrop(state.clone());
-    let driver: Arc<dyn Driver> =
-        Arc::new(QemuDriver::new(QemuConfig { state_dir: state.clone(), ..QemuConfig::from_env() }));
-    let lease = net.allocate("rt-vm").expect("lease");
-    net.create_tap(&lease).await.expect("tap");
-    let mut spec = BootSpec::from_template(&catalog, "rt", SizeClass::Small).expect("rt template");
-    spec.nic = Some(nic(&net, &lease));
-    let vm = driver.boot(&spec).await.expect("boot");
-    if let Err(e) = driver.wait_agent(&vm, Duration::from_secs(180)).await {
-        let console = std::fs::read_to_string(&vm.console_log).unwrap_or_default();
-        let _ = driver.kill(&vm).await;
-        panic!("agent never answered: {e}\n{console}");
-    }
+    let NetVm { ns, dir: _dir, net, _reaper, state, lease, vm, driver } =
+        boot_on_test_net("rt", "10.90.0.0/24", "rt", "rt-vm").await;
     // After the switch to the image root, guest-init is still reachable at the same path.
     let console = std::fs::read_to_string(&vm.console_log).unwrap_or_default();
     assert!(console.contains("eth0 10.90.0.2/24 gw 10.90.0.1"), "guest-init configured eth0:\n{console}");
@@ -335,19 +344,7 @@ async fn rt_vm_gets_its_address_and_has_guest_init_installed() {
     let server = "import socket\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
 s.bind(('0.0.0.0', 8080))\ns.listen()\nc, _ = s.accept()\nc.sendall(b'hello-from-rt\\n')\nc.close()\n";
     sh(&driver, &vm, &format!("cat > /tmp/srv.py <<'PY'\n{server}PY\n")).await;
-    let mut conn = agent(&driver, &vm).await;
-    conn.send(&Request::Exec {
-        argv: vec!["sh".into(), "-c".into(), "exec python3 /tmp/srv.py > /tmp/srv.log 2>&1".into()],
-        cwd: None,
-        env: None,
-        user: None,
-        detach: Some(true),
-        session: None,
-    })
-    .await
-    .expect("send");
-    assert!(matches!(conn.recv().await.expect("recv"), Response::Started { .. }));
-    drop(conn);
+    spawn_detached(&driver, &vm, &["sh", "-c", "exec python3 /tmp/srv.py > /tmp/srv.log 2>&1"]).await;
     match tcp_from_netns(&ns.name, lease.ip, 8080, Duration::from_secs(60)).await {
         Ok(got) => assert_eq!(got.trim(), "hello-from-rt"),
         Err(e) => panic!("{e}; server log: {}", sh(&driver, &vm, "cat /tmp/srv.log; ps -ef || ps").await),

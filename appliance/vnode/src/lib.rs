@@ -9,7 +9,8 @@
 //! (create/patch the Node, status loop), [`lease`], `ping`, [`queue`] (the work queue),
 //! [`sync`] (the sync rules, pure), `controller` (informer + workers), [`status`] (provider
 //! pushes → `pods/status`), [`events`], [`kubelet`] + [`tls`] (HTTPS), [`error`];
-//! [`session`] (a provider binary's join flags, API client and renewal-restart loop).
+//! [`session`] (a provider binary's join flags, API client and renewal-restart loop);
+//! [`pod_status`] (the Pod status shapes providers push, pure).
 
 pub mod config;
 mod controller;
@@ -19,6 +20,7 @@ pub mod kubelet;
 pub mod lease;
 pub mod node;
 mod ping;
+pub mod pod_status;
 pub mod provider;
 pub mod queue;
 mod registration;

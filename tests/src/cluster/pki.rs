@@ -85,9 +85,11 @@ pub fn generate(dir: &Path) -> Result<(Pki, Users), ClusterError> {
     write(&pki.ca_cert, &ca_pem)?;
     write_secret(&pki.ca_key, &issuer.key().serialize_pem())?;
 
-    // The apiserver's serving cert: loopback plus the in-cluster names.
+    // The apiserver's serving cert: loopback, the in-cluster names, and the address QEMU's user
+    // networking forwards to this host for an appliance VM (see `appliance_vm`).
     let sans = [
         "127.0.0.1",
+        super::APPLIANCE_API_ADDR,
         "::1",
         KUBERNETES_SERVICE_IP,
         "localhost",

@@ -1,12 +1,12 @@
 //! The scenarios and the one environment they share (see the suite's doc).
 
 use std::path::Path;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use test_infra::ensure;
+use test_infra::suite::{annotation, condition, merged, poll, sibling_bin, toleration, Outcome, Suite, SuiteSpec};
 use test_infra::vk_cocoon::{CocoonEnv, CocoonSpec};
-use test_infra::vk_sandbox::{annotation, condition, poll, sibling_bin};
 
 /// The apiserver port of this suite's cluster (others: 16443 xtask, 26443 cluster_e2e, 27443
 /// join, 28443 vnode, 29443 vk_sandbox_e2e).
@@ -24,91 +24,53 @@ const ID: &str = "vm.cocoonstack.io/id";
 const IP: &str = "vm.cocoonstack.io/ip";
 const LIFECYCLE: &str = "vm.cocoonstack.io/lifecycle-state";
 
-type Outcome = Result<(), String>;
-
-/// Fails the scenario with a message (the harness prints it).
-macro_rules! ensure {
-    ($cond:expr, $($fmt:tt)+) => {
-        if !$cond {
-            return Err(format!($($fmt)+));
-        }
-    };
-}
-
 type Env = CocoonEnv;
 
-static ENV: Mutex<Option<Env>> = Mutex::new(None);
+/// The suite (`vk_cocoon_e2e.rs` runs it). Deleting a scenario's Sandboxes and Pods makes their
+/// VMs go; every QEMU is killed at teardown.
+pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
+    name: "vk_cocoon_e2e",
+    needs: "the real control plane, QEMU and root",
+    up: env_up,
+    down,
+    cleanup: "sandboxes,pods",
+    scenarios: &[
+        ("seed_cocoon_example_runs_with_its_vm_ip_and_serves_tcp", seed_example),
+        ("second_sandbox_with_the_same_vm_name_adopts_the_first_vm", same_vm_name),
+        ("clone_boots_from_the_snapshot_a_policy_always_delete_saved", clone_from_snapshot),
+        ("unmanaged_pod_with_id_and_ip_is_tracked_without_a_vm", unmanaged),
+        ("missing_vm_name_is_pending_with_event_and_failed_under_restart_never", missing_name),
+        ("windows_guest_is_refused_with_a_typed_error", windows),
+        ("provider_kill9_leaves_vms_running_and_the_restart_readopts_them", kill9),
+        ("readiness_follows_the_probe_port", readiness),
+        ("a_vm_that_dies_is_restarted_then_evicted_when_it_dies_again_or_vanishes", vm_deaths),
+    ],
+});
 
 fn env_up() -> Result<Env, String> {
     CocoonEnv::up(CocoonSpec { port: PORT, node_name: NODE, provider_bin: sibling_bin("vk-cocoon")? })
 }
 
-/// Runs one scenario, bringing the environment up on first use.
-pub fn run(name: &str) -> Result<(), String> {
-    let mut guard = ENV.lock().unwrap_or_else(|p| p.into_inner());
-    if guard.is_none() {
-        *guard = Some(env_up()?);
-    }
-    let Some(env) = guard.as_mut() else { return Err("no environment".into()) };
-    env.provider.ensure_running()?;
-    let n = SCENARIOS_SEEN.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let short: String = name.replace('_', "-").chars().take(40).collect();
-    let ns = format!("t{n:02}-{}", short.trim_end_matches('-'));
-    env.kubectl_ok(&["create", "namespace", &ns])?;
-    let result = match name {
-        "seed_cocoon_example_runs_with_its_vm_ip_and_serves_tcp" => seed_example(env, &ns),
-        "second_sandbox_with_the_same_vm_name_adopts_the_first_vm" => same_vm_name(env, &ns),
-        "clone_boots_from_the_snapshot_a_policy_always_delete_saved" => clone_from_snapshot(env, &ns),
-        "unmanaged_pod_with_id_and_ip_is_tracked_without_a_vm" => unmanaged(env, &ns),
-        "missing_vm_name_is_pending_with_event_and_failed_under_restart_never" => missing_name(env, &ns),
-        "windows_guest_is_refused_with_a_typed_error" => windows(env, &ns),
-        "provider_kill9_leaves_vms_running_and_the_restart_readopts_them" => kill9(env, &ns),
-        "readiness_follows_the_probe_port" => readiness(env, &ns),
-        "a_vm_that_dies_is_restarted_then_evicted_when_it_dies_again_or_vanishes" => vm_deaths(env, &ns),
-        other => Err(format!("unknown scenario {other}")),
-    };
-    // Delete the namespace's objects so their VMs go (best effort; every QEMU is killed at teardown).
-    let _ = env.kubectl(&["delete", "sandboxes,pods", "--all", "-n", &ns, "--wait=false"]);
-    result.map_err(|e| format!("{e}\n{}", env.provider.log_tail(80)))
-}
-
-static SCENARIOS_SEEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
 /// Stops everything the scenarios started; an error lists what survived.
-pub fn teardown() -> Result<(), String> {
-    let mut guard = ENV.lock().unwrap_or_else(|p| p.into_inner());
-    match guard.take() {
-        Some(env) => {
-            let left = env.down();
-            if left.is_empty() {
-                Ok(())
-            } else {
-                Err(left.join("; "))
-            }
-        }
-        None => Ok(()),
+fn down(env: Env) -> Outcome {
+    let left = env.down();
+    if left.is_empty() {
+        Ok(())
+    } else {
+        Err(left.join("; "))
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Objects
 
-fn toleration() -> Value {
-    json!({"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"})
-}
-
 fn pod_spec(extra: Value) -> Value {
-    let mut spec = json!({
+    let spec = json!({
         "nodeSelector": {"cocoonstack.io/pool": "default"},
         "tolerations": [toleration()],
         "containers": [{"name": "agent", "image": BASE}],
     });
-    if let (Some(s), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
-        for (k, v) in extra {
-            s.insert(k.clone(), v.clone());
-        }
-    }
-    spec
+    merged(spec, &extra)
 }
 
 /// A Sandbox shaped like the seed's cocoon example.
@@ -170,26 +132,6 @@ fn vm_of(env: &Env, pod: &Value, vm_name: &str) -> Result<(String, String), Stri
     ensure!(n == 1, "VM {id} has {n} live QEMU instances, want 1");
     ensure!(env.has_record(&id), "vk-cocoon has no record of {id}");
     Ok((id, ip))
-}
-
-/// ProviderFailed on the pod's status and a Warning event carrying the provider's message.
-fn assert_provider_failed(env: &Env, ns: &str, name: &str, phase: &str, needles: &[&str]) -> Outcome {
-    let pod = env.wait_pod(ns, name, &format!("{phase} ProviderFailed"), QUICK, |p| {
-        p["status"]["phase"] == phase && p["status"]["reason"] == "ProviderFailed"
-    })?;
-    let msg = pod["status"]["message"].as_str().unwrap_or_default();
-    for needle in needles {
-        ensure!(msg.contains(needle), "status message {msg:?} does not mention {needle:?}");
-    }
-    let events = poll("a ProviderCreateFailed event", Duration::from_secs(30), || {
-        let ev = env.events(ns, name)?;
-        Ok(ev.iter().any(|(t, r, _)| t == "Warning" && r == "ProviderCreateFailed").then_some(ev))
-    })?;
-    ensure!(
-        events.iter().any(|(_, r, m)| r == "ProviderCreateFailed" && needles.iter().all(|n| m.contains(n))),
-        "events do not carry the error: {events:?}"
-    );
-    Ok(())
 }
 
 /// Writes a TCP service into the guest (every connection gets `hello-from-<contents of
@@ -326,8 +268,8 @@ fn missing_name(env: &mut Env, ns: &str) -> Outcome {
     }
     env.apply(ns, &pod("noname", a.clone(), json!({})))?;
     env.apply(ns, &pod("noname-never", a, json!({"restartPolicy": "Never"})))?;
-    assert_provider_failed(env, ns, "noname", "Pending", &["vm.cocoonstack.io/name is missing"])?;
-    assert_provider_failed(env, ns, "noname-never", "Failed", &["vm.cocoonstack.io/name is missing"])?;
+    env.wait_provider_failed(ns, "noname", "Pending", QUICK, &["vm.cocoonstack.io/name is missing"])?;
+    env.wait_provider_failed(ns, "noname-never", "Failed", QUICK, &["vm.cocoonstack.io/name is missing"])?;
     // Failed is terminal.
     std::thread::sleep(Duration::from_secs(3));
     let p = env.pod(ns, "noname-never")?.ok_or("pod gone")?;
@@ -340,7 +282,7 @@ fn windows(env: &mut Env, ns: &str) -> Outcome {
     let mut a = run_vm("win-vm", BASE, "never");
     a["cocoonset.cocoonstack.io/os"] = json!("windows");
     env.apply(ns, &pod("win", a, json!({})))?;
-    assert_provider_failed(env, ns, "win", "Pending", &["guest OS windows", "unsupported on this node"])?;
+    env.wait_provider_failed(ns, "win", "Pending", QUICK, &["guest OS windows", "unsupported on this node"])?;
     let id = vm_id("win-vm");
     ensure!(env.instances(&id).is_empty() && !env.has_record(&id), "a VM was booted for a windows pod");
     Ok(())

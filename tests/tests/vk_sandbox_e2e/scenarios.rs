@@ -3,12 +3,13 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 use serde_json::{json, Value};
+use test_infra::ensure;
 use test_infra::sandboxd::free_port;
-use test_infra::vk_sandbox::{annotation, condition, poll, sibling_bin, NodeEnv, NodeSpec, RUNNING};
+use test_infra::suite::{annotation, condition, merged, poll, sibling_bin, toleration, Outcome, Suite, SuiteSpec};
+use test_infra::vk_sandbox::{NodeEnv, NodeSpec, RUNNING};
 
 /// The apiserver port of this suite's cluster (others: 16443 xtask, 26443 cluster_e2e, 27443 join, 28443 vnode).
 const PORT: u16 = 29443;
@@ -18,20 +19,33 @@ const BASE: &str = "base";
 const RT: &str = "ghcr.io/cocoonstack/sandbox/rt:24.04";
 const BASE_WARM: u32 = 6;
 
-type Outcome = Result<(), String>;
-
-/// Fails the scenario with a message (the harness prints it).
-macro_rules! ensure {
-    ($cond:expr, $($fmt:tt)+) => {
-        if !$cond {
-            return Err(format!($($fmt)+));
-        }
-    };
-}
-
 type Env = NodeEnv;
 
-static ENV: Mutex<Option<Env>> = Mutex::new(None);
+/// The suite (`vk_sandbox_e2e.rs` runs it). Deleting a scenario's objects gives their claims
+/// back (best effort; the next scenario's pool wait catches a leak).
+pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
+    name: "vk_sandbox_e2e",
+    needs: "the real control plane and QEMU",
+    up: env_up,
+    down,
+    cleanup: "sandboxclaims,sandboxwarmpools,sandboxes,pods",
+    scenarios: &[
+        ("node_registers_ready_with_taint_labels_and_lease", |env, _| node_registers(env)),
+        ("seed_sandboxd_example_runs_and_releases_on_sandbox_delete", seed_example),
+        ("mutator_row_selector_matching_no_node_stays_unschedulable", selector_matching_no_node),
+        ("mutator_row_missing_toleration_stays_unschedulable", missing_toleration),
+        ("mutator_row_node_name_pinned_bypasses_the_scheduler", node_name_pinned),
+        ("mutator_row_missing_template_is_pending_with_event", |env, ns| missing_template(env, ns, false)),
+        ("mutator_row_missing_template_under_restart_never_is_failed", |env, ns| missing_template(env, ns, true)),
+        ("mutator_row_wrong_runtime_is_refused", wrong_runtime),
+        ("ttl_seconds_rules", ttl_rules),
+        ("pod_deleted_while_sandbox_lives_keeps_the_vm_and_the_new_pod_adopts_it", pod_delete_adoption),
+        ("template_warm_pool_and_claim_flow", warm_pool_flow),
+        ("lease_expiry_fails_the_pod_with_sandbox_lease_expired", lease_expiry),
+        ("provider_kill9_mid_burst_converges_without_duplicates_or_leaks", kill9_mid_burst),
+        ("join_with_a_wrong_ca_hash_is_refused", |env, _| wrong_ca_hash(env)),
+    ],
+});
 
 fn env_up() -> Result<Env, String> {
     NodeEnv::up(NodeSpec {
@@ -47,75 +61,24 @@ fn env_up() -> Result<Env, String> {
     })
 }
 
-/// Runs one scenario, bringing the environment up on first use.
-pub fn run(name: &str) -> Result<(), String> {
-    let mut guard = ENV.lock().unwrap_or_else(|p| p.into_inner());
-    if guard.is_none() {
-        *guard = Some(env_up()?);
-    }
-    let Some(env) = guard.as_mut() else { return Err("no environment".into()) };
-    env.provider.ensure_running()?;
-    let n = SCENARIOS_SEEN.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let short: String = name.replace('_', "-").chars().take(40).collect();
-    let ns = format!("t{n:02}-{}", short.trim_end_matches('-'));
-    env.kubectl_ok(&["create", "namespace", &ns])?;
-    let result = match name {
-        "node_registers_ready_with_taint_labels_and_lease" => node_registers(env),
-        "seed_sandboxd_example_runs_and_releases_on_sandbox_delete" => seed_example(env, &ns),
-        "mutator_row_selector_matching_no_node_stays_unschedulable" => selector_matching_no_node(env, &ns),
-        "mutator_row_missing_toleration_stays_unschedulable" => missing_toleration(env, &ns),
-        "mutator_row_node_name_pinned_bypasses_the_scheduler" => node_name_pinned(env, &ns),
-        "mutator_row_missing_template_is_pending_with_event" => missing_template(env, &ns, false),
-        "mutator_row_missing_template_under_restart_never_is_failed" => missing_template(env, &ns, true),
-        "mutator_row_wrong_runtime_is_refused" => wrong_runtime(env, &ns),
-        "ttl_seconds_rules" => ttl_rules(env, &ns),
-        "pod_deleted_while_sandbox_lives_keeps_the_vm_and_the_new_pod_adopts_it" => pod_delete_adoption(env, &ns),
-        "template_warm_pool_and_claim_flow" => warm_pool_flow(env, &ns),
-        "lease_expiry_fails_the_pod_with_sandbox_lease_expired" => lease_expiry(env, &ns),
-        "provider_kill9_mid_burst_converges_without_duplicates_or_leaks" => kill9_mid_burst(env, &ns),
-        "join_with_a_wrong_ca_hash_is_refused" => wrong_ca_hash(env),
-        other => Err(format!("unknown scenario {other}")),
-    };
-    // Clean up the namespace's Sandboxes so their claims go back (best effort; the next
-    // scenario's pool wait catches a leak).
-    let _ =
-        env.kubectl(&["delete", "sandboxclaims,sandboxwarmpools,sandboxes,pods", "--all", "-n", &ns, "--wait=false"]);
-    result.map_err(|e| format!("{e}\n{}", env.provider.log_tail(80)))
-}
-
-static SCENARIOS_SEEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// Stops everything the scenarios started.
-pub fn teardown() {
-    let mut guard = ENV.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(env) = guard.take() {
-        env.down();
-    }
+/// Stops everything the scenarios started (what survives is printed, not failed on).
+fn down(env: Env) -> Outcome {
+    env.down();
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
 // Objects
 
-fn toleration() -> Value {
-    json!({"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"})
-}
-
-/// A Sandbox whose pod template follows the seed's shape, with what a scenario changes.
+/// A Sandbox whose pod template follows the seed's shape, with what a scenario changes (a null
+/// removes a field).
 fn sandbox(name: &str, annotations: Value, spec_extra: Value) -> Value {
-    let mut spec = json!({
+    let spec = json!({
         "nodeSelector": {"sandbox.cocoonstack.io/runtime": "sandboxd"},
         "tolerations": [toleration()],
         "containers": [{"name": "agent", "image": BASE}],
     });
-    if let (Some(s), Some(extra)) = (spec.as_object_mut(), spec_extra.as_object()) {
-        for (k, v) in extra {
-            if v.is_null() {
-                s.remove(k);
-            } else {
-                s.insert(k.clone(), v.clone());
-            }
-        }
-    }
+    let spec = merged(spec, &spec_extra);
     json!({
         "apiVersion": "agents.x-k8s.io/v1beta1",
         "kind": "Sandbox",
@@ -201,7 +164,7 @@ fn seed_example(env: &mut Env, ns: &str) -> Outcome {
 
 /// The pod stays Pending, unscheduled, with reason Unschedulable, and sandboxd sees nothing.
 fn assert_unschedulable(env: &Env, ns: &str, name: &str) -> Outcome {
-    let pod = env.wait_pod(ns, name, "PodScheduled=False Unschedulable", |p| {
+    let pod = env.wait_pod(ns, name, "PodScheduled=False Unschedulable", RUNNING, |p| {
         condition(p, "PodScheduled").is_some_and(|c| c["status"] == "False" && c["reason"] == "Unschedulable")
     })?;
     ensure!(pod["status"]["phase"] == "Pending", "phase {}", pod["status"]["phase"]);
@@ -237,21 +200,10 @@ fn node_name_pinned(env: &mut Env, ns: &str) -> Outcome {
     Ok(())
 }
 
-/// ProviderFailed on the pod's status and a Warning event carrying the provider's message.
+/// ProviderFailed on the pod's status and a Warning event carrying the provider's message, and
+/// no claim left behind.
 fn assert_provider_failed(env: &Env, ns: &str, name: &str, phase: &str, needle: &str) -> Outcome {
-    let pod = env.wait_pod(ns, name, &format!("{phase} ProviderFailed"), |p| {
-        p["status"]["phase"] == phase && p["status"]["reason"] == "ProviderFailed"
-    })?;
-    let msg = pod["status"]["message"].as_str().unwrap_or_default();
-    ensure!(msg.contains(needle), "status message {msg:?} does not mention {needle:?}");
-    let events = poll("a ProviderCreateFailed event", Duration::from_secs(30), || {
-        let ev = env.events(ns, name)?;
-        Ok(ev.iter().any(|(t, r, _)| t == "Warning" && r == "ProviderCreateFailed").then_some(ev))
-    })?;
-    ensure!(
-        events.iter().any(|(_, r, m)| r == "ProviderCreateFailed" && m.contains(needle)),
-        "events do not carry the error: {events:?}"
-    );
+    env.wait_provider_failed(ns, name, phase, RUNNING, &[needle])?;
     let key = format!("{ns}/{name}");
     ensure!(!env.claims_in(ns).contains_key(&key), "a failed create left a claim for {key}: {:?}", env.claims_in(ns));
     Ok(())
@@ -320,7 +272,7 @@ fn pod_delete_adoption(env: &mut Env, ns: &str) -> Outcome {
     let uid = pod["metadata"]["uid"].as_str().unwrap_or_default().to_string();
     env.kubectl_ok(&["delete", "pod", "keeper", "-n", ns, "--wait=true", "--timeout=60s"])?;
     // The controller recreates the Pod (same name, new UID); it adopts the same claim.
-    let again = env.wait_pod(ns, "keeper", "recreated and Running", |p| {
+    let again = env.wait_pod(ns, "keeper", "recreated and Running", RUNNING, |p| {
         p["metadata"]["uid"] != uid.as_str() && p["status"]["phase"] == "Running"
     })?;
     let id2 = annotation(&again, "sandbox.cocoonstack.io/claim-id").ok_or("no claim-id on the new pod")?;

@@ -1,0 +1,399 @@
+//! The appliance scenarios and the boxes they share (see the suite's doc).
+//!
+//! Box 1 lives through the first four scenarios in order: first boot (join, both nodes Ready,
+//! the seed's sandboxd example), a tampered bundle refused, a bundle that never becomes healthy
+//! rolled back to A by itself, then a good bundle committed on B. Box 2 is a fresh disk for the
+//! power cut in the middle of writing the inactive slot.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use supervisor::client::Client;
+use supervisor::http::Endpoint;
+use supervisor::update::{UpdateState, UpdateStatus};
+use test_infra::appliance_vm::{ApplianceVm, Options as VmOptions};
+use test_infra::cluster::{Cluster, Options as ClusterOptions, APPLIANCE_API_ADDR};
+use test_infra::suite::poll;
+
+/// The apiserver port of this suite's cluster (others: 16443 xtask, 26443 cluster_e2e, 27443
+/// join, 28443 vnode, 29443 vk_sandbox_e2e, 31443 vk_cocoon_e2e).
+const PORT: u16 = 33443;
+/// Node names the boxes register (each box: its own pair).
+const SANDBOX_NODE: &str = "box-sandbox";
+const COCOON_NODE: &str = "box-cocoon";
+/// Power-on → supervisor API answering, under TCG with OVMF.
+const BOOT: Duration = Duration::from_secs(600);
+/// Supervisor answering → nodes Ready and the pool (one `base` VM under nested TCG) warm.
+const HEALTHY: Duration = Duration::from_secs(900);
+/// The trial's health deadline in the box's config: long enough for a healthy trial boot under
+/// nested TCG, short enough that the failing bundle reverts in reasonable time.
+const HEALTH_DEADLINE_SECS: u64 = 900;
+/// The API token of the boxes' remote API (forwarded to a loopback port).
+const API_TOKEN: &str = "appliance-e2e-api-token";
+
+type Outcome = Result<(), String>;
+
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(format!($($fmt)+));
+        }
+    };
+}
+
+/// The built image and its bundles (`cargo xtask test` builds them first; see the suite doc).
+struct Built {
+    disk: PathBuf,
+    good: PathBuf,
+    never_healthy: PathBuf,
+}
+
+fn built() -> Result<Built, String> {
+    let dir = std::env::var_os("CHRYSALIS_APPLIANCE_TEST_DIR")
+        .map(PathBuf::from)
+        .ok_or("CHRYSALIS_APPLIANCE_TEST_DIR is not set (cargo xtask test builds the image and bundles and sets it)")?;
+    let b = Built {
+        disk: dir.join("disk.raw"),
+        good: dir.join("good.chrysalis-bundle"),
+        never_healthy: dir.join("never-healthy.chrysalis-bundle"),
+    };
+    for p in [&b.disk, &b.good, &b.never_healthy] {
+        ensure!(p.is_file(), "{} is missing", p.display());
+    }
+    Ok(b)
+}
+
+/// One appliance machine and a client for its remote API.
+struct Box {
+    vm: ApplianceVm,
+    opts: VmOptions,
+    client: Client,
+}
+
+pub struct Env {
+    rt: tokio::runtime::Runtime,
+    _dir: tempfile::TempDir,
+    dir: PathBuf,
+    cluster: Cluster,
+    cluster_opts: ClusterOptions,
+    built: Built,
+    box1: Option<Box>,
+}
+
+static ENV: Mutex<Option<Env>> = Mutex::new(None);
+
+fn env_up() -> Result<Env, String> {
+    let built = built()?;
+    let guard = tempfile::Builder::new().prefix("appl").tempdir_in("/tmp").map_err(|e| e.to_string())?;
+    let dir = guard.path().to_path_buf();
+    let cluster_opts = ClusterOptions { state_dir: dir.join("cluster"), port: PORT, ..ClusterOptions::default() };
+    let cluster = Cluster::up_with(&cluster_opts).map_err(|e| format!("cluster up: {e}"))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(|e| e.to_string())?;
+    Ok(Env { rt, _dir: guard, dir, cluster, cluster_opts, built, box1: None })
+}
+
+/// Runs one scenario, bringing the environment up on first use.
+pub fn run(name: &str) -> Result<(), String> {
+    let mut guard = ENV.lock().unwrap_or_else(|p| p.into_inner());
+    if guard.is_none() {
+        *guard = Some(env_up()?);
+    }
+    let Some(env) = guard.as_mut() else { return Err("no environment".into()) };
+    let result = match name {
+        "first_boot_joins_the_cluster_and_serves_the_seed_sandbox" => first_boot(env),
+        "a_tampered_bundle_is_refused" => tampered(env),
+        "a_bundle_that_never_becomes_healthy_rolls_back_to_a" => never_healthy(env),
+        "upgrade_a_to_b_commits_and_keeps_the_node_identities" => upgrade(env),
+        "a_power_cut_while_writing_the_inactive_slot_leaves_a_booting" => power_cut(env),
+        other => Err(format!("unknown scenario {other}")),
+    };
+    result.map_err(|e| {
+        let tail = env.box1.as_ref().map(|b| console_tail(&b.vm, 60)).unwrap_or_default();
+        format!("{e}\n---- box console (last lines) ----\n{tail}")
+    })
+}
+
+/// Stops every box and the cluster.
+pub fn teardown() -> Result<(), String> {
+    let mut guard = ENV.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(mut env) = guard.take() {
+        if let Some(mut b) = env.box1.take() {
+            let _ = b.vm.kill();
+        }
+        Cluster::down_with(&env.cluster_opts).map_err(|e| format!("cluster down: {e}"))?;
+    }
+    Ok(())
+}
+
+fn console_tail(vm: &ApplianceVm, lines: usize) -> String {
+    let text = vm.console_text();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Boxes
+
+impl Env {
+    /// The config disk of a box: the cluster, its node names, a pool of one `base` VM (nested
+    /// TCG), the remote API, and the trial deadline.
+    fn config_files(&self) -> BTreeMap<String, Vec<u8>> {
+        let toml = format!(
+            r#"[supervisor]
+api_listen = "0.0.0.0:7780"
+api_token_file = "api-token"
+
+[sandboxd]
+refill_concurrency = 1
+boot_timeout_secs = 900
+
+[[sandboxd.pools]]
+template = "ghcr.io/cocoonstack/sandbox/rt:24.04"
+size = "small"
+net = "none"
+warm = 1
+
+[cluster]
+endpoint = "https://{APPLIANCE_API_ADDR}:{PORT}"
+ca_cert_hashes = ["{hash}"]
+bootstrap_token_file = "bootstrap-token"
+
+[vk_sandbox]
+node_name = "{SANDBOX_NODE}"
+
+[vk_cocoon]
+node_name = "{COCOON_NODE}"
+
+[update]
+health_deadline_secs = {HEALTH_DEADLINE_SECS}
+"#,
+            hash = self.cluster.ca_hash,
+        );
+        BTreeMap::from([
+            ("config.toml".to_string(), toml.into_bytes()),
+            ("api-token".to_string(), format!("{API_TOKEN}\n").into_bytes()),
+            ("bootstrap-token".to_string(), format!("{}\n", self.cluster.token).into_bytes()),
+        ])
+    }
+
+    /// Powers on a fresh box (a new overlay on the built disk).
+    fn new_box(&self, name: &str) -> Result<Box, String> {
+        let mut opts = VmOptions::new(&self.built.disk, self.dir.join(name));
+        opts.config_files = Some(self.config_files());
+        opts.guest_forward_port = Some(PORT);
+        let vm = ApplianceVm::start(&opts).map_err(|e| format!("starting {name}: {e:#}"))?;
+        eprintln!("appliance_e2e: {name} runs under {} (console {})", vm.accel, vm.console.display());
+        let client = client_for(&vm)?;
+        Ok(Box { vm, opts, client })
+    }
+
+    fn box1(&mut self) -> Result<&mut Box, String> {
+        if self.box1.is_none() {
+            self.box1 = Some(self.new_box("box1")?);
+        }
+        self.box1.as_mut().ok_or_else(|| "no box".to_string())
+    }
+
+    fn kubectl_json(&self, args: &[&str]) -> Result<Value, String> {
+        let out = self.cluster.kubectl().args(args).args(["-o", "json"]).output().map_err(|e| e.to_string())?;
+        ensure!(out.status.success(), "kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
+    }
+
+    fn kubectl_ok(&self, args: &[&str]) -> Result<String, String> {
+        let out = self.cluster.kubectl().args(args).output().map_err(|e| e.to_string())?;
+        ensure!(out.status.success(), "kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Both virtual nodes Ready in the cluster.
+    fn wait_nodes_ready(&self, within: Duration) -> Result<(), String> {
+        for node in [SANDBOX_NODE, COCOON_NODE] {
+            poll(&format!("node {node} Ready"), within, || {
+                let Ok(n) = self.kubectl_json(&["get", "node", node]) else { return Ok(None) };
+                let ready = n["status"]["conditions"]
+                    .as_array()
+                    .is_some_and(|cs| cs.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"));
+                Ok(ready.then_some(()))
+            })?;
+        }
+        Ok(())
+    }
+}
+
+fn client_for(vm: &ApplianceVm) -> Result<Client, String> {
+    let endpoint: Endpoint =
+        format!("http://127.0.0.1:{}", vm.api_port).parse().map_err(|e| format!("API endpoint: {e}"))?;
+    Ok(Client::new(endpoint, Some(API_TOKEN.to_string())))
+}
+
+impl Box {
+    /// Waits for the supervisor API to answer after a (re)boot and returns the update status.
+    fn wait_api(&self, rt: &tokio::runtime::Runtime, within: Duration) -> Result<UpdateStatus, String> {
+        poll("the supervisor API", within, || Ok(rt.block_on(self.client.update_status()).ok()))
+    }
+
+    /// Waits until the running slot is `slot` and in `state`.
+    fn wait_slot(
+        &self,
+        rt: &tokio::runtime::Runtime,
+        slot: &str,
+        state: UpdateState,
+        within: Duration,
+    ) -> Result<UpdateStatus, String> {
+        let started = Instant::now();
+        let mut last = None;
+        while started.elapsed() < within {
+            if let Ok(s) = rt.block_on(self.client.update_status()) {
+                if s.slot.as_deref() == Some(slot) && s.state == state {
+                    return Ok(s);
+                }
+                last = Some(s);
+            }
+            std::thread::sleep(Duration::from_secs(3));
+        }
+        Err(format!("slot {slot} in state {} not reached within {within:?}; last status {last:?}", state.as_str()))
+    }
+
+    fn apply(&self, rt: &tokio::runtime::Runtime, bundle: &Path) -> Result<supervisor::update::UpdateOutcome, String> {
+        rt.block_on(self.client.update_apply(bundle)).map_err(|e| format!("{e}"))
+    }
+
+    fn reboot(&self, rt: &tokio::runtime::Runtime) -> Result<(), String> {
+        // The connection may drop while the box goes down.
+        let _ = rt.block_on(self.client.reboot());
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios
+
+fn first_boot(env: &mut Env) -> Outcome {
+    env.box1()?;
+    let rt = &env.rt;
+    let b = env.box1.as_ref().ok_or("no box")?;
+    b.wait_api(rt, BOOT)?;
+    let st = b.wait_slot(rt, "a", UpdateState::Confirmed, BOOT)?;
+    ensure!(st.generation == Some(1), "a fresh image runs generation 1, got {:?}", st.generation);
+    // The supervisor reports ready, then both nodes join and turn Ready.
+    poll("the supervisor ready", HEALTHY, || {
+        Ok(rt.block_on(b.client.status()).ok().filter(|s| s.health.ready).map(|_| ()))
+    })?;
+    env.wait_nodes_ready(HEALTHY)?;
+    // sandboxd is reachable from the host through the forwarded port.
+    let sbx = b.vm.sandboxd_port;
+    poll("sandboxd /healthz from the host", BOOT, || {
+        let ok = std::process::Command::new("curl")
+            .args(["-fsS", "--max-time", "5", &format!("http://127.0.0.1:{sbx}/healthz")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        Ok(ok.then_some(()))
+    })?;
+    // The seed's sandboxd example, verbatim, runs on the box's vk-sandbox node.
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("seed/examples/sandboxd-example.yaml");
+    env.kubectl_ok(&["apply", "-f", &seed.display().to_string()])?;
+    let pod = poll("the seed's Pod Running on the box", HEALTHY, || {
+        let Ok(p) = env.kubectl_json(&["get", "pod", "sandboxd-example"]) else { return Ok(None) };
+        Ok((p["status"]["phase"] == "Running").then_some(p))
+    })?;
+    ensure!(pod["spec"]["nodeName"] == SANDBOX_NODE, "the Pod landed on {}", pod["spec"]["nodeName"]);
+    ensure!(
+        pod["metadata"]["annotations"]["sandbox.cocoonstack.io/claim-id"].as_str().is_some_and(|c| !c.is_empty()),
+        "no claim-id on the Pod: {}",
+        pod["metadata"]["annotations"]
+    );
+    env.kubectl_ok(&["delete", "sandbox", "sandboxd-example", "--wait=false"])?;
+    Ok(())
+}
+
+fn tampered(env: &mut Env) -> Outcome {
+    let tampered = env.dir.join("tampered.chrysalis-bundle");
+    std::fs::copy(&env.built.good, &tampered).map_err(|e| e.to_string())?;
+    flip_byte_near_end(&tampered)?;
+    let rt = &env.rt;
+    let b = env.box1.as_ref().ok_or("box1 did not boot (first scenario failed)")?;
+    let before = b.wait_api(rt, BOOT)?;
+    let err = match b.apply(rt, &tampered) {
+        Ok(o) => return Err(format!("a tampered bundle was accepted: {o:?}")),
+        Err(e) => e,
+    };
+    ensure!(err.contains("tamper") || err.contains("sha256") || err.contains("refused"), "refusal does not say why: {err}");
+    let after = b.wait_api(rt, BOOT)?;
+    ensure!(after.slot == before.slot && after.state != UpdateState::Armed, "the refused bundle armed something: {after:?}");
+    Ok(())
+}
+
+/// Flips one byte of the last member (the root image) of a bundle.
+fn flip_byte_near_end(path: &Path) -> Outcome {
+    let mut bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+    // The tar ends with two zero blocks (and padding); flip a byte well inside the root image.
+    let at = bytes.len().saturating_sub(64 * 1024);
+    ensure!(at > 0, "bundle too small");
+    bytes[at] ^= 0xff;
+    std::fs::write(path, bytes).map_err(|e| e.to_string())
+}
+
+fn never_healthy(env: &mut Env) -> Outcome {
+    let rt = &env.rt;
+    let b = env.box1.as_ref().ok_or("box1 did not boot (first scenario failed)")?;
+    b.wait_slot(rt, "a", UpdateState::Confirmed, BOOT)?;
+    let out = b.apply(rt, &env.built.never_healthy)?;
+    ensure!(out.status.state == UpdateState::Armed, "after apply: {:?}", out.status);
+    b.reboot(rt)?;
+    // B boots on trial, never gets healthy, and the box goes back to A by itself.
+    b.wait_slot(rt, "b", UpdateState::Trial, BOOT)?;
+    let back = b.wait_slot(rt, "a", UpdateState::Confirmed, Duration::from_secs(HEALTH_DEADLINE_SECS) + BOOT * 2)?;
+    ensure!(back.generation == Some(1), "back on A but generation {:?}", back.generation);
+    let detail = back.detail.to_string();
+    ensure!(detail.contains("bad") || detail.contains("fail"), "the failed trial is not reported: {detail}");
+    Ok(())
+}
+
+fn upgrade(env: &mut Env) -> Outcome {
+    let rt = &env.rt;
+    let b = env.box1.as_ref().ok_or("box1 did not boot (first scenario failed)")?;
+    b.wait_slot(rt, "a", UpdateState::Confirmed, BOOT)?;
+    let csrs_before = env.kubectl_json(&["get", "csr"])?["items"].as_array().map(Vec::len).unwrap_or(0);
+    let out = b.apply(rt, &env.built.good)?;
+    ensure!(out.status.state == UpdateState::Armed, "after apply: {:?}", out.status);
+    b.reboot(rt)?;
+    b.wait_slot(rt, "b", UpdateState::Trial, BOOT)?;
+    let st = b.wait_slot(rt, "b", UpdateState::Confirmed, Duration::from_secs(HEALTH_DEADLINE_SECS) + BOOT)?;
+    ensure!(st.generation.is_some_and(|g| g >= 2), "committed B runs generation {:?}", st.generation);
+    env.wait_nodes_ready(HEALTHY)?;
+    // Credentials live on the state partition: the upgraded box needed no new certificate.
+    let csrs_after = env.kubectl_json(&["get", "csr"])?["items"].as_array().map(Vec::len).unwrap_or(0);
+    ensure!(csrs_after == csrs_before, "the upgrade re-bootstrapped: {csrs_before} CSRs before, {csrs_after} after");
+    Ok(())
+}
+
+fn power_cut(env: &mut Env) -> Outcome {
+    let mut b = env.new_box("box2")?;
+    let rt = &env.rt;
+    b.wait_slot(rt, "a", UpdateState::Confirmed, BOOT)?;
+    // Start the apply on another thread and cut the power once the root image is being written.
+    let bundle = env.built.good.clone();
+    let client = client_for(&b.vm)?;
+    let handle = rt.handle().clone();
+    let apply = std::thread::spawn(move || handle.block_on(client.update_apply(&bundle)).map_err(|e| e.to_string()));
+    poll("the root image being written", BOOT, || {
+        let s = rt.block_on(b.client.update_status()).ok();
+        Ok(s.and_then(|s| s.progress).filter(|p| p.phase.contains("root") && p.done > 0).map(|_| ()))
+    })?;
+    b.vm.kill().map_err(|e| format!("power cut: {e:#}"))?;
+    let _ = apply.join();
+    // Power back on: the same disk, A boots, nothing is armed.
+    b.opts.keep_disk = true;
+    b.vm = ApplianceVm::start(&b.opts).map_err(|e| format!("power on: {e:#}"))?;
+    b.client = client_for(&b.vm)?;
+    let st = b.wait_slot(rt, "a", UpdateState::Confirmed, BOOT)?;
+    ensure!(st.generation == Some(1), "after the power cut: {st:?}");
+    let detail = st.detail.to_string();
+    ensure!(!detail.contains("armed"), "a half-written slot is armed: {detail}");
+    let _ = b.vm.kill();
+    Ok(())
+}
