@@ -45,7 +45,8 @@ mod real {
                 unsafe { libc::kill(pid as i32, libc::SIGKILL) };
             }
             for svc in ["sandboxd", "vk-sandbox", "vk-cocoon"] {
-                let _ = Command::new("pkill").args(["-9", "-f", &format!("{}.*{}", svc, self.state.display())]).status();
+                let _ =
+                    Command::new("pkill").args(["-9", "-f", &format!("{}.*{}", svc, self.state.display())]).status();
             }
             let _ = Cluster::down_with(&self.cluster);
             let _ = Command::new("ip").args(["netns", "del", &self.netns]).status();
@@ -135,11 +136,17 @@ node_name = "{COCOON_NODE}"
         }
 
         fn pid_of(s: &supervisor::state::Status, svc: &str) -> u32 {
-            s.health.services.iter().find(|x| x.name == svc).and_then(|x| x.pid).unwrap_or_else(|| panic!("no pid for {svc}"))
+            s.health
+                .services
+                .iter()
+                .find(|x| x.name == svc)
+                .and_then(|x| x.pid)
+                .unwrap_or_else(|| panic!("no pid for {svc}"))
         }
 
         fn log(&self) -> String {
-            let text = std::fs::read_to_string(self.state.parent().expect("dir").join("supervisor.log")).unwrap_or_default();
+            let text =
+                std::fs::read_to_string(self.state.parent().expect("dir").join("supervisor.log")).unwrap_or_default();
             let lines: Vec<&str> = text.lines().collect();
             lines[lines.len().saturating_sub(60)..].join("\n")
         }
@@ -173,7 +180,10 @@ node_name = "{COCOON_NODE}"
             assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0, "kill -9 {svc} ({pid})");
             let now = poll(&format!("{svc} restarted"), WAIT, || {
                 Ok(run.status().filter(|s| {
-                    s.health.services.iter().any(|x| x.name == svc && x.pid.is_some_and(|p| p != pid) && x.restarts >= 1)
+                    s.health
+                        .services
+                        .iter()
+                        .any(|x| x.name == svc && x.pid.is_some_and(|p| p != pid) && x.restarts >= 1)
                 }))
             })
             .unwrap_or_else(|e| panic!("{e}\n{}", run.log()));

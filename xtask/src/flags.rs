@@ -39,6 +39,20 @@ pub enum Cmd {
     /// with the cluster's bootstrap token. VMs get addresses on the bridge `chrysalis0`
     /// (10.88.0.0/24), reachable from this host. Ctrl-C stops the provider; VMs keep running.
     VkCocoon(VkCocoonArgs),
+    /// Build the flashable A/B host image of a board (boards/<board>/board.toml + rootfs/):
+    /// GPT disk with ESP (systemd-boot), root slots A/B (erofs + dm-verity) and a state
+    /// partition, rootless and reproducible, under $CHRYSALIS_CACHE/appliance/<board>/.
+    Image(ImageArgs),
+    /// Write a built image to a block device, with a confirmation and a read-back check.
+    Flash(FlashArgs),
+    /// Build the image (cached) and boot it in QEMU (UEFI, TCG or KVM) in the foreground:
+    /// sandboxd on 127.0.0.1:7777, the supervisor API on 127.0.0.1:7780. Ctrl-C stops it.
+    Run(RunArgs),
+    /// Make a signed update bundle (`*.chrysalis-bundle`: manifest.json, manifest.sig, vmlinuz,
+    /// root.img) from the last image built for the board, signed with the dev update key
+    /// ($CHRYSALIS_CACHE/keys/update-signing.key, generated on first use). Prints its path;
+    /// `chrysalis update apply <bundle>` installs it.
+    Bundle(BundleArgs),
     /// Boot microVMs by hand.
     #[command(subcommand)]
     Vm(VmCmd),
@@ -58,6 +72,102 @@ pub struct GuestKernelArgs {
     /// Rebuild even when a cached kernel for the same inputs exists.
     #[arg(long)]
     pub force: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ImageArgs {
+    /// The board (a folder of boards/).
+    #[arg(long, default_value = "qemu-x86_64")]
+    pub board: String,
+    /// The image version (os-release IMAGE_VERSION, boot entry, bundles). Default: the
+    /// workspace version and the git commit (`0.1.0-g1a2b3c4`). Another version of the same
+    /// tree only re-packs the root (the Debian tree, kernel and binaries are cached).
+    #[arg(long)]
+    pub version: Option<String>,
+    /// Only build the board's host kernel (prints its path).
+    #[arg(long)]
+    pub kernel_only: bool,
+    /// Re-run mmdebstrap and rebuild the kernel even when cached.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct FlashArgs {
+    /// The raw disk image (e.g. $CHRYSALIS_CACHE/appliance/<board>/current/disk.raw).
+    #[arg(long)]
+    pub image: std::path::PathBuf,
+    /// The target block device (/dev/sdX, /dev/nvme0n1). Its whole content is replaced.
+    #[arg(long)]
+    pub device: std::path::PathBuf,
+    /// Do not ask for confirmation.
+    #[arg(long)]
+    pub yes: bool,
+    /// Accept a regular file as the target (tests).
+    #[arg(long)]
+    pub allow_file: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct BundleArgs {
+    /// The board (a folder of boards/); the bundle is `compatible` with `chrysalis-<board>`.
+    #[arg(long, default_value = "qemu-x86_64")]
+    pub board: String,
+    /// The image build's output directory (root.img, vmlinuz, manifest.json).
+    /// Default: $CHRYSALIS_CACHE/appliance/<board>/current.
+    #[arg(long)]
+    pub image_dir: Option<std::path::PathBuf>,
+    /// The signing key (64 hex characters of ed25519 seed; generated with its `.pub` when
+    /// missing). Default: the dev key $CHRYSALIS_CACHE/keys/update-signing.key.
+    #[arg(long)]
+    pub key: Option<std::path::PathBuf>,
+    /// Where to write the bundle. Default:
+    /// $CHRYSALIS_CACHE/bundles/chrysalis-<board>-<version>[-x<hash>].chrysalis-bundle.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+    /// Kernel arguments appended to the board's (signed into the manifest), e.g.
+    /// `chrysalis.fault=never-healthy` for a bundle that must roll back.
+    #[arg(long, allow_hyphen_values = true)]
+    pub cmdline_extra: Option<String>,
+    /// The version (default: the image's). With --root/--kernel/--verity-json: required.
+    #[arg(long)]
+    pub version: Option<String>,
+    /// Without a built image: the root image (erofs + dm-verity hash tree).
+    #[arg(long)]
+    pub root: Option<std::path::PathBuf>,
+    /// Without a built image: the kernel (EFI-stub bzImage).
+    #[arg(long)]
+    pub kernel: Option<std::path::PathBuf>,
+    /// Without a built image: `{"root_hash","salt","data_blocks","hash_offset"}` of the root.
+    #[arg(long)]
+    pub verity_json: Option<std::path::PathBuf>,
+    /// Without a built image: the build id (default: the version).
+    #[arg(long)]
+    pub build_id: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The board to build and boot.
+    #[arg(long, default_value = "qemu-x86_64")]
+    pub board: String,
+    /// Host port forwarded to sandboxd (7777 in the appliance), on 127.0.0.1.
+    #[arg(long, default_value_t = 7777)]
+    pub sandboxd_port: u16,
+    /// Host port forwarded to the supervisor API (7780 in the appliance), on 127.0.0.1.
+    #[arg(long, default_value_t = 7780)]
+    pub api_port: u16,
+    /// A directory whose files go onto a config disk (vfat, label CHRYSALIS), e.g. a
+    /// config.toml. Default: a generated one enabling the remote API with a fresh token.
+    #[arg(long)]
+    pub config_dir: Option<std::path::PathBuf>,
+    /// Keep the VM's state (qcow2 overlay, OVMF vars) between runs instead of a fresh disk.
+    #[arg(long)]
+    pub keep: bool,
+    /// Make the host's 127.0.0.1:PORT reachable in the appliance as 10.0.2.100:PORT (e.g. the
+    /// test cluster's API server, `cargo xtask cluster up`: 16443).
+    #[arg(long, value_name = "PORT")]
+    pub guest_forward: Option<u16>,
 }
 
 #[derive(Debug, Args)]

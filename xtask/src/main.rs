@@ -8,13 +8,18 @@ mod bench;
 mod bench_cocoon;
 mod bench_sandboxd;
 mod bench_vnode;
+mod bundle;
 mod cluster;
 mod flags;
+mod flash;
 mod fuzz;
 mod guest_kernel;
+mod image;
+mod keys;
 mod paths;
 mod prereqs;
 mod python;
+mod run_appliance;
 mod sandboxd;
 mod test;
 mod vk_cocoon;
@@ -40,6 +45,10 @@ fn main() -> Result<()> {
         flags::Cmd::Fuzz(args) => fuzz::run(&args),
         flags::Cmd::Bench(args) => bench::run(&args),
         flags::Cmd::Sandboxd(args) => sandboxd::run(&args),
+        flags::Cmd::Image(args) => image::run(&args).map(|_| ()),
+        flags::Cmd::Flash(args) => flash::run(&args),
+        flags::Cmd::Run(args) => run_appliance::run(&args),
+        flags::Cmd::Bundle(args) => bundle::run(&args),
         flags::Cmd::Vm(flags::VmCmd::Run(args)) => vm_run::run(&args),
         flags::Cmd::Cluster(cmd) => cluster::run(&cmd),
         flags::Cmd::VkSandbox(args) => vk_sandbox::run(&args),

@@ -21,6 +21,14 @@ pub const APT_PACKAGES: &[&str] = &[
     "zstd",
     "xz-utils",
     "iproute2",
+    // the host image (cargo xtask image / run / flash) and its QEMU machine
+    "cryptsetup-bin",
+    "dosfstools",
+    "mtools",
+    "fdisk",
+    "binutils",
+    "ovmf",
+    "socat",
 ];
 
 /// Rust targets: silkd and guest-init are static musl binaries.

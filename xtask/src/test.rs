@@ -2,10 +2,15 @@
 //!
 //! 1. host prerequisites (apt packages, the musl target);
 //! 2. the guest kernel and every guest image (cached);
-//! 3. `cargo test` over the workspace with every suite enabled: real QEMU VMs, the public
-//!    Python SDK (pinned venv), sandboxd with real VMs, and the test control plane (Kubernetes
-//!    built from its Go modules, cached);
-//! 4. a bounded fuzz run of the wire decoder.
+//! 3. with `CHRYSALIS_APPLIANCE_TESTS=1`: the appliance image of the `qemu-x86_64` board
+//!    (cached), a second version of it, and two signed bundles of that version (a good one, one
+//!    whose supervisor never becomes healthy) for the appliance suite, in
+//!    `$CHRYSALIS_CACHE/appliance-test/` (otherwise that suite is reported as skipped);
+//! 4. `cargo test` over the workspace with every suite enabled: real QEMU VMs, the public
+//!    Python SDK (pinned venv), sandboxd with real VMs, the test control plane (Kubernetes
+//!    built from its Go modules, cached), the supervisor with the real services, and the
+//!    appliance booted under OVMF;
+//! 5. a bounded fuzz run of the wire decoder.
 //!
 //! Tests that cannot run on this machine are `#[ignore = "why"]` and are counted as
 //! skipped, never as passed. The last line is `N passed, N failed, N skipped`.
@@ -62,17 +67,33 @@ pub fn run(args: &TestArgs) -> Result<()> {
 
     let python = crate::python::ensure_sdk_venv()?;
 
+    // The appliance suite boots the built host image through the whole upgrade matrix. It is not
+    // yet part of the default run (issue #6 is in progress: the scenarios have not completed on
+    // the development machine); `CHRYSALIS_APPLIANCE_TESTS=1` builds the images and bundles and
+    // runs it. Without it, its scenarios are reported as skipped with the reason.
+    let appliance = if std::env::var_os(APPLIANCE_ENV).is_some_and(|v| v == "1") {
+        Some(prepare_appliance().context("building the appliance image and bundles the appliance suite boots")?)
+    } else {
+        eprintln!("test: the appliance suite is skipped (set {APPLIANCE_ENV}=1 to build the image and run it)");
+        None
+    };
+    crate::prereqs::ensure_apt(&["erofs-utils", "cryptsetup-bin", "dosfstools", "mtools", "fdisk"])?;
+
     // The suites in tests/ run these binaries from the target directory they are built into.
     let built = Command::new("cargo")
-        .args(["build", "-p", "sandboxd", "-p", "vk-sandbox", "-p", "vk-cocoon", "--bins"])
+        .args(["build", "-p", "sandboxd", "-p", "vk-sandbox", "-p", "vk-cocoon", "-p", "chrysalis", "--bins"])
         .status()
         .context("running cargo build")?;
     anyhow::ensure!(built.success(), "building the sandboxd, vk-sandbox and vk-cocoon binaries failed");
 
     let mut tally = Tally::default();
     let mut cargo = Command::new("cargo");
-    cargo.args(["test", "--workspace", "--no-fail-fast", "--features", "chrysalis-tests/e2e,chrysalis-tests/cluster,join/cluster,vnode/cluster,sandboxd/sdk-tests,sandboxd/e2e,silkd/sdk-tests,vmm/qemu-tests,images/qemu-tests,chrysalis/qemu-tests,vmnet/vm-tests"]);
+    cargo.args(["test", "--workspace", "--no-fail-fast", "--features", "chrysalis-tests/e2e,chrysalis-tests/cluster,join/cluster,vnode/cluster,sandboxd/sdk-tests,sandboxd/e2e,silkd/sdk-tests,vmm/qemu-tests,images/qemu-tests,chrysalis/qemu-tests,vmnet/vm-tests,xtask/image-tests"]);
     cargo.env("CHRYSALIS_PYTHON", &python);
+    if let Some(dir) = &appliance {
+        cargo.args(["--features", "chrysalis-tests/appliance,xtask/appliance-image"]);
+        cargo.env("CHRYSALIS_APPLIANCE_TEST_DIR", dir);
+    }
     if let Some(filter) = &args.filter {
         cargo.arg(filter);
     }
@@ -100,6 +121,43 @@ pub fn run(args: &TestArgs) -> Result<()> {
         bail!("the test suite failed");
     }
     Ok(())
+}
+
+/// The board the appliance suite boots.
+const APPLIANCE_BOARD: &str = "qemu-x86_64";
+/// Set to `1` to build the appliance image and run the appliance suite.
+const APPLIANCE_ENV: &str = "CHRYSALIS_APPLIANCE_TESTS";
+
+/// Builds (or finds) the appliance image, a second version of it and its two bundles, and
+/// gathers them in `$CHRYSALIS_CACHE/appliance-test/` (`disk.raw`, `good.chrysalis-bundle`,
+/// `never-healthy.chrysalis-bundle`).
+fn prepare_appliance() -> Result<std::path::PathBuf> {
+    let first = crate::image::build(APPLIANCE_BOARD, None, false)?;
+    let next_version = format!("{}-next", first.manifest.version);
+    let next = crate::image::build(APPLIANCE_BOARD, Some(&next_version), false)?;
+    let dir = crate::paths::cache_dir().join("appliance-test");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let disk = dir.join("disk.raw");
+    let _ = std::fs::remove_file(&disk);
+    std::os::unix::fs::symlink(&first.disk, &disk).with_context(|| format!("linking {}", disk.display()))?;
+    for (name, extra) in [("good", None), ("never-healthy", Some("chrysalis.fault=never-healthy"))] {
+        crate::bundle::run(&crate::flags::BundleArgs {
+            board: APPLIANCE_BOARD.into(),
+            image_dir: Some(next.dir.clone()),
+            key: None,
+            out: Some(dir.join(format!("{name}.chrysalis-bundle"))),
+            cmdline_extra: extra.map(str::to_string),
+            version: None,
+            root: None,
+            kernel: None,
+            verity_json: None,
+            build_id: None,
+        })
+        .with_context(|| format!("making the {name} bundle"))?;
+    }
+    // Reset `current` to the first version: `cargo xtask run` and `bundle` default to it.
+    let _ = crate::image::build(APPLIANCE_BOARD, None, false)?;
+    Ok(dir)
 }
 
 #[cfg(test)]

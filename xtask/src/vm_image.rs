@@ -7,9 +7,9 @@
 //! `$CHRYSALIS_CACHE/images/<template>/<input-hash>/` and are rebuilt only when the template
 //! folder, the guest binaries or the kernel change.
 
-mod catalog;
+pub(crate) mod catalog;
 mod cpio;
-mod rootfs;
+pub(crate) mod rootfs;
 
 use crate::{flags, guest_kernel, paths, prereqs};
 use anyhow::{bail, Context, Result};

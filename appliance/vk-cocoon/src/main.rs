@@ -189,8 +189,17 @@ mod tests {
         let ids: Vec<String> = Cli::command().get_arguments().map(|a| a.get_id().to_string()).collect();
         for id in &ids {
             assert!(
-                ["kubeconfig", "join_server", "join_api_server", "join_token_file", "join_ca_hash", "credentials_dir", "help", "version"]
-                    .contains(&id.as_str()),
+                [
+                    "kubeconfig",
+                    "join_server",
+                    "join_api_server",
+                    "join_token_file",
+                    "join_ca_hash",
+                    "credentials_dir",
+                    "help",
+                    "version"
+                ]
+                .contains(&id.as_str()),
                 "unexpected flag {id}"
             );
         }

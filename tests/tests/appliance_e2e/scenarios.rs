@@ -91,7 +91,11 @@ fn env_up() -> Result<Env, String> {
     let dir = guard.path().to_path_buf();
     let cluster_opts = ClusterOptions { state_dir: dir.join("cluster"), port: PORT, ..ClusterOptions::default() };
     let cluster = Cluster::up_with(&cluster_opts).map_err(|e| format!("cluster up: {e}"))?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(|e| e.to_string())?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
     Ok(Env { rt, _dir: guard, dir, cluster, cluster_opts, built, box1: None })
 }
 
@@ -321,9 +325,15 @@ fn tampered(env: &mut Env) -> Outcome {
         Ok(o) => return Err(format!("a tampered bundle was accepted: {o:?}")),
         Err(e) => e,
     };
-    ensure!(err.contains("tamper") || err.contains("sha256") || err.contains("refused"), "refusal does not say why: {err}");
+    ensure!(
+        err.contains("tamper") || err.contains("sha256") || err.contains("refused"),
+        "refusal does not say why: {err}"
+    );
     let after = b.wait_api(rt, BOOT)?;
-    ensure!(after.slot == before.slot && after.state != UpdateState::Armed, "the refused bundle armed something: {after:?}");
+    ensure!(
+        after.slot == before.slot && after.state != UpdateState::Armed,
+        "the refused bundle armed something: {after:?}"
+    );
     Ok(())
 }
 

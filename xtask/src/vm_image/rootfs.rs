@@ -105,20 +105,51 @@ fn parse_one_line(text: &str, suite: &str) -> Vec<String> {
         .collect()
 }
 
-/// Runs mmdebstrap (or reuses its cached tarball); returns the tarball.
+/// What one mmdebstrap run installs, and how (guest templates and the host image share it).
+#[derive(Debug, Clone)]
+pub struct Debootstrap {
+    /// Prefix of progress messages.
+    pub label: String,
+    pub suite: String,
+    pub variant: String,
+    pub packages: Vec<String>,
+    /// `deb URI SUITE COMPONENTS` lines.
+    pub mirrors: Vec<String>,
+    /// `--customize-hook=` scripts (`$1` is the root).
+    pub hooks: Vec<String>,
+    /// `--dpkgopt=` lines.
+    pub dpkg_opts: Vec<String>,
+}
+
+/// Runs mmdebstrap (or reuses its cached tarball) for a guest template; returns the tarball.
 pub fn debootstrap(cache: &Path, spec: &RootfsSpec, epoch: u64, force: bool) -> Result<PathBuf> {
-    let mirrors = host_mirrors(&spec.suite)?;
-    let mut packages = spec.packages.clone();
+    let run = Debootstrap {
+        label: "vm-image".into(),
+        suite: spec.suite.clone(),
+        variant: spec.variant.clone(),
+        packages: spec.packages.clone(),
+        mirrors: host_mirrors(&spec.suite)?,
+        hooks: CUSTOMIZE_HOOKS.iter().map(|h| h.to_string()).collect(),
+        dpkg_opts: DPKG_OPTS.iter().map(|o| o.to_string()).collect(),
+    };
+    debootstrap_with(cache, &run, epoch, force).map(|(tarball, _key)| tarball)
+}
+
+/// Runs mmdebstrap (or reuses its cached tarball, keyed by everything in `run` and `epoch`);
+/// returns the tarball and its cache key.
+pub fn debootstrap_with(cache: &Path, run: &Debootstrap, epoch: u64, force: bool) -> Result<(PathBuf, String)> {
+    let label = run.label.as_str();
+    let mut packages = run.packages.clone();
     packages.sort();
     packages.dedup();
     let mut h = Sha256::new();
     for part in
-        [DEBOOTSTRAP_FORMAT, &spec.suite, &spec.variant, &packages.join(","), &mirrors.join("|"), &epoch.to_string()]
+        [DEBOOTSTRAP_FORMAT, &run.suite, &run.variant, &packages.join(","), &run.mirrors.join("|"), &epoch.to_string()]
     {
         h.update(part.as_bytes());
         h.update(b"\n");
     }
-    for hook in CUSTOMIZE_HOOKS.iter().chain(DPKG_OPTS) {
+    for hook in run.hooks.iter().chain(&run.dpkg_opts) {
         h.update(hook.as_bytes());
         h.update(b"\n");
     }
@@ -127,36 +158,38 @@ pub fn debootstrap(cache: &Path, spec: &RootfsSpec, epoch: u64, force: bool) -> 
     let tarball = dir.join("rootfs.tar");
     let _lock = crate::paths::lock_file(&dir.join(".lock"))?;
     if tarball.is_file() && !force {
-        eprintln!("vm-image: cached mmdebstrap {} ({})", spec.suite, tarball.display());
-        return Ok(tarball);
+        eprintln!("{label}: cached mmdebstrap {} ({})", run.suite, tarball.display());
+        return Ok((tarball, key));
     }
     fs::create_dir_all(&dir)?;
     let tmp = dir.join("rootfs.tar.tmp");
+    let started = std::time::Instant::now();
     eprintln!(
-        "vm-image: mmdebstrap --variant={} {} + {} packages (a few minutes)",
-        spec.variant,
-        spec.suite,
+        "{label}: mmdebstrap --variant={} {} + {} packages (a few minutes)",
+        run.variant,
+        run.suite,
         packages.len()
     );
     let mut cmd = Command::new("mmdebstrap");
     cmd.arg("--quiet")
-        .arg(format!("--variant={}", spec.variant))
+        .arg(format!("--variant={}", run.variant))
         .arg("--format=tar")
         .arg(format!("--include={}", packages.join(",")))
         .env("SOURCE_DATE_EPOCH", epoch.to_string());
-    for opt in DPKG_OPTS {
+    for opt in &run.dpkg_opts {
         cmd.arg(format!("--dpkgopt={opt}"));
     }
-    for hook in CUSTOMIZE_HOOKS {
+    for hook in &run.hooks {
         cmd.arg(format!("--customize-hook={hook}"));
     }
-    cmd.arg(&spec.suite).arg(&tmp).args(&mirrors);
+    cmd.arg(&run.suite).arg(&tmp).args(&run.mirrors);
     let status = cmd.status().context("running mmdebstrap")?;
     if !status.success() {
         bail!("mmdebstrap failed ({status})");
     }
     fs::rename(&tmp, &tarball)?;
-    Ok(tarball)
+    eprintln!("{label}: mmdebstrap done in {}s", started.elapsed().as_secs());
+    Ok((tarball, key))
 }
 
 /// Unpacks `tarball`, adds `silkd` at `/sbin/silkd` and the template's `rootfs/` files, and
