@@ -12,6 +12,7 @@ use supervisor::health::Health;
 use supervisor::update::UpdateStatus;
 
 use crate::flags::{ApiArgs, ClientArgs, ConfigCmd, LogsArgs, RunArgs, UpdateCmd};
+use crate::output::print_table;
 
 /// Where the image describes itself (board, version).
 const IMAGE_JSON: &str = "/usr/share/chrysalis/image.json";
@@ -61,16 +62,6 @@ pub fn run(a: RunArgs) -> Result<()> {
 fn ago(unix: u64) -> String {
     let now = std::time::SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     humantime::format_duration(Duration::from_secs(now.saturating_sub(unix))).to_string()
-}
-
-fn print_table(rows: &[Vec<String>]) {
-    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> =
-        (0..cols).map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.len()).max().unwrap_or(0)).collect();
-    for r in rows {
-        let line: Vec<String> = r.iter().enumerate().map(|(i, s)| format!("{s:<w$}", w = widths[i])).collect();
-        println!("{}", line.join("  ").trim_end());
-    }
 }
 
 fn update_line(u: &UpdateStatus) -> String {

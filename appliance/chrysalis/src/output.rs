@@ -58,7 +58,8 @@ pub fn entries(all: Vec<Entry>, kind: Kind, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_table(rows: &[Vec<String>]) {
+/// Prints rows as left-aligned columns two spaces apart.
+pub(crate) fn print_table(rows: &[Vec<String>]) {
     let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> =
         (0..cols).map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.len()).max().unwrap_or(0)).collect();
