@@ -288,6 +288,72 @@ impl Drop for ApplianceVm {
     }
 }
 
+/// What a box joined to a test cluster is told on its config disk (the appliance suite and
+/// `cargo xtask bench appliance` boot such boxes).
+#[derive(Debug, Clone)]
+pub struct JoinedBox<'a> {
+    /// The API server as the box reaches it (`https://10.0.2.100:<port>`).
+    pub endpoint: String,
+    /// `sha256:<hex>` of the cluster CA's public key.
+    pub ca_hash: &'a str,
+    /// The bootstrap token.
+    pub bootstrap_token: &'a str,
+    /// The two virtual nodes' names.
+    pub sandbox_node: &'a str,
+    pub cocoon_node: &'a str,
+    /// The bearer token of the supervisor's remote API (on [`GUEST_API_PORT`]).
+    pub api_token: &'a str,
+    /// The trial boot's health deadline.
+    pub health_deadline_secs: u64,
+}
+
+impl JoinedBox<'_> {
+    /// The config disk's files: the cluster, the node names, one warm `base` VM (under TCG the
+    /// box's microVMs run under nested emulation), the remote API and the trial deadline.
+    pub fn config_files(&self) -> BTreeMap<String, Vec<u8>> {
+        let toml = format!(
+            r#"[supervisor]
+api_listen = "0.0.0.0:{GUEST_API_PORT}"
+api_token_file = "api-token"
+
+[sandboxd]
+refill_concurrency = 1
+boot_timeout_secs = 900
+
+[[sandboxd.pools]]
+template = "ghcr.io/cocoonstack/sandbox/rt:24.04"
+size = "small"
+net = "none"
+warm = 1
+
+[cluster]
+endpoint = "{endpoint}"
+ca_cert_hashes = ["{ca_hash}"]
+bootstrap_token_file = "bootstrap-token"
+
+[vk_sandbox]
+node_name = "{sandbox_node}"
+
+[vk_cocoon]
+node_name = "{cocoon_node}"
+
+[update]
+health_deadline_secs = {deadline}
+"#,
+            endpoint = self.endpoint,
+            ca_hash = self.ca_hash,
+            sandbox_node = self.sandbox_node,
+            cocoon_node = self.cocoon_node,
+            deadline = self.health_deadline_secs,
+        );
+        BTreeMap::from([
+            ("config.toml".to_string(), toml.into_bytes()),
+            ("api-token".to_string(), format!("{}\n", self.api_token).into_bytes()),
+            ("bootstrap-token".to_string(), format!("{}\n", self.bootstrap_token).into_bytes()),
+        ])
+    }
+}
+
 /// Builds a vfat image labelled `CHRYSALIS` holding `files`, rootless (`mkfs.vfat -C`, mtools).
 pub fn make_config_disk(img: &Path, files: &BTreeMap<String, Vec<u8>>, work: &Path) -> Result<()> {
     for tool in ["mkfs.vfat", "mcopy", "mmd"] {
@@ -300,28 +366,13 @@ pub fn make_config_disk(img: &Path, files: &BTreeMap<String, Vec<u8>>, work: &Pa
     let staging = work.join("config-staging");
     let _ = fs::remove_dir_all(&staging);
     fs::create_dir_all(&staging)?;
-    let mut dirs: Vec<String> = Vec::new();
-    for name in files.keys() {
-        if name.starts_with('/') || name.split('/').any(|p| p == ".." || p.is_empty()) {
-            bail!("config disk path {name:?} must be relative, without `..`");
-        }
-        let parts: Vec<&str> = name.split('/').collect();
-        for i in 1..parts.len() {
-            let d = parts[..i].join("/");
-            if !dirs.contains(&d) {
-                dirs.push(d);
-            }
-        }
-    }
-    dirs.sort();
-    for d in &dirs {
-        run(Command::new("mmd").arg("-i").arg(img).arg(format!("::/{d}")), "mmd")?;
-    }
+    let mut copies = Vec::new();
     for (i, (name, content)) in files.iter().enumerate() {
         let src = staging.join(i.to_string());
         fs::File::create(&src)?.write_all(content)?;
-        run(Command::new("mcopy").args(["-o", "-i"]).arg(img).arg(&src).arg(format!("::/{name}")), "mcopy")?;
+        copies.push((name.clone(), src));
     }
+    crate::vfat::fill(img, &copies, None)?;
     let _ = fs::remove_dir_all(&staging);
     Ok(())
 }
@@ -351,10 +402,10 @@ mod tests {
 
     #[test]
     fn config_disk_holds_the_files_under_the_label() {
-        if !on_path("mkfs.vfat") || !on_path("mcopy") {
-            eprintln!("SKIPPED config_disk_holds_the_files_under_the_label: dosfstools/mtools not installed");
-            return;
-        }
+        assert!(
+            on_path("mkfs.vfat") && on_path("mcopy"),
+            "needs dosfstools and mtools (cargo xtask prereqs installs them)"
+        );
         let dir = tempfile::tempdir().expect("tempdir");
         let img = dir.path().join("config.img");
         let mut files = BTreeMap::new();

@@ -3,9 +3,11 @@
 
 pub mod appliance_vm;
 pub mod cluster;
+pub mod netns;
 pub mod provider_process;
 pub mod sandboxd;
 pub mod suite;
+pub mod vfat;
 pub mod vk_cocoon;
 pub mod vk_sandbox;
 

@@ -15,14 +15,13 @@ use std::io::Read as _;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use silkd_client::{AgentConn, ExecOptions};
 use vmm::AGENT_PORT;
-use wire::{Request, Response};
 
+use crate::netns::Netns;
 use crate::sandboxd::free_port;
 use crate::suite::{derefs_to_virtual_node, VirtualNode};
 
@@ -45,7 +44,7 @@ pub struct CocoonEnv {
     /// `COCOON_ROOT_DIR`.
     pub root: PathBuf,
     /// The netns holding the bridge, TAPs and VMs.
-    pub netns: String,
+    pub netns: Netns,
     /// Cluster, provider and node name.
     pub node: VirtualNode,
     rt: tokio::runtime::Runtime,
@@ -53,19 +52,6 @@ pub struct CocoonEnv {
 }
 
 derefs_to_virtual_node!(CocoonEnv, node);
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr)));
-    }
-    Ok(())
-}
-
-/// Whether `/run/netns/<name>` exists.
-pub fn netns_exists(name: &str) -> bool {
-    Path::new("/run/netns").join(name).exists()
-}
 
 impl CocoonEnv {
     /// Netns, image library, cluster, provider; waits for the Node to be Ready.
@@ -75,18 +61,13 @@ impl CocoonEnv {
         // Long on purpose: VM socket paths under it exceed `sun_path` (as under a real
         // `~/.cache/chrysalis/vk-cocoon/<node>` root), so the suite covers vmm's short socket links.
         let root = dir.join("root-directory-long-enough-that-vm-socket-paths-exceed-sun-path");
-        let netns = format!("vkc-e2e-{}", std::process::id());
-        if netns_exists(&netns) {
-            ip(&["netns", "del", &netns])?;
-        }
-        ip(&["netns", "add", &netns])?;
-        ip(&["-n", &netns, "link", "set", "lo", "up"])?;
+        // Deleted on every way out of here (a guard), and by `down`.
+        let netns = Netns::create(&format!("vkc-e2e-{}", std::process::id()))?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .map_err(|e| e.to_string())?;
-        // From here on a failure must still delete the netns: build the env piece by piece.
         let images = root.join("images");
         let imported = (|| -> Result<(), String> {
             let catalog = crate::catalog().map_err(|e| format!("{e:#}"))?;
@@ -97,24 +78,15 @@ impl CocoonEnv {
             }
             Ok(())
         })();
-        if let Err(e) = imported {
-            let _ = ip(&["netns", "del", &netns]);
-            return Err(e);
-        }
-        let (opts, cluster) = match VirtualNode::cluster_up(&dir, spec.port) {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = ip(&["netns", "del", &netns]);
-                return Err(e);
-            }
-        };
+        imported?;
+        let (opts, cluster) = VirtualNode::cluster_up(&dir, spec.port)?;
         let args = VirtualNode::join_args(&cluster, &dir)?;
         let s = |p: &Path| p.display().to_string();
         let envs: Vec<(String, String)> = vec![
             ("VK_NODE_NAME".into(), spec.node_name.into()),
             ("VK_NODE_IP".into(), "127.0.0.1".into()),
             ("VK_KUBELET_PORT".into(), free_port().to_string()),
-            ("VK_NETNS".into(), netns.clone()),
+            ("VK_NETNS".into(), netns.name().to_string()),
             ("COCOON_ROOT_DIR".into(), s(&root)),
             ("VK_TLS_CERT".into(), s(&dir.join("vk/tls.crt"))),
             ("VK_TLS_KEY".into(), s(&dir.join("vk/tls.key"))),
@@ -169,11 +141,8 @@ impl CocoonEnv {
         if !qemus.is_empty() {
             left.push(format!("QEMU processes survived SIGKILL: {qemus:?}"));
         }
-        if let Err(e) = ip(&["netns", "del", &self.netns]) {
+        if let Err(e) = self.netns.delete() {
             left.push(e);
-        }
-        if netns_exists(&self.netns) {
-            left.push(format!("netns {} still exists", self.netns));
         }
         left
     }
@@ -247,21 +216,11 @@ impl CocoonEnv {
         let vm = self.one_instance(id)?;
         self.rt.block_on(async {
             let s = vmm::agent::dial(&vm.vsock_socket, AGENT_PORT).await.map_err(|e| format!("dial {id}: {e}"))?;
-            let mut conn = AgentConn::new(s);
-            conn.send(&Request::Exec {
-                argv: argv.iter().map(|a| a.to_string()).collect(),
-                cwd: None,
-                env: None,
-                user: None,
-                detach: Some(true),
-                session: None,
-            })
-            .await
-            .map_err(|e| format!("{id}: send: {e}"))?;
-            match conn.recv().await.map_err(|e| format!("{id}: recv: {e}"))? {
-                Response::Started { .. } => Ok(()),
-                other => Err(format!("{id}: detached exec answered {other:?}")),
-            }
+            AgentConn::new(s)
+                .exec_detached(argv, ExecOptions::default())
+                .await
+                .map(|_pid| ())
+                .map_err(|e| format!("{id}: detached exec: {e}"))
         })
     }
 
@@ -270,7 +229,7 @@ impl CocoonEnv {
     /// would answer with a reset that can discard its reply.
     pub fn tcp_from_netns(&self, ip: &str, port: u16, within: Duration) -> Result<String, String> {
         let addr: Ipv4Addr = ip.parse().map_err(|_| format!("{ip} is not an IPv4 address"))?;
-        let ns_path = Path::new("/run/netns").join(&self.netns);
+        let ns_path = Path::new("/run/netns").join(self.netns.name());
         std::thread::spawn(move || -> Result<String, String> {
             let f = std::fs::File::open(&ns_path).map_err(|e| format!("{}: {e}", ns_path.display()))?;
             // SAFETY: setns(2) on a namespace file we hold open; it switches only this thread.

@@ -4,7 +4,8 @@
 //! real control plane (`test_infra::cluster`, reached from the box as `10.0.2.100` through
 //! QEMU's user networking; nothing leaves loopback), and upgraded with signed bundles made by
 //! `cargo xtask bundle`: a good one, one whose supervisor never becomes healthy (the bundle's
-//! boot entry carries `chrysalis.fault=never-healthy`), and a tampered copy.
+//! boot entry carries `chrysalis.fault=never-healthy` and shortens its own trial deadline with
+//! `chrysalis.set=update.health_deadline_secs=300`), and a tampered copy.
 //!
 //! Scenarios run in order on shared boxes (custom harness, like the other end-to-end suites)
 //! and everything is torn down at the end. Without the `appliance` feature, or without
@@ -27,7 +28,9 @@ const SCENARIOS: &[&str] = &[
 ];
 
 fn main() -> std::process::ExitCode {
-    let args = Arguments::from_args();
+    let mut args = Arguments::from_args();
+    // The scenarios share box 1 and run in the order above, one at a time.
+    args.test_threads = Some(1);
     let trials: Vec<Trial> = SCENARIOS.iter().map(|name| trial(name)).collect();
     let conclusion = libtest_mimic::run(&args, trials);
     #[cfg(feature = "appliance")]

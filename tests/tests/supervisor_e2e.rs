@@ -19,6 +19,7 @@ mod real {
     use supervisor::client::Client;
     use supervisor::http::Endpoint;
     use test_infra::cluster::{Cluster, Options};
+    use test_infra::netns::Netns;
     use test_infra::suite::{poll, sibling_bin};
 
     const PORT: u16 = 36443;
@@ -31,8 +32,9 @@ mod real {
         client: Client,
         rt: tokio::runtime::Runtime,
         state: PathBuf,
-        netns: String,
         cluster: Options,
+        // Dropped after the cluster is stopped (fields drop in order, after `Drop::drop`).
+        _netns: Netns,
         sandboxd: u16,
     }
 
@@ -49,7 +51,6 @@ mod real {
                     Command::new("pkill").args(["-9", "-f", &format!("{}.*{}", svc, self.state.display())]).status();
             }
             let _ = Cluster::down_with(&self.cluster);
-            let _ = Command::new("ip").args(["netns", "del", &self.netns]).status();
         }
     }
 
@@ -58,9 +59,8 @@ mod real {
     }
 
     fn start(dir: &Path) -> Run {
-        let netns = format!("sup-e2e-{}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &netns]).status();
-        assert!(Command::new("ip").args(["netns", "add", &netns]).status().is_ok_and(|s| s.success()), "ip netns add");
+        // A guard: deleted however start() ends, a panic included.
+        let netns = Netns::create(&format!("sup-e2e-{}", std::process::id())).unwrap_or_else(|e| panic!("{e}"));
         let opts = Options { state_dir: dir.join("cluster"), port: PORT, ..Options::default() };
         let cluster = Cluster::up_with(&opts).unwrap_or_else(|e| panic!("cluster up: {e}"));
         let state = dir.join("state");
@@ -106,7 +106,7 @@ node_name = "{COCOON_NODE}"
             .args(["--state-dir", &state.display().to_string(), "--run-dir", &dir.join("run").display().to_string()])
             .args(["--api-socket", &api.display().to_string(), "--bin-dir", &bin_dir.display().to_string()])
             .args(["--catalog", &catalog.display().to_string()])
-            .env("VK_NETNS", &netns)
+            .env("VK_NETNS", netns.name())
             .env("CHRYSALIS_STATE", &state)
             .stdout(Stdio::null())
             .stderr(log)
@@ -114,7 +114,7 @@ node_name = "{COCOON_NODE}"
             .expect("chrysalis run");
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         let client = Client::new(Endpoint::Unix(api), None);
-        Run { child, client, rt, state, netns, cluster: opts, sandboxd }
+        Run { child, client, rt, state, cluster: opts, _netns: netns, sandboxd }
     }
 
     impl Run {

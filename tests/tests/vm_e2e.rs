@@ -123,16 +123,7 @@ async fn rt_boot_overlay_python_port_forward_shutdown() -> Result<()> {
     // port_forward to a listener in the guest.
     let server = "import socket\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
 s.bind(('127.0.0.1', 7000))\ns.listen()\nc, _ = s.accept()\nd = c.recv(100)\nc.sendall(d.upper())\nc.close()\n";
-    conn.send(&Request::Exec {
-        argv: vec!["python3".into(), "-c".into(), server.into()],
-        cwd: None,
-        env: None,
-        user: None,
-        detach: Some(true),
-        session: None,
-    })
-    .await?;
-    assert!(matches!(conn.recv().await?, Response::Started { .. }));
+    conn.exec_detached(&["python3", "-c", server], ExecOptions::default()).await?;
     let mut forwarded = None;
     for _ in 0..100 {
         let mut pconn = agent(&driver, &vm).await?;

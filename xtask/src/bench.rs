@@ -19,6 +19,13 @@ pub struct Figure {
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     crate::prereqs::ensure_all()?;
+    if matches!(args.what, BenchWhat::Appliance) {
+        // The host image's figures need neither the guest images on this host nor the others.
+        let mut figures = Vec::new();
+        crate::bench_appliance::run(&mut figures, &args.board, Duration::from_secs(args.idle_secs))?;
+        print_table(&figures);
+        return Ok(());
+    }
     crate::vm_image::run(&VmImageArgs { template: None, all: true, force: false })?;
     let want_vm = matches!(args.what, BenchWhat::All | BenchWhat::Vm);
     let want_sandboxd = matches!(args.what, BenchWhat::All | BenchWhat::Sandboxd);
@@ -39,6 +46,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     if want_cocoon {
         crate::bench_cocoon::run(&mut figures, args.cocoon_pods)?;
+    }
+    if matches!(args.what, BenchWhat::All) {
+        crate::bench_appliance::run(&mut figures, &args.board, Duration::from_secs(args.idle_secs))?;
     }
     print_table(&figures);
     Ok(())

@@ -232,7 +232,9 @@ pub struct BenchArgs {
     /// Which benchmarks: `vm` (boot, clone, agent RPC, fs_pull, QEMU RSS), `sandboxd`
     /// (claim latency, claims/s, refill rate, sandboxd RSS), `vnode` (Sandbox → Pod Running
     /// through the real control plane and the vk-sandbox node; a burst of Sandboxes), `cocoon`
-    /// (a Pod bound to the vk-cocoon node → Running, `run` and `clone`), or `all`.
+    /// (a Pod bound to the vk-cocoon node → Running, `run` and `clone`), `appliance` (the host
+    /// image's size, power-on → supervisor ready → nodes Ready, idle RSS of the supervisor and
+    /// its services; builds and boots the host image), or `all`.
     #[arg(value_enum, default_value = "all")]
     pub what: BenchWhat,
     /// Claims held when sandboxd's RSS is measured.
@@ -257,6 +259,12 @@ pub struct BenchArgs {
     /// lowered, and said so, when the machine lacks the memory for that many idle VMs).
     #[arg(long, default_value_t = 100)]
     pub burst: usize,
+    /// `appliance`: the board whose image is measured.
+    #[arg(long, default_value = "qemu-x86_64")]
+    pub board: String,
+    /// `appliance`: seconds the healthy box idles before its RSS is read.
+    #[arg(long, default_value_t = 30)]
+    pub idle_secs: u64,
 }
 
 #[derive(Debug, Args)]
@@ -280,6 +288,7 @@ pub enum BenchWhat {
     Sandboxd,
     Vnode,
     Cocoon,
+    Appliance,
 }
 
 #[derive(Debug, Subcommand)]

@@ -128,22 +128,26 @@ fn mounted(device: &Path) -> Result<Option<String>> {
         }
     }
     let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    for line in info.lines() {
+    let swaps = fs::read_to_string("/proc/swaps").unwrap_or_default();
+    Ok(in_use(&devs, &dev.display().to_string(), &info, &swaps))
+}
+
+/// Where one of `devs` (`major:minor`) is mounted according to `mountinfo`, or where
+/// `dev_path` (or one of its partitions) is swap according to `swaps` (swap is not in
+/// mountinfo).
+fn in_use(devs: &[String], dev_path: &str, mountinfo: &str, swaps: &str) -> Option<String> {
+    for line in mountinfo.lines() {
         let f: Vec<&str> = line.split_whitespace().collect();
         if f.len() > 4 && devs.iter().any(|d| d == f[2]) {
-            return Ok(Some(format!("{} (dev {})", f[4], f[2])));
+            return Some(format!("{} (dev {})", f[4], f[2]));
         }
     }
-    // Swap is not in mountinfo.
-    let swaps = fs::read_to_string("/proc/swaps").unwrap_or_default();
-    for line in swaps.lines().skip(1) {
-        if let Some(path) = line.split_whitespace().next() {
-            if path.starts_with(&dev.display().to_string()) {
-                return Ok(Some(format!("swap {path}")));
-            }
-        }
-    }
-    Ok(None)
+    swaps
+        .lines()
+        .skip(1)
+        .filter_map(|line| line.split_whitespace().next())
+        .find(|path| path.starts_with(dev_path))
+        .map(|path| format!("swap {path}"))
 }
 
 /// A block device's size in bytes (seek to its end).
@@ -197,22 +201,17 @@ mod tests {
     }
 
     #[test]
-    fn a_mounted_device_is_detected() {
-        // Whatever holds `/` here is mounted; if it is a block device, `mounted` must see it.
-        let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        let Some(root_dev) = info.lines().find_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.get(4) == Some(&"/")).then(|| f.get(2).map(|s| s.to_string())).flatten()
-        }) else {
-            eprintln!("SKIPPED a_mounted_device_is_detected: no / in mountinfo");
-            return;
-        };
-        let link = Path::new("/dev/block").join(&root_dev);
-        if !link.exists() {
-            eprintln!("SKIPPED a_mounted_device_is_detected: / is on {root_dev}, which has no /dev/block node here");
-            return;
-        }
-        let found = mounted(&link).expect("mounted");
-        assert!(found.is_some(), "{} holds / but was not reported mounted", link.display());
+    fn a_mounted_device_or_swap_is_detected() {
+        let mountinfo = "22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n\
+                         23 22 0:5 / /dev rw - devtmpfs udev rw\n";
+        let swaps = "Filename Type Size Used Priority\n/dev/sdb2 partition 1024 0 -2\n";
+        // sda's partition 1 holds /.
+        let sda = ["8:0".to_string(), "8:1".to_string()];
+        assert_eq!(in_use(&sda, "/dev/sda", mountinfo, swaps).as_deref(), Some("/ (dev 8:1)"));
+        // sdb is not mounted, but its partition 2 is swap.
+        let sdb = ["8:16".to_string(), "8:18".to_string()];
+        assert_eq!(in_use(&sdb, "/dev/sdb", mountinfo, swaps).as_deref(), Some("swap /dev/sdb2"));
+        // sdc is free.
+        assert_eq!(in_use(&["8:32".to_string()], "/dev/sdc", mountinfo, swaps), None);
     }
 }

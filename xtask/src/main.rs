@@ -5,6 +5,7 @@
 //! (see [`paths`]) so a warm machine is fast and a fresh clone stays clean.
 
 mod bench;
+mod bench_appliance;
 mod bench_cocoon;
 mod bench_sandboxd;
 mod bench_vnode;

@@ -21,6 +21,8 @@ pub const APT_PACKAGES: &[&str] = &[
     "zstd",
     "xz-utils",
     "iproute2",
+    // the test control plane's PKI cross-check
+    "openssl",
     // the host image (cargo xtask image / run / flash) and its QEMU machine
     "cryptsetup-bin",
     "dosfstools",

@@ -91,9 +91,16 @@ fn print_issues(issues: &[Issue]) {
     }
 }
 
+/// KiB as MiB with one decimal.
+fn mib(kib: u64) -> String {
+    format!("{:.1} MiB", kib as f64 / 1024.0)
+}
+
 fn print_health(h: &Health) {
-    let mut rows =
-        vec![vec!["SERVICE", "STATE", "PID", "RESTARTS", "UP", "LAST EXIT"].into_iter().map(String::from).collect()];
+    let mut rows = vec![vec!["SERVICE", "STATE", "PID", "RSS", "RESTARTS", "UP", "LAST EXIT"]
+        .into_iter()
+        .map(String::from)
+        .collect()];
     for s in &h.services {
         let state = match s.restart_in_secs {
             Some(t) => format!("{:?} (in {t:.0}s)", s.state).to_lowercase(),
@@ -103,6 +110,7 @@ fn print_health(h: &Health) {
             s.name.clone(),
             state,
             s.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+            s.rss_kib.map(mib).unwrap_or_else(|| "-".into()),
             s.restarts.to_string(),
             s.since_unix.filter(|_| s.pid.is_some()).map(ago).unwrap_or_else(|| "-".into()),
             s.last_exit.as_ref().map(|e| e.text.clone()).unwrap_or_else(|| "-".into()),
@@ -159,8 +167,9 @@ pub fn status(a: ClientArgs) -> Result<()> {
         "not ready"
     };
     println!(
-        "supervisor  {health} (up {}, v{}, state {})",
+        "supervisor  {health} (up {}, RSS {}, v{}, state {})",
         humantime::format_duration(Duration::from_secs(st.supervisor.uptime_secs)),
+        st.supervisor.rss_kib.map(mib).unwrap_or_else(|| "-".into()),
         st.supervisor.version,
         st.supervisor.state_dir
     );

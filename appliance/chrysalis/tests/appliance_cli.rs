@@ -27,6 +27,18 @@ fn p(path: &Path) -> &str {
     path.to_str().expect("utf8 path")
 }
 
+/// `chrysalis run` laid out under `d`: the baked layer `d/config.toml`, ESP and disk layers at the
+/// missing `d/x`, no kernel command line, state in `d/state`, runtime files in `d/run`, the API on
+/// `api_socket`, and no `NOTIFY_SOCKET`. Each test adds its own flags, log format and stdio.
+fn run_under(d: &Path, api_socket: &Path) -> Command {
+    let mut run = Command::new(env!("CARGO_BIN_EXE_chrysalis"));
+    run.args(["run", "--config-baked", p(&d.join("config.toml")), "--config-esp", p(&d.join("x"))])
+        .args(["--config-disk", p(&d.join("x")), "--no-cmdline", "--state-dir", p(&d.join("state"))])
+        .args(["--run-dir", p(&d.join("run")), "--api-socket", p(api_socket)])
+        .env_remove("NOTIFY_SOCKET");
+    run
+}
+
 #[test]
 fn config_check_exit_codes_and_messages() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -134,27 +146,8 @@ fn run_status_logs_update_reboot_and_sigterm() {
     std::fs::write(d.join("config.toml"), "[sandboxd]\nlisten = \"127.0.0.1:1\"\n").expect("config");
     let sock = d.join("api.sock");
     let api = format!("unix:{}", sock.display());
-    let mut sup = Command::new(env!("CARGO_BIN_EXE_chrysalis"))
-        .args([
-            "run",
-            "--config-baked",
-            p(&d.join("config.toml")),
-            "--config-esp",
-            p(&d.join("x")),
-            "--config-disk",
-            p(&d.join("x")),
-        ])
-        .args([
-            "--no-cmdline",
-            "--state-dir",
-            p(&d.join("state")),
-            "--run-dir",
-            p(&d.join("run")),
-            "--api-socket",
-            p(&sock),
-        ])
+    let mut sup = run_under(d, &sock)
         .args(["--bin-dir", p(&d.join("bin")), "--hostname", "box", "--shutdown-timeout", "3"])
-        .env_remove("NOTIFY_SOCKET")
         .env("CHRYSALIS_LOG_FORMAT", "json")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(d.join("run.log")).expect("log"))
@@ -223,28 +216,9 @@ fn run_exits_on_config_error_when_asked() {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
     std::fs::write(d.join("config.toml"), "[sandboxd]\nlisten = \"nowhere\"\n").expect("config");
-    let o = Command::new(env!("CARGO_BIN_EXE_chrysalis"))
-        .args([
-            "run",
-            "--config-baked",
-            p(&d.join("config.toml")),
-            "--config-esp",
-            p(&d.join("x")),
-            "--config-disk",
-            p(&d.join("x")),
-        ])
-        .args([
-            "--no-cmdline",
-            "--state-dir",
-            p(&d.join("state")),
-            "--run-dir",
-            p(&d.join("run")),
-            "--api-socket",
-            p(&d.join("s")),
-        ])
+    let o = run_under(d, &d.join("s"))
         .arg("--exit-on-config-error")
         .env("CHRYSALIS_LOG_FORMAT", "text")
-        .env_remove("NOTIFY_SOCKET")
         .output()
         .expect("run");
     assert_eq!(o.status.code(), Some(1));

@@ -159,6 +159,24 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
         Ok(ExecOutput { code, stdout: out, stderr: err })
     }
 
+    /// Starts argv detached (`detach: true`): the RPC ends at `started`, whose guest pid is
+    /// returned; the process outlives this connection and its output is not collected.
+    pub async fn exec_detached(&mut self, argv: &[&str], opts: ExecOptions) -> Result<u32, ClientError> {
+        self.send(&Request::Exec {
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            cwd: opts.cwd,
+            env: opts.env,
+            user: opts.user,
+            detach: Some(true),
+            session: None,
+        })
+        .await?;
+        match self.recv().await? {
+            Response::Started { pid } => Ok(pid),
+            other => Err(unexpected("started", &other)),
+        }
+    }
+
     /// Uploads `data` with `fs_write` and waits for `done`.
     pub async fn write_file(&mut self, path: &str, data: &[u8], mode: Option<u32>) -> Result<(), ClientError> {
         self.send(&Request::FsWrite { path: path.into(), mode }).await?;
@@ -198,4 +216,59 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
 
 fn unexpected(expected: &'static str, got: &Response) -> ClientError {
     ClientError::Unexpected { expected, got: got.type_name().to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wire::codec::{decode_request, encode_response};
+
+    /// Runs [`AgentConn::exec_detached`] against a fake agent that answers `reply` to the one
+    /// request it reads; returns the result and that request.
+    async fn detached_against(reply: Response, opts: ExecOptions) -> (Result<u32, ClientError>, Request) {
+        let (client, mut agent) = tokio::io::duplex(64 * 1024);
+        let fake = tokio::spawn(async move {
+            let mut splitter = FrameSplitter::new();
+            let mut buf = vec![0; 4096];
+            let frame = loop {
+                if let Some(frame) = splitter.next_frame() {
+                    break frame.expect("frame");
+                }
+                let n = agent.read(&mut buf).await.expect("read");
+                assert_ne!(n, 0, "the client closed before sending a request");
+                splitter.push(&buf[..n]);
+            };
+            agent.write_all(&encode_response(&reply).expect("encode")).await.expect("write");
+            decode_request(&frame).expect("decode")
+        });
+        let got = AgentConn::new(client).exec_detached(&["sleep", "9"], opts).await;
+        (got, fake.await.expect("fake agent"))
+    }
+
+    #[tokio::test]
+    async fn exec_detached_sends_detach_and_returns_the_pid() {
+        let opts = ExecOptions { cwd: Some("/tmp".into()), env: None, user: Some("dev".into()) };
+        let (got, req) = detached_against(Response::Started { pid: 42 }, opts).await;
+        assert_eq!(got.expect("started"), 42);
+        assert_eq!(
+            req,
+            Request::Exec {
+                argv: vec!["sleep".into(), "9".into()],
+                cwd: Some("/tmp".into()),
+                env: None,
+                user: Some("dev".into()),
+                detach: Some(true),
+                session: None,
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn exec_detached_fails_on_any_other_reply() {
+        let (got, _) = detached_against(Response::Exit { code: 0 }, ExecOptions::default()).await;
+        assert!(matches!(got, Err(ClientError::Unexpected { expected: "started", .. })), "{got:?}");
+        let refusal = Response::Error { kind: ErrorKind::NotFound, message: "no sleep".into() };
+        let (got, _) = detached_against(refusal, ExecOptions::default()).await;
+        assert!(matches!(got, Err(ClientError::Agent { kind: ErrorKind::NotFound, .. })), "{got:?}");
+    }
 }

@@ -937,19 +937,6 @@ pub fn valid_label_value(v: &str) -> bool {
             && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.')))
 }
 
-/// sandboxd's template-name rule (mirrors `sandboxd::pool::key`; kept here so the supervisor
-/// does not link the daemon).
-pub fn valid_template(t: &str) -> bool {
-    let b = t.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && b[0].is_ascii_alphanumeric()
-        && b[1..].iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b':' | b'/' | b'-'))
-}
-
-/// The size classes (fixed by the design).
-pub const SIZES: [&str; 5] = ["small", "medium", "large", "xlarge", "2xlarge"];
-
 /// `https://host[:port]` with nothing after the authority.
 fn check_endpoint(e: &str) -> Result<(), String> {
     let Some(rest) = e.strip_prefix("https://") else {
@@ -1027,18 +1014,19 @@ impl Config {
         let mut seen: Vec<(&str, &str, &str)> = Vec::new();
         for (i, p) in sb.pools.iter().enumerate() {
             let k = |f: &str| format!("sandboxd.pools[{i}].{f}");
-            if !valid_template(&p.template) {
+            if !vmm::catalog::valid_template(&p.template) {
                 c.fail(
                     &k("template"),
                     format!("{:?} is not a template name", p.template),
                     "use a catalog template or alias such as \"base\" (letters, digits, . _ : / -; at most 63)",
                 );
             }
-            if !SIZES.contains(&p.size.as_str()) {
+            if p.size.parse::<vmm::SizeClass>().is_err() {
+                let sizes: Vec<&str> = vmm::SizeClass::ALL.iter().map(|s| s.as_str()).collect();
                 c.fail(
                     &k("size"),
                     format!("{:?} is not a size class", p.size),
-                    format!("use one of {}", SIZES.join(", ")),
+                    format!("use one of {}", sizes.join(", ")),
                 );
             }
             match p.net.as_str() {

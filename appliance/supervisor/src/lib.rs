@@ -66,20 +66,7 @@ pub const BIN_DIR: &str = "/usr/bin";
 /// Default API socket.
 pub const API_SOCKET: &str = "/run/chrysalis/api.sock";
 
-/// `a: b: c` for an error and its sources.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let m = c.to_string();
-        if !s.ends_with(&m) {
-            s.push_str(": ");
-            s.push_str(&m);
-        }
-        cur = c.source();
-    }
-    s
-}
+pub use vmm::error_chain;
 
 /// Installs the tracing subscriber described in the crate doc (JSON unless stderr is a TTY).
 pub fn init_logging() {

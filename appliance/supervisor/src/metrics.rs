@@ -5,6 +5,7 @@
 //! |---|---|
 //! | `chrysalis_supervisor_uptime_seconds`, `chrysalis_supervisor_ready` | |
 //! | `chrysalis_service_up`, `chrysalis_service_restarts_total`, `chrysalis_service_last_exit_code` | `service` |
+//! | `chrysalis_process_resident_bytes` (the supervisor and each running service) | `process` |
 //! | `chrysalis_pool_warm`, `chrysalis_pool_target` | `template`, `size`, `net` |
 //! | `chrysalis_node_ready`, `chrysalis_node_lease_fresh` | `node`, `service` |
 //! | `chrysalis_cluster_api_reachable` (with a cluster) | |
@@ -38,6 +39,7 @@ struct Snapshot {
     health: Health,
     uptime: Duration,
     update: UpdateState,
+    supervisor_rss_kib: Option<u64>,
 }
 
 type Labels = Vec<(&'static str, String)>;
@@ -108,6 +110,17 @@ impl Collector for Snapshot {
             "Last exit: status, 128+signal, or -1 when it could not start.",
             &exits,
         )?;
+        let process = |name: &str| vec![("process", name.to_string())];
+        let rss: Vec<(Labels, f64)> = std::iter::once(("supervisor", self.supervisor_rss_kib))
+            .chain(h.services.iter().map(|s| (s.name.as_str(), s.rss_kib)))
+            .filter_map(|(name, kib)| kib.map(|k| (process(name), (k * 1024) as f64)))
+            .collect();
+        gauges(
+            &mut enc,
+            "chrysalis_process_resident_bytes",
+            "Resident memory of the supervisor and of each service's main process (VMs not included).",
+            &rss,
+        )?;
         let pool = |p: &crate::health::PoolHealth| {
             vec![("template", p.template.clone()), ("size", p.size.clone()), ("net", p.net.clone())]
         };
@@ -142,7 +155,12 @@ impl Collector for Snapshot {
 /// The exposition text.
 pub fn render(health: &Health, uptime: Duration, update: UpdateState) -> Result<String, MetricsError> {
     let mut reg = Registry::default();
-    reg.register_collector(Box::new(Snapshot { health: health.clone(), uptime, update }));
+    reg.register_collector(Box::new(Snapshot {
+        health: health.clone(),
+        uptime,
+        update,
+        supervisor_rss_kib: crate::supervise::rss_kib(std::process::id()),
+    }));
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &reg).map_err(MetricsError::Encode)?;
     Ok(out)
@@ -173,6 +191,7 @@ mod tests {
                     text: "x".into(),
                 }),
                 restart_in_secs: None,
+                rss_kib: Some(2048),
             }],
             pools: vec![PoolHealth {
                 template: "base".into(),
@@ -197,6 +216,7 @@ mod tests {
             "chrysalis_supervisor_uptime_seconds 5.0",
             "chrysalis_supervisor_ready 1.0",
             "chrysalis_service_up{service=\"sandboxd\"} 1.0",
+            "chrysalis_process_resident_bytes{process=\"sandboxd\"} 2097152.0",
             "chrysalis_service_restarts_total{service=\"sandboxd\"} 3",
             "chrysalis_service_last_exit_code{service=\"sandboxd\"} 137.0",
             "chrysalis_pool_warm{template=\"base\",size=\"small\",net=\"none\"} 1.0",
@@ -210,6 +230,8 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
+        // The supervisor's own RSS is whatever this test process has.
+        assert!(text.lines().any(|l| l.starts_with("chrysalis_process_resident_bytes{process=\"supervisor\"} ")), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 

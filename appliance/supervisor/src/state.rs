@@ -25,6 +25,9 @@ pub struct SupervisorInfo {
     pub uptime_secs: u64,
     /// The state directory.
     pub state_dir: String,
+    /// Its resident memory (`VmRSS`, KiB).
+    #[serde(default)]
+    pub rss_kib: Option<u64>,
 }
 
 /// `GET /v1/status`.
@@ -119,6 +122,7 @@ impl Shared {
                 pid: std::process::id(),
                 uptime_secs: self.uptime().as_secs(),
                 state_dir: self.state_dir.clone(),
+                rss_kib: crate::supervise::rss_kib(std::process::id()),
             },
             config_errors: self.config_errors.clone(),
             health: self.health(),

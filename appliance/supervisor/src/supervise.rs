@@ -132,6 +132,15 @@ pub struct ServiceStatus {
     pub last_exit: Option<ExitInfo>,
     /// Seconds until the next start, in backoff.
     pub restart_in_secs: Option<f64>,
+    /// Resident memory of its main process (`VmRSS`, KiB) while running; its VMs are not in it.
+    #[serde(default)]
+    pub rss_kib: Option<u64>,
+}
+
+/// A process's resident memory (`VmRSS` of `/proc/<pid>/status`) in KiB.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse().ok()
 }
 
 struct Child {
@@ -427,6 +436,7 @@ impl Supervisor {
                         .next_start
                         .filter(|_| c.pid.is_none())
                         .map(|t| t.saturating_duration_since(now).as_secs_f64()),
+                    rss_kib: c.pid.and_then(|p| rss_kib(p.as_raw() as u32)),
                 }
             })
             .collect()

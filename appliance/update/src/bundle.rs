@@ -667,23 +667,62 @@ mod tests {
         builder.into_inner().expect("finish")
     }
 
+    /// A bundle made by [`create`] from [`fixture`] and signed with the `[1; 32]` key, at
+    /// `x.chrysalis-bundle` in its own temporary directory, with what went in and what came out.
+    struct Built {
+        dir: tempfile::TempDir,
+        root: PathBuf,
+        kernel: PathBuf,
+        fields: ManifestFields,
+        key: SigningKey,
+        out: PathBuf,
+        /// What [`create`] returned.
+        manifest: Manifest,
+        /// The bundle file.
+        bytes: Vec<u8>,
+        /// Its members, as [`inspect`] reads them.
+        members: Vec<MemberInfo>,
+        /// Trusts `key` alone.
+        keys: TrustedKeys,
+    }
+
+    impl Built {
+        fn new() -> Built {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let (root, kernel, fields) = fixture(dir.path());
+            let key = SigningKey::from_bytes(&[1u8; 32]);
+            let out = dir.path().join("x.chrysalis-bundle");
+            let manifest = create(&root, &kernel, &fields, &key, &out).expect("create");
+            let bytes = std::fs::read(&out).expect("read");
+            let members = inspect(&out).expect("inspect");
+            let keys = keys_for(&key);
+            Built { dir, root, kernel, fields, key, out, manifest, bytes, members, keys }
+        }
+
+        /// What a box that should accept this bundle expects: its key, its `compatible`, a
+        /// 1 MiB slot.
+        fn expect(&self) -> Expect<'_> {
+            Expect { keys: &self.keys, compatible: "chrysalis-qemu-x86_64", slot_bytes: 1 << 20 }
+        }
+
+        /// The data of member `index` (in [`MEMBERS`] order).
+        fn member_data(&self, index: usize) -> &[u8] {
+            let m = &self.members[index];
+            &self.bytes[m.data_offset as usize..(m.data_offset + m.size) as usize]
+        }
+    }
+
     #[test]
     fn create_then_stream() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (root, kernel, fields) = fixture(dir.path());
-        let key = SigningKey::from_bytes(&[1u8; 32]);
-        let out = dir.path().join("x.chrysalis-bundle");
-        let manifest = create(&root, &kernel, &fields, &key, &out).expect("create");
-        let names: Vec<String> = inspect(&out).expect("inspect").into_iter().map(|m| m.name).collect();
+        let built = Built::new();
+        let names: Vec<&str> = built.members.iter().map(|m| m.name.as_str()).collect();
         assert_eq!(names, MEMBERS);
-        let again = dir.path().join("y.chrysalis-bundle");
-        create(&root, &kernel, &fields, &key, &again).expect("create again");
-        assert_eq!(std::fs::read(&out).expect("a"), std::fs::read(&again).expect("b"), "bundles are reproducible");
+        let again = built.dir.path().join("y.chrysalis-bundle");
+        create(&built.root, &built.kernel, &built.fields, &built.key, &again).expect("create again");
+        assert_eq!(built.bytes, std::fs::read(&again).expect("b"), "bundles are reproducible");
 
-        let keys = keys_for(&key);
-        let expect = Expect { keys: &keys, compatible: "chrysalis-qemu-x86_64", slot_bytes: 1 << 20 };
-        let mut reader = BundleReader::open(File::open(&out).expect("open"), &expect).expect("verify");
-        assert_eq!(reader.manifest(), &manifest);
+        let mut reader = BundleReader::open(File::open(&built.out).expect("open"), &built.expect()).expect("verify");
+        assert_eq!(reader.manifest(), &built.manifest);
         assert_eq!(reader.signer(), "test.pub");
         let mut k = Vec::new();
         reader.copy_kernel(&mut k, Path::new("k")).expect("kernel");
@@ -691,50 +730,42 @@ mod tests {
         let mut last = 0;
         reader.copy_root(&mut r, Path::new("r"), &mut |n| last = n).expect("root");
         reader.finish().expect("finish");
-        assert_eq!(k, std::fs::read(&kernel).expect("kernel"));
-        assert_eq!(r, std::fs::read(&root).expect("root"));
+        assert_eq!(k, std::fs::read(&built.kernel).expect("kernel"));
+        assert_eq!(r, std::fs::read(&built.root).expect("root"));
         assert_eq!(last, r.len() as u64);
     }
 
     #[test]
     fn refusals_before_any_payload() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (root, kernel, fields) = fixture(dir.path());
-        let key = SigningKey::from_bytes(&[1u8; 32]);
-        let out = dir.path().join("x.chrysalis-bundle");
-        create(&root, &kernel, &fields, &key, &out).expect("create");
-        let bytes = std::fs::read(&out).expect("read");
-        let members = inspect(&out).expect("inspect");
-        let keys = keys_for(&key);
-        let ok = Expect { keys: &keys, compatible: "chrysalis-qemu-x86_64", slot_bytes: 1 << 20 };
+        let built = Built::new();
+        let bytes = &built.bytes;
+        let ok = built.expect();
         let open = |b: &[u8], e: &Expect<'_>| BundleReader::open(b, e).map(|_| ());
 
         let other = keys_for(&SigningKey::from_bytes(&[2u8; 32]));
         let wrong_key = Expect { keys: &other, ..ok };
-        assert!(matches!(open(&bytes, &wrong_key), Err(BundleError::UnknownKey { keys: 1, .. })));
+        assert!(matches!(open(bytes, &wrong_key), Err(BundleError::UnknownKey { keys: 1, .. })));
         let none = TrustedKeys::default();
-        assert!(matches!(open(&bytes, &Expect { keys: &none, ..ok }), Err(BundleError::UnknownKey { keys: 0, .. })));
+        assert!(matches!(open(bytes, &Expect { keys: &none, ..ok }), Err(BundleError::UnknownKey { keys: 0, .. })));
         assert!(matches!(
-            open(&bytes, &Expect { compatible: "chrysalis-x86_64-efi", ..ok }),
+            open(bytes, &Expect { compatible: "chrysalis-x86_64-efi", ..ok }),
             Err(BundleError::Incompatible { ref want, ref got }) if want == "chrysalis-x86_64-efi" && got == "chrysalis-qemu-x86_64"
         ));
         assert!(matches!(
-            open(&bytes, &Expect { slot_bytes: 4096, ..ok }),
+            open(bytes, &Expect { slot_bytes: 4096, ..ok }),
             Err(BundleError::TooLarge { slot_bytes: 4096, image_bytes }) if image_bytes == 3 * 4096 + 100
         ));
 
         // A flipped byte in the manifest: the signature no longer verifies.
         let mut edited = bytes.clone();
-        let m = &members[0];
-        let pos = m.data_offset as usize + 20;
+        let pos = built.members[0].data_offset as usize + 20;
         edited[pos] ^= 0x01;
         // Keep the header checksum valid: only data changed.
         assert!(matches!(open(&edited, &ok), Err(BundleError::UnknownKey { .. })));
 
-        let manifest_bytes = &bytes[m.data_offset as usize..(m.data_offset + m.size) as usize];
-        let sig_member = &members[1];
-        let sig = &bytes[sig_member.data_offset as usize..(sig_member.data_offset + sig_member.size) as usize];
-        let kernel_bytes = std::fs::read(&kernel).expect("k");
+        let manifest_bytes = built.member_data(0);
+        let sig = built.member_data(1);
+        let kernel_bytes = std::fs::read(&built.kernel).expect("k");
         // Unsigned: the kernel follows the manifest directly, or the stream ends.
         assert!(matches!(
             open(&tar_of(&[(MANIFEST_MEMBER, manifest_bytes), (KERNEL_MEMBER, &kernel_bytes)]), &ok),
@@ -775,22 +806,16 @@ mod tests {
 
     #[test]
     fn payload_errors() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (root, kernel, fields) = fixture(dir.path());
-        let key = SigningKey::from_bytes(&[1u8; 32]);
-        let out = dir.path().join("x.chrysalis-bundle");
-        create(&root, &kernel, &fields, &key, &out).expect("create");
-        let bytes = std::fs::read(&out).expect("read");
-        let members = inspect(&out).expect("inspect");
-        let keys = keys_for(&key);
-        let ok = Expect { keys: &keys, compatible: "chrysalis-qemu-x86_64", slot_bytes: 1 << 20 };
+        let built = Built::new();
+        let (bytes, members) = (&built.bytes, &built.members);
+        let ok = built.expect();
         let run = |b: &[u8]| -> Result<(), BundleError> {
             let mut r = BundleReader::open(b, &ok)?;
             r.copy_kernel(&mut io::sink(), Path::new("k"))?;
             r.copy_root(&mut io::sink(), Path::new("r"), &mut |_| {})?;
             r.finish().map(|_| ())
         };
-        run(&bytes).expect("intact bundle");
+        run(bytes).expect("intact bundle");
         for (index, member) in [(2usize, KERNEL_MEMBER), (3, ROOT_MEMBER)] {
             let mut edited = bytes.clone();
             edited[members[index].data_offset as usize + 3] ^= 0x80;
@@ -813,10 +838,10 @@ mod tests {
         extra.extend(tar_of(&[("extra.txt", b"x")]));
         assert!(matches!(run(&extra), Err(BundleError::UnexpectedMember { ref name }) if name == "extra.txt"));
         // Root before kernel.
-        let manifest = &bytes[members[0].data_offset as usize..(members[0].data_offset + members[0].size) as usize];
-        let sig = &bytes[members[1].data_offset as usize..(members[1].data_offset + members[1].size) as usize];
-        let rootb = std::fs::read(&root).expect("root");
-        let kern = std::fs::read(&kernel).expect("kernel");
+        let manifest = built.member_data(0);
+        let sig = built.member_data(1);
+        let rootb = std::fs::read(&built.root).expect("root");
+        let kern = std::fs::read(&built.kernel).expect("kernel");
         let swapped = tar_of(&[
             (MANIFEST_MEMBER, manifest),
             (SIGNATURE_MEMBER, sig),

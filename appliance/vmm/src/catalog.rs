@@ -9,6 +9,17 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+/// Whether `t` can name a template (a catalog name or alias, or an image reference):
+/// `^[a-zA-Z0-9][a-zA-Z0-9._:/-]{0,62}$`. sandboxd's pool keys and the supervisor's
+/// configuration check use this one rule.
+pub fn valid_template(t: &str) -> bool {
+    let b = t.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b[0].is_ascii_alphanumeric()
+        && b[1..].iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b':' | b'/' | b'-'))
+}
+
 /// Errors loading the catalog or resolving a template name.
 #[derive(Debug, thiserror::Error)]
 pub enum CatalogError {

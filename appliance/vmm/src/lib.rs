@@ -29,13 +29,18 @@ pub use driver::{
 };
 pub use size::SizeClass;
 
-/// Formats an error with its `source()` chain as `a: b: c`.
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+/// Formats an error with its `source()` chain as `a: b: c` (a cause whose text the message
+/// already ends with is not repeated). The workspace's one formatter above the providers
+/// (`vnode` has its own: it links no VMM code).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
+        let m = c.to_string();
+        if !s.ends_with(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
         cur = c.source();
     }
     s

@@ -28,7 +28,6 @@ use vmm::{
     SizeClass, Vm, VmId, AGENT_PORT,
 };
 use vmnet::{Lease, NetConfig, Network};
-use wire::{Request, Response};
 
 fn nic(net: &Network, lease: &Lease) -> NicSpec {
     NicSpec {
@@ -201,18 +200,7 @@ async fn tcp_from_netns(
 
 /// Starts `argv` detached in the guest.
 async fn spawn_detached(driver: &Arc<dyn Driver>, vm: &Vm, argv: &[&str]) {
-    let mut conn = agent(driver, vm).await;
-    conn.send(&Request::Exec {
-        argv: argv.iter().map(|a| a.to_string()).collect(),
-        cwd: None,
-        env: None,
-        user: None,
-        detach: Some(true),
-        session: None,
-    })
-    .await
-    .expect("send");
-    assert!(matches!(conn.recv().await.expect("recv"), Response::Started { .. }));
+    agent(driver, vm).await.exec_detached(argv, ExecOptions::default()).await.expect("detached exec");
 }
 
 /// A guest of a built template under QEMU with a NIC on its own lease, on a fresh bridge in a

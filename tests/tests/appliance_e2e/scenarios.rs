@@ -14,9 +14,10 @@ use serde_json::Value;
 use supervisor::client::Client;
 use supervisor::http::Endpoint;
 use supervisor::update::{UpdateState, UpdateStatus};
-use test_infra::appliance_vm::{ApplianceVm, Options as VmOptions};
+use test_infra::appliance_vm::{ApplianceVm, JoinedBox, Options as VmOptions};
 use test_infra::cluster::{Cluster, Options as ClusterOptions, APPLIANCE_API_ADDR};
-use test_infra::suite::poll;
+use test_infra::ensure;
+use test_infra::suite::{poll, Outcome};
 
 /// The apiserver port of this suite's cluster (others: 16443 xtask, 26443 cluster_e2e, 27443
 /// join, 28443 vnode, 29443 vk_sandbox_e2e, 31443 vk_cocoon_e2e).
@@ -31,18 +32,11 @@ const HEALTHY: Duration = Duration::from_secs(900);
 /// The trial's health deadline in the box's config: long enough for a healthy trial boot under
 /// nested TCG, short enough that the failing bundle reverts in reasonable time.
 const HEALTH_DEADLINE_SECS: u64 = 900;
+/// The deadline the never-healthy bundle sets on its kernel command line
+/// (`chrysalis.set=update.health_deadline_secs=300`, made by `cargo xtask test`).
+const NEVER_HEALTHY_DEADLINE: Duration = Duration::from_secs(300);
 /// The API token of the boxes' remote API (forwarded to a loopback port).
 const API_TOKEN: &str = "appliance-e2e-api-token";
-
-type Outcome = Result<(), String>;
-
-macro_rules! ensure {
-    ($cond:expr, $($fmt:tt)+) => {
-        if !$cond {
-            return Err(format!($($fmt)+));
-        }
-    };
-}
 
 /// The built image and its bundles (`cargo xtask test` builds them first; see the suite doc).
 struct Built {
@@ -115,7 +109,7 @@ pub fn run(name: &str) -> Result<(), String> {
         other => Err(format!("unknown scenario {other}")),
     };
     result.map_err(|e| {
-        let tail = env.box1.as_ref().map(|b| console_tail(&b.vm, 60)).unwrap_or_default();
+        let tail = env.box1.as_ref().map(|b| test_infra::tail(&b.vm.console_text(), 60)).unwrap_or_default();
         format!("{e}\n---- box console (last lines) ----\n{tail}")
     })
 }
@@ -132,55 +126,22 @@ pub fn teardown() -> Result<(), String> {
     Ok(())
 }
 
-fn console_tail(vm: &ApplianceVm, lines: usize) -> String {
-    let text = vm.console_text();
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
-}
-
 // ---------------------------------------------------------------------------------------------
 // Boxes
 
 impl Env {
-    /// The config disk of a box: the cluster, its node names, a pool of one `base` VM (nested
-    /// TCG), the remote API, and the trial deadline.
+    /// The config disk of a box (see [`JoinedBox`]).
     fn config_files(&self) -> BTreeMap<String, Vec<u8>> {
-        let toml = format!(
-            r#"[supervisor]
-api_listen = "0.0.0.0:7780"
-api_token_file = "api-token"
-
-[sandboxd]
-refill_concurrency = 1
-boot_timeout_secs = 900
-
-[[sandboxd.pools]]
-template = "ghcr.io/cocoonstack/sandbox/rt:24.04"
-size = "small"
-net = "none"
-warm = 1
-
-[cluster]
-endpoint = "https://{APPLIANCE_API_ADDR}:{PORT}"
-ca_cert_hashes = ["{hash}"]
-bootstrap_token_file = "bootstrap-token"
-
-[vk_sandbox]
-node_name = "{SANDBOX_NODE}"
-
-[vk_cocoon]
-node_name = "{COCOON_NODE}"
-
-[update]
-health_deadline_secs = {HEALTH_DEADLINE_SECS}
-"#,
-            hash = self.cluster.ca_hash,
-        );
-        BTreeMap::from([
-            ("config.toml".to_string(), toml.into_bytes()),
-            ("api-token".to_string(), format!("{API_TOKEN}\n").into_bytes()),
-            ("bootstrap-token".to_string(), format!("{}\n", self.cluster.token).into_bytes()),
-        ])
+        JoinedBox {
+            endpoint: format!("https://{APPLIANCE_API_ADDR}:{PORT}"),
+            ca_hash: &self.cluster.ca_hash,
+            bootstrap_token: &self.cluster.token,
+            sandbox_node: SANDBOX_NODE,
+            cocoon_node: COCOON_NODE,
+            api_token: API_TOKEN,
+            health_deadline_secs: HEALTH_DEADLINE_SECS,
+        }
+        .config_files()
     }
 
     /// Powers on a fresh box (a new overlay on the built disk).
@@ -356,7 +317,7 @@ fn never_healthy(env: &mut Env) -> Outcome {
     b.reboot(rt)?;
     // B boots on trial, never gets healthy, and the box goes back to A by itself.
     b.wait_slot(rt, "b", UpdateState::Trial, BOOT)?;
-    let back = b.wait_slot(rt, "a", UpdateState::Confirmed, Duration::from_secs(HEALTH_DEADLINE_SECS) + BOOT * 2)?;
+    let back = b.wait_slot(rt, "a", UpdateState::Confirmed, NEVER_HEALTHY_DEADLINE + BOOT * 2)?;
     ensure!(back.generation == Some(1), "back on A but generation {:?}", back.generation);
     let detail = back.detail.to_string();
     ensure!(detail.contains("bad") || detail.contains("fail"), "the failed trial is not reported: {detail}");

@@ -161,34 +161,14 @@ pub fn make_esp(out: &Path, size_mib: u64, files: &[EspFile], epoch: u64, seed: 
     let staging = work.join("esp-staging");
     let _ = fs::remove_dir_all(&staging);
     fs::create_dir_all(&staging)?;
-    let mut dirs: Vec<String> = Vec::new();
-    for f in files {
-        let parts: Vec<&str> = f.path.split('/').collect();
-        for i in 1..parts.len() {
-            let d = parts[..i].join("/");
-            if !dirs.contains(&d) {
-                dirs.push(d);
-            }
-        }
-    }
-    dirs.sort();
-    for d in &dirs {
-        run(Command::new("mmd").arg("-i").arg(out).arg(format!("::/{d}")).env("SOURCE_DATE_EPOCH", &epoch_s), "mmd")?;
-    }
+    let mut copies = Vec::new();
     for (i, f) in files.iter().enumerate() {
         let copy = staging.join(format!("{i}"));
         fs::copy(&f.source, &copy).with_context(|| format!("reading {}", f.source.display()))?;
         set_mtime(&copy, epoch)?;
-        run(
-            Command::new("mcopy")
-                .args(["-o", "-m", "-i"])
-                .arg(out)
-                .arg(&copy)
-                .arg(format!("::/{}", f.path))
-                .env("SOURCE_DATE_EPOCH", &epoch_s),
-            "mcopy",
-        )?;
+        copies.push((f.path.clone(), copy));
     }
+    test_infra::vfat::fill(out, &copies, Some(epoch))?;
     let _ = fs::remove_dir_all(&staging);
     Ok(())
 }

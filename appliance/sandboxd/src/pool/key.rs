@@ -65,14 +65,7 @@ impl fmt::Display for Net {
     }
 }
 
-/// Checks a template name against `^[a-zA-Z0-9][a-zA-Z0-9._:/-]{0,62}$`.
-pub fn valid_template(t: &str) -> bool {
-    let b = t.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && b[0].is_ascii_alphanumeric()
-        && b[1..].iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b':' | b'/' | b'-'))
-}
+pub use vmm::catalog::valid_template;
 
 /// A pool key. Serialises as `{"template","net","size"}` (the API's `key` object).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
