@@ -5,7 +5,8 @@
 //! Steps, each timed:
 //! 1. the Debian base (mmdebstrap, cached tarball);
 //! 2. the board's host kernel (Debian linux-source-6.1, EFI-stub `bzImage`, all built in);
-//! 3. release binaries (chrysalis, sandboxd, vk-sandbox, vk-cocoon; glibc only);
+//! 3. release binaries built for size (`--profile appliance`: chrysalis, sandboxd, vk-sandbox,
+//!    vk-cocoon; glibc only);
 //! 4. the shipped VM templates (`cargo xtask vm-image` machinery);
 //! 5. systemd-boot (`systemd-bootx64.efi` from Debian's `systemd-boot-efi`, downloaded, not
 //!    installed), then the root tree ([`tree`], cached);
@@ -364,7 +365,9 @@ fn host_kernel(board_name: &str, board: &board::Board, force: bool) -> Result<Pa
     guest_kernel::build(&spec, force)
 }
 
-/// `cargo build --release` of our binaries (or `$CHRYSALIS_IMAGE_BINS`).
+/// `cargo build --profile appliance` of our binaries (or `$CHRYSALIS_IMAGE_BINS`): release
+/// optimised for size (LTO, one codegen unit, stripped), since a process's resident memory is
+/// mostly its binary's mapped text.
 fn build_binaries() -> Result<BTreeMap<String, PathBuf>> {
     let dir = match std::env::var_os(PREBUILT_ENV) {
         Some(dir) => {
@@ -373,7 +376,7 @@ fn build_binaries() -> Result<BTreeMap<String, PathBuf>> {
         }
         None => {
             let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-            cmd.args(["build", "--release"]);
+            cmd.args(["build", "--profile", "appliance"]);
             for (package, _) in BINARIES {
                 cmd.args(["-p", package]);
             }
@@ -384,7 +387,7 @@ fn build_binaries() -> Result<BTreeMap<String, PathBuf>> {
                     "building the appliance binaries failed ({status}); set {PREBUILT_ENV}=<dir> to use prebuilt ones"
                 );
             }
-            paths::target_dir().join("release")
+            paths::target_dir().join("appliance")
         }
     };
     let mut out = BTreeMap::new();

@@ -63,6 +63,9 @@ use crate::supervise::{Backoff, RunState, Supervisor};
 pub const RUN_DIR: &str = "/run/chrysalis";
 /// Default binaries directory.
 pub const BIN_DIR: &str = "/usr/bin";
+/// Test hook: milliseconds after start at which the main loop blocks, as a deadlock would
+/// (the supervise suite checks that the watchdog pings stop). Never set on a box.
+pub const FAULT_STALL_ENV: &str = "CHRYSALIS_FAULT_STALL_AFTER_MS";
 /// Default API socket.
 pub const API_SOCKET: &str = "/run/chrysalis/api.sock";
 
@@ -418,6 +421,10 @@ pub async fn run(opts: RunOptions) -> Result<Exit, RunError> {
         (None, true) => Some(vec!["systemctl".into(), "reboot".into()]),
         (None, false) => None,
     };
+    let stall_at = std::env::var(FAULT_STALL_ENV)
+        .ok()
+        .and_then(|ms| ms.trim().parse::<u64>().ok())
+        .map(|ms| std::time::Instant::now() + Duration::from_millis(ms));
     let exit = loop {
         tokio::select! {
             _ = sigchld.recv() => sup.reap(),
@@ -447,6 +454,10 @@ pub async fn run(opts: RunOptions) -> Result<Exit, RunError> {
             },
         }
         shared.tick();
+        if stall_at.is_some_and(|at| std::time::Instant::now() >= at) {
+            tracing::error!("{FAULT_STALL_ENV}: stalling the main loop (test hook)");
+            std::thread::sleep(Duration::from_secs(24 * 3600));
+        }
         let statuses = sup.statuses();
         let answers = shared.health().sandboxd_answers;
         let ready = settings.is_some()

@@ -231,7 +231,10 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
         // The supervisor's own RSS is whatever this test process has.
-        assert!(text.lines().any(|l| l.starts_with("chrysalis_process_resident_bytes{process=\"supervisor\"} ")), "{text}");
+        assert!(
+            text.lines().any(|l| l.starts_with("chrysalis_process_resident_bytes{process=\"supervisor\"} ")),
+            "{text}"
+        );
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 

@@ -164,6 +164,8 @@ struct Rig {
     sup: Option<Child>,
     notify: Arc<Mutex<Vec<(Instant, String)>>>,
     rt: tokio::runtime::Runtime,
+    /// Extra environment of the supervisor (test hooks).
+    env: Vec<(&'static str, String)>,
 }
 
 impl Rig {
@@ -182,7 +184,7 @@ impl Rig {
         std::fs::write(d.join("bootstrap-token"), "abcdef.0123456789abcdef\n").expect("token");
         std::fs::write(d.join("config.toml"), config).expect("config");
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
-        Rig { dir, sup: None, notify: Arc::new(Mutex::new(Vec::new())), rt }
+        Rig { dir, sup: None, notify: Arc::new(Mutex::new(Vec::new())), rt, env: Vec::new() }
     }
 
     fn path(&self, p: &str) -> PathBuf {
@@ -222,6 +224,7 @@ impl Rig {
             .env("WATCHDOG_USEC", "1000000")
             .env_remove("WATCHDOG_PID")
             .env("RUST_LOG", "info")
+            .envs(self.env.iter().cloned())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
@@ -538,6 +541,23 @@ fn reboot_stops_services_then_reboots() {
 }
 
 /// The real sandboxd (no pools, no VMs): READY once it answers /healthz.
+/// A main loop that stalls (as a deadlock would) stops kicking the watchdog, so systemd's
+/// `WatchdogSec=` restarts the service: the pings come from the loop itself, not from a helper.
+fn a_stalled_main_loop_stops_the_watchdog() {
+    let mut r = Rig::new(&format!("[sandboxd]\nlisten = \"127.0.0.1:{}\"\n", free_port()), &[("sandboxd", "serve")]);
+    r.env.push((supervisor::FAULT_STALL_ENV, "3000".into()));
+    r.start();
+    wait_until("the main loop to stall", Duration::from_secs(20), || r.sup_log().contains("stalling the main loop"));
+    let stalled = Instant::now();
+    std::thread::sleep(Duration::from_secs(3));
+    let wd: Vec<Instant> =
+        r.notify.lock().expect("lock").iter().filter(|(_, m)| m.trim() == "WATCHDOG=1").map(|(t, _)| *t).collect();
+    assert!(wd.len() >= 3, "WATCHDOG=1 every 0.5 s before the stall: {}", wd.len());
+    let silent = wd.last().map(|last| Instant::now().saturating_duration_since(*last)).unwrap_or_default();
+    // Four intervals without a ping: systemd (WATCHDOG_USEC = 1 s here) would have fired.
+    assert!(silent >= Duration::from_secs(2), "a ping {silent:?} ago, {:?} after the stall", stalled.elapsed());
+}
+
 fn real_sandboxd_becomes_ready() {
     let sandboxd = built_sandboxd();
     let mut r = Rig::new(&format!("[sandboxd]\nlisten = \"127.0.0.1:{}\"\n", free_port()), &[]);
@@ -580,13 +600,14 @@ fn cannot_run(name: &str) -> Option<String> {
 
 fn runner(args: &[String]) {
     let filters: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();
-    let scenarios: [(&str, fn()); 7] = [
+    let scenarios: [(&str, fn()); 8] = [
         ("restart_backoff_and_crash_isolation", restart_backoff_and_crash_isolation),
         ("kill_9_is_recovered", kill_9_is_recovered),
         ("reaping_and_graceful_shutdown", reaping_and_graceful_shutdown),
         ("notify_api_and_logs", notify_api_and_logs),
         ("config_error_names_the_key", config_error_names_the_key),
         ("reboot_stops_services_then_reboots", reboot_stops_services_then_reboots),
+        ("a_stalled_main_loop_stops_the_watchdog", a_stalled_main_loop_stops_the_watchdog),
         ("real_sandboxd_becomes_ready", real_sandboxd_becomes_ready),
     ];
     if args.iter().any(|a| a == "--list") {
