@@ -76,13 +76,9 @@ pub fn ms(d: Duration) -> String {
     format!("{:.3} ms", d.as_secs_f64() * 1e3)
 }
 
-pub fn rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-}
+/// A process's `VmRSS` in KiB: the supervisor's reader, so the benches and `chrysalis status`
+/// measure alike.
+pub use supervisor::supervise::rss_kib;
 
 async fn run_async(args: &BenchArgs) -> Result<Vec<Figure>> {
     let state_dir = crate::paths::cache_dir().join("bench-state").join(std::process::id().to_string());

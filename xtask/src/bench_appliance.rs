@@ -32,10 +32,7 @@ pub fn run(figures: &mut Vec<Figure>, board: &str, idle: Duration) -> Result<()>
     crate::prereqs::ensure_apt(&["qemu-system-x86", "qemu-utils", "ovmf", "dosfstools", "mtools", "socat"])?;
     let built = crate::image::build(board, None, false)?;
     let m = &built.manifest;
-    let allocated = {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(&built.disk).map(|md| md.blocks() * 512).unwrap_or(0)
-    };
+    let allocated = crate::image::allocated_bytes(&built.disk);
     figures.push(Figure {
         name: format!("appliance image ({board}): root.img (erofs + dm-verity)"),
         value: mib(m.root.size),

@@ -304,17 +304,19 @@ fn built_at(dir: &Path, manifest: Manifest) -> Built {
     }
 }
 
+/// Bytes a (sparse) file occupies on disk; 0 when it cannot be read.
+pub fn allocated_bytes(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(p).map(|m| m.blocks() * 512).unwrap_or(0)
+}
+
 /// Prints the sizes the issue asks for.
 fn report(b: &Built) {
-    let allocated = |p: &Path| {
-        use std::os::unix::fs::MetadataExt;
-        fs::metadata(p).map(|m| m.blocks() * 512).unwrap_or(0)
-    };
     let m = &b.manifest;
     eprintln!(
         "image: disk.raw {} MiB ({} MiB allocated; ESP {} MiB, 2 root slots of {} MiB, state {} MiB)",
         m.disk.size >> 20,
-        allocated(&b.disk) >> 20,
+        allocated_bytes(&b.disk) >> 20,
         m.layout.partitions[0].size >> 20,
         m.layout.partitions[1].size >> 20,
         m.layout.partitions[3].size >> 20
