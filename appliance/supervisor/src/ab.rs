@@ -267,6 +267,31 @@ mod tests {
     }
 
     #[test]
+    fn a_refused_bundle_reads_failed_on_the_same_committed_slot() {
+        let mut s = update::Status {
+            slot: update::Slot::A,
+            version: Some("1".into()),
+            generation: Some(1),
+            confirmed: true,
+            trial_in_progress: false,
+            entry: Some("chrysalis-a.conf".into()),
+            other: None,
+            boot_order: vec!["chrysalis-a.conf".into()],
+            progress: update::Progress::default(),
+            last_attempt: None,
+        };
+        assert_eq!(api_status(&s).state, UpdateState::Confirmed);
+        s.progress.phase = update::Phase::Failed;
+        s.progress.error = Some("root.img does not match the signed manifest".into());
+        let failed = api_status(&s);
+        assert_eq!(failed.state, UpdateState::Failed);
+        assert_eq!(failed.slot.as_deref(), Some("a"));
+        assert!(failed.message.is_some_and(|m| m.contains("signed manifest")));
+        s.progress.phase = update::Phase::Root;
+        assert_eq!(api_status(&s).state, UpdateState::Applying, "a new apply is allowed after a refusal");
+    }
+
+    #[test]
     fn configure_sets_the_deadline_and_offline_rule() {
         let u = AbUpdates::new(Updater::open(update::UpdaterConfig::appliance("x")), "");
         u.configure(&UpdateConfig { health_deadline_secs: 42, offline: ConfiguredOffline::Wait });

@@ -201,6 +201,26 @@ impl Box {
         poll("the supervisor API", within, || Ok(rt.block_on(self.client.update_status()).ok()))
     }
 
+    /// Waits until the running slot is `slot`, committed, and nothing is being applied or armed:
+    /// `confirmed`, or `failed` after a refused bundle (a refusal changes nothing on the box, so
+    /// the next apply is allowed).
+    fn wait_settled(&self, rt: &tokio::runtime::Runtime, slot: &str, within: Duration) -> Result<UpdateStatus, String> {
+        let started = Instant::now();
+        let mut last = None;
+        while started.elapsed() < within {
+            if let Ok(s) = rt.block_on(self.client.update_status()) {
+                let committed = s.detail["confirmed"] == Value::Bool(true);
+                let idle = matches!(s.state, UpdateState::Confirmed | UpdateState::Failed);
+                if s.slot.as_deref() == Some(slot) && committed && idle {
+                    return Ok(s);
+                }
+                last = Some(s);
+            }
+            std::thread::sleep(Duration::from_secs(3));
+        }
+        Err(format!("slot {slot} committed and idle not reached within {within:?}; last status {last:?}"))
+    }
+
     /// Waits until the running slot is `slot` and in `state`.
     fn wait_slot(
         &self,
@@ -292,8 +312,16 @@ fn tampered(env: &mut Env) -> Outcome {
     );
     let after = b.wait_api(rt, BOOT)?;
     ensure!(
-        after.slot == before.slot && after.state != UpdateState::Armed,
-        "the refused bundle armed something: {after:?}"
+        after.slot == before.slot && after.state == UpdateState::Failed,
+        "after the refused bundle the box should say `failed` on the same slot: {after:?}"
+    );
+    ensure!(
+        after.message.as_deref().is_some_and(|m| m.contains("sha256")),
+        "the status does not say why the bundle was refused: {after:?}"
+    );
+    ensure!(
+        after.detail["other"]["state"] == "empty" && after.detail["confirmed"] == Value::Bool(true),
+        "the refused bundle armed something or unconfirmed the running slot: {after:?}"
     );
     Ok(())
 }
@@ -311,7 +339,7 @@ fn flip_byte_near_end(path: &Path) -> Outcome {
 fn never_healthy(env: &mut Env) -> Outcome {
     let rt = &env.rt;
     let b = env.box1.as_ref().ok_or("box1 did not boot (first scenario failed)")?;
-    b.wait_slot(rt, "a", UpdateState::Confirmed, BOOT)?;
+    b.wait_settled(rt, "a", BOOT)?;
     let out = b.apply(rt, &env.built.never_healthy)?;
     ensure!(out.status.state == UpdateState::Armed, "after apply: {:?}", out.status);
     b.reboot(rt)?;
@@ -327,7 +355,7 @@ fn never_healthy(env: &mut Env) -> Outcome {
 fn upgrade(env: &mut Env) -> Outcome {
     let rt = &env.rt;
     let b = env.box1.as_ref().ok_or("box1 did not boot (first scenario failed)")?;
-    b.wait_slot(rt, "a", UpdateState::Confirmed, BOOT)?;
+    b.wait_settled(rt, "a", BOOT)?;
     let csrs_before = env.kubectl_json(&["get", "csr"])?["items"].as_array().map(Vec::len).unwrap_or(0);
     let out = b.apply(rt, &env.built.good)?;
     ensure!(out.status.state == UpdateState::Armed, "after apply: {:?}", out.status);
