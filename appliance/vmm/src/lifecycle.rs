@@ -402,12 +402,20 @@ mod tests {
 
     /// A shell whose `$0` names `dir` (like a hypervisor naming its VM directory); it waits
     /// on its stdin, so killing it leaves nothing behind.
+    /// A child whose command line names `dir`; returned once it has exec'd (until then its
+    /// `/proc/<pid>/cmdline` is still ours, and it would not name the dir).
     fn naming_process(dir: &Path) -> Child {
-        Command::new("sh")
+        let child = Command::new("sh")
             .args(["-c", "read x", &dir.join("qemu.pid").display().to_string()])
             .stdin(std::process::Stdio::piped())
             .spawn()
-            .expect("spawn sh")
+            .expect("spawn sh");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !cmdline(child.id()).is_some_and(|a| names_dir(&a, dir)) {
+            assert!(std::time::Instant::now() < deadline, "sh did not exec within 10 s");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        child
     }
 
     fn dead_pid() -> (u32, u64) {

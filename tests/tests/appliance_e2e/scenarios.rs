@@ -201,24 +201,37 @@ impl Box {
         poll("the supervisor API", within, || Ok(rt.block_on(self.client.update_status()).ok()))
     }
 
-    /// Waits until the running slot is `slot`, committed, and nothing is being applied or armed:
-    /// `confirmed`, or `failed` after a refused bundle (a refusal changes nothing on the box, so
-    /// the next apply is allowed).
-    fn wait_settled(&self, rt: &tokio::runtime::Runtime, slot: &str, within: Duration) -> Result<UpdateStatus, String> {
+    /// Polls the update status every 3 s until `want` holds; `what` names the wait in the error.
+    fn wait_status(
+        &self,
+        rt: &tokio::runtime::Runtime,
+        what: &str,
+        within: Duration,
+        want: impl Fn(&UpdateStatus) -> bool,
+    ) -> Result<UpdateStatus, String> {
         let started = Instant::now();
         let mut last = None;
         while started.elapsed() < within {
             if let Ok(s) = rt.block_on(self.client.update_status()) {
-                let committed = s.detail["confirmed"] == Value::Bool(true);
-                let idle = matches!(s.state, UpdateState::Confirmed | UpdateState::Failed);
-                if s.slot.as_deref() == Some(slot) && committed && idle {
+                if want(&s) {
                     return Ok(s);
                 }
                 last = Some(s);
             }
             std::thread::sleep(Duration::from_secs(3));
         }
-        Err(format!("slot {slot} committed and idle not reached within {within:?}; last status {last:?}"))
+        Err(format!("{what} not reached within {within:?}; last status {last:?}"))
+    }
+
+    /// Waits until the running slot is `slot`, committed, and nothing is being applied or armed:
+    /// `confirmed`, or `failed` after a refused bundle (a refusal changes nothing on the box, so
+    /// the next apply is allowed).
+    fn wait_settled(&self, rt: &tokio::runtime::Runtime, slot: &str, within: Duration) -> Result<UpdateStatus, String> {
+        self.wait_status(rt, &format!("slot {slot} committed and idle"), within, |s| {
+            s.slot.as_deref() == Some(slot)
+                && s.detail["confirmed"] == Value::Bool(true)
+                && matches!(s.state, UpdateState::Confirmed | UpdateState::Failed)
+        })
     }
 
     /// Waits until the running slot is `slot` and in `state`.
@@ -229,18 +242,9 @@ impl Box {
         state: UpdateState,
         within: Duration,
     ) -> Result<UpdateStatus, String> {
-        let started = Instant::now();
-        let mut last = None;
-        while started.elapsed() < within {
-            if let Ok(s) = rt.block_on(self.client.update_status()) {
-                if s.slot.as_deref() == Some(slot) && s.state == state {
-                    return Ok(s);
-                }
-                last = Some(s);
-            }
-            std::thread::sleep(Duration::from_secs(3));
-        }
-        Err(format!("slot {slot} in state {} not reached within {within:?}; last status {last:?}", state.as_str()))
+        self.wait_status(rt, &format!("slot {slot} in state {}", state.as_str()), within, |s| {
+            s.slot.as_deref() == Some(slot) && s.state == state
+        })
     }
 
     fn apply(&self, rt: &tokio::runtime::Runtime, bundle: &Path) -> Result<supervisor::update::UpdateOutcome, String> {
