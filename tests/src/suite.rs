@@ -284,7 +284,18 @@ pub fn sibling_bin(name: &str) -> Result<PathBuf, String> {
 }
 
 /// Polls `f` every 200 ms until it yields a value or `timeout` passes.
-pub fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
+pub fn poll<T>(what: &str, timeout: Duration, f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
+    poll_every(what, timeout, Duration::from_millis(200), f)
+}
+
+/// [`poll`] every `interval`: for slow targets that each look costs (a box under TCG). An
+/// `Err` from `f` does not stop the polling; the last one ends the timeout message.
+pub fn poll_every<T>(
+    what: &str,
+    timeout: Duration,
+    interval: Duration,
+    mut f: impl FnMut() -> Result<Option<T>, String>,
+) -> Result<T, String> {
     let until = Instant::now() + timeout;
     let mut last_err = String::new();
     loop {
@@ -296,7 +307,7 @@ pub fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<Opti
         if Instant::now() >= until {
             return Err(format!("timed out after {timeout:?} waiting for {what} {last_err}"));
         }
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(interval);
     }
 }
 

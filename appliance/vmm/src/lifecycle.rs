@@ -401,9 +401,8 @@ mod tests {
     }
 
     /// A shell whose `$0` names `dir` (like a hypervisor naming its VM directory); it waits
-    /// on its stdin, so killing it leaves nothing behind.
-    /// A child whose command line names `dir`; returned once it has exec'd (until then its
-    /// `/proc/<pid>/cmdline` is still ours, and it would not name the dir).
+    /// on its stdin, so killing it leaves nothing behind. Returned once it has exec'd: until
+    /// then its `/proc/<pid>/cmdline` is still ours, and it would not name the dir.
     fn naming_process(dir: &Path) -> Child {
         let child = Command::new("sh")
             .args(["-c", "read x", &dir.join("qemu.pid").display().to_string()])

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 use supervisor::client::Client;
@@ -17,7 +17,7 @@ use supervisor::update::{UpdateState, UpdateStatus};
 use test_infra::appliance_vm::{ApplianceVm, JoinedBox, Options as VmOptions};
 use test_infra::cluster::{Cluster, Options as ClusterOptions, APPLIANCE_API_ADDR};
 use test_infra::ensure;
-use test_infra::suite::{poll, Outcome};
+use test_infra::suite::{poll, poll_every, Outcome};
 
 /// The apiserver port of this suite's cluster (others: 16443 xtask, 26443 cluster_e2e, 27443
 /// join, 28443 vnode, 29443 vk_sandbox_e2e, 31443 vk_cocoon_e2e).
@@ -201,7 +201,8 @@ impl Box {
         poll("the supervisor API", within, || Ok(rt.block_on(self.client.update_status()).ok()))
     }
 
-    /// Polls the update status every 3 s until `want` holds; `what` names the wait in the error.
+    /// Polls the update status every 3 s until `want` holds; `what` names the wait, and the
+    /// timeout error carries the last status read.
     fn wait_status(
         &self,
         rt: &tokio::runtime::Runtime,
@@ -209,18 +210,11 @@ impl Box {
         within: Duration,
         want: impl Fn(&UpdateStatus) -> bool,
     ) -> Result<UpdateStatus, String> {
-        let started = Instant::now();
-        let mut last = None;
-        while started.elapsed() < within {
-            if let Ok(s) = rt.block_on(self.client.update_status()) {
-                if want(&s) {
-                    return Ok(s);
-                }
-                last = Some(s);
-            }
-            std::thread::sleep(Duration::from_secs(3));
-        }
-        Err(format!("{what} not reached within {within:?}; last status {last:?}"))
+        poll_every(what, within, Duration::from_secs(3), || match rt.block_on(self.client.update_status()) {
+            Ok(s) if want(&s) => Ok(Some(s)),
+            Ok(s) => Err(format!("; last status {s:?}")),
+            Err(_) => Ok(None),
+        })
     }
 
     /// Waits until the running slot is `slot`, committed, and nothing is being applied or armed:
