@@ -156,8 +156,11 @@ fn short_lease_is_reaped_and_its_vm_destroyed() {
     assert!(reaped_after <= Duration::from_secs(10), "reaped only after {reaped_after:?}");
     assert!(reaped_after >= Duration::from_secs(2), "reaped before its deadline: {reaped_after:?}");
     let vm_dir = h.dir.path().join("data/vms/vms").join(&claimed_vm).display().to_string();
-    wait_for("the reaped VM's QEMU to exit", Duration::from_secs(10), || qemu_pids(&vm_dir).is_empty().then_some(()));
-    assert!(!h.vm_dirs().contains(&claimed_vm), "the reaped VM's dir is still there");
+    // The claim leaves the listing first; its VM is destroyed right after
+    // (QEMU stopped, then its directory removed), so wait for both.
+    wait_for("the reaped VM's QEMU to exit and its dir to go", Duration::from_secs(10), || {
+        (qemu_pids(&vm_dir).is_empty() && !h.vm_dirs().contains(&claimed_vm)).then_some(())
+    });
     let (s, v) = h.exec(&id, &token, &["true"]);
     assert_eq!(s, 404, "a reaped sandbox must be unknown: {v}");
     h.wait_full("base");
