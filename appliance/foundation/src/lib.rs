@@ -1,0 +1,15 @@
+//! The foundation every Chrysalis crate stands on: the small pieces of plumbing that must be
+//! written once and right.
+//!
+//! - [`atomic`]: replace a file crash-safely (temp file born with its final mode, fsync, rename,
+//!   directory fsync). Secrets are born 0600: there is no window in which they are readable.
+//! - [`private_dir`]: create (or tighten) a directory to 0700, the home of every secret.
+//!
+//! Functions here return plain [`std::io::Error`]s; callers wrap them with the path and the
+//! step in their own module error.
+
+#![forbid(unsafe_code)]
+
+pub mod atomic;
+
+pub use atomic::{private_dir, write_atomic, write_secret, FileMode, PRIVATE_DIR, PUBLIC_FILE, SECRET_FILE};

@@ -1,0 +1,209 @@
+//! The accept loop: connection cap, TLS handshake, HTTP/1.1 (or auto-detected HTTP/2) with
+//! upgrades, and the [`Peer`] extension on every request.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use rustls::pki_types::CertificateDer;
+use rustls::ServerConfig;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
+use tower::ServiceExt as _;
+
+/// The bounds every connection lives within.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Open connections at most; one more is closed at once.
+    pub max_connections: usize,
+    /// How long a client may take to send a request head, and how long a keep-alive
+    /// connection may sit idle between requests.
+    pub header_timeout: Duration,
+    /// How long a TLS handshake may take.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 4096,
+            header_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Which HTTP versions a connection may speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// HTTP/1.1 only (sandboxd: the SDK offers ALPN `http/1.1`, and relays are HTTP/1.1 upgrades).
+    Http1,
+    /// HTTP/1.1 or HTTP/2, detected from the connection preface (the kubelet port).
+    Auto,
+}
+
+/// How [`serve`] runs.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Names the server in logs (`sandboxd`, `kubelet`, `supervisor api`).
+    pub name: &'static str,
+    /// The limits.
+    pub limits: Limits,
+    /// HTTP versions.
+    pub protocol: Protocol,
+    /// TLS, when the surface serves it.
+    pub tls: Option<Arc<ServerConfig>>,
+}
+
+/// Live connection counts, for metrics.
+#[derive(Debug, Default)]
+pub struct ConnStats {
+    /// Connections open now.
+    pub open: AtomicUsize,
+    /// Connections closed at once because [`Limits::max_connections`] were open.
+    pub refused: AtomicU64,
+    /// Connections closed because the client was too slow (request head or TLS handshake).
+    pub timed_out: AtomicU64,
+}
+
+/// Who sent a request (a request extension).
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// The remote address.
+    pub addr: SocketAddr,
+    /// The client's certificate chain, leaf first, as verified during the TLS handshake
+    /// (empty without TLS or without a client certificate).
+    pub certificates: Arc<[CertificateDer<'static>]>,
+}
+
+/// Raises the soft open-file limit to the hard limit, so a connection cap in the thousands is
+/// reachable. Returns the (soft, hard) limit now in force.
+pub fn raise_nofile_limit() -> std::io::Result<(u64, u64)> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let cur = getrlimit(Resource::Nofile);
+    if cur.current != cur.maximum {
+        setrlimit(Resource::Nofile, Rlimit { current: cur.maximum, maximum: cur.maximum })?;
+    }
+    let now = getrlimit(Resource::Nofile);
+    Ok((now.current.unwrap_or(u64::MAX), now.maximum.unwrap_or(u64::MAX)))
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves, within `opts`' limits. Connections
+/// in flight (relays) are not waited for. `stats` is updated as connections come and go.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    opts: ServeOptions,
+    stats: Arc<ConnStats>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let permits = Arc::new(Semaphore::new(opts.limits.max_connections));
+    let acceptor = opts.tls.clone().map(TlsAcceptor::from);
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, addr) = tokio::select! {
+            () = &mut shutdown => return,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(server = opts.name, error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(server = opts.name, peer = %addr, max = opts.limits.max_connections, "connection cap reached; closing");
+            drop(tcp);
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let (router, acceptor, stats, opts) = (router.clone(), acceptor.clone(), Arc::clone(&stats), opts.clone());
+        stats.open.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            connection(tcp, addr, acceptor, router, &opts, &stats).await;
+            stats.open.fetch_sub(1, Ordering::Relaxed);
+            drop(permit);
+        });
+    }
+}
+
+async fn connection(
+    tcp: TcpStream,
+    addr: SocketAddr,
+    acceptor: Option<TlsAcceptor>,
+    router: Router,
+    opts: &ServeOptions,
+    stats: &ConnStats,
+) {
+    let Some(acceptor) = acceptor else {
+        let peer = Peer { addr, certificates: Arc::from(Vec::new()) };
+        return http(TokioIo::new(tcp), peer, router, opts, stats).await;
+    };
+    let tls = match tokio::time::timeout(opts.limits.handshake_timeout, acceptor.accept(tcp)).await {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => {
+            tracing::debug!(server = opts.name, peer = %addr, error = %e, "TLS handshake failed");
+            return;
+        }
+        Err(_) => {
+            stats.timed_out.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(server = opts.name, peer = %addr, "TLS handshake timed out");
+            return;
+        }
+    };
+    let certificates: Arc<[CertificateDer<'static>]> = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .map(|c| c.iter().map(|d| d.clone().into_owned()).collect())
+        .unwrap_or_default();
+    http(TokioIo::new(tls), Peer { addr, certificates }, router, opts, stats).await;
+}
+
+async fn http<I>(io: TokioIo<I>, peer: Peer, router: Router, opts: &ServeOptions, stats: &ConnStats)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let addr = peer.addr;
+    let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
+        req.extensions_mut().insert(peer.clone());
+        let router = router.clone();
+        async move { Ok::<_, Infallible>(router.oneshot(req).await.unwrap_or_else(|never| match never {})) }
+    });
+    let result = match opts.protocol {
+        Protocol::Http1 => {
+            let mut b = hyper::server::conn::http1::Builder::new();
+            b.timer(TokioTimer::new())
+                .header_read_timeout(opts.limits.header_timeout)
+                .title_case_headers(true)
+                .auto_date_header(false);
+            b.serve_connection(io, service).with_upgrades().await.map_err(|e| (e.is_timeout(), e.to_string()))
+        }
+        Protocol::Auto => {
+            let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            b.http1().timer(TokioTimer::new()).header_read_timeout(opts.limits.header_timeout);
+            b.http2().timer(TokioTimer::new()).keep_alive_interval(Some(opts.limits.header_timeout));
+            b.serve_connection_with_upgrades(io, service).await.map_err(|e| {
+                let timeout = e.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_timeout);
+                (timeout, e.to_string())
+            })
+        }
+    };
+    if let Err((timeout, e)) = result {
+        if timeout {
+            stats.timed_out.fetch_add(1, Ordering::Relaxed);
+        }
+        tracing::debug!(server = opts.name, peer = %addr, error = %e, "connection ended with an error");
+    }
+}

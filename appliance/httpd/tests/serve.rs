@@ -1,0 +1,203 @@
+//! The server's limits, TLS and upgrades, over real sockets.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Extension, Router};
+use httpd::{ConnStats, Limits, Peer, Protocol, ServeOptions};
+use rustls::pki_types::{CertificateDer, ServerName};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+
+fn router() -> Router {
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/peer", get(|Extension(p): Extension<Peer>| async move { p.certificates.len().to_string() }))
+        .route("/echo", get(echo))
+}
+
+/// An `Upgrade: echo` route: after the 101, echoes every byte.
+async fn echo(req: Request) -> Response {
+    if req.headers().get(header::UPGRADE).is_none() {
+        return StatusCode::UPGRADE_REQUIRED.into_response();
+    }
+    tokio::spawn(async move {
+        if let Ok(up) = hyper::upgrade::on(req).await {
+            let mut io = hyper_util::rt::TokioIo::new(up);
+            let mut buf = [0u8; 1024];
+            while let Ok(n) = io.read(&mut buf).await {
+                if n == 0 || io.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    Response::builder()
+        .status(StatusCode::SWITCHING_PROTOCOLS)
+        .header(header::UPGRADE, "echo")
+        .header(header::CONNECTION, "Upgrade")
+        .body(Body::empty())
+        .expect("response")
+}
+
+async fn start(limits: Limits, tls: Option<Arc<rustls::ServerConfig>>) -> (SocketAddr, Arc<ConnStats>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let stats = Arc::new(ConnStats::default());
+    let opts = ServeOptions { name: "test", limits, protocol: Protocol::Http1, tls };
+    tokio::spawn(httpd::serve(listener, router(), opts, Arc::clone(&stats), std::future::pending()));
+    (addr, stats)
+}
+
+/// Reads until EOF or `limit`; true when the server closed the connection.
+async fn closed_within(s: &mut (impl tokio::io::AsyncRead + Unpin), limit: Duration) -> bool {
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline.into(), s.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+async fn get_ok(addr: SocketAddr) -> String {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    out
+}
+
+#[tokio::test]
+async fn the_connection_cap_closes_the_one_too_many_and_frees_on_close() {
+    let (addr, stats) = start(Limits { max_connections: 2, ..Limits::default() }, None).await;
+    let a = TcpStream::connect(addr).await.expect("a");
+    let _b = TcpStream::connect(addr).await.expect("b");
+    // Let the server accept both before the third arrives.
+    while stats.open.load(Ordering::SeqCst) < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut c = TcpStream::connect(addr).await.expect("c");
+    assert!(closed_within(&mut c, Duration::from_secs(2)).await, "the third connection is closed at once");
+    assert_eq!(stats.refused.load(Ordering::SeqCst), 1);
+    drop(a);
+    while stats.open.load(Ordering::SeqCst) > 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(get_ok(addr).await.starts_with("HTTP/1.1 200"), "a freed slot serves again");
+}
+
+#[tokio::test]
+async fn a_slow_request_head_and_an_idle_keepalive_are_cut_off() {
+    let limits = Limits { header_timeout: Duration::from_millis(300), ..Limits::default() };
+    let (addr, stats) = start(limits, None).await;
+    // Slowloris: half a head, then a byte now and then.
+    let mut slow = TcpStream::connect(addr).await.expect("connect");
+    slow.write_all(b"GET / HTTP/1.1\r\nHo").await.expect("write");
+    let t = Instant::now();
+    let dribble = async {
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if slow.write_all(b"s").await.is_err() {
+                return;
+            }
+        }
+    };
+    dribble.await;
+    assert!(closed_within(&mut slow, Duration::from_secs(1)).await, "slowloris cut off");
+    assert!(t.elapsed() < Duration::from_secs(3));
+    // Idle keep-alive after a request.
+    let mut idle = TcpStream::connect(addr).await.expect("connect");
+    idle.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.expect("write");
+    assert!(closed_within(&mut idle, Duration::from_secs(2)).await, "an idle keep-alive connection is closed");
+    assert!(stats.timed_out.load(Ordering::SeqCst) >= 1);
+}
+
+fn ring() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+#[tokio::test]
+async fn tls_with_alpn_http1_serves_upgrades_and_shows_client_certificates() {
+    // A CA, a server certificate it signs, and a client certificate it signs.
+    let ca_key = rcgen::KeyPair::generate().expect("ca key");
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca params");
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).expect("ca");
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let leaf = |names: Vec<String>| {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = rcgen::CertificateParams::new(names).expect("params").signed_by(&key, &issuer).expect("sign");
+        (cert.der().clone(), rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()))
+    };
+    let (server_cert, server_key) = leaf(vec!["127.0.0.1".into()]);
+    let (client_cert, client_key) = leaf(vec!["client".into()]);
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.der().clone()).expect("root");
+    let roots = Arc::new(roots);
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::clone(&roots), ring())
+        .allow_unauthenticated()
+        .build()
+        .expect("verifier");
+    let server = httpd::tls::server_config(vec![server_cert], server_key, httpd::tls::ALPN_HTTP1, Some(verifier))
+        .expect("server config");
+    let (addr, _) = start(Limits::default(), Some(server)).await;
+
+    let client = |cert: Option<(CertificateDer<'static>, rustls::pki_types::PrivateKeyDer<'static>)>| {
+        let b = rustls::ClientConfig::builder_with_provider(ring())
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(Arc::clone(&roots));
+        let mut c = match cert {
+            Some((c, k)) => b.with_client_auth_cert(vec![c], k).expect("client auth"),
+            None => b.with_no_client_auth(),
+        };
+        c.alpn_protocols = vec![b"http/1.1".to_vec()];
+        tokio_rustls::TlsConnector::from(Arc::new(c))
+    };
+    let name = ServerName::try_from("127.0.0.1").expect("name");
+
+    // Anonymous: served, no certificates; ALPN http/1.1 negotiated.
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let mut tls = client(None).connect(name.clone(), tcp).await.expect("handshake");
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+    tls.write_all(b"GET /peer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.expect("write");
+    let mut out = String::new();
+    tls.read_to_string(&mut out).await.ok();
+    assert!(out.starts_with("HTTP/1.1 200") && out.ends_with('0'), "{out}");
+
+    // With a client certificate: the handler sees it.
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let mut tls = client(Some((client_cert, client_key))).connect(name.clone(), tcp).await.expect("handshake");
+    tls.write_all(b"GET /peer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.expect("write");
+    let mut out = String::new();
+    tls.read_to_string(&mut out).await.ok();
+    assert!(out.ends_with('1'), "{out}");
+
+    // An upgrade over TLS: 101, then bytes echo.
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let mut tls = client(None).connect(name, tcp).await.expect("handshake");
+    tls.write_all(b"GET /echo HTTP/1.1\r\nHost: x\r\nUpgrade: echo\r\nConnection: Upgrade\r\n\r\n")
+        .await
+        .expect("write");
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut b = [0u8; 1];
+        tls.read_exact(&mut b).await.expect("head");
+        head.push(b[0]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 101"), "{}", String::from_utf8_lossy(&head));
+    tls.write_all(b"ping").await.expect("write");
+    let mut got = [0u8; 4];
+    tls.read_exact(&mut got).await.expect("echo");
+    assert_eq!(&got, b"ping");
+}
