@@ -128,15 +128,42 @@ async fn pty_round_trip_resize_and_exit() {
     assert_eq!(ty(&c.call("info", json!({})).await), "info");
 }
 
+/// Opens a pty shell with a known prompt and waits until the shell has printed it (so it is
+/// idle, waiting for input, when the test goes on); returns the client and the shell's pid.
+async fn idle_pty_shell(server: &Server) -> (common::Client, u64) {
+    let mut c = server.connect().await;
+    c.send("pty_open", json!({"cols": 80, "rows": 24, "env": {"PS1": "ready$ "}})).await;
+    let pid = c.recv().await["pid"].as_u64().expect("pid");
+    c.send("stdin", json!({"data": common::b64(b"echo up-$((6*7))\n")})).await;
+    pty_read_until(&mut c, "up-42").await;
+    assert!(common::alive(pid));
+    (c, pid)
+}
+
 #[tokio::test]
 async fn pty_shell_gets_hangup_when_the_client_leaves() {
     let server = Server::start().await;
+    // Right after the start (the shell may still be starting up)…
     let mut c = server.connect().await;
     c.send("pty_open", json!({"cols": 80, "rows": 24})).await;
-    let pid = c.recv().await["pid"].as_u64().expect("pid");
-    assert!(common::alive(pid));
+    let early = c.recv().await["pid"].as_u64().expect("pid");
     drop(c);
-    assert!(common::eventually(|| !common::alive(pid)).await, "pty shell {pid} survived its client");
+    // …and once it is idle at its prompt, with nothing left to print.
+    let (c, idle) = idle_pty_shell(&server).await;
+    drop(c);
+    for pid in [early, idle] {
+        assert!(common::eventually(|| !common::alive(pid)).await, "pty shell {pid} survived its client");
+    }
+}
+
+#[tokio::test]
+async fn pty_shell_that_ignores_the_hangup_is_killed_when_the_client_leaves() {
+    let server = Server::start().await;
+    let (mut c, pid) = idle_pty_shell(&server).await;
+    c.send("stdin", json!({"data": common::b64(b"trap '' HUP; echo trapped-$((6*7))\n")})).await;
+    pty_read_until(&mut c, "trapped-42").await;
+    drop(c);
+    assert!(common::eventually(|| !common::alive(pid)).await, "pty shell {pid} ignoring SIGHUP survived its client");
 }
 
 #[tokio::test]

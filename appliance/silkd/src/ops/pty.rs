@@ -6,7 +6,9 @@
 //! (`argv[0]` = `-<name>`), session leader with the pty as controlling terminal. Its
 //! environment is the exec environment plus `HOME`, `USER` and `SHELL` of that user (a
 //! login shell needs them). When the client's input ends (it hung up, or sent its next
-//! request) the shell's process group gets SIGHUP, as on a terminal hangup.
+//! request) the shell's process group gets SIGHUP, as on a terminal hangup, and SIGKILL
+//! [`HANGUP_GRACE`] later if it is still there (a shell that traps or ignores SIGHUP does not
+//! outlive its client).
 
 use super::pump::{pump_child, Sink};
 use crate::agent::Agent;
@@ -26,6 +28,9 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, ReadBuf};
 use tokio::process::Command;
 use wire::Response;
+
+/// How long a hung-up shell may take to exit before its process group is killed.
+pub const HANGUP_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A non-blocking pty master shared by the output pump and the input feeder.
 #[derive(Clone)]
@@ -176,7 +181,9 @@ pub async fn pty_open(
     }
 }
 
-/// Writes `stdin` frames to the pty; the end of input hangs the terminal up.
+/// Writes `stdin` frames to the pty; the end of input hangs the terminal up: SIGHUP to the
+/// shell's process group, then SIGKILL after [`HANGUP_GRACE`]. (The caller stops polling this
+/// future as soon as the shell has exited, so the SIGKILL only reaches a shell that stayed.)
 async fn feed_pty(rpc: &mut Rpc, master: Master, pid: u32) -> Infallible {
     loop {
         match rpc.input().await {
@@ -188,6 +195,9 @@ async fn feed_pty(rpc: &mut Rpc, master: Master, pid: u32) -> Infallible {
             Some(_) => {}
             None => {
                 let _ = sys::signal_group(pid, Signal::SIGHUP);
+                tokio::time::sleep(HANGUP_GRACE).await;
+                tracing::info!(pid, "pty shell ignored its hangup; killing its process group");
+                let _ = sys::signal_group(pid, Signal::SIGKILL);
                 return std::future::pending().await;
             }
         }
