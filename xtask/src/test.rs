@@ -48,6 +48,37 @@ impl Tally {
     }
 }
 
+/// Wall-clock time of each phase of the run, printed at the end (also when it fails).
+#[derive(Default)]
+struct Phases {
+    done: Vec<(&'static str, std::time::Duration)>,
+    started: Option<(&'static str, std::time::Instant)>,
+}
+
+impl Phases {
+    /// Ends the running phase (if any) and starts `name`.
+    fn start(&mut self, name: &'static str) {
+        self.end();
+        self.started = Some((name, std::time::Instant::now()));
+    }
+
+    fn end(&mut self) {
+        if let Some((name, t)) = self.started.take() {
+            self.done.push((name, t.elapsed()));
+        }
+    }
+
+    fn print(&mut self) {
+        self.end();
+        let total: std::time::Duration = self.done.iter().map(|(_, d)| *d).sum();
+        println!("phase times:");
+        for (name, d) in &self.done {
+            println!("  {name:<44} {:>7.1} min", d.as_secs_f64() / 60.0);
+        }
+        println!("  {:<44} {:>7.1} min", "total", total.as_secs_f64() / 60.0);
+    }
+}
+
 /// Runs a command, echoing its stdout and feeding each line to `tally`.
 fn run_counted(cmd: &mut Command, tally: &mut Tally) -> Result<bool> {
     let mut child = cmd.stdout(Stdio::piped()).spawn().with_context(|| format!("spawning {cmd:?}"))?;
@@ -61,10 +92,20 @@ fn run_counted(cmd: &mut Command, tally: &mut Tally) -> Result<bool> {
 }
 
 pub fn run(args: &TestArgs) -> Result<()> {
+    let mut phases = Phases::default();
+    let result = run_phases(args, &mut phases);
+    phases.print();
+    result
+}
+
+fn run_phases(args: &TestArgs, phases: &mut Phases) -> Result<()> {
+    phases.start("prerequisites");
     crate::prereqs::ensure_all()?;
+    phases.start("guest kernel and images");
     crate::vm_image::run(&VmImageArgs { template: None, all: true, force: false })
         .context("building the guest images the end-to-end suites boot")?;
 
+    phases.start("Python SDK venv");
     let python = crate::python::ensure_sdk_venv()?;
 
     // The appliance suite boots the built host image through the whole upgrade matrix.
@@ -74,10 +115,18 @@ pub fn run(args: &TestArgs) -> Result<()> {
         eprintln!("test: the appliance suite is skipped ({APPLIANCE_ENV}=0)");
         None
     } else {
+        phases.start("appliance image, second version and bundles");
         Some(prepare_appliance().context("building the appliance image and bundles the appliance suite boots")?)
     };
     crate::prereqs::ensure_apt(&["erofs-utils", "cryptsetup-bin", "dosfstools", "mtools", "fdisk"])?;
 
+    phases.start("test control plane binaries (Go modules, cached)");
+    let opts = test_infra::cluster::Options::default();
+    test_infra::cluster::lock::Lock::load()
+        .and_then(|lock| test_infra::cluster::build::ensure_all(&lock, &opts.bin_dir))
+        .context("building the test control plane")?;
+
+    phases.start("build (service binaries)");
     // The suites in tests/ run these binaries from the target directory they are built into.
     let built = Command::new("cargo")
         .args(["build", "-p", "sandboxd", "-p", "vk-sandbox", "-p", "vk-cocoon", "-p", "chrysalis", "--bins"])
@@ -86,6 +135,7 @@ pub fn run(args: &TestArgs) -> Result<()> {
     anyhow::ensure!(built.success(), "building the sandboxd, vk-sandbox and vk-cocoon binaries failed");
 
     let mut tally = Tally::default();
+    phases.start("cargo test (every suite; builds the test binaries first)");
     let mut cargo = Command::new("cargo");
     cargo.args(["test", "--workspace", "--no-fail-fast", "--features", "chrysalis-tests/e2e,chrysalis-tests/cluster,join/cluster,vnode/cluster,sandboxd/sdk-tests,sandboxd/e2e,silkd/sdk-tests,vmm/qemu-tests,images/qemu-tests,chrysalis/qemu-tests,vmnet/vm-tests,xtask/image-tests"]);
     cargo.env("CHRYSALIS_PYTHON", &python);
@@ -99,6 +149,7 @@ pub fn run(args: &TestArgs) -> Result<()> {
     cargo.env("CHRYSALIS_CACHE", crate::paths::cache_dir());
     let tests_ok = run_counted(&mut cargo, &mut tally)?;
 
+    phases.start("fuzz");
     let fuzz_ok = if args.no_fuzz {
         true
     } else {
