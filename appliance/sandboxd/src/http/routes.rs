@@ -40,7 +40,7 @@ struct ClaimBody {
 
 pub(super) async fn claim(State(node): Node_, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
-    let b: ClaimBody = read_json(body, None).await?;
+    let b: ClaimBody = read_json(&node, body, None).await?;
     let req = (|| {
         let key = PoolKey::parse(&b.template, b.net.as_deref(), b.size.as_deref())?;
         if b.volumes.as_ref().is_some_and(|v| !v.is_empty()) {
@@ -75,7 +75,7 @@ pub(super) async fn renew(
     body: Body,
 ) -> Result<Response, ApiError> {
     auth::sandbox_route(&node, &headers, &id)?;
-    let b: RenewBody = read_json(body, Some(RenewBody::default())).await?;
+    let b: RenewBody = read_json(&node, body, Some(RenewBody::default())).await?;
     let deadline = node.renew(&id, claims::ttl(b.ttl_seconds)?)?;
     Ok(Json(serde_json::json!({ "deadline": deadline })).into_response())
 }
@@ -159,8 +159,8 @@ struct PoolsBody {
 }
 
 pub(super) async fn put_pools(State(node): Node_, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    auth::node_route(&node, &headers)?;
-    let b: PoolsBody = read_json(body, None).await?;
+    auth::root_only(&node, &headers, "PUT /v1/pools")?;
+    let b: PoolsBody = read_json(&node, body, None).await?;
     Ok(Json(node.put_pools(b.pools).await?).into_response())
 }
 

@@ -14,8 +14,7 @@ const SWITCHING: &[u8] = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: silkd\r\
 async fn serve(h: &H) -> std::net::SocketAddr {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = l.local_addr().expect("addr");
-    let app = sandboxd::http::app(h.node.clone());
-    tokio::spawn(sandboxd::http::serve(l, app, std::future::pending()));
+    tokio::spawn(sandboxd::http::serve(l, h.node.clone(), None, std::future::pending()));
     addr
 }
 
