@@ -367,6 +367,11 @@ impl Node {
         self.slots.acquire(id, use_)
     }
 
+    /// Open `/agent` relays, `/ports` relays and `/exec` calls of claim `id`.
+    pub fn open_uses(&self, id: &str) -> [usize; 3] {
+        self.slots.open(id)
+    }
+
     /// Whether the node is draining.
     pub fn draining(&self) -> bool {
         self.draining.load(Ordering::SeqCst)
