@@ -278,7 +278,8 @@ pub struct Config {
     #[serde(default)]
     pub tls_key_file: Option<PathBuf>,
     /// An extra plain-HTTP listener, loopback only (local clients such as vk-sandbox when
-    /// `listen` serves TLS). Same routes and auth.
+    /// `listen` serves TLS). Same routes and auth; claims made through it name it as their
+    /// `owner_addr`.
     #[serde(default)]
     pub local_listen: Option<SocketAddr>,
     /// `host:port` clients should use for sandbox-scoped calls (`owner_addr`).
@@ -334,7 +335,8 @@ pub struct Config {
     /// Open connections per listener (4096); one more is closed at once.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
-    /// Time to send a request head, and the idle time of a keep-alive connection (30).
+    /// Time to send a request head, and the idle time of a keep-alive connection (60: longer
+    /// than the SDK's 30 s keep-alive, so the client always drops an idle connection first).
     #[serde(default = "default_header_timeout")]
     pub header_timeout_secs: u64,
     /// Time to send a whole request body (30).

@@ -419,7 +419,9 @@ impl Default for HttpLimits {
     fn default() -> Self {
         HttpLimits {
             max_connections: 4096,
-            header_timeout: Duration::from_secs(30),
+            // Longer than the SDK's keep_alive (30 s): the SDK drops a parked keep-alive
+            // connection before the server would, so a reused one is never closed under it.
+            header_timeout: Duration::from_secs(60),
             body_timeout: Duration::from_secs(30),
             relay_idle: Duration::from_secs(3600),
         }

@@ -161,9 +161,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "sandboxd listening"
     );
     let stop = tokio_util::sync::CancellationToken::new();
-    if let Some((_, l)) = local {
+    if let Some((addr, l)) = local {
         let (n, s) = (Arc::clone(&node), stop.clone());
-        tokio::spawn(async move { sandboxd::http::serve(l, n, None, s.cancelled_owned()).await });
+        let owner = Some(addr.to_string());
+        tokio::spawn(async move { sandboxd::http::serve_as(l, n, None, owner, s.cancelled_owned()).await });
     }
     sandboxd::http::serve(listener, Arc::clone(&node), tls, shutdown_signal()).await;
     stop.cancel();

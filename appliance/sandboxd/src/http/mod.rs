@@ -12,6 +12,8 @@ mod exec;
 mod relay;
 mod routes;
 
+pub use routes::OwnerAddr;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -117,7 +119,23 @@ pub async fn serve(
     tls: Option<Arc<rustls::ServerConfig>>,
     shutdown: impl Future<Output = ()>,
 ) {
+    serve_as(listener, node, tls, None, shutdown).await;
+}
+
+/// [`serve`], handing out `owner` as the `owner_addr` of claims and `…/owner` (the plain
+/// `local_listen` listener names itself, so its clients stay on it).
+pub async fn serve_as(
+    listener: TcpListener,
+    node: Arc<Node>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    owner: Option<String>,
+    shutdown: impl Future<Output = ()>,
+) {
     let opts = serve_options(&node, tls);
     let stats = Arc::clone(&node.conn_stats);
-    httpd::serve(listener, app(node), opts, stats, shutdown).await;
+    let mut router = app(node);
+    if let Some(o) = owner {
+        router = router.layer(axum::Extension(OwnerAddr(o)));
+    }
+    httpd::serve(listener, router, opts, stats, shutdown).await;
 }

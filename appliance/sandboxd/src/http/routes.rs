@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -20,6 +20,15 @@ use crate::node::{ClaimRequest, Node};
 use crate::pool::PoolKey;
 
 type Node_ = State<Arc<Node>>;
+
+/// The `owner_addr` a listener hands out instead of the node's advertised address: a client of
+/// the plain loopback listener (`local_listen`) must come back to it, not to the TLS `listen`.
+#[derive(Debug, Clone)]
+pub struct OwnerAddr(pub String);
+
+fn owner_addr(node: &Node, over: Option<&Extension<OwnerAddr>>) -> String {
+    over.map_or_else(|| node.advertise_addr().to_string(), |Extension(OwnerAddr(a))| a.clone())
+}
 
 /// `POST /v1/claim` body. Unknown fields are accepted (vk-sandbox sends `metadata`, …).
 #[derive(Debug, Deserialize)]
@@ -38,7 +47,12 @@ struct ClaimBody {
     volumes: Option<Vec<serde_json::Value>>,
 }
 
-pub(super) async fn claim(State(node): Node_, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+pub(super) async fn claim(
+    State(node): Node_,
+    over: Option<Extension<OwnerAddr>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
     let b: ClaimBody = read_json(&node, body, None).await?;
     let req = (|| {
@@ -49,7 +63,9 @@ pub(super) async fn claim(State(node): Node_, headers: HeaderMap, body: Body) ->
         Ok(ClaimRequest { key, ttl: claims::ttl(b.ttl_seconds)?, claim_ref: b.claim_ref })
     })()
     .inspect_err(|_| crate::metrics::inc(&node.metrics.claims_failed))?;
-    Ok(Json(node.claim(req)?).into_response())
+    let mut grant = node.claim(req)?;
+    grant.owner_addr = owner_addr(&node, over.as_ref());
+    Ok(Json(grant).into_response())
 }
 
 pub(super) async fn release(
@@ -106,6 +122,7 @@ pub(super) async fn get_one(
 
 pub(super) async fn owner(
     State(node): Node_,
+    over: Option<Extension<OwnerAddr>>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
@@ -113,7 +130,7 @@ pub(super) async fn owner(
         ApiError::NotFound(_) => ApiError::NotFound("not owned here".into()),
         other => other,
     })?;
-    Ok(Json(serde_json::json!({ "owner_addr": node.advertise_addr() })).into_response())
+    Ok(Json(serde_json::json!({ "owner_addr": owner_addr(&node, over.as_ref()) })).into_response())
 }
 
 pub(super) async fn stats(

@@ -662,3 +662,32 @@ async fn tls_claims_and_upgrades() {
     p.read_exact(&mut echo).await.expect("echo");
     assert_eq!(&echo, b"over-tls");
 }
+
+/// Claims through the plain loopback listener (`local_listen`) name that listener as their
+/// owner, so SDK clients stay on the scheme they dialled.
+#[tokio::test]
+async fn local_listener_names_itself_as_owner() {
+    let h = start(&[("base", 1)], Some(ROOT)).await;
+    wait_warm(&h.node, "base", 1).await;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(sandboxd::http::serve_as(l, h.node.clone(), None, Some(addr.to_string()), std::future::pending()));
+    let mut r = BufReader::new(TcpStream::connect(addr).await.expect("connect"));
+    let body = r#"{"template":"base"}"#;
+    let req = format!(
+        "POST /v1/claim HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ROOT}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    write_all(r.get_mut(), req.as_bytes()).await;
+    let (code, c) = read_error(&mut r).await;
+    assert_eq!((code, c["owner_addr"].as_str()), (200, Some(addr.to_string().as_str())), "{c}");
+    let path = format!("/v1/sandboxes/{}/owner", c["id"].as_str().expect("id"));
+    let req =
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\r\n", c["token"].as_str().expect("t"));
+    write_all(r.get_mut(), req.as_bytes()).await;
+    let (code, o) = read_error(&mut r).await;
+    assert_eq!((code, o), (200, json!({"owner_addr": addr.to_string()})));
+    // The router without the override keeps the advertised address.
+    let (_, o) = h.call("GET", &path, c["token"].as_str(), None).await;
+    assert_eq!(o, json!({"owner_addr": "10.0.0.1:7777"}));
+}
