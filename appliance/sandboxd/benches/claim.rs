@@ -186,9 +186,17 @@ async fn claim_latency() -> Result<()> {
     for _ in 0..IDLE_CONNECTIONS {
         idle.push(tokio::net::TcpStream::connect(addr).await.context("opening an idle connection")?);
     }
-    let open = node.conn_stats.open.load(std::sync::atomic::Ordering::Relaxed);
-    if open < IDLE_CONNECTIONS {
-        bail!("only {open} connections open on the server, want {IDLE_CONNECTIONS}");
+    // The server accepts them asynchronously: wait until it holds all of them.
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let open = node.conn_stats.open.load(std::sync::atomic::Ordering::Relaxed);
+        if open >= IDLE_CONNECTIONS {
+            break;
+        }
+        if Instant::now() > until {
+            bail!("only {open} connections open on the server, want {IDLE_CONNECTIONS}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let (mut lat, _) = http_claims(plain(addr).await?).await?;
     figure(
