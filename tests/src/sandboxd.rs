@@ -1,7 +1,13 @@
 //! A real `sandboxd` child process on a fresh temp dir, for the suites that need one (sandboxd's
 //! own end-to-end tests, vk-sandbox's, the benchmarks): a config with a data dir, a root token
-//! and the given pools; start, `kill -9`, restart; blocking HTTP helpers; and at the end every
+//! (0600, 32+ characters, as sandboxd demands), a loopback listener and the given pools; start,
+//! `kill -9`, restart (also with a changed config); blocking HTTP helpers; and at the end every
 //! QEMU of the test killed and checked gone. Needs the built-image catalog and QEMU.
+//!
+//! The node budget is set explicitly from the pools (twice the warm VMs plus 8, each at the
+//! largest size asked for), so a suite behaves the same on any host; [`Harness::with_tls`]
+//! serves TLS on `listen` with a minted certificate and keeps plain HTTP on `local_listen`
+//! for the harness's own calls.
 
 use std::collections::BTreeSet;
 use std::io::{Read as _, Write as _};
@@ -14,8 +20,8 @@ use serde_json::{json, Value};
 
 /// How long a pool may take to fill (golden boot + clones under TCG on a busy machine).
 pub const FILL_TIMEOUT: Duration = Duration::from_secs(240);
-/// The root API token every harness configures.
-pub const TOKEN: &str = "e2e-root-token-0123456789";
+/// The root API token every harness configures (sandboxd wants at least 32 characters).
+pub const TOKEN: &str = "e2e-root-token-0123456789abcdef0123";
 
 pub fn catalog_path() -> PathBuf {
     let p = vmm::Catalog::default_path().expect("resolving the catalog path ($CHRYSALIS_CACHE / $HOME)");
@@ -76,11 +82,32 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<
     }
 }
 
+/// The budget keys a harness sets for `pools`: room for every warm VM twice over plus 8, each
+/// counted at the largest size the pools ask for.
+pub fn budget_for(pools: &Value) -> (u64, u64) {
+    let rows = pools.as_array().cloned().unwrap_or_default();
+    let warm: u64 = rows.iter().map(|p| p["warm"].as_u64().unwrap_or(4)).sum();
+    let mib = rows
+        .iter()
+        .filter_map(|p| p["size"].as_str())
+        .filter_map(|s| serde_json::from_value::<vmm::SizeClass>(json!(s)).ok())
+        .map(vmm::SizeClass::memory_mib)
+        .max()
+        .unwrap_or(512)
+        .max(512);
+    let vms = warm * 2 + 8;
+    (vms, vms * mib)
+}
+
 /// A temp dir with a config, and the sandboxd child running on it (restartable).
 pub struct Harness {
     pub dir: tempfile::TempDir,
-    /// `127.0.0.1:<port>` sandboxd listens on.
+    /// `127.0.0.1:<port>` where sandboxd serves plain HTTP (`listen`, or `local_listen` with TLS).
     pub addr: String,
+    /// `127.0.0.1:<port>` of the TLS `listen`, when [`Harness::with_tls`] made it.
+    pub tls_addr: Option<String>,
+    /// The TLS certificate (PEM) clients pin, with TLS.
+    pub cert: Option<PathBuf>,
     pub config: PathBuf,
     bin: PathBuf,
     child: Option<Child>,
@@ -91,25 +118,66 @@ pub struct Harness {
 impl Harness {
     /// Writes a config with `pools` and starts `bin` (the sandboxd binary) on it.
     pub fn new(bin: &Path, pools: Value) -> Harness {
+        Self::with_config(bin, pools, json!({}))
+    }
+
+    /// [`Harness::new`] with `extra` config keys merged over the harness's own.
+    pub fn with_config(bin: &Path, pools: Value, extra: Value) -> Harness {
+        let mut h = Self::prepare(bin, pools, extra, false);
+        h.start();
+        h
+    }
+
+    /// [`Harness::with_config`] serving TLS on `listen` (a certificate minted for 127.0.0.1 into
+    /// the temp dir, [`Harness::cert`]) and plain HTTP on `local_listen` ([`Harness::addr`]).
+    pub fn with_tls(bin: &Path, pools: Value, extra: Value) -> Harness {
+        let mut h = Self::prepare(bin, pools, extra, true);
+        h.start();
+        h
+    }
+
+    fn prepare(bin: &Path, pools: Value, extra: Value, tls: bool) -> Harness {
         let catalog = catalog_path();
         // A short path: QEMU's Unix sockets live under it (108-byte limit).
         let dir = tempfile::Builder::new().prefix("sbxe2e").tempdir_in("/tmp").expect("tempdir");
-        let addr = format!("127.0.0.1:{}", free_port());
+        let listen = format!("127.0.0.1:{}", free_port());
         let token_file = dir.path().join("token");
-        std::fs::write(&token_file, format!("{TOKEN}\n")).expect("token file");
+        foundation::write_secret(&token_file, format!("{TOKEN}\n").as_bytes()).expect("token file");
         let config = dir.path().join("config.json");
-        let cfg = json!({
-            "listen": addr,
+        let (max_vms, max_memory_mib) = budget_for(&pools);
+        let mut cfg = json!({
+            "listen": listen,
             "data_dir": dir.path().join("data"),
             "api_token_file": token_file,
             "catalog": catalog,
             "pools": pools,
             "refill_concurrency": 2,
+            "max_vms": max_vms,
+            "max_memory_mib": max_memory_mib,
         });
+        let (mut addr, mut tls_addr, mut cert) = (listen.clone(), None, None);
+        if tls {
+            let (c, k) = (dir.path().join("tls/cert.pem"), dir.path().join("tls/key.pem"));
+            httpd::tls::ensure_self_signed(&c, &k, &["127.0.0.1".to_string(), "localhost".to_string()])
+                .expect("minting the TLS certificate");
+            addr = format!("127.0.0.1:{}", free_port());
+            cfg["tls_cert_file"] = json!(c);
+            cfg["tls_key_file"] = json!(k);
+            cfg["local_listen"] = json!(addr);
+            tls_addr = Some(listen);
+            cert = Some(c);
+        }
+        merge(&mut cfg, extra);
         std::fs::write(&config, serde_json::to_vec_pretty(&cfg).expect("json")).expect("config");
-        let mut h = Harness { dir, addr, config, bin: bin.to_path_buf(), child: None, starts: 0, finished: false };
-        h.start();
-        h
+        Harness { dir, addr, tls_addr, cert, config, bin: bin.to_path_buf(), child: None, starts: 0, finished: false }
+    }
+
+    /// Merges `extra` into the config file (takes effect at the next [`Harness::start`]).
+    pub fn update_config(&self, extra: Value) {
+        let mut cfg: Value =
+            serde_json::from_slice(&std::fs::read(&self.config).expect("config")).expect("config json");
+        merge(&mut cfg, extra);
+        std::fs::write(&self.config, serde_json::to_vec_pretty(&cfg).expect("json")).expect("config");
     }
 
     pub fn dir_str(&self) -> String {
@@ -270,6 +338,12 @@ impl Harness {
         let dir = self.dir_str();
         let left = wait_for_gone(&dir);
         assert!(left.is_empty(), "QEMU processes still mention {dir}: {left:?}");
+    }
+}
+
+fn merge(cfg: &mut Value, extra: Value) {
+    if let (Some(c), Value::Object(e)) = (cfg.as_object_mut(), extra) {
+        c.extend(e);
     }
 }
 

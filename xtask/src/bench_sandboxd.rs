@@ -92,13 +92,18 @@ pub async fn real_node(figures: &mut Vec<Figure>, bin: &std::path::Path, rss_cla
     };
     let addr = format!("127.0.0.1:{port}");
     let refill_batch = 4u64;
+    // The budget holds the warm pool, the claims whose RSS is measured, and a golden builder
+    // (TCG base VMs take far less than their nominal 512 MiB).
+    let max_vms = refill_batch + rss_claims.max(refill_batch) + 2;
     let config = serde_json::json!({
         "listen": addr,
         "advertise_addr": addr,
         "data_dir": dir.path().join("data"),
         "pools": [{"template": "base", "warm": refill_batch}],
         "refill_concurrency": 2,
-        "boot_timeout_secs": 180
+        "boot_timeout_secs": 180,
+        "max_vms": max_vms,
+        "max_memory_mib": max_vms * 512
     });
     let config_path = dir.path().join("config.json");
     std::fs::write(&config_path, serde_json::to_vec_pretty(&config)?)?;

@@ -269,8 +269,10 @@ pub struct BenchArgs {
 
 #[derive(Debug, Args)]
 pub struct SandboxdArgs {
-    /// Listen address.
-    #[arg(long, default_value = "0.0.0.0:7777")]
+    /// Listen address. The default is loopback, where sandboxd runs open (no token) for
+    /// development; any other address needs `api_token_file` in the config (sandboxd refuses
+    /// to start otherwise and says how to fix it).
+    #[arg(long, default_value = "127.0.0.1:7777")]
     pub listen: String,
     /// Config file (default: appliance/sandboxd/examples/standalone.json).
     #[arg(long)]

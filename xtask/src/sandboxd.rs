@@ -1,6 +1,11 @@
 //! `cargo xtask sandboxd`: build what sandboxd needs (guest images, the release binary) and
-//! run it standalone on port 7777 with `appliance/sandboxd/examples/standalone.json`: warm
+//! run it standalone on 127.0.0.1:7777 with `appliance/sandboxd/examples/standalone.json`: warm
 //! pools for the seed's `ghcr.io/cocoonstack/sandbox/rt:24.04` (our local `rt` build) and `base`.
+//!
+//! Development mode: loopback and no root token, so node routes are open to local clients
+//! (`Client("127.0.0.1:7777")`) and `PUT /v1/pools` is refused (it needs a root token). To serve
+//! other machines, pass a config with `api_token_file` (and `tls_cert_file`/`tls_key_file`)
+//! and `--listen 0.0.0.0:7777`; without a token sandboxd refuses to start and says why.
 
 use crate::flags::{SandboxdArgs, VmImageArgs};
 use anyhow::{bail, Context, Result};
@@ -33,6 +38,10 @@ pub fn run(args: &SandboxdArgs) -> Result<()> {
         args.listen,
         config.display(),
         data_dir.display()
+    );
+    eprintln!(
+        "xtask: from Python: Client(\"{}\") (loopback without api_token_file: node routes open, for development)",
+        args.listen
     );
     let status = Command::new(&bin)
         .arg("--config")

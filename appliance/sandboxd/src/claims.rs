@@ -3,7 +3,8 @@
 //! A claim is an ownership transfer of a warm VM: no VM work happens on the claim path
 //! (see [`crate::node::Node::claim`]). This module holds the pure parts.
 //!
-//! TTL rules: absent or 0 → 300 s; capped at 86400 s; negative → `400`.
+//! TTL rules: absent or 0 → 300 s; capped at 86400 s and at the lease horizon
+//! (`max_lifetime_secs`); negative → `400`. A renew past the horizon is refused (`409`).
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -47,6 +48,19 @@ pub enum ClaimError {
     /// No such sandbox.
     #[error("sandbox not found")]
     NotFound,
+    /// A renew would move the deadline past the lease horizon.
+    #[error(
+        "renew refused: the lease cannot run past {horizon} (claimed_at + max_lifetime_secs = {max_lifetime_secs} s); \
+         {remaining_secs} s remain, ask for at most ttl_seconds = {remaining_secs} or claim a new sandbox"
+    )]
+    LeaseHorizon {
+        /// `claimed_at` + horizon, RFC 3339.
+        horizon: String,
+        /// The configured horizon.
+        max_lifetime_secs: u64,
+        /// Seconds left until the horizon.
+        remaining_secs: u64,
+    },
     /// The journal write failed; the claim was not granted.
     #[error("journaling the claim")]
     Journal(#[source] crate::journal::JournalError),

@@ -2,18 +2,56 @@
 //!
 //! ```json
 //! {"listen": "0.0.0.0:7777", "data_dir": "/var/lib/sandboxd", "api_token_file": "/etc/sandboxd/token",
+//!  "tls_cert_file": "/etc/sandboxd/tls/cert.pem", "tls_key_file": "/etc/sandboxd/tls/key.pem",
 //!  "advertise_addr": "10.0.0.5:7777", "pools": [{"template": "base", "net": "none", "size": "small", "warm": 4}],
-//!  "refill_concurrency": 0, "sync_claims": false, "boot_timeout_secs": 90, "clone": true}
+//!  "refill_concurrency": 0, "sync_claims": false, "boot_timeout_secs": 90, "clone": true,
+//!  "max_vms": 40, "max_memory_mib": 20480, "max_lifetime_secs": 604800}
 //! ```
 //!
-//! Unknown keys are refused; every error names the key (parse, then validate).
+//! Unknown keys are refused; every error names the key, where it was set and the fix (parse,
+//! then validate). Secure by default:
+//!
+//! - `listen` off loopback needs `api_token_file` ([`Config::check_exposure`]); the token file
+//!   must be at least [`MIN_TOKEN_LEN`] characters and readable by its owner only;
+//! - `tls_cert_file` and `tls_key_file` come together;
+//! - the budget (`max_vms`, `max_memory_mib`, derived from the host when absent) must hold the
+//!   configured warm targets.
 
+use std::fmt;
 use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::limits::{self, Budget, BudgetError, ClaimCaps, ExecTimeouts, HttpLimits, Limits};
 use crate::pool::{KeyError, PoolKey};
+
+/// The shortest root token accepted (32 characters: 128 bits as hex, 192 as base64).
+pub const MIN_TOKEN_LEN: usize = 32;
+
+/// Where the effective `listen` address came from (named in errors).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ListenSource {
+    /// Nobody set it.
+    #[default]
+    Default,
+    /// The config file.
+    File(PathBuf),
+    /// The `--listen` flag.
+    Flag,
+}
+
+impl fmt::Display for ListenSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ListenSource::Default => write!(f, "the default 0.0.0.0:7777"),
+            ListenSource::File(p) => write!(f, "set in {}", p.display()),
+            ListenSource::Flag => write!(f, "set by the --listen flag"),
+        }
+    }
+}
 
 /// Default config file.
 pub const DEFAULT_PATH: &str = "/etc/sandboxd/config.json";
@@ -64,14 +102,55 @@ pub enum ConfigError {
         /// Index in `pools`.
         index: usize,
     },
-    /// The token file could not be read or is empty.
+    /// The token file could not be read, is empty, too short or readable by others.
     #[error("config key api_token_file: {path}: {reason}")]
     Token {
         /// The file.
         path: PathBuf,
-        /// What was wrong.
+        /// What was wrong, and the fix.
         reason: String,
     },
+    /// A non-loopback `listen` without a root token: anyone on the network could claim VMs.
+    #[error(
+        "config keys listen / api_token_file: listen {listen} ({set}) is not a loopback address and no \
+         api_token_file is configured, so anyone who can reach the port could claim every VM, drain the node \
+         and change its pools; set api_token_file to a file holding the root token (at least {MIN_TOKEN_LEN} \
+         characters, mode 0600), or listen on 127.0.0.1:7777 for development"
+    )]
+    OpenListen {
+        /// The address.
+        listen: SocketAddr,
+        /// Where it was set.
+        set: ListenSource,
+    },
+    /// `local_listen` is not a loopback address.
+    #[error(
+        "config key local_listen: {0} is not a loopback address; local_listen serves plain HTTP for local \
+         clients only (e.g. 127.0.0.1:7778); use listen with tls_cert_file / tls_key_file for remote clients"
+    )]
+    LocalListen(SocketAddr),
+    /// Only one of the TLS files is set.
+    #[error(
+        "config keys tls_cert_file / tls_key_file: {0} is set without {1}; set both (TLS) or neither (plain HTTP)"
+    )]
+    TlsPair(&'static str, &'static str),
+    /// The TLS certificate or key cannot be used.
+    #[error("config keys tls_cert_file / tls_key_file")]
+    Tls(#[source] httpd::tls::TlsError),
+    /// A limit is out of range.
+    #[error("config key {key}: {problem}")]
+    Limit {
+        /// The key.
+        key: &'static str,
+        /// What is wrong, and the fix.
+        problem: String,
+    },
+    /// The configured warm targets do not fit the node budget.
+    #[error("config key pools")]
+    Budget(#[source] BudgetError),
+    /// The host memory could not be read to derive the default budget.
+    #[error("config keys max_memory_mib / max_vms: reading /proc/meminfo to derive the default budget (set both to skip it)")]
+    HostMemory(#[source] std::io::Error),
 }
 
 /// One pool as configured (config file, `PUT /v1/pools`, `pools.json`).
@@ -147,6 +226,36 @@ fn default_boot_timeout() -> u64 {
 fn default_true() -> bool {
     true
 }
+fn default_max_lifetime() -> u64 {
+    limits::DEFAULT_MAX_LIFETIME.as_secs()
+}
+fn default_agent_relays() -> usize {
+    ClaimCaps::default().agent_relays
+}
+fn default_port_relays() -> usize {
+    ClaimCaps::default().port_relays
+}
+fn default_execs() -> usize {
+    ClaimCaps::default().execs
+}
+fn default_exec_timeout() -> u64 {
+    ExecTimeouts::default().default.as_secs()
+}
+fn default_exec_max_timeout() -> u64 {
+    ExecTimeouts::default().max.as_secs()
+}
+fn default_max_connections() -> usize {
+    HttpLimits::default().max_connections
+}
+fn default_header_timeout() -> u64 {
+    HttpLimits::default().header_timeout.as_secs()
+}
+fn default_body_timeout() -> u64 {
+    HttpLimits::default().body_timeout.as_secs()
+}
+fn default_relay_idle() -> u64 {
+    HttpLimits::default().relay_idle.as_secs()
+}
 
 /// The daemon config.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,9 +267,21 @@ pub struct Config {
     /// Journal, pool overrides and goldens (default `/var/lib/sandboxd`).
     #[serde(default = "default_data_dir")]
     pub data_dir: PathBuf,
-    /// File holding the root API token (trimmed). Absent: node routes are open.
+    /// File holding the root API token (trimmed; at least 32 characters; mode 0600 or
+    /// tighter). Absent: node routes are open, which is allowed on a loopback `listen` only.
     #[serde(default)]
     pub api_token_file: Option<PathBuf>,
+    /// PEM certificate chain: with `tls_key_file`, `listen` serves TLS (ALPN `http/1.1`).
+    #[serde(default)]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tls_cert_file`.
+    #[serde(default)]
+    pub tls_key_file: Option<PathBuf>,
+    /// An extra plain-HTTP listener, loopback only (local clients such as vk-sandbox when
+    /// `listen` serves TLS). Same routes and auth; claims made through it name it as their
+    /// `owner_addr`.
+    #[serde(default)]
+    pub local_listen: Option<SocketAddr>,
     /// `host:port` clients should use for sandbox-scoped calls (`owner_addr`).
     #[serde(default)]
     pub advertise_addr: Option<String>,
@@ -186,6 +307,47 @@ pub struct Config {
     /// The VM driver's state dir (default `<data_dir>/vms`).
     #[serde(default)]
     pub vm_state_dir: Option<PathBuf>,
+    /// VMs (warm + refilling + claimed) at most (default: `max_memory_mib` / 512, at most 1024).
+    #[serde(default)]
+    pub max_vms: Option<usize>,
+    /// Memory of those VMs at most, MiB, each counted with its size class (default: the host's
+    /// `MemTotal` minus an eighth of it, at least 1 GiB kept back).
+    #[serde(default)]
+    pub max_memory_mib: Option<u64>,
+    /// The lease horizon: no renew may move a deadline past `claimed_at` + this (7 days).
+    #[serde(default = "default_max_lifetime")]
+    pub max_lifetime_secs: u64,
+    /// Concurrent `/agent` relays per claim (16).
+    #[serde(default = "default_agent_relays")]
+    pub max_agent_relays_per_claim: usize,
+    /// Concurrent `/ports` relays per claim (16).
+    #[serde(default = "default_port_relays")]
+    pub max_port_relays_per_claim: usize,
+    /// Concurrent `/exec` calls per claim (8).
+    #[serde(default = "default_execs")]
+    pub max_execs_per_claim: usize,
+    /// `/exec` timeout when `timeout_seconds` is absent or 0 (300).
+    #[serde(default = "default_exec_timeout")]
+    pub exec_default_timeout_secs: u64,
+    /// Largest `/exec` `timeout_seconds` accepted (3600; larger is a 400).
+    #[serde(default = "default_exec_max_timeout")]
+    pub exec_max_timeout_secs: u64,
+    /// Open connections per listener (4096); one more is closed at once.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Time to send a request head, and the idle time of a keep-alive connection (60: longer
+    /// than the SDK's 30 s keep-alive, so the client always drops an idle connection first).
+    #[serde(default = "default_header_timeout")]
+    pub header_timeout_secs: u64,
+    /// Time to send a whole request body (30).
+    #[serde(default = "default_body_timeout")]
+    pub body_timeout_secs: u64,
+    /// An `/agent` or `/ports` relay that moves no byte either way this long is closed (3600).
+    #[serde(default = "default_relay_idle")]
+    pub relay_idle_timeout_secs: u64,
+    /// Where `listen` came from (not a key).
+    #[serde(skip)]
+    pub listen_source: ListenSource,
 }
 
 impl Default for Config {
@@ -205,10 +367,121 @@ impl Config {
 
     /// Parses and validates config bytes (`path` only names the source in errors).
     pub fn parse(path: &Path, bytes: &[u8]) -> Result<Self, ConfigError> {
-        let c: Config =
-            serde_json::from_slice(bytes).map_err(|source| ConfigError::Parse { path: path.to_path_buf(), source })?;
+        let parse_err = |source| ConfigError::Parse { path: path.to_path_buf(), source };
+        let raw: serde_json::Value = serde_json::from_slice(bytes).map_err(parse_err)?;
+        let has_listen = raw.get("listen").is_some();
+        let mut c: Config = serde_json::from_value(raw).map_err(parse_err)?;
+        if has_listen {
+            c.listen_source = ListenSource::File(path.to_path_buf());
+        }
         validate_pools(&c.pools)?;
+        c.check_static()?;
         Ok(c)
+    }
+
+    /// The checks that need no file or host access: TLS pairing, `local_listen`, limit ranges.
+    pub fn check_static(&self) -> Result<(), ConfigError> {
+        match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(_), None) => return Err(ConfigError::TlsPair("tls_cert_file", "tls_key_file")),
+            (None, Some(_)) => return Err(ConfigError::TlsPair("tls_key_file", "tls_cert_file")),
+            _ => {}
+        }
+        if let Some(l) = self.local_listen {
+            if !l.ip().is_loopback() {
+                return Err(ConfigError::LocalListen(l));
+            }
+        }
+        let at_least_one = |key: &'static str, v: u64| {
+            if v == 0 {
+                Err(ConfigError::Limit { key, problem: "must be at least 1".into() })
+            } else {
+                Ok(())
+            }
+        };
+        at_least_one("max_lifetime_secs", self.max_lifetime_secs)?;
+        at_least_one("max_agent_relays_per_claim", self.max_agent_relays_per_claim as u64)?;
+        at_least_one("max_port_relays_per_claim", self.max_port_relays_per_claim as u64)?;
+        at_least_one("max_execs_per_claim", self.max_execs_per_claim as u64)?;
+        at_least_one("exec_default_timeout_secs", self.exec_default_timeout_secs)?;
+        at_least_one("exec_max_timeout_secs", self.exec_max_timeout_secs)?;
+        at_least_one("max_connections", self.max_connections as u64)?;
+        at_least_one("header_timeout_secs", self.header_timeout_secs)?;
+        at_least_one("body_timeout_secs", self.body_timeout_secs)?;
+        at_least_one("relay_idle_timeout_secs", self.relay_idle_timeout_secs)?;
+        if let Some(v) = self.max_vms {
+            at_least_one("max_vms", v as u64)?;
+        }
+        if let Some(v) = self.max_memory_mib {
+            at_least_one("max_memory_mib", v)?;
+        }
+        if self.exec_default_timeout_secs > self.exec_max_timeout_secs {
+            return Err(ConfigError::Limit {
+                key: "exec_default_timeout_secs",
+                problem: format!(
+                    "{} is over exec_max_timeout_secs = {}; lower it or raise exec_max_timeout_secs",
+                    self.exec_default_timeout_secs, self.exec_max_timeout_secs
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuses a `listen` off loopback without a root token (the fail-closed rule): names the
+    /// keys, where `listen` was set, and the fix.
+    pub fn check_exposure(&self) -> Result<(), ConfigError> {
+        if self.listen.ip().is_loopback() || self.api_token_file.is_some() {
+            return Ok(());
+        }
+        Err(ConfigError::OpenListen { listen: self.listen, set: self.listen_source.clone() })
+    }
+
+    /// The node budget: the configured limits, the missing ones derived from the host memory
+    /// ([`Budget::from_mem_total`]); the configured warm targets must fit it.
+    pub fn budget(&self) -> Result<Budget, ConfigError> {
+        let budget = match (self.max_vms, self.max_memory_mib) {
+            (Some(max_vms), Some(max_memory_mib)) => Budget { max_vms, max_memory_mib },
+            (vms, mem) => {
+                let derived = Budget::from_mem_total(limits::host_mem_total_mib().map_err(ConfigError::HostMemory)?);
+                let max_memory_mib = mem.unwrap_or(derived.max_memory_mib);
+                Budget { max_vms: vms.unwrap_or_else(|| limits::default_max_vms(max_memory_mib)), max_memory_mib }
+            }
+        };
+        budget.check(&validate_pools(&self.pools)?).map_err(ConfigError::Budget)?;
+        Ok(budget)
+    }
+
+    /// Every limit (reads `/proc/meminfo` unless both budget keys are set).
+    pub fn limits(&self) -> Result<Limits, ConfigError> {
+        Ok(Limits {
+            budget: self.budget()?,
+            max_lifetime: Duration::from_secs(self.max_lifetime_secs),
+            caps: ClaimCaps {
+                agent_relays: self.max_agent_relays_per_claim,
+                port_relays: self.max_port_relays_per_claim,
+                execs: self.max_execs_per_claim,
+            },
+            exec: ExecTimeouts {
+                default: Duration::from_secs(self.exec_default_timeout_secs),
+                max: Duration::from_secs(self.exec_max_timeout_secs),
+            },
+            http: HttpLimits {
+                max_connections: self.max_connections,
+                header_timeout: Duration::from_secs(self.header_timeout_secs),
+                body_timeout: Duration::from_secs(self.body_timeout_secs),
+                relay_idle: Duration::from_secs(self.relay_idle_timeout_secs),
+            },
+        })
+    }
+
+    /// The TLS server configuration (ALPN `http/1.1`), when both TLS files are set.
+    pub fn tls(&self) -> Result<Option<std::sync::Arc<rustls::ServerConfig>>, ConfigError> {
+        self.check_static()?;
+        match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key)) => httpd::tls::server_config_from_files(cert, key, httpd::tls::ALPN_HTTP1)
+                .map(Some)
+                .map_err(ConfigError::Tls),
+            _ => Ok(None),
+        }
     }
 
     /// The effective refill concurrency.
@@ -220,16 +493,34 @@ impl Config {
         (cpus * 2 / 3).clamp(1, 256)
     }
 
-    /// Reads the root token, if a token file is configured.
+    /// Reads the root token, if a token file is configured. Refuses a file readable by group
+    /// or others (`chmod 600` fixes it), an empty one, and a token shorter than
+    /// [`MIN_TOKEN_LEN`] characters.
     pub fn api_token(&self) -> Result<Option<String>, ConfigError> {
         let Some(path) = &self.api_token_file else {
             return Ok(None);
         };
-        let raw = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::Token { path: path.clone(), reason: e.to_string() })?;
+        let err = |reason: String| ConfigError::Token { path: path.clone(), reason };
+        let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(err(format!(
+                "mode {mode:04o} lets group or others read the root token; run chmod 600 {}",
+                path.display()
+            )));
+        }
+        let raw = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
         let t = raw.trim();
         if t.is_empty() {
-            return Err(ConfigError::Token { path: path.clone(), reason: "the file is empty".into() });
+            return Err(err("the file is empty; write a random token of at least 32 characters into it".into()));
+        }
+        if t.chars().count() < MIN_TOKEN_LEN {
+            return Err(err(format!(
+                "the token has {} characters, fewer than {MIN_TOKEN_LEN}; write a random one, e.g. \
+                 `openssl rand -hex 32 > {}`",
+                t.chars().count(),
+                path.display()
+            )));
         }
         Ok(Some(t.to_string()))
     }
@@ -283,15 +574,118 @@ mod tests {
         assert_eq!(targets, vec![4, 0, 0]);
     }
 
+    fn secret(dir: &Path, name: &str, contents: &str, mode: u32) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, contents).expect("write");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        p
+    }
+
     #[test]
-    fn token_file_is_trimmed() {
+    fn token_file_rules() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let p = dir.path().join("token");
-        std::fs::write(&p, "  s3cret\n").expect("write");
+        let good = "0123456789abcdef0123456789abcdef";
+        let p = secret(dir.path(), "token", &format!("  {good}\n"), 0o600);
         let c = Config { api_token_file: Some(p.clone()), ..Config::default() };
-        assert_eq!(c.api_token().expect("token").as_deref(), Some("s3cret"));
-        std::fs::write(&p, "\n").expect("write");
-        assert!(matches!(c.api_token(), Err(ConfigError::Token { .. })));
+        assert_eq!(c.api_token().expect("token").as_deref(), Some(good), "trimmed");
         assert_eq!(Config::default().api_token().expect("none"), None);
+        // Readable by others: refused, with the fix.
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let e = c.api_token().expect_err("world-readable").to_string();
+        assert!(e.contains("api_token_file") && e.contains("mode 0644") && e.contains("chmod 600"), "{e}");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+        assert!(c.api_token().is_err(), "group-readable");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o400)).expect("chmod");
+        assert!(c.api_token().is_ok(), "owner read-only is fine");
+        // Empty and short tokens.
+        let empty = secret(dir.path(), "empty", "\n", 0o600);
+        let e = Config { api_token_file: Some(empty), ..Config::default() }.api_token().expect_err("empty");
+        assert!(e.to_string().contains("empty"), "{e}");
+        let short = secret(dir.path(), "short", "s3cret", 0o600);
+        let e = Config { api_token_file: Some(short), ..Config::default() }.api_token().expect_err("short");
+        assert!(e.to_string().contains("6 characters, fewer than 32"), "{e}");
+        let missing = Config { api_token_file: Some(dir.path().join("nope")), ..Config::default() };
+        assert!(matches!(missing.api_token(), Err(ConfigError::Token { .. })));
+    }
+
+    #[test]
+    fn open_listen_is_refused_and_names_where_it_was_set() {
+        // The default (0.0.0.0:7777) without a token.
+        let e = Config::default().check_exposure().expect_err("default is open").to_string();
+        assert!(e.contains("listen 0.0.0.0:7777 (the default 0.0.0.0:7777)"), "{e}");
+        assert!(e.contains("api_token_file") && e.contains("127.0.0.1:7777"), "{e}");
+        // From the file.
+        let c = Config::parse(Path::new("/etc/sandboxd/x.json"), br#"{"listen":"10.0.0.5:7777"}"#).expect("parse");
+        let e = c.check_exposure().expect_err("open").to_string();
+        assert!(e.contains("set in /etc/sandboxd/x.json"), "{e}");
+        // From the flag.
+        let c = Config { listen_source: ListenSource::Flag, ..c };
+        assert!(c.check_exposure().expect_err("open").to_string().contains("--listen flag"));
+        // Loopback is open for development; a token makes any address fine.
+        for l in ["127.0.0.1:7777", "[::1]:7777"] {
+            let c = parse(&format!(r#"{{"listen":"{l}"}}"#)).expect("parse");
+            assert!(c.check_exposure().is_ok(), "{l}");
+        }
+        let c = Config { api_token_file: Some("/t".into()), ..Config::default() };
+        assert!(c.check_exposure().is_ok());
+    }
+
+    #[test]
+    fn tls_pair_local_listen_and_limits() {
+        let e = parse(r#"{"tls_cert_file":"/c.pem"}"#).expect_err("half").to_string();
+        assert!(e.contains("tls_cert_file is set without tls_key_file"), "{e}");
+        let e = parse(r#"{"tls_key_file":"/k.pem"}"#).expect_err("half").to_string();
+        assert!(e.contains("tls_key_file is set without tls_cert_file"), "{e}");
+        let e = parse(r#"{"local_listen":"0.0.0.0:7778"}"#).expect_err("not loopback").to_string();
+        assert!(e.contains("local_listen") && e.contains("loopback"), "{e}");
+        assert!(parse(r#"{"local_listen":"127.0.0.1:7778"}"#).is_ok());
+        let e = parse(r#"{"max_execs_per_claim":0}"#).expect_err("zero").to_string();
+        assert_eq!(e, "config key max_execs_per_claim: must be at least 1");
+        let e = parse(r#"{"exec_default_timeout_secs":10,"exec_max_timeout_secs":5}"#).expect_err("order").to_string();
+        assert!(e.contains("exec_default_timeout_secs: 10 is over exec_max_timeout_secs = 5"), "{e}");
+        // A cert that is not PEM: a TLS error naming the file.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (cert, key) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
+        std::fs::write(&cert, "junk").expect("w");
+        std::fs::write(&key, "junk").expect("w");
+        let c = Config { tls_cert_file: Some(cert.clone()), tls_key_file: Some(key.clone()), ..Config::default() };
+        let e = c.tls().expect_err("junk");
+        assert!(vmm::error_chain(&e).contains("c.pem"), "{}", vmm::error_chain(&e));
+        let pair = httpd::tls::self_signed(&["localhost".into()]).expect("mint");
+        std::fs::write(&cert, pair.cert_pem).expect("w");
+        std::fs::write(&key, pair.key_pem).expect("w");
+        let tls = c.tls().expect("tls").expect("some");
+        assert_eq!(tls.alpn_protocols, vec![b"http/1.1".to_vec()]);
+        assert!(Config::default().tls().expect("plain").is_none());
+    }
+
+    #[test]
+    fn defaults_of_the_limits() {
+        let c = parse(r#"{"max_vms":10,"max_memory_mib":4096}"#).expect("parse");
+        let l = c.limits().expect("limits");
+        assert_eq!(l.budget, Budget { max_vms: 10, max_memory_mib: 4096 });
+        assert_eq!(l.max_lifetime, Duration::from_secs(604_800));
+        assert_eq!(l.caps, ClaimCaps { agent_relays: 16, port_relays: 16, execs: 8 });
+        assert_eq!(l.exec, ExecTimeouts { default: Duration::from_secs(300), max: Duration::from_secs(3600) });
+        assert_eq!(l.http, HttpLimits::default());
+        assert_eq!(l.http.max_connections, 4096);
+        // Derived from the host: whatever it is, both limits are set and consistent.
+        let d = Config::default().budget().expect("derived");
+        assert!(d.max_vms >= 1 && d.max_vms <= limits::MAX_VMS_CEILING, "{d:?}");
+        let half = parse(r#"{"max_memory_mib":2048}"#).expect("parse").budget().expect("derived vms");
+        assert_eq!(half, Budget { max_vms: 4, max_memory_mib: 2048 });
+    }
+
+    #[test]
+    fn warm_targets_over_the_budget_are_a_config_error() {
+        let c =
+            parse(r#"{"max_vms":4,"max_memory_mib":8192,"pools":[{"template":"base","warm":100000}]}"#).expect("parse");
+        let e = c.budget().expect_err("over");
+        let msg = vmm::error_chain(&e);
+        assert!(msg.contains("config key pools") && msg.contains("100000 VMs") && msg.contains("max_vms = 4"), "{msg}");
+        let c = parse(r#"{"max_vms":40,"max_memory_mib":2048,"pools":[{"template":"base","size":"large","warm":1}]}"#)
+            .expect("parse");
+        let msg = vmm::error_chain(&c.budget().expect_err("memory"));
+        assert!(msg.contains("4096 MiB") && msg.contains("max_memory_mib = 2048"), "{msg}");
     }
 }

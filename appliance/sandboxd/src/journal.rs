@@ -3,7 +3,7 @@
 //! The claims journal is a snapshot plus an append-only log:
 //! - `claims.json` — `{"version": 2, "seq": S, "claims": [...]}`, the whole claim table as of
 //!   sequence number `S`, always replaced atomically (temp + fsync + rename + dir fsync, via
-//!   [`vmm::record::write_json_atomic`]);
+//!   [`foundation::write_atomic`], born 0600);
 //! - `claims.log` — one JSON line per claim-table mutation after the snapshot:
 //!   `{"seq":N,"op":{"grant":{<record>}}}`, `{"seq":N,"op":{"release":{"id":…}}}`,
 //!   `{"seq":N,"op":{"renew":{"id":…,"deadline_unix_ms":…}}}`. A grant, release or renew appends
@@ -34,9 +34,17 @@
 //!
 //! Invariant: a claim is granted (replied to) only after a commit that includes it returned `Ok`.
 //!
+//! Secrets at rest: the journal holds every sandbox token, so the data dir is 0700 and every
+//! journal file (`claims.json`, `claims.log`, `claims.log.1`, `pools.json`) is 0600, created
+//! with that mode (the snapshot and `pools.json` through [`foundation::write_atomic`], the log
+//! opened `O_CREAT` with mode 0600), so no file is ever readable by others, not even for a
+//! moment. [`Journal::open`] tightens a looser data dir or journal file left by an older
+//! version.
+//!
 //! Lock order: compaction → writer → claim table.
 
 use std::io::Write as _;
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
@@ -96,9 +104,15 @@ pub enum JournalError {
         #[source]
         source: serde_json::Error,
     },
-    /// Writing a snapshot or `pools.json` failed.
-    #[error("writing a journal file")]
-    Record(#[source] vmm::record::RecordError),
+    /// Encoding a snapshot or `pools.json` failed.
+    #[error("encoding {path}")]
+    Encode {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: serde_json::Error,
+    },
 }
 
 /// One journaled claim (internal format).
@@ -218,9 +232,13 @@ fn io_err(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Jou
 }
 
 impl Journal {
-    /// Opens (creates) `dir`. Does not read the claims: see [`Journal::recover`].
+    /// Opens (creates) `dir`, made 0700, and tightens journal files looser than 0600. Does not
+    /// read the claims: see [`Journal::recover`].
     pub fn open(dir: &Path, sync: bool) -> Result<Self, JournalError> {
-        std::fs::create_dir_all(dir).map_err(io_err("creating data dir", dir))?;
+        foundation::private_dir(dir).map_err(io_err("creating (0700) data dir", dir))?;
+        for name in [CLAIMS_FILE, CLAIMS_LOG, CLAIMS_LOG_SEALED, POOLS_FILE] {
+            tighten(&dir.join(name))?;
+        }
         let len = |name: &str| std::fs::metadata(dir.join(name)).map_or(0, |m| m.len());
         let writer = Writer {
             written: 0,
@@ -366,8 +384,12 @@ impl Journal {
         }
         let path = self.dir.join(CLAIMS_LOG);
         let result = (|| {
-            let mut f =
-                std::fs::OpenOptions::new().append(true).create(true).open(&path).map_err(io_err("opening", &path))?;
+            let mut f = std::fs::OpenOptions::new()
+                .append(true)
+                .create(true)
+                .mode(foundation::SECRET_FILE.0)
+                .open(&path)
+                .map_err(io_err("opening", &path))?;
             if let Err(source) = f.write_all(&buf) {
                 // Cut a partial line so later appends never follow garbage.
                 let _ = f.set_len(w.log_bytes);
@@ -412,7 +434,7 @@ impl Journal {
     fn write_snapshot(&self, seq: u64, rows: &[ClaimRecord]) -> Result<u64, JournalError> {
         let file = ClaimsFile { version: SNAPSHOT_VERSION, seq, claims: rows.to_vec() };
         let path = self.dir.join(CLAIMS_FILE);
-        vmm::record::write_json_atomic(&path, &file).map_err(JournalError::Record)?;
+        write_secret_json(&path, &file)?;
         Ok(std::fs::metadata(&path).map_or(0, |m| m.len()))
     }
 
@@ -424,8 +446,7 @@ impl Journal {
     /// Persists the pool list (atomically, fsynced).
     pub fn write_pools(&self, pools: &[PoolConfig]) -> Result<(), JournalError> {
         let _p = lock(&self.pools);
-        vmm::record::write_json_atomic(&self.dir.join(POOLS_FILE), &PoolsFile { pools: pools.to_vec() })
-            .map_err(JournalError::Record)
+        write_secret_json(&self.dir.join(POOLS_FILE), &PoolsFile { pools: pools.to_vec() })
     }
 }
 
@@ -488,6 +509,28 @@ fn read_opt<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, Jo
         Err(source) => return Err(JournalError::Io { what: "reading", path: path.to_path_buf(), source }),
     };
     serde_json::from_slice(&bytes).map(Some).map_err(|source| JournalError::Parse { path: path.to_path_buf(), source })
+}
+
+/// Replaces `path` with `value` as JSON: atomic, fsynced, born 0600.
+fn write_secret_json<T: Serialize>(path: &Path, value: &T) -> Result<(), JournalError> {
+    let bytes =
+        serde_json::to_vec_pretty(value).map_err(|source| JournalError::Encode { path: path.to_path_buf(), source })?;
+    foundation::write_atomic(path, &bytes, foundation::SECRET_FILE).map_err(io_err("writing", path))
+}
+
+/// Makes an existing file 0600 when it is looser (files of older versions).
+fn tighten(path: &Path) -> Result<(), JournalError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    match std::fs::metadata(path) {
+        Ok(m) if m.permissions().mode() & 0o077 != 0 => {
+            tracing::warn!(path = %path.display(), mode = format!("{:04o}", m.permissions().mode() & 0o7777), "tightening a journal file to 0600");
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(foundation::SECRET_FILE.0))
+                .map_err(io_err("tightening (0600)", path))
+        }
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(JournalError::Io { what: "inspecting", path: path.to_path_buf(), source }),
+    }
 }
 
 fn remove_if_exists(path: &Path) -> Result<(), JournalError> {

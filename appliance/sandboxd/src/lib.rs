@@ -2,7 +2,9 @@
 //! (the sandboxd contract, `shared/spec/sandboxd.md` §0–§8), wire-compatible with the public
 //! Python SDK.
 //!
-//! - [`config`]: the JSON config file;
+//! - [`config`]: the JSON config file (and the fail-closed start-up checks);
+//! - [`limits`]: the node budget and its ledger, the lease horizon, per-claim caps, exec and
+//!   HTTP limits;
 //! - [`pool`]: pool keys, pool state and the refill task;
 //! - [`claims`]: the claim table, lease rules, id/token minting;
 //! - [`journal`]: the claims journal (append-only `claims.log` + atomic `claims.json` snapshot)
@@ -16,6 +18,7 @@ pub mod claims;
 pub mod config;
 pub mod http;
 pub mod journal;
+pub mod limits;
 pub mod metrics;
 pub mod node;
 pub mod pool;

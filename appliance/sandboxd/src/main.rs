@@ -17,15 +17,27 @@ use sandboxd::{Node, NodeOptions};
 /// (one line per change, compacted into the `claims.json` snapshot); on restart, VMs of
 /// journaled claims are re-adopted and unowned `sbx-` VMs are destroyed.
 ///
-/// Without `api_token_file` in the config, node routes (claim, list, info, drain, pools) are
-/// open to anyone who can reach the port; sandbox routes always need the sandbox's token.
+/// Secure by default: sandboxd refuses to start when `listen` is not a loopback address and
+/// the config has no `api_token_file` (the error names the key, where `listen` was set and the
+/// fix). With a root token, every node route (claim, list, per-id read, stats, info, drain,
+/// pools, peers, metrics) needs it (401 otherwise); sandbox routes need that sandbox's token
+/// (or the root token); `/healthz` is open. On loopback without a token (development) node
+/// routes are open, except `PUT /v1/pools`, which always needs the root token. The token file
+/// must hold at least 32 characters and be readable by its owner only (chmod 600).
+///
+/// `tls_cert_file` + `tls_key_file` make `listen` serve TLS (ALPN http/1.1); `local_listen`
+/// adds a plain-HTTP loopback listener for local clients. Limits: `max_vms` /
+/// `max_memory_mib` (the node budget, derived from the host memory by default),
+/// `max_lifetime_secs` (lease horizon, 7 days), per-claim caps on relays and execs, exec
+/// timeouts, `max_connections`, header/body/relay-idle timeouts.
 #[derive(Debug, Parser)]
 #[command(name = "sandboxd", version)]
 struct Args {
     /// JSON config file. A missing default file means built-in defaults (no pools).
     #[arg(long, value_name = "FILE", default_value = DEFAULT_PATH)]
     config: PathBuf,
-    /// Listen address, overriding the config's `listen` (default 0.0.0.0:7777).
+    /// Listen address, overriding the config's `listen` (default 0.0.0.0:7777, which needs
+    /// `api_token_file`; use 127.0.0.1:7777 for an open development node).
     #[arg(long, value_name = "ADDR")]
     listen: Option<SocketAddr>,
     /// Data directory (journal, pools.json, goldens), overriding the config's `data_dir`.
@@ -73,6 +85,7 @@ fn load_config(args: &Args) -> anyhow::Result<Config> {
     };
     if let Some(l) = args.listen {
         c.listen = l;
+        c.listen_source = sandboxd::config::ListenSource::Flag;
     }
     if let Some(d) = &args.data_dir {
         c.data_dir = d.clone();
@@ -96,6 +109,8 @@ fn load_catalog(c: &Config) -> vmm::Catalog {
 
 /// The one place that picks the hypervisor driver.
 fn driver(c: &Config) -> anyhow::Result<Arc<dyn vmm::Driver>> {
+    // The data dir holds every sandbox token (the journal): 0700 before anything goes in.
+    foundation::private_dir(&c.data_dir).with_context(|| format!("creating (0700) {}", c.data_dir.display()))?;
     let state_dir = c.vm_state_dir();
     std::fs::create_dir_all(&state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
     let mut qemu = vmm::qemu::QemuConfig::from_env();
@@ -105,19 +120,54 @@ fn driver(c: &Config) -> anyhow::Result<Arc<dyn vmm::Driver>> {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let cfg = load_config(&args)?;
-    let catalog = load_catalog(&cfg);
+    // Fail closed before touching anything: an open node off loopback, a bad token file, a
+    // half TLS pair or targets over the budget stop the start.
+    cfg.check_exposure()?;
+    let tls = cfg.tls()?;
+    let opts = NodeOptions::from_config(&cfg, load_catalog(&cfg))?;
+    match &opts.api_token {
+        None => {
+            tracing::warn!(listen = %cfg.listen, "no api_token_file configured: node routes are open on loopback (development)")
+        }
+        Some(_) if tls.is_none() && !cfg.listen.ip().is_loopback() => tracing::warn!(
+            listen = %cfg.listen,
+            "tokens travel in clear text: set tls_cert_file and tls_key_file to serve TLS"
+        ),
+        Some(_) => {}
+    }
+    match httpd::raise_nofile_limit() {
+        Ok((soft, hard)) => tracing::debug!(soft, hard, "open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "raising the open-file limit failed"),
+    }
+    let budget = opts.limits.budget;
     let driver = driver(&cfg)?;
     tracing::info!(backend = %driver.backend(), accel = %driver.accel(), "VM driver ready");
-    let opts = NodeOptions::from_config(&cfg, catalog)?;
-    if opts.api_token.is_none() {
-        tracing::warn!("no api_token_file configured: node routes are open");
-    }
     let node = Node::start(driver, opts).await.context("starting the node")?;
-    let listener =
-        tokio::net::TcpListener::bind(cfg.listen).await.with_context(|| format!("binding {}", cfg.listen))?;
-    tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), "sandboxd listening");
-    let app = sandboxd::http::app(Arc::clone(&node));
-    sandboxd::http::serve(listener, app, shutdown_signal()).await?;
+    let bind = |addr: SocketAddr| async move {
+        tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))
+    };
+    let listener = bind(cfg.listen).await?;
+    let local = match cfg.local_listen {
+        Some(addr) => Some((addr, bind(addr).await?)),
+        None => None,
+    };
+    tracing::info!(
+        listen = %cfg.listen,
+        tls = tls.is_some(),
+        local_listen = ?cfg.local_listen,
+        max_vms = budget.max_vms,
+        max_memory_mib = budget.max_memory_mib,
+        data_dir = %cfg.data_dir.display(),
+        "sandboxd listening"
+    );
+    let stop = tokio_util::sync::CancellationToken::new();
+    if let Some((addr, l)) = local {
+        let (n, s) = (Arc::clone(&node), stop.clone());
+        let owner = Some(addr.to_string());
+        tokio::spawn(async move { sandboxd::http::serve_as(l, n, None, owner, s.cancelled_owned()).await });
+    }
+    sandboxd::http::serve(listener, Arc::clone(&node), tls, shutdown_signal()).await;
+    stop.cancel();
     tracing::info!("shutting down; VMs keep running");
     node.shutdown();
     Ok(())

@@ -3,6 +3,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::limits::{Budget, Usage};
 use crate::pool::PoolInfo;
 
 /// Process-wide counters. Gauges (warm, target, claimed) are read from live state at render time.
@@ -42,6 +43,20 @@ pub struct Metrics {
     pub port_relays: AtomicU64,
     /// `/exec` calls.
     pub execs: AtomicU64,
+    /// Refill steps the node budget stopped short.
+    pub refill_budget_blocked: AtomicU64,
+    /// `/agent` relays refused at the per-claim cap.
+    pub agent_relays_refused: AtomicU64,
+    /// `/ports` relays refused at the per-claim cap.
+    pub port_relays_refused: AtomicU64,
+    /// `/exec` calls refused at the per-claim cap.
+    pub execs_refused: AtomicU64,
+    /// Relays closed after `relay_idle_timeout_secs` without a byte.
+    pub relays_idle_closed: AtomicU64,
+    /// Request bodies not received within `body_timeout_secs`.
+    pub body_timeouts: AtomicU64,
+    /// Requests refused for a missing or wrong token (401).
+    pub auth_failures: AtomicU64,
 }
 
 /// Bumps a counter.
@@ -55,7 +70,15 @@ fn get(c: &AtomicU64) -> u64 {
 
 impl Metrics {
     /// Renders everything as Prometheus text exposition.
-    pub fn render(&self, pools: &[PoolInfo], claimed: usize, draining: bool) -> String {
+    pub fn render(
+        &self,
+        pools: &[PoolInfo],
+        claimed: usize,
+        draining: bool,
+        budget: Budget,
+        used: Usage,
+        conns: &httpd::ConnStats,
+    ) -> String {
         let mut o = String::new();
         let mut counter = |name: &str, help: &str, rows: &[(&str, u64)]| {
             let _ = writeln!(o, "# HELP sandboxd_{name} {help}\n# TYPE sandboxd_{name} counter");
@@ -101,6 +124,37 @@ impl Metrics {
                 ("{kind=\"exec\"}", get(&self.execs)),
             ],
         );
+        counter(
+            "relays_refused_total",
+            "Relays and execs refused at their per-claim cap, by kind.",
+            &[
+                ("{kind=\"agent\"}", get(&self.agent_relays_refused)),
+                ("{kind=\"port\"}", get(&self.port_relays_refused)),
+                ("{kind=\"exec\"}", get(&self.execs_refused)),
+            ],
+        );
+        counter(
+            "relays_idle_closed_total",
+            "Relays closed after relay_idle_timeout_secs without a byte either way.",
+            &[("", get(&self.relays_idle_closed))],
+        );
+        counter(
+            "refill_budget_blocked_total",
+            "Refill steps stopped short by the node budget.",
+            &[("", get(&self.refill_budget_blocked))],
+        );
+        counter("body_timeouts_total", "Request bodies not received in time.", &[("", get(&self.body_timeouts))]);
+        counter("auth_failures_total", "Requests refused with 401.", &[("", get(&self.auth_failures))]);
+        counter(
+            "http_connections_refused_total",
+            "Connections closed at once because max_connections were open.",
+            &[("", conns.refused.load(Ordering::Relaxed))],
+        );
+        counter(
+            "http_connections_timed_out_total",
+            "Connections closed for a slow request head, idle keep-alive or a slow TLS handshake.",
+            &[("", conns.timed_out.load(Ordering::Relaxed))],
+        );
         for (name, help, pick) in [
             ("pool_warm", "Warm VMs per pool.", 0),
             ("pool_target", "Warm target per pool.", 1),
@@ -133,6 +187,15 @@ impl Metrics {
             "# HELP sandboxd_draining 1 while the node drains.\n# TYPE sandboxd_draining gauge\nsandboxd_draining {}",
             u8::from(draining)
         );
+        for (name, help, v) in [
+            ("budget_max_vms", "The node budget: max_vms.", budget.max_vms as u64),
+            ("budget_max_memory_mib", "The node budget: max_memory_mib.", budget.max_memory_mib),
+            ("budget_vms", "VMs held or booting (warm + refilling + claimed).", used.vms as u64),
+            ("budget_memory_mib", "Their memory, MiB.", used.memory_mib),
+            ("http_connections_open", "Open HTTP connections.", conns.open.load(Ordering::Relaxed) as u64),
+        ] {
+            let _ = writeln!(o, "# HELP sandboxd_{name} {help}\n# TYPE sandboxd_{name} gauge\nsandboxd_{name} {v}");
+        }
         o
     }
 }

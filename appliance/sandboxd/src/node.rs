@@ -7,6 +7,10 @@
 //!
 //! Guarantees:
 //! - the claim path does no VM work: pop a warm VM, mint, journal, reply;
+//! - warm + refilling + claimed VMs never exceed the node budget ([`crate::limits::Ledger`]):
+//!   refill reserves before any VM work and stops at the budget (the pool reports
+//!   `at_capacity`); `PUT /v1/pools` refuses targets that cannot fit, before persisting;
+//! - no lease runs past `claimed_at` + `max_lifetime_secs`;
 //! - a claim is granted only after a journal write that includes it;
 //! - nothing is destroyed on ambiguity: a failed `list` is retried, never read as empty, and
 //!   refill (whose new VMs the reconcile could mistake for unowned ones) starts only after a
@@ -27,6 +31,7 @@ use vmm::{Catalog, Driver, DriverError, Snapshot, Vm, VmId};
 use crate::claims::{self, Claim, ClaimError, ClaimTable, SandboxRow};
 use crate::config::{self, Config, ConfigError, PoolConfig};
 use crate::journal::{ClaimRecord, Journal, JournalError};
+use crate::limits::{Budget, BudgetError, CapError, ClaimSlots, Ledger, Limits, SlotGuard, Usage, Use};
 use crate::metrics::{inc, Metrics};
 use crate::pool::{refill, Net, Pool, PoolInfo, PoolKey};
 
@@ -87,6 +92,8 @@ pub struct NodeOptions {
     pub catalog: Catalog,
     /// Timings.
     pub timing: Timing,
+    /// Budget, lease horizon, per-claim caps, exec timeouts, HTTP limits.
+    pub limits: Limits,
 }
 
 impl NodeOptions {
@@ -109,10 +116,12 @@ impl NodeOptions {
             clone: c.clone,
             catalog,
             timing: Timing { cold_probe: Duration::from_secs(c.boot_timeout_secs.max(1)), ..Timing::default() },
+            limits: c.limits()?,
         })
     }
 
-    /// Minimal options for tests and tools: no token, no pools.
+    /// Minimal options for tests and tools: no token, no pools, default limits with a fixed
+    /// budget of [`NodeOptions::TEST_BUDGET`] (the daemon derives its budget from the host).
     pub fn new(data_dir: impl Into<PathBuf>, catalog: Catalog) -> Self {
         NodeOptions {
             data_dir: data_dir.into(),
@@ -124,8 +133,12 @@ impl NodeOptions {
             clone: true,
             catalog,
             timing: Timing::default(),
+            limits: Limits::with_budget(Self::TEST_BUDGET),
         }
     }
+
+    /// The budget of [`NodeOptions::new`]: 64 VMs, 32 GiB.
+    pub const TEST_BUDGET: Budget = Budget { max_vms: 64, max_memory_mib: 32 * 1024 };
 }
 
 /// Errors starting a node.
@@ -145,6 +158,9 @@ pub enum PoolsError {
     /// The list is invalid.
     #[error("invalid pool list")]
     Invalid(#[source] ConfigError),
+    /// The targets cannot fit the node budget (nothing was changed or persisted).
+    #[error("{0}")]
+    OverBudget(#[source] BudgetError),
     /// Persisting `pools.json` failed.
     #[error("persisting pools")]
     Journal(#[source] JournalError),
@@ -201,6 +217,21 @@ pub struct Info {
     /// The advertised address.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub advertise_addr: String,
+    /// The node budget and what warm + refilling + claimed VMs hold of it.
+    pub budget: BudgetInfo,
+}
+
+/// `budget` in `GET /v1/info`.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct BudgetInfo {
+    /// `max_vms`.
+    pub max_vms: usize,
+    /// `max_memory_mib`.
+    pub max_memory_mib: u64,
+    /// VMs held or booting.
+    pub vms: usize,
+    /// Their memory, MiB.
+    pub memory_mib: u64,
 }
 
 /// What a reconcile did.
@@ -221,6 +252,11 @@ pub struct Node {
     pub(crate) journal: Journal,
     pub(crate) timing: Timing,
     pub(crate) clone_enabled: bool,
+    pub(crate) limits: Limits,
+    pub(crate) ledger: Arc<Ledger>,
+    slots: Arc<ClaimSlots>,
+    /// Connection counts of the HTTP listeners, for `/metrics`.
+    pub conn_stats: Arc<httpd::ConnStats>,
     api_token: Option<String>,
     advertise_addr: String,
     pools: RwLock<BTreeMap<PoolKey, Arc<Pool>>>,
@@ -256,13 +292,26 @@ impl Node {
             None => opts.pools.clone(),
         };
         let pools = config::validate_pools(&pool_list)?;
+        if let Err(e) = opts.limits.budget.check(&pools) {
+            // The config's own pools were checked at load; pools.json (an earlier PUT) may
+            // predate a smaller budget. Refill stops at the budget either way.
+            tracing::warn!(error = %e, "the persisted pools.json targets do not fit the node budget; refill stops at the budget");
+        }
         clean_staging(&goldens_dir(&opts.data_dir));
+        let ledger = Ledger::new(opts.limits.budget);
+        for rec in &loaded.claims {
+            ledger.hold(&rec.vm, rec.key.size());
+        }
         let node = Arc::new(Node {
             driver,
             catalog: opts.catalog,
             journal,
             timing: opts.timing,
             clone_enabled: opts.clone,
+            limits: opts.limits,
+            ledger,
+            slots: ClaimSlots::new(opts.limits.caps),
+            conn_stats: Arc::new(httpd::ConnStats::default()),
             api_token: opts.api_token,
             advertise_addr: opts.advertise_addr,
             pools: RwLock::new(BTreeMap::new()),
@@ -300,6 +349,27 @@ impl Node {
     /// The advertised owner address (may be empty).
     pub fn advertise_addr(&self) -> &str {
         &self.advertise_addr
+    }
+
+    /// The node's limits.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// What warm + refilling + claimed VMs hold of the budget.
+    pub fn usage(&self) -> Usage {
+        self.ledger.usage()
+    }
+
+    /// Takes one concurrent-use slot of claim `id` (`/agent`, `/ports`, `/exec`); freed when
+    /// the guard drops.
+    pub fn acquire_slot(&self, id: &str, use_: Use) -> Result<SlotGuard, CapError> {
+        self.slots.acquire(id, use_)
+    }
+
+    /// Open `/agent` relays, `/ports` relays and `/exec` calls of claim `id`.
+    pub fn open_uses(&self, id: &str) -> [usize; 3] {
+        self.slots.open(id)
     }
 
     /// Whether the node is draining.
@@ -422,7 +492,8 @@ impl Node {
         };
         pool.kick();
         let now = claims::unix_ms(SystemTime::now());
-        let ttl_ms = u64::try_from(req.ttl.as_millis()).unwrap_or(u64::MAX);
+        // The lease horizon caps the first lease too.
+        let ttl_ms = u64::try_from(req.ttl.min(self.limits.max_lifetime).as_millis()).unwrap_or(u64::MAX);
         let rec = ClaimRecord {
             id: claims::mint_id(),
             token: claims::mint_token(),
@@ -513,11 +584,25 @@ impl Node {
         }
     }
 
-    /// Resets a lease to now + `ttl` (may shorten it); returns the new deadline.
+    /// Resets a lease to now + `ttl` (may shorten it); returns the new deadline. A deadline past
+    /// the lease horizon (`claimed_at` + `max_lifetime_secs`) is refused, not clamped.
     pub fn renew(&self, id: &str, ttl: Duration) -> Result<String, ClaimError> {
-        let deadline =
-            claims::unix_ms(SystemTime::now()).saturating_add(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
-        let gen = self.claims().set_deadline(id, deadline).ok_or(ClaimError::NotFound)?;
+        let now = claims::unix_ms(SystemTime::now());
+        let deadline = now.saturating_add(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+        let max_ms = u64::try_from(self.limits.max_lifetime.as_millis()).unwrap_or(u64::MAX);
+        let gen = {
+            let mut table = self.claims();
+            let claimed_at = table.get(id).ok_or(ClaimError::NotFound)?.rec.claimed_at_unix_ms;
+            let horizon = claimed_at.saturating_add(max_ms);
+            if deadline > horizon {
+                return Err(ClaimError::LeaseHorizon {
+                    horizon: claims::rfc3339(horizon),
+                    max_lifetime_secs: self.limits.max_lifetime.as_secs(),
+                    remaining_secs: horizon.saturating_sub(now) / 1000,
+                });
+            }
+            table.set_deadline(id, deadline).ok_or(ClaimError::NotFound)?
+        };
         self.commit(gen).map_err(ClaimError::Journal)?;
         inc(&self.metrics.renews);
         tracing::info!(claim = %id, "renewed");
@@ -534,13 +619,22 @@ impl Node {
         Ok(vm)
     }
 
-    /// Destroys a VM (kill), counting the outcome.
+    /// Destroys a VM (kill), counting the outcome. Once it is gone it leaves the budget (a
+    /// failed kill keeps it counted: it may still run) and pools waiting on the budget are woken.
     pub async fn destroy(&self, vm: &Vm) {
         match self.driver.kill(vm).await {
-            Ok(()) => inc(&self.metrics.vms_destroyed),
+            Ok(()) => {
+                inc(&self.metrics.vms_destroyed);
+                self.ledger.forget(&vm.id);
+                for p in self.pools() {
+                    if p.lock().budget_blocked.is_some() {
+                        p.kick();
+                    }
+                }
+            }
             Err(e) => {
                 inc(&self.metrics.destroy_failures);
-                tracing::warn!(vm = %vm.id, error = %vmm::error_chain(&e), "destroying VM failed");
+                tracing::warn!(vm = %vm.id, error = %vmm::error_chain(&e), "destroying VM failed; it stays counted against the budget");
             }
         }
     }
@@ -555,6 +649,8 @@ impl Node {
     pub fn info(&self) -> Info {
         let pools: Vec<PoolInfo> = self.pools().iter().map(|p| p.info()).collect();
         let reason = pools.iter().find_map(|p| p.at_capacity_reason.clone());
+        let used = self.ledger.usage();
+        let budget = self.ledger.budget();
         Info {
             claimed: self.claimed(),
             hibernated: 0,
@@ -565,13 +661,26 @@ impl Node {
             peers: Vec::new(),
             advertise_addr: self.advertise_addr.clone(),
             pools,
+            budget: BudgetInfo {
+                max_vms: budget.max_vms,
+                max_memory_mib: budget.max_memory_mib,
+                vms: used.vms,
+                memory_mib: used.memory_mib,
+            },
         }
     }
 
     /// Prometheus text.
     pub fn render_metrics(&self) -> String {
         let pools: Vec<PoolInfo> = self.pools().iter().map(|p| p.info()).collect();
-        self.metrics.render(&pools, self.claimed(), self.draining())
+        self.metrics.render(
+            &pools,
+            self.claimed(),
+            self.draining(),
+            self.ledger.budget(),
+            self.ledger.usage(),
+            &self.conn_stats,
+        )
     }
 
     /// Starts draining: claims are refused, warm VMs destroyed, live claims run on.
@@ -597,6 +706,7 @@ impl Node {
     /// updated, new pools started; the list is persisted in `pools.json`.
     pub async fn put_pools(self: &Arc<Self>, list: Vec<PoolConfig>) -> Result<Info, PoolsError> {
         let wanted = config::validate_pools(&list).map_err(PoolsError::Invalid)?;
+        self.limits.budget.check(&wanted).map_err(PoolsError::OverBudget)?;
         for p in &list {
             if p.idle_hibernate_seconds.is_some()
                 || p.archive_after_seconds.is_some()
@@ -734,6 +844,7 @@ impl Node {
                         if let Some((_, gen)) = self.claims().remove(&id) {
                             last_gen = Some(gen);
                         }
+                        self.ledger.forget(&vm_id);
                         report.dropped += 1;
                     }
                 }

@@ -20,7 +20,11 @@ struct H {
     driver: Arc<FakeDriver>,
     node: Arc<Node>,
     app: Router,
+    token: Option<String>,
 }
+
+/// A root token for the tests that need one (32+ characters, like the daemon demands).
+const ROOT: &str = "root-token-0123456789abcdef012345";
 
 fn pool(template: &str, warm: usize) -> PoolConfig {
     serde_json::from_value(json!({"template": template, "warm": warm})).expect("pool config")
@@ -49,18 +53,26 @@ fn opts(dir: &TempDir, pools: &[(&str, usize)], token: Option<&str>) -> NodeOpti
 }
 
 async fn start(pools: &[(&str, usize)], token: Option<&str>) -> H {
+    start_with(pools, token, |_| {}).await
+}
+
+/// [`start`] with the options adjusted first (limits, timings).
+async fn start_with(pools: &[(&str, usize)], token: Option<&str>, adjust: impl FnOnce(&mut NodeOptions)) -> H {
     let dir = tempfile::tempdir().expect("tempdir");
     let driver = FakeDriver::new(dir.path());
-    let node = Node::start(driver.clone(), opts(&dir, pools, token)).await.expect("start");
+    let mut o = opts(&dir, pools, token);
+    adjust(&mut o);
+    let node = Node::start(driver.clone(), o).await.expect("start");
     let app = sandboxd::http::app(node.clone());
-    H { dir, driver, node, app }
+    H { dir, driver, node, app, token: token.map(str::to_string) }
 }
 
 impl H {
     /// A second node over the same data dir and driver (a simulated restart).
     async fn restart(&self, pools: &[(&str, usize)]) -> (Arc<Node>, Router) {
         self.node.shutdown();
-        let node = Node::start(self.driver.clone(), opts(&self.dir, pools, None)).await.expect("restart");
+        let node =
+            Node::start(self.driver.clone(), opts(&self.dir, pools, self.token.as_deref())).await.expect("restart");
         let app = sandboxd::http::app(node.clone());
         (node, app)
     }
@@ -70,7 +82,7 @@ impl H {
     }
 
     async fn claim(&self, body: Value) -> Value {
-        let (s, v) = self.call("POST", "/v1/claim", None, Some(body)).await;
+        let (s, v) = self.call("POST", "/v1/claim", self.token.as_deref(), Some(body)).await;
         assert_eq!(s, StatusCode::OK, "{v}");
         v
     }
@@ -365,16 +377,18 @@ async fn drain_and_uncordon() {
 
 #[tokio::test]
 async fn put_pools_replaces_and_persists() {
-    let h = start(&[("base", 2)], None).await;
+    let h = start(&[("base", 2)], Some(ROOT)).await;
     wait_warm(&h.node, "base", 2).await;
     let base_ids = h.node.pools()[0].warm_ids();
-    let (s, _) =
-        h.call("PUT", "/v1/pools", None, Some(json!({"pools": [{"template": "rt", "warm": 1, "bogus": 1}]}))).await;
+    let (s, _) = h
+        .call("PUT", "/v1/pools", Some(ROOT), Some(json!({"pools": [{"template": "rt", "warm": 1, "bogus": 1}]})))
+        .await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "strict decode");
-    let (s, _) = h.call("PUT", "/v1/pools", None, Some(json!({"pools": [{"template": "rt", "size": "huge"}]}))).await;
+    let (s, _) =
+        h.call("PUT", "/v1/pools", Some(ROOT), Some(json!({"pools": [{"template": "rt", "size": "huge"}]}))).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     let (s, v) = h
-        .call("PUT", "/v1/pools", None, Some(json!({"pools": [{"template": "rt", "warm": 1, "size": "medium"}]})))
+        .call("PUT", "/v1/pools", Some(ROOT), Some(json!({"pools": [{"template": "rt", "warm": 1, "size": "medium"}]})))
         .await;
     assert_eq!(s, StatusCode::OK, "{v}");
     assert_eq!(v["pools"].as_array().expect("pools").len(), 1);
@@ -383,7 +397,7 @@ async fn put_pools_replaces_and_persists() {
         assert!(!h.driver.is_live(id), "omitted pool's VM {id} survived");
     }
     wait_warm(&h.node, "rt", 1).await;
-    let (s, _) = h.call("POST", "/v1/claim", None, Some(json!({"template": "base"}))).await;
+    let (s, _) = h.call("POST", "/v1/claim", Some(ROOT), Some(json!({"template": "base"}))).await;
     assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
     h.claim(json!({"template": "rt", "size": "medium"})).await;
     assert!(h.dir.path().join("data/pools.json").exists());
@@ -669,6 +683,9 @@ mod exec {
 #[path = "api/relay.rs"]
 mod relay;
 
+#[path = "api/secure.rs"]
+mod secure;
+
 /// The public Python SDK (`cocoonstack-sandbox` 0.1.19 from PyPI), unmodified, against a
 /// loopback server. `cargo xtask test` installs it in a venv and points `CHRYSALIS_PYTHON` at
 /// that venv's interpreter; a plain `cargo test` reports this test as ignored, with the reason.
@@ -686,7 +703,7 @@ async fn public_sdk_smoke() {
     o.advertise_addr = addr.to_string();
     let node = Node::start(driver, o).await.expect("start");
     wait_warm(&node, "base", 2).await;
-    tokio::spawn(sandboxd::http::serve(l, sandboxd::http::app(node.clone()), std::future::pending()));
+    tokio::spawn(sandboxd::http::serve(l, node.clone(), None, std::future::pending()));
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdk/smoke.py");
     let out = tokio::process::Command::new(&python).arg(script).arg(addr.to_string()).arg(root).output();
     let out =

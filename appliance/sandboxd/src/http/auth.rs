@@ -1,6 +1,12 @@
 //! Authentication (spec §3): the root token from the config's token file, and per-sandbox
 //! bearer tokens. All comparisons are constant-time; sandbox routes look up by id, then
 //! compare, and answer `404` for both an unknown id and a wrong token.
+//!
+//! | route kind | token configured | no token (loopback development) |
+//! |---|---|---|
+//! | node ([`node_route`]): claim, list, per-id read, stats, info, drain, `GET /v1/pools`, peers, metrics | root, else `401` | open |
+//! | root-only ([`root_only`]): `PUT /v1/pools` (persisted, outlives the session) | root, else `401` | `403` |
+//! | sandbox ([`sandbox_route`]): release, renew, owner, agent, ports, exec | the sandbox's token or root, else `404` (`401` without a header) | the sandbox's token |
 
 use axum::http::{header, HeaderMap};
 use subtle::ConstantTimeEq as _;
@@ -30,21 +36,37 @@ pub fn is_root(node: &Node, headers: &HeaderMap) -> bool {
     }
 }
 
+fn refused(node: &Node, e: ApiError) -> ApiError {
+    crate::metrics::inc(&node.metrics.auth_failures);
+    e
+}
+
 /// A node (or root) route: open when no root token is configured.
 pub fn node_route(node: &Node, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(root) = node.api_token() else {
         return Ok(());
     };
     match bearer(headers) {
-        None => Err(ApiError::MissingToken),
+        None => Err(refused(node, ApiError::MissingToken)),
         Some(t) if ct_eq(t, root) => Ok(()),
-        Some(_) => Err(ApiError::InvalidToken),
+        Some(_) => Err(refused(node, ApiError::InvalidToken)),
     }
+}
+
+/// A root-only route that changes what outlives the session (`PUT /v1/pools`): the root
+/// token, and refused outright (`403`) on a node that has none.
+pub fn root_only(node: &Node, headers: &HeaderMap, what: &str) -> Result<(), ApiError> {
+    if node.api_token().is_none() {
+        return Err(ApiError::Forbidden(format!(
+            "{what} needs the root token and this node has none: set api_token_file in sandboxd's config"
+        )));
+    }
+    node_route(node, headers)
 }
 
 /// A sandbox route: the sandbox's own token or the root token.
 pub fn sandbox_route(node: &Node, headers: &HeaderMap, id: &str) -> Result<Claim, ApiError> {
-    let token = bearer(headers).ok_or(ApiError::MissingToken)?;
+    let token = bearer(headers).ok_or_else(|| refused(node, ApiError::MissingToken))?;
     let claim = node.sandbox(id);
     let root = node.api_token().is_some_and(|r| ct_eq(token, r));
     match claim {

@@ -7,6 +7,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use crate::claims::ClaimError;
+use crate::limits::CapError;
 use crate::node::PoolsError;
 
 /// Everything a handler can answer besides success.
@@ -21,6 +22,12 @@ pub enum ApiError {
     /// A node token that is not the root token.
     #[error("invalid api token")]
     InvalidToken,
+    /// A root-only route on a node without a root token: no credential can work.
+    #[error("{0}")]
+    Forbidden(String),
+    /// The request body did not arrive within `body_timeout_secs`.
+    #[error("{0}")]
+    RequestTimeout(String),
     /// Unknown sandbox (or wrong sandbox token), template, route.
     #[error("{0}")]
     NotFound(String),
@@ -30,6 +37,9 @@ pub enum ApiError {
     /// Output over the cap.
     #[error("{0}")]
     TooLarge(String),
+    /// Well-formed but impossible (pool targets over the node budget).
+    #[error("{0}")]
+    Unprocessable(String),
     /// Missing `Upgrade:` header on a relay route.
     #[error("this route needs Upgrade: {0}")]
     UpgradeRequired(&'static str),
@@ -62,6 +72,9 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::MissingToken | ApiError::InvalidToken => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -108,6 +121,7 @@ impl From<ClaimError> for ApiError {
             e @ ClaimError::Egress => ApiError::Conflict(e.to_string()),
             ClaimError::Unsupported(f) => ApiError::NotImplemented(f),
             ClaimError::NotFound => ApiError::no_sandbox(),
+            e @ ClaimError::LeaseHorizon { .. } => ApiError::Conflict(e.to_string()),
             e @ ClaimError::Journal(_) => ApiError::internal("claim", e),
         }
     }
@@ -117,7 +131,14 @@ impl From<PoolsError> for ApiError {
     fn from(e: PoolsError) -> Self {
         match e {
             PoolsError::Invalid(c) => ApiError::BadRequest(vmm::error_chain(&c)),
+            PoolsError::OverBudget(b) => ApiError::Unprocessable(b.to_string()),
             e @ PoolsError::Journal(_) => ApiError::internal("put pools", e),
         }
+    }
+}
+
+impl From<CapError> for ApiError {
+    fn from(e: CapError) -> Self {
+        ApiError::TooManyRequests(e.to_string())
     }
 }

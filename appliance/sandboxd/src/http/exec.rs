@@ -1,9 +1,11 @@
 //! `POST /v1/sandboxes/{id}/exec` (spec §7): a buffered exec over one silkd connection.
 //!
 //! `{argv, cwd?, env?, timeout_seconds?}` (strict) → `{exit_code, stdout, stderr}` (lossy UTF-8).
-//! `400` empty argv / negative timeout / unknown field / silkd `bad_request`; `413` output over
-//! 8 MiB; `504` past the timeout (0 = none); `502` unreachable or any other silkd error. On
-//! timeout or cap the child is killed via silkd (on a second connection) first.
+//! `400` empty argv / negative timeout / a timeout over `exec_max_timeout_secs` / unknown field /
+//! silkd `bad_request`; `413` output over 8 MiB; `429` at `max_execs_per_claim` concurrent
+//! calls; `504` past the timeout (absent or 0 = `exec_default_timeout_secs`, not "none": every
+//! exec ends); `502` unreachable or any other silkd error. On timeout or cap the child is killed
+//! via silkd (on a second connection) first.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -22,6 +24,7 @@ use wire::{ErrorKind, Request as Frame, Response as Reply};
 use super::auth;
 use super::error::ApiError;
 use super::read_json;
+use crate::limits::Use;
 use crate::metrics::inc;
 use crate::node::Node;
 
@@ -55,18 +58,25 @@ pub(super) async fn exec(
     body: Body,
 ) -> Result<Response, ApiError> {
     let claim = auth::sandbox_route(&node, &headers, &id)?;
-    let b: ExecBody = read_json(body, None).await?;
+    let b: ExecBody = read_json(&node, body, None).await?;
     if b.argv.is_empty() {
         return Err(ApiError::BadRequest("argv must not be empty".into()));
     }
+    let limits = node.limits().exec;
     let timeout = match b.timeout_seconds {
-        None => None,
         Some(t) if !t.is_finite() || t < 0.0 => {
             return Err(ApiError::BadRequest("timeout_seconds must not be negative".into()))
         }
-        Some(0.0) => None,
-        Some(t) => Some(Duration::from_secs_f64(t.min(1e9))),
+        None | Some(0.0) => limits.default,
+        Some(t) if t > limits.max.as_secs_f64() => {
+            return Err(ApiError::BadRequest(format!(
+                "timeout_seconds {t} is over the maximum of {} s (exec_max_timeout_secs)",
+                limits.max.as_secs()
+            )))
+        }
+        Some(t) => Duration::from_secs_f64(t),
     };
+    let _slot = node.acquire_slot(&id, Use::Exec).inspect_err(|_| inc(&node.metrics.execs_refused))?;
     inc(&node.metrics.execs);
     let unreachable = |e: String| ApiError::BadGateway(format!("sandbox unreachable: {e}"));
     let vm = node.vm_for(&claim).await.map_err(|e| unreachable(vmm::error_chain(&e)))?;
@@ -96,10 +106,7 @@ pub(super) async fn exec(
             }
         }
     };
-    let result = match timeout {
-        Some(t) => tokio::time::timeout(t, run).await.ok(),
-        None => Some(run.await),
-    };
+    let result = tokio::time::timeout(timeout, run).await.ok();
     match result {
         Some(Ok(Outcome::Exit(code))) => Ok(Json(serde_json::json!({
             "exit_code": code,
@@ -117,10 +124,7 @@ pub(super) async fn exec(
         }
         None => {
             kill(&node, &vm, pid).await;
-            Err(ApiError::GatewayTimeout(format!(
-                "command did not finish within {}s",
-                timeout.map_or(0.0, |t| t.as_secs_f64())
-            )))
+            Err(ApiError::GatewayTimeout(format!("command did not finish within {}s", timeout.as_secs_f64())))
         }
     }
 }

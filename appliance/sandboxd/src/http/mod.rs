@@ -1,5 +1,7 @@
 //! The HTTP API (spec §4–§7): [`app`] builds the axum `Router` (tests drive it with
-//! `tower::ServiceExt::oneshot`), [`serve`] runs it on a listener with HTTP/1.1 upgrades.
+//! `tower::ServiceExt::oneshot`), [`serve`] runs it on a listener through [`httpd::serve`]
+//! (connection cap, head/idle timeout, TLS, HTTP/1.1 upgrades); every body is read under a
+//! size cap and a deadline ([`read_json`]).
 //!
 //! Handlers are thin: authenticate ([`auth`]), decode, call [`crate::node::Node`], encode.
 //! Every failure is an [`ApiError`] whose status comes from one exhaustive match.
@@ -10,6 +12,8 @@ mod exec;
 mod relay;
 mod routes;
 
+pub use routes::OwnerAddr;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,8 +21,6 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::routing::{any, get, post, put};
 use axum::Router;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
 use serde::de::DeserializeOwned;
 use tokio::net::TcpListener;
 
@@ -28,8 +30,8 @@ use crate::node::Node;
 
 /// Request body cap (`400 invalid request body` above it).
 pub const BODY_LIMIT: usize = 1024 * 1024;
-/// How long a client may take to send a request head.
-pub const READ_HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest a TLS handshake may take (shorter when `header_timeout_secs` is).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Builds the router over a node.
 pub fn app(node: Arc<Node>) -> Router {
@@ -67,11 +69,22 @@ pub fn app(node: Arc<Node>) -> Router {
         .with_state(node)
 }
 
-/// Reads a JSON body under [`BODY_LIMIT`]; an empty body decodes as `empty` when given.
-pub(crate) async fn read_json<T: DeserializeOwned>(body: Body, empty: Option<T>) -> Result<T, ApiError> {
-    let bytes = axum::body::to_bytes(body, BODY_LIMIT)
-        .await
-        .map_err(|_| ApiError::BadRequest("invalid request body".into()))?;
+/// Reads a JSON body under [`BODY_LIMIT`] and the node's body deadline; an empty body decodes
+/// as `empty` when given.
+pub(crate) async fn read_json<T: DeserializeOwned>(node: &Node, body: Body, empty: Option<T>) -> Result<T, ApiError> {
+    let deadline = node.limits().http.body_timeout;
+    let bytes = httpd::read_body(body, BODY_LIMIT, deadline).await.map_err(|e| match e {
+        httpd::BodyError::Timeout { limit } => {
+            crate::metrics::inc(&node.metrics.body_timeouts);
+            ApiError::RequestTimeout(format!(
+                "request body not received within {} s (body_timeout_secs)",
+                limit.as_secs_f64()
+            ))
+        }
+        httpd::BodyError::TooLarge { .. } | httpd::BodyError::Read(_) => {
+            ApiError::BadRequest("invalid request body".into())
+        }
+    })?;
     if bytes.iter().all(u8::is_ascii_whitespace) {
         if let Some(v) = empty {
             return Ok(v);
@@ -80,35 +93,49 @@ pub(crate) async fn read_json<T: DeserializeOwned>(body: Body, empty: Option<T>)
     serde_json::from_slice(&bytes).map_err(|e| ApiError::BadRequest(format!("invalid request body: {e}")))
 }
 
-/// Serves `app` on `listener` (HTTP/1.1 with upgrades) until `shutdown` resolves. Relays in
-/// flight are not waited for (the process exit closes them; VMs keep running).
-pub async fn serve(listener: TcpListener, app: Router, shutdown: impl Future<Output = ()>) -> std::io::Result<()> {
-    let mut builder = hyper::server::conn::http1::Builder::new();
-    builder
-        .title_case_headers(true)
-        .auto_date_header(false)
-        .timer(TokioTimer::new())
-        .header_read_timeout(READ_HEADER_TIMEOUT);
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, peer) = tokio::select! {
-            () = &mut shutdown => return Ok(()),
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(app.clone());
-        let conn = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-        });
+/// The server options of a node's listener: HTTP/1.1 only (upgrades), the node's limits, TLS
+/// when given.
+pub fn serve_options(node: &Node, tls: Option<Arc<rustls::ServerConfig>>) -> httpd::ServeOptions {
+    let http = node.limits().http;
+    httpd::ServeOptions {
+        name: "sandboxd",
+        limits: httpd::Limits {
+            max_connections: http.max_connections,
+            header_timeout: http.header_timeout,
+            handshake_timeout: http.header_timeout.min(HANDSHAKE_TIMEOUT),
+        },
+        protocol: httpd::Protocol::Http1,
+        tls,
     }
+}
+
+/// Serves the node's API on `listener` through [`httpd::serve`] (connection cap, request-head
+/// and idle keep-alive timeout, TLS with ALPN `http/1.1` when `tls` is given, HTTP/1.1
+/// upgrades) until `shutdown` resolves. Relays in flight are not waited for (the process exit
+/// closes them; VMs keep running). Connection counts go to [`Node::conn_stats`].
+pub async fn serve(
+    listener: TcpListener,
+    node: Arc<Node>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: impl Future<Output = ()>,
+) {
+    serve_as(listener, node, tls, None, shutdown).await;
+}
+
+/// [`serve`], handing out `owner` as the `owner_addr` of claims and `…/owner` (the plain
+/// `local_listen` listener names itself, so its clients stay on it).
+pub async fn serve_as(
+    listener: TcpListener,
+    node: Arc<Node>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    owner: Option<String>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let opts = serve_options(&node, tls);
+    let stats = Arc::clone(&node.conn_stats);
+    let mut router = app(node);
+    if let Some(o) = owner {
+        router = router.layer(axum::Extension(OwnerAddr(o)));
+    }
+    httpd::serve(listener, router, opts, stats, shutdown).await;
 }

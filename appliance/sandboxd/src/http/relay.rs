@@ -9,17 +9,24 @@
 //!   over inside the `Upgraded` stream, ahead of anything read later;
 //! - half-close: guest EOF shuts the client's write side, then the client has the drain
 //!   window to finish; client EOF shuts the guest's write side (`data_end` for ports);
-//! - nothing is ever written to an idle relay except guest bytes.
+//! - nothing is ever written to an idle relay except guest bytes;
+//! - a claim has at most `max_agent_relays_per_claim` / `max_port_relays_per_claim` relays open
+//!   (`429` past it); the slot is held by the relay task and freed when the relay ends;
+//! - a relay that moves no byte either way for `relay_idle_timeout_secs` is closed (bytes in
+//!   either direction reset the clock, so a busy guest or client keeps it open).
 
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tracing::Instrument as _;
 use vmm::{AgentStream, AGENT_PORT};
 use wire::codec::{decode_response, encode_request, FrameSplitter};
@@ -27,6 +34,7 @@ use wire::{Bytes64, ErrorKind, Request as Frame, Response as Reply};
 
 use super::auth;
 use super::error::ApiError;
+use crate::limits::{SlotGuard, Use};
 use crate::metrics::inc;
 use crate::node::Node;
 
@@ -48,17 +56,88 @@ fn switching(proto: &'static str) -> Response {
     r
 }
 
-/// Authenticates and dials silkd in the sandbox's VM.
-async fn dial(node: &Node, headers: &HeaderMap, id: &str) -> Result<AgentStream, ApiError> {
+/// When a relay last moved a byte (either way).
+#[derive(Debug)]
+pub(crate) struct Activity {
+    start: Instant,
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    pub(crate) fn new() -> Arc<Activity> {
+        Arc::new(Activity { start: Instant::now(), last_ms: AtomicU64::new(0) })
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn touch(&self) {
+        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// Resolves once nothing moved for `limit`.
+    pub(crate) async fn idle(&self, limit: Duration) {
+        let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+        loop {
+            let quiet = self.now_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed));
+            if quiet >= limit_ms {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(limit_ms - quiet)).await;
+        }
+    }
+}
+
+/// A reader that records activity on every byte it yields.
+struct Touch<R> {
+    inner: R,
+    activity: Arc<Activity>,
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for Touch<R> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.activity.touch();
+        }
+        r
+    }
+}
+
+/// Runs `relay` until it ends or goes idle for `idle`; counts and logs an idle close.
+async fn until_idle(node: &Node, activity: &Activity, relay: impl std::future::Future<Output = ()>) {
+    let idle = node.limits().http.relay_idle;
+    tokio::select! {
+        () = relay => {}
+        () = activity.idle(idle) => {
+            inc(&node.metrics.relays_idle_closed);
+            tracing::info!(idle_secs = idle.as_secs_f64(), "relay idle; closing it (relay_idle_timeout_secs)");
+        }
+    }
+}
+
+/// Authenticates, takes a per-claim slot and dials silkd in the sandbox's VM.
+async fn dial(node: &Node, headers: &HeaderMap, id: &str, use_: Use) -> Result<(AgentStream, SlotGuard), ApiError> {
     let claim = auth::sandbox_route(node, headers, id)?;
+    let slot = node.acquire_slot(id, use_).inspect_err(|_| {
+        inc(match use_ {
+            Use::Agent => &node.metrics.agent_relays_refused,
+            Use::Port => &node.metrics.port_relays_refused,
+            Use::Exec => &node.metrics.execs_refused,
+        })
+    })?;
     let vm = node
         .vm_for(&claim)
         .await
         .map_err(|e| ApiError::BadGateway(format!("sandbox unreachable: {}", vmm::error_chain(&e))))?;
-    node.driver()
+    let stream = node
+        .driver()
         .connect(&vm, AGENT_PORT)
         .await
-        .map_err(|e| ApiError::BadGateway(format!("sandbox unreachable: {}", vmm::error_chain(&e))))
+        .map_err(|e| ApiError::BadGateway(format!("sandbox unreachable: {}", vmm::error_chain(&e))))?;
+    Ok((stream, slot))
 }
 
 pub(super) async fn agent(
@@ -69,7 +148,7 @@ pub(super) async fn agent(
     if !wants_upgrade(req.headers(), "silkd") {
         return Err(ApiError::UpgradeRequired("silkd"));
     }
-    let guest = dial(&node, req.headers(), &id).await?;
+    let (guest, slot) = dial(&node, req.headers(), &id, Use::Agent).await?;
     let on_upgrade = hyper::upgrade::on(&mut req);
     let drain = node.timing.relay_drain;
     inc(&node.metrics.agent_relays);
@@ -77,9 +156,13 @@ pub(super) async fn agent(
     tokio::spawn(
         async move {
             match on_upgrade.await {
-                Ok(up) => splice(TokioIo::new(up), guest, drain).await,
+                Ok(up) => {
+                    let activity = Activity::new();
+                    until_idle(&node, &activity, splice(TokioIo::new(up), guest, drain, &activity)).await;
+                }
                 Err(e) => tracing::debug!(error = %e, "upgrade did not complete"),
             }
+            drop(slot);
         }
         .instrument(span),
     );
@@ -109,14 +192,17 @@ where
     }
 }
 
-/// Copies both ways with half-close; a copy error closes both sides.
-pub(crate) async fn splice<C, G>(client: C, guest: G, drain: Duration)
+/// Copies both ways with half-close; a copy error closes both sides. Every byte read from
+/// either side touches `activity`.
+pub(crate) async fn splice<C, G>(client: C, guest: G, drain: Duration, activity: &Arc<Activity>)
 where
     C: AsyncRead + AsyncWrite + Unpin,
     G: AsyncRead + AsyncWrite + Unpin,
 {
-    let (mut cr, mut cw) = tokio::io::split(client);
-    let (mut gr, mut gw) = tokio::io::split(guest);
+    let (cr, mut cw) = tokio::io::split(client);
+    let (gr, mut gw) = tokio::io::split(guest);
+    let mut cr = Touch { inner: cr, activity: Arc::clone(activity) };
+    let mut gr = Touch { inner: gr, activity: Arc::clone(activity) };
     let up = async {
         let r = tokio::io::copy(&mut cr, &mut gw).await;
         if r.is_ok() {
@@ -142,11 +228,12 @@ pub(super) async fn ports(
     if !wants_upgrade(req.headers(), "tcp") {
         return Err(ApiError::UpgradeRequired("tcp"));
     }
+    auth::sandbox_route(&node, req.headers(), &id)?;
     let port: u16 = match port.parse::<u32>() {
         Ok(p @ 1..=65535) => u16::try_from(p).map_err(|_| ApiError::BadRequest(format!("invalid port {p}")))?,
         _ => return Err(ApiError::BadRequest(format!("invalid port {port:?} (want 1-65535)"))),
     };
-    let mut guest = dial(&node, req.headers(), &id).await?;
+    let (mut guest, slot) = dial(&node, req.headers(), &id, Use::Port).await?;
     let mut split = FrameSplitter::new();
     open_port(&mut guest, &mut split, port).await?;
     let on_upgrade = hyper::upgrade::on(&mut req);
@@ -156,9 +243,13 @@ pub(super) async fn ports(
     tokio::spawn(
         async move {
             match on_upgrade.await {
-                Ok(up) => port_splice(TokioIo::new(up), guest, split, drain).await,
+                Ok(up) => {
+                    let activity = Activity::new();
+                    until_idle(&node, &activity, port_splice(TokioIo::new(up), guest, split, drain, &activity)).await;
+                }
                 Err(e) => tracing::debug!(error = %e, "upgrade did not complete"),
             }
+            drop(slot);
         }
         .instrument(span),
     );
@@ -199,12 +290,19 @@ async fn open_port(guest: &mut AgentStream, split: &mut FrameSplitter, port: u16
 }
 
 /// Raw client bytes ↔ `data` frames; client EOF → `data_end`; guest `done` → client EOF.
-async fn port_splice<C>(client: C, guest: AgentStream, mut split: FrameSplitter, drain: Duration)
-where
+async fn port_splice<C>(
+    client: C,
+    guest: AgentStream,
+    mut split: FrameSplitter,
+    drain: Duration,
+    activity: &Arc<Activity>,
+) where
     C: AsyncRead + AsyncWrite + Unpin,
 {
-    let (mut cr, mut cw) = tokio::io::split(client);
-    let (mut gr, mut gw) = tokio::io::split(guest);
+    let (cr, mut cw) = tokio::io::split(client);
+    let (gr, mut gw) = tokio::io::split(guest);
+    let mut cr = Touch { inner: cr, activity: Arc::clone(activity) };
+    let mut gr = Touch { inner: gr, activity: Arc::clone(activity) };
     let up = async {
         let mut buf = vec![0u8; PORT_CHUNK];
         loop {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -20,6 +20,15 @@ use crate::node::{ClaimRequest, Node};
 use crate::pool::PoolKey;
 
 type Node_ = State<Arc<Node>>;
+
+/// The `owner_addr` a listener hands out instead of the node's advertised address: a client of
+/// the plain loopback listener (`local_listen`) must come back to it, not to the TLS `listen`.
+#[derive(Debug, Clone)]
+pub struct OwnerAddr(pub String);
+
+fn owner_addr(node: &Node, over: Option<&Extension<OwnerAddr>>) -> String {
+    over.map_or_else(|| node.advertise_addr().to_string(), |Extension(OwnerAddr(a))| a.clone())
+}
 
 /// `POST /v1/claim` body. Unknown fields are accepted (vk-sandbox sends `metadata`, …).
 #[derive(Debug, Deserialize)]
@@ -38,9 +47,14 @@ struct ClaimBody {
     volumes: Option<Vec<serde_json::Value>>,
 }
 
-pub(super) async fn claim(State(node): Node_, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+pub(super) async fn claim(
+    State(node): Node_,
+    over: Option<Extension<OwnerAddr>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
-    let b: ClaimBody = read_json(body, None).await?;
+    let b: ClaimBody = read_json(&node, body, None).await?;
     let req = (|| {
         let key = PoolKey::parse(&b.template, b.net.as_deref(), b.size.as_deref())?;
         if b.volumes.as_ref().is_some_and(|v| !v.is_empty()) {
@@ -49,7 +63,9 @@ pub(super) async fn claim(State(node): Node_, headers: HeaderMap, body: Body) ->
         Ok(ClaimRequest { key, ttl: claims::ttl(b.ttl_seconds)?, claim_ref: b.claim_ref })
     })()
     .inspect_err(|_| crate::metrics::inc(&node.metrics.claims_failed))?;
-    Ok(Json(node.claim(req)?).into_response())
+    let mut grant = node.claim(req)?;
+    grant.owner_addr = owner_addr(&node, over.as_ref());
+    Ok(Json(grant).into_response())
 }
 
 pub(super) async fn release(
@@ -75,7 +91,7 @@ pub(super) async fn renew(
     body: Body,
 ) -> Result<Response, ApiError> {
     auth::sandbox_route(&node, &headers, &id)?;
-    let b: RenewBody = read_json(body, Some(RenewBody::default())).await?;
+    let b: RenewBody = read_json(&node, body, Some(RenewBody::default())).await?;
     let deadline = node.renew(&id, claims::ttl(b.ttl_seconds)?)?;
     Ok(Json(serde_json::json!({ "deadline": deadline })).into_response())
 }
@@ -106,6 +122,7 @@ pub(super) async fn get_one(
 
 pub(super) async fn owner(
     State(node): Node_,
+    over: Option<Extension<OwnerAddr>>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
@@ -113,7 +130,7 @@ pub(super) async fn owner(
         ApiError::NotFound(_) => ApiError::NotFound("not owned here".into()),
         other => other,
     })?;
-    Ok(Json(serde_json::json!({ "owner_addr": node.advertise_addr() })).into_response())
+    Ok(Json(serde_json::json!({ "owner_addr": owner_addr(&node, over.as_ref()) })).into_response())
 }
 
 pub(super) async fn stats(
@@ -159,8 +176,8 @@ struct PoolsBody {
 }
 
 pub(super) async fn put_pools(State(node): Node_, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    auth::node_route(&node, &headers)?;
-    let b: PoolsBody = read_json(body, None).await?;
+    auth::root_only(&node, &headers, "PUT /v1/pools")?;
+    let b: PoolsBody = read_json(&node, body, None).await?;
     Ok(Json(node.put_pools(b.pools).await?).into_response())
 }
 

@@ -4,6 +4,8 @@
 //! the claim path locks it only to pop the newest warm VM (LIFO). A refill task per pool
 //! ([`refill`]) keeps `warm + refilling` at the target: it builds a golden snapshot once, fills
 //! by cloning it (falling back to cold boots), and admits a VM only after silkd answers `info`.
+//! Every refill slot and golden build first reserves room in the node budget
+//! ([`crate::limits::Ledger`]); without room the pool waits and reports why (`at_capacity`).
 
 mod key;
 pub mod refill;
@@ -62,6 +64,8 @@ pub struct PoolState {
     pub backoff_until: Option<Instant>,
     /// Why the pool cannot fill, when it cannot.
     pub at_capacity: Option<String>,
+    /// The node budget stopped the last refill short (why), until a refill is granted in full.
+    pub budget_blocked: Option<String>,
     /// The pool was removed; in-flight refills destroy their VM.
     pub retired: bool,
 }
@@ -153,8 +157,8 @@ impl Pool {
             refilling: s.refilling,
             target: s.target,
             golden: s.golden.is_some(),
-            at_capacity: s.at_capacity.is_some(),
-            at_capacity_reason: s.at_capacity.clone(),
+            at_capacity: s.at_capacity.is_some() || s.budget_blocked.is_some(),
+            at_capacity_reason: s.at_capacity.clone().or_else(|| s.budget_blocked.clone()),
         }
     }
 

@@ -13,6 +13,11 @@
 //!
 //! A VM enters the pool only after silkd answers `info`. Failures back off (see
 //! [`super::PoolState::failed`]); a template missing from the catalog parks the pool and reports it.
+//!
+//! Budget: each slot (and the golden build) holds a [`Reservation`] of the node budget from
+//! before its first VM operation to its end; a VM admitted to the pool keeps its share. When
+//! the budget has no room for the whole deficit, the pool gets what fits and reports
+//! `at_capacity` with the reason until a later step is granted in full.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -22,6 +27,7 @@ use tracing::Instrument as _;
 use vmm::{AfterSnapshot, BootSpec, Snapshot, Vm, VmId};
 
 use super::Pool;
+use crate::limits::Reservation;
 use crate::metrics::inc;
 use crate::node::{goldens_dir, Node};
 
@@ -82,8 +88,8 @@ pub async fn run(node: Arc<Node>, pool: Arc<Pool>) {
 }
 
 enum Plan {
-    Golden,
-    Slots(usize, Option<Box<Snapshot>>),
+    Golden(Reservation),
+    Slots(Vec<Reservation>, Option<Box<Snapshot>>),
 }
 
 /// Reserves and spawns the work the pool needs now.
@@ -99,42 +105,52 @@ pub fn step(node: &Arc<Node>, pool: &Arc<Pool>) {
         }
         let deficit = s.target.saturating_sub(s.warm.len() + s.refilling);
         if deficit == 0 {
+            s.budget_blocked = None;
             return;
         }
-        if !node.clone_enabled {
-            s.refilling += deficit;
-            Plan::Slots(deficit, None)
-        } else if let Some(g) = &s.golden {
-            let g = Box::new(g.clone());
-            s.refilling += deficit;
-            Plan::Slots(deficit, Some(g))
-        } else if s.golden_building {
+        let golden_first = node.clone_enabled
+            && s.golden.is_none()
+            && !s.golden_building
+            && s.golden_retry_at.is_none_or(|t| now >= t);
+        if node.clone_enabled && s.golden.is_none() && s.golden_building {
             return;
-        } else if s.golden_retry_at.is_some_and(|t| now < t) {
-            s.refilling += deficit;
-            Plan::Slots(deficit, None)
-        } else {
+        }
+        let (granted, short) = node.ledger.reserve(if golden_first { 1 } else { deficit }, pool.key.size());
+        if let Some(why) = &short {
+            inc(&node.metrics.refill_budget_blocked);
+            if s.budget_blocked.as_deref() != Some(why.as_str()) {
+                tracing::warn!(reason = %why, granted = granted.len(), deficit, "refill stopped at the node budget");
+            }
+        }
+        s.budget_blocked = short;
+        if golden_first {
+            let Some(reservation) = granted.into_iter().next() else { return };
             s.golden_building = true;
-            Plan::Golden
+            Plan::Golden(reservation)
+        } else if granted.is_empty() {
+            return;
+        } else {
+            s.refilling += granted.len();
+            Plan::Slots(granted, s.golden.clone().filter(|_| node.clone_enabled).map(Box::new))
         }
     };
     match plan {
-        Plan::Golden => {
+        Plan::Golden(reservation) => {
             let (n, p) = (Arc::clone(node), Arc::clone(pool));
             let span = tracing::info_span!("golden", template = %pool.key.template(), hash = %pool.hash);
-            tokio::spawn(async move { build_golden(n, p).await }.instrument(span));
+            tokio::spawn(async move { build_golden(n, p, reservation).await }.instrument(span));
         }
-        Plan::Slots(count, golden) => {
-            for _ in 0..count {
+        Plan::Slots(granted, golden) => {
+            for reservation in granted {
                 let (n, p, g) = (Arc::clone(node), Arc::clone(pool), golden.clone());
                 let span = tracing::info_span!("fill", template = %pool.key.template(), vm = tracing::field::Empty);
-                tokio::spawn(async move { slot(n, p, g).await }.instrument(span));
+                tokio::spawn(async move { slot(n, p, g, reservation).await }.instrument(span));
             }
         }
     }
 }
 
-async fn slot(node: Arc<Node>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>) {
+async fn slot(node: Arc<Node>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>, reservation: Reservation) {
     let work = async {
         let Ok(_permit) = Arc::clone(&node.refill_sem).acquire_owned().await else {
             return None;
@@ -158,6 +174,7 @@ async fn slot(node: Arc<Node>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>) {
         r = work => r,
     };
     let mut doomed = None;
+    let mut reservation = Some(reservation);
     {
         let mut s = pool.lock();
         s.refilling = s.refilling.saturating_sub(1);
@@ -169,6 +186,9 @@ async fn slot(node: Arc<Node>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>) {
                     doomed = Some(vm);
                 } else {
                     tracing::info!(vm = %vm.id, "warm VM ready");
+                    if let Some(r) = reservation.take() {
+                        r.admit(&vm.id);
+                    }
                     s.warm.push(vm);
                     s.succeeded();
                     inc(match tier {
@@ -191,6 +211,9 @@ async fn slot(node: Arc<Node>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>) {
     if let Some(vm) = doomed {
         node.destroy(&vm).await;
     }
+    // A slot that admitted nothing frees its share of the budget only now, after its VM (if
+    // any) is destroyed.
+    drop(reservation);
 }
 
 fn clone_failed(node: &Node, pool: &Pool) {
@@ -252,13 +275,15 @@ async fn cold_one(node: &Node, pool: &Pool) -> Result<Vm, RefillError> {
     probe(node, vm, node.timing.cold_probe).await
 }
 
-async fn build_golden(node: Arc<Node>, pool: Arc<Pool>) {
+async fn build_golden(node: Arc<Node>, pool: Arc<Pool>, reservation: Reservation) {
     let permit = Arc::clone(&node.refill_sem).acquire_owned().await;
     let result = tokio::select! {
         () = pool.cancel.cancelled() => None,
         r = golden_inner(&node, &pool) => Some(r),
     };
     drop(permit);
+    // The golden builder VM is destroyed by now.
+    drop(reservation);
     {
         let mut s = pool.lock();
         s.golden_building = false;

@@ -9,13 +9,13 @@ use tokio::net::TcpStream;
 
 use super::{start, wait_warm, H};
 
-const SWITCHING: &[u8] = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: silkd\r\nConnection: Upgrade\r\n\r\n";
+pub(super) const SWITCHING: &[u8] =
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: silkd\r\nConnection: Upgrade\r\n\r\n";
 
-async fn serve(h: &H) -> std::net::SocketAddr {
+pub(super) async fn serve(h: &H) -> std::net::SocketAddr {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = l.local_addr().expect("addr");
-    let app = sandboxd::http::app(h.node.clone());
-    tokio::spawn(sandboxd::http::serve(l, app, std::future::pending()));
+    tokio::spawn(sandboxd::http::serve(l, h.node.clone(), None, std::future::pending()));
     addr
 }
 
@@ -28,7 +28,7 @@ async fn claimed(pools: &[(&str, usize)]) -> (H, std::net::SocketAddr, String, S
     (h, addr, id, token)
 }
 
-fn head(path: &str, upgrade: Option<&str>, token: &str) -> String {
+pub(super) fn head(path: &str, upgrade: Option<&str>, token: &str) -> String {
     let mut s = format!("GET {path} HTTP/1.1\r\nHost: x\r\n");
     if let Some(u) = upgrade {
         s.push_str(&format!("Connection: Upgrade\r\nUpgrade: {u}\r\n"));
@@ -38,7 +38,7 @@ fn head(path: &str, upgrade: Option<&str>, token: &str) -> String {
 }
 
 /// Reads a non-101 reply: status, and the JSON body read by Content-Length (as the SDK does).
-async fn read_error(r: &mut BufReader<TcpStream>) -> (u16, Value) {
+pub(super) async fn read_error<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R) -> (u16, Value) {
     let mut line = String::new();
     r.read_line(&mut line).await.expect("status");
     let code: u16 = line.split(' ').nth(1).expect("code").parse().expect("num");
@@ -61,7 +61,7 @@ async fn read_error(r: &mut BufReader<TcpStream>) -> (u16, Value) {
     (code, serde_json::from_slice(&body).expect("json body"))
 }
 
-async fn frame(r: &mut BufReader<TcpStream>) -> Value {
+pub(super) async fn frame<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R) -> Value {
     let mut line = String::new();
     tokio::time::timeout(Duration::from_secs(5), r.read_line(&mut line)).await.expect("frame in time").expect("read");
     serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad frame {line:?}: {e}"))

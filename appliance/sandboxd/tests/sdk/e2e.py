@@ -3,7 +3,9 @@
 Run by `tests/e2e.rs` (feature `e2e`): the Rust test starts the real `sandboxd` binary with a
 `base` pool and runs this script with `CHRYSALIS_PYTHON`.
 
-Usage: python3 e2e.py <host:port> <root token>
+Usage: python3 e2e.py <host:port | https://host:port> <root token> [CA file]
+With an https origin the SDK runs over TLS (`ssl_context` trusting the CA file, ALPN http/1.1),
+and so do this script's raw HTTP calls and raw `/ports` upgrades.
 Prints `sdk e2e ok` as its last line when every check passed; any failure raises (exit != 0).
 """
 
@@ -11,14 +13,34 @@ import http.client
 import io
 import json
 import socket
+import ssl
 import sys
 import tarfile
 import time
+import urllib.parse
 
 from cocoonsandbox import APIError, Client, ExitError, SilkdError
 
 addr, root = sys.argv[1], sys.argv[2]
-client = Client(addr, api_token=root, timeout=60)
+cafile = sys.argv[3] if len(sys.argv) > 3 else None
+origin = urllib.parse.urlsplit(addr if "://" in addr else f"http://{addr}")
+tls = origin.scheme == "https"
+node_host, node_port = origin.hostname, origin.port
+
+
+def ssl_context():
+    """A dedicated context per client (the SDK sets ALPN on it), trusting only the node's CA."""
+    if not tls:
+        return None
+    return ssl.create_default_context(cafile=cafile)
+
+
+def new_client(token=root):
+    return Client(addr, api_token=token, timeout=60, ssl_context=ssl_context())
+
+
+client = new_client()
+print(f"-- over {'TLS' if tls else 'plain HTTP'}: {addr}", flush=True)
 
 
 def step(name):
@@ -46,9 +68,11 @@ def wait_until(what, fn, timeout=120.0):
 
 
 def raw(method, path, token, body=None):
-    """A plain HTTP call (routes the SDK does not use): returns (status, decoded JSON body)."""
-    host, port = addr.rsplit(":", 1)
-    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    """A plain HTTP(S) call (routes the SDK does not use): returns (status, decoded JSON body)."""
+    if tls:
+        c = http.client.HTTPSConnection(node_host, node_port, timeout=60, context=ssl_context())
+    else:
+        c = http.client.HTTPConnection(node_host, node_port, timeout=60)
     try:
         data = None if body is None else json.dumps(body).encode()
         c.request(method, path, body=data, headers={"Authorization": f"Bearer {token}"})
@@ -60,10 +84,12 @@ def raw(method, path, token, body=None):
 
 def port_upgrade(sandbox, port, payload):
     """GET .../ports/{port} with Upgrade: tcp, then echo payload through the raw relay."""
-    host, p = addr.rsplit(":", 1)
-    with socket.create_connection((host, int(p)), timeout=20) as s:
+    s = socket.create_connection((node_host, node_port), timeout=20)
+    if tls:
+        s = ssl_context().wrap_socket(s, server_hostname=node_host)
+    with s:
         s.sendall(
-            f"GET /v1/sandboxes/{sandbox.id}/ports/{port} HTTP/1.1\r\nHost: {addr}\r\n"
+            f"GET /v1/sandboxes/{sandbox.id}/ports/{port} HTTP/1.1\r\nHost: {origin.netloc}\r\n"
             f"Authorization: Bearer {sandbox.token}\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n".encode()
         )
         head = b""
@@ -283,8 +309,10 @@ assert info["pools"][0]["target"] == 2, info
 assert client.lookup(sb.id, sb.token).id == sb.id
 
 step("errors")
-expect_status(401, lambda: Client(addr, api_token="wrong").new("base"))
-expect_status(401, lambda: Client(addr, api_token="wrong").sandboxes())
+expect_status(401, lambda: new_client("").new("base"))  # no token at all
+expect_status(401, lambda: new_client("wrong").new("base"))
+expect_status(401, lambda: new_client("wrong").sandboxes())
+expect_status(401, lambda: new_client("").info())
 expect_status(400, lambda: client.new("base", ttl_seconds=-1))
 expect_status(404, lambda: client.attach(addr, "sb_0000000000000000", "0" * 32).renew())
 expect_status(404, lambda: client.attach(addr, sb.id, "0" * 32).renew())  # wrong token = unknown

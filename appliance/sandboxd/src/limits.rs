@@ -1,0 +1,542 @@
+//! The bounds nobody can talk the node out of.
+//!
+//! - [`Budget`]: how many VMs, and how much memory (each VM counted with its size class's
+//!   memory), warm, refilling and claimed VMs may take together. Defaults come from the host
+//!   ([`Budget::from_mem_total`]: `MemTotal` minus a reserve). The [`Ledger`] counts what the
+//!   node holds; refill reserves from it and stops at the budget.
+//! - the lease horizon (`max_lifetime_secs`): a lease never runs past `claimed_at` + horizon;
+//! - [`ClaimCaps`]: concurrent `/agent` relays, `/ports` relays and `/exec` calls per claim,
+//!   held by [`ClaimSlots`] guards that free their slot when dropped (the relay ended);
+//! - [`ExecTimeouts`]: the default and the maximum `/exec` timeout;
+//! - [`HttpLimits`]: the HTTP server's connection cap, request-head and body deadlines, and the
+//!   relay idle timeout.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use vmm::{SizeClass, VmId};
+
+use crate::pool::PoolKey;
+
+/// The smallest size class's memory: the default `max_vms` is the memory budget over it.
+pub const SMALLEST_VM_MIB: u64 = 512;
+/// The default `max_vms` never exceeds this (each VM also costs processes, sockets and
+/// descriptors, whatever its size).
+pub const MAX_VMS_CEILING: usize = 1024;
+/// The least memory kept back for the host (kernel, sandboxd, the other services).
+pub const RESERVE_MIN_MIB: u64 = 1024;
+
+/// What warm + refilling + claimed VMs may take together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// VMs at most.
+    pub max_vms: usize,
+    /// Memory at most, in MiB (the sum of the VMs' size-class memory).
+    pub max_memory_mib: u64,
+}
+
+/// Why a set of pool targets cannot fit the budget.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BudgetError {
+    /// More warm VMs than `max_vms`.
+    #[error(
+        "the warm targets add up to {vms} VMs, over the node budget max_vms = {max_vms}; lower the warm \
+         targets or raise max_vms in sandboxd's config"
+    )]
+    Vms {
+        /// Σ warm.
+        vms: usize,
+        /// The limit.
+        max_vms: usize,
+    },
+    /// More memory than `max_memory_mib`.
+    #[error(
+        "the warm targets need {memory_mib} MiB ({detail}), over the node budget max_memory_mib = {max_memory_mib}; \
+         lower the warm targets or raise max_memory_mib in sandboxd's config"
+    )]
+    Memory {
+        /// Σ warm × size memory.
+        memory_mib: u64,
+        /// The limit.
+        max_memory_mib: u64,
+        /// Per pool: `<warm> × <size> (<mib> MiB)`.
+        detail: String,
+    },
+}
+
+impl Budget {
+    /// The budget derived from the host's memory: `max_memory_mib` = `MemTotal` − reserve, the
+    /// reserve being an eighth of `MemTotal` but at least [`RESERVE_MIN_MIB`]; `max_vms` =
+    /// `max_memory_mib` / [`SMALLEST_VM_MIB`], at most [`MAX_VMS_CEILING`] (and at least 1).
+    pub fn from_mem_total(mem_total_mib: u64) -> Budget {
+        let reserve = (mem_total_mib / 8).max(RESERVE_MIN_MIB);
+        let max_memory_mib = mem_total_mib.saturating_sub(reserve);
+        Budget { max_vms: default_max_vms(max_memory_mib), max_memory_mib }
+    }
+
+    /// Checks warm targets against the budget (both limits; the VM count first).
+    pub fn check(&self, targets: &[(PoolKey, usize)]) -> Result<(), BudgetError> {
+        let vms: usize = targets.iter().map(|(_, w)| *w).fold(0, usize::saturating_add);
+        if vms > self.max_vms {
+            return Err(BudgetError::Vms { vms, max_vms: self.max_vms });
+        }
+        let memory_mib: u64 =
+            targets.iter().map(|(k, w)| mib(k.size()).saturating_mul(*w as u64)).fold(0, u64::saturating_add);
+        if memory_mib > self.max_memory_mib {
+            let detail = targets
+                .iter()
+                .filter(|(_, w)| *w > 0)
+                .map(|(k, w)| format!("{w} × {} {} MiB", k.size(), mib(k.size())))
+                .collect::<Vec<_>>()
+                .join(" + ");
+            return Err(BudgetError::Memory { memory_mib, max_memory_mib: self.max_memory_mib, detail });
+        }
+        Ok(())
+    }
+}
+
+/// `max_vms` when only the memory is known.
+pub fn default_max_vms(max_memory_mib: u64) -> usize {
+    usize::try_from(max_memory_mib / SMALLEST_VM_MIB).unwrap_or(usize::MAX).clamp(1, MAX_VMS_CEILING)
+}
+
+/// The memory a VM of `size` is counted with.
+pub fn mib(size: SizeClass) -> u64 {
+    size.memory_mib()
+}
+
+/// `MemTotal` of `/proc/meminfo`, in MiB.
+pub fn host_mem_total_mib() -> std::io::Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo")?;
+    parse_mem_total(&text).ok_or_else(|| std::io::Error::other("/proc/meminfo has no MemTotal line"))
+}
+
+fn parse_mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
+}
+
+/// What the node holds against its budget.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Usage {
+    /// VMs held or being made.
+    pub vms: usize,
+    /// Their memory, MiB.
+    pub memory_mib: u64,
+}
+
+#[derive(Debug, Default)]
+struct LedgerState {
+    /// VMs the node holds (warm or claimed), with their memory.
+    held: HashMap<VmId, u64>,
+    /// Refill and golden slots in flight: (count, MiB).
+    pending: (usize, u64),
+    used: Usage,
+}
+
+/// The count of everything the node holds or is making, against the [`Budget`].
+///
+/// A refill slot (or a golden build) [`Ledger::reserve`]s before any VM work and holds a
+/// [`Reservation`] until it ends; a VM admitted to a pool turns its reservation into a held
+/// VM ([`Reservation::admit`]); claims keep their VM held (a claim moves a VM, it does not add
+/// one); [`Ledger::forget`] drops a VM once its destroy succeeded. So a dying VM counts until
+/// its process is gone, and two pools racing for the last slot cannot both get it.
+#[derive(Debug)]
+pub struct Ledger {
+    budget: Budget,
+    state: Mutex<LedgerState>,
+}
+
+impl Ledger {
+    /// An empty ledger under `budget`.
+    pub fn new(budget: Budget) -> Arc<Ledger> {
+        Arc::new(Ledger { budget, state: Mutex::new(LedgerState::default()) })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LedgerState> {
+        // Plain counters updated in single statements: a poisoned lock is still consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The budget.
+    pub fn budget(&self) -> Budget {
+        self.budget
+    }
+
+    /// What is held now.
+    pub fn usage(&self) -> Usage {
+        self.lock().used
+    }
+
+    /// Counts a VM the node holds (a claim re-adopted after a restart). Idempotent per id.
+    pub fn hold(&self, vm: &VmId, size: SizeClass) {
+        let mut s = self.lock();
+        if s.held.insert(vm.clone(), mib(size)).is_none() {
+            s.used.vms += 1;
+            s.used.memory_mib += mib(size);
+        }
+    }
+
+    /// Stops counting a VM (destroyed, or found gone). Unknown ids are ignored.
+    pub fn forget(&self, vm: &VmId) {
+        let mut s = self.lock();
+        if let Some(m) = s.held.remove(vm) {
+            s.used.vms -= 1;
+            s.used.memory_mib -= m;
+        }
+    }
+
+    /// Reserves up to `want` VMs of `size`; returns the reservations granted (fewer when the
+    /// budget is reached) and, when short, why.
+    pub fn reserve(self: &Arc<Self>, want: usize, size: SizeClass) -> (Vec<Reservation>, Option<String>) {
+        let m = mib(size);
+        let mut s = self.lock();
+        let by_vms = self.budget.max_vms.saturating_sub(s.used.vms);
+        let by_mem = usize::try_from(self.budget.max_memory_mib.saturating_sub(s.used.memory_mib) / m.max(1))
+            .unwrap_or(usize::MAX);
+        let n = want.min(by_vms).min(by_mem);
+        s.used.vms += n;
+        s.used.memory_mib += m * n as u64;
+        s.pending.0 += n;
+        s.pending.1 += m * n as u64;
+        let short = (n < want).then(|| {
+            let mut limits = Vec::new();
+            if by_vms == n {
+                limits.push(format!("max_vms = {}", self.budget.max_vms));
+            }
+            if by_mem == n {
+                limits.push(format!("max_memory_mib = {}", self.budget.max_memory_mib));
+            }
+            let limit = limits.join(", ");
+            format!(
+                "node budget reached ({limit}): {} VMs / {} MiB held or booting, a {size} VM needs {m} MiB",
+                s.used.vms, s.used.memory_mib
+            )
+        });
+        drop(s);
+        let r = (0..n).map(|_| Reservation { ledger: Arc::clone(self), mib: m, open: true }).collect();
+        (r, short)
+    }
+
+    fn end_pending(&self, m: u64, admit: Option<&VmId>) {
+        let mut s = self.lock();
+        s.pending.0 = s.pending.0.saturating_sub(1);
+        s.pending.1 = s.pending.1.saturating_sub(m);
+        match admit {
+            Some(vm) if !s.held.contains_key(vm) => {
+                s.held.insert(vm.clone(), m);
+            }
+            _ => {
+                s.used.vms = s.used.vms.saturating_sub(1);
+                s.used.memory_mib = s.used.memory_mib.saturating_sub(m);
+            }
+        }
+    }
+}
+
+/// One reserved VM slot (a refill in flight or a golden build). Dropped: the slot is free.
+#[derive(Debug)]
+pub struct Reservation {
+    ledger: Arc<Ledger>,
+    mib: u64,
+    open: bool,
+}
+
+impl Reservation {
+    /// The slot made `vm` and it joined a pool: the ledger now holds that VM instead.
+    pub fn admit(mut self, vm: &VmId) {
+        self.open = false;
+        self.ledger.end_pending(self.mib, Some(vm));
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.open {
+            self.ledger.end_pending(self.mib, None);
+        }
+    }
+}
+
+/// Concurrent uses of one claim, each capped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimCaps {
+    /// `/agent` relays (`max_agent_relays_per_claim`).
+    pub agent_relays: usize,
+    /// `/ports` relays (`max_port_relays_per_claim`).
+    pub port_relays: usize,
+    /// `/exec` calls (`max_execs_per_claim`).
+    pub execs: usize,
+}
+
+impl Default for ClaimCaps {
+    fn default() -> Self {
+        ClaimCaps { agent_relays: 16, port_relays: 16, execs: 8 }
+    }
+}
+
+/// A per-claim use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    /// `GET …/agent`.
+    Agent,
+    /// `GET …/ports/{port}`.
+    Port,
+    /// `POST …/exec`.
+    Exec,
+}
+
+impl Use {
+    fn index(self) -> usize {
+        match self {
+            Use::Agent => 0,
+            Use::Port => 1,
+            Use::Exec => 2,
+        }
+    }
+
+    /// The config key of this cap.
+    pub fn key(self) -> &'static str {
+        match self {
+            Use::Agent => "max_agent_relays_per_claim",
+            Use::Port => "max_port_relays_per_claim",
+            Use::Exec => "max_execs_per_claim",
+        }
+    }
+
+    /// What it is, for messages.
+    pub fn what(self) -> &'static str {
+        match self {
+            Use::Agent => "/agent relays",
+            Use::Port => "/ports relays",
+            Use::Exec => "/exec calls",
+        }
+    }
+}
+
+/// A claim is at one of its caps.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("too many concurrent {} for this sandbox: {cap} already open ({key} = {cap})", use_.what(), key = use_.key())]
+pub struct CapError {
+    /// Which use.
+    pub use_: Use,
+    /// The cap.
+    pub cap: usize,
+}
+
+/// The per-claim counters behind [`ClaimCaps`].
+#[derive(Debug, Default)]
+pub struct ClaimSlots {
+    caps: Option<ClaimCaps>,
+    open: Mutex<HashMap<String, [usize; 3]>>,
+}
+
+impl ClaimSlots {
+    /// Counters enforcing `caps`.
+    pub fn new(caps: ClaimCaps) -> Arc<ClaimSlots> {
+        Arc::new(ClaimSlots { caps: Some(caps), open: Mutex::new(HashMap::new()) })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, [usize; 3]>> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes one `use_` slot of claim `id`, or refuses at the cap. The slot is freed when the
+    /// guard is dropped.
+    pub fn acquire(self: &Arc<Self>, id: &str, use_: Use) -> Result<SlotGuard, CapError> {
+        let caps = self.caps.unwrap_or_default();
+        let cap = match use_ {
+            Use::Agent => caps.agent_relays,
+            Use::Port => caps.port_relays,
+            Use::Exec => caps.execs,
+        };
+        let mut open = self.lock();
+        let row = open.entry(id.to_string()).or_default();
+        if row[use_.index()] >= cap {
+            return Err(CapError { use_, cap });
+        }
+        row[use_.index()] += 1;
+        Ok(SlotGuard { slots: Arc::clone(self), id: id.to_string(), use_ })
+    }
+
+    /// Open uses of claim `id` (agent, port, exec).
+    pub fn open(&self, id: &str) -> [usize; 3] {
+        self.lock().get(id).copied().unwrap_or_default()
+    }
+}
+
+/// One open use of a claim; dropping it frees the slot.
+#[derive(Debug)]
+pub struct SlotGuard {
+    slots: Arc<ClaimSlots>,
+    id: String,
+    use_: Use,
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        let mut open = self.slots.lock();
+        if let Some(row) = open.get_mut(&self.id) {
+            row[self.use_.index()] = row[self.use_.index()].saturating_sub(1);
+            if row.iter().all(|n| *n == 0) {
+                open.remove(&self.id);
+            }
+        }
+    }
+}
+
+/// `/exec` timeouts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExecTimeouts {
+    /// `timeout_seconds` absent or 0 (`exec_default_timeout_secs`).
+    pub default: Duration,
+    /// Larger `timeout_seconds` are refused (`exec_max_timeout_secs`).
+    pub max: Duration,
+}
+
+impl Default for ExecTimeouts {
+    fn default() -> Self {
+        ExecTimeouts { default: Duration::from_secs(300), max: Duration::from_secs(3600) }
+    }
+}
+
+/// The HTTP server's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpLimits {
+    /// Open connections per listener (`max_connections`).
+    pub max_connections: usize,
+    /// Request head, and idle keep-alive (`header_timeout_secs`).
+    pub header_timeout: Duration,
+    /// A whole request body (`body_timeout_secs`).
+    pub body_timeout: Duration,
+    /// A relay with no byte either way for this long is closed (`relay_idle_timeout_secs`).
+    pub relay_idle: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            max_connections: 4096,
+            // Longer than the SDK's keep_alive (30 s): the SDK drops a parked keep-alive
+            // connection before the server would, so a reused one is never closed under it.
+            header_timeout: Duration::from_secs(60),
+            body_timeout: Duration::from_secs(30),
+            relay_idle: Duration::from_secs(3600),
+        }
+    }
+}
+
+/// Every limit of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// The node budget.
+    pub budget: Budget,
+    /// The lease horizon, from the first grant (`max_lifetime_secs`).
+    pub max_lifetime: Duration,
+    /// Per-claim caps.
+    pub caps: ClaimCaps,
+    /// `/exec` timeouts.
+    pub exec: ExecTimeouts,
+    /// HTTP.
+    pub http: HttpLimits,
+}
+
+/// The default lease horizon: 7 days.
+pub const DEFAULT_MAX_LIFETIME: Duration = Duration::from_secs(7 * 24 * 3600);
+
+impl Limits {
+    /// Defaults with `budget` (tests and tools; the daemon derives its budget from the host).
+    pub fn with_budget(budget: Budget) -> Limits {
+        Limits {
+            budget,
+            max_lifetime: DEFAULT_MAX_LIFETIME,
+            caps: ClaimCaps::default(),
+            exec: ExecTimeouts::default(),
+            http: HttpLimits::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(size: &str) -> PoolKey {
+        PoolKey::parse("base", None, Some(size)).expect("key")
+    }
+
+    #[test]
+    fn derived_budget() {
+        assert_eq!(parse_mem_total("MemTotal:       24683568 kB\nMemFree: 1 kB\n"), Some(24105));
+        assert_eq!(parse_mem_total("nothing"), None);
+        // 24 GiB: an eighth is kept back.
+        assert_eq!(Budget::from_mem_total(24576), Budget { max_vms: 42, max_memory_mib: 21504 });
+        // 4 GiB: the 1 GiB floor.
+        assert_eq!(Budget::from_mem_total(4096), Budget { max_vms: 6, max_memory_mib: 3072 });
+        // Tiny hosts still allow one VM in the count (the memory limit decides).
+        assert_eq!(Budget::from_mem_total(512), Budget { max_vms: 1, max_memory_mib: 0 });
+        // Huge hosts: the VM ceiling.
+        assert_eq!(Budget::from_mem_total(4 << 20).max_vms, MAX_VMS_CEILING);
+    }
+
+    #[test]
+    fn check_names_the_limit_and_the_numbers() {
+        let b = Budget { max_vms: 10, max_memory_mib: 4096 };
+        assert_eq!(b.check(&[(key("small"), 4), (key("medium"), 2)]), Ok(()));
+        let e = b.check(&[(key("small"), 100_000)]).expect_err("vms");
+        assert_eq!(e, BudgetError::Vms { vms: 100_000, max_vms: 10 });
+        assert!(e.to_string().contains("max_vms = 10") && e.to_string().contains("100000 VMs"), "{e}");
+        let e = b.check(&[(key("small"), 2), (key("large"), 1)]).expect_err("memory");
+        let msg = e.to_string();
+        assert!(msg.contains("5120 MiB") && msg.contains("max_memory_mib = 4096"), "{msg}");
+        assert!(msg.contains("2 × small 512 MiB + 1 × large 4096 MiB"), "{msg}");
+    }
+
+    #[test]
+    fn ledger_reserves_up_to_the_budget_and_frees() {
+        let l = Ledger::new(Budget { max_vms: 3, max_memory_mib: 2048 });
+        let (a, short) = l.reserve(2, SizeClass::Small);
+        assert_eq!((a.len(), short), (2, None));
+        // 1 GiB left: one medium, no more.
+        let (b, short) = l.reserve(2, SizeClass::Medium);
+        assert_eq!(b.len(), 1);
+        assert!(short.as_deref().is_some_and(|s| s.contains("max_memory_mib = 2048")), "{short:?}");
+        assert_eq!(l.usage(), Usage { vms: 3, memory_mib: 2048 });
+        let (c, short) = l.reserve(1, SizeClass::Small);
+        assert!(c.is_empty() && short.as_deref().is_some_and(|s| s.contains("max_vms = 3")), "{short:?}");
+        // A reservation admitted holds its VM until it is forgotten; a dropped one frees at once.
+        let vm = VmId::new("sbx-1").expect("id");
+        let mut a = a.into_iter();
+        a.next().expect("r").admit(&vm);
+        drop(a);
+        assert_eq!(l.usage(), Usage { vms: 2, memory_mib: 1536 });
+        drop(b);
+        l.forget(&vm);
+        l.forget(&vm);
+        assert_eq!(l.usage(), Usage::default());
+        l.hold(&vm, SizeClass::Large);
+        l.hold(&vm, SizeClass::Large);
+        assert_eq!(l.usage(), Usage { vms: 1, memory_mib: 4096 });
+    }
+
+    #[test]
+    fn claim_slots_cap_and_free() {
+        let s = ClaimSlots::new(ClaimCaps { agent_relays: 2, port_relays: 1, execs: 1 });
+        let a1 = s.acquire("sb_1", Use::Agent).expect("1");
+        let _a2 = s.acquire("sb_1", Use::Agent).expect("2");
+        let e = s.acquire("sb_1", Use::Agent).expect_err("cap");
+        assert_eq!(
+            e.to_string(),
+            "too many concurrent /agent relays for this sandbox: 2 already open (max_agent_relays_per_claim = 2)"
+        );
+        // Other claims and other uses are separate.
+        let _b = s.acquire("sb_2", Use::Agent).expect("other claim");
+        let _p = s.acquire("sb_1", Use::Port).expect("port");
+        assert!(s.acquire("sb_1", Use::Port).is_err());
+        drop(a1);
+        let _a3 = s.acquire("sb_1", Use::Agent).expect("freed");
+        assert_eq!(s.open("sb_1"), [2, 1, 0]);
+    }
+}
