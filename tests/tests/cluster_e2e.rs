@@ -77,13 +77,13 @@ fn cluster_up_serves_bootstrap_and_agent_sandbox_then_down_leaves_nothing() {
             assert!(!can(&["create", review, &node("vk-other")]), "an unbound user may create {review}");
         }
         for sub in ["proxy", "log", "stats", "metrics"] {
+            let subresource = format!("--subresource={sub}");
             for verb in ["get", "create"] {
-                let resource = format!("nodes/{sub}");
                 assert!(
-                    can(&[verb, &resource, "--as=kube-apiserver-kubelet-client"]),
-                    "kubelet client {verb} {resource}"
+                    can(&[verb, "nodes", &subresource, "--as=kube-apiserver-kubelet-client"]),
+                    "the kubelet client may not {verb} nodes/{sub}"
                 );
-                assert!(!can(&[verb, &resource, "--as=someone"]), "anyone may {verb} {resource}");
+                assert!(!can(&[verb, "nodes", &subresource, "--as=someone"]), "anyone may {verb} nodes/{sub}");
             }
         }
 
