@@ -308,6 +308,14 @@ pub struct JoinedBox<'a> {
 }
 
 impl JoinedBox<'_> {
+    /// Binds what each of the box's two nodes needs to that node's user alone (as an admin does
+    /// per box before it joins a real cluster).
+    pub fn bind_nodes(&self, cluster: &crate::cluster::Cluster) -> Result<(), crate::cluster::ClusterError> {
+        cluster.bind_node("vk-sandbox", self.sandbox_node)?;
+        cluster.bind_node("vk-cocoon", self.cocoon_node)?;
+        Ok(())
+    }
+
     /// The config disk's files: the cluster, the node names, one warm `base` VM (under TCG the
     /// box's microVMs run under nested emulation), the remote API and the trial deadline.
     pub fn config_files(&self) -> BTreeMap<String, Vec<u8>> {

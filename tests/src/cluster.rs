@@ -213,6 +213,13 @@ impl Cluster {
         Kubectl { bin: self.kubectl.clone(), kubeconfig: self.kubeconfig.clone() }
     }
 
+    /// Binds what a `provider` (`vk-sandbox`, `vk-cocoon`) node named `node` needs to
+    /// `system:node:<node>` alone (`appliance/<provider>/manifests/node-rbac.yaml.in`). Every
+    /// harness that joins a node calls this before the node starts.
+    pub fn bind_node(&self, provider: &str, node: &str) -> Result<PathBuf, ClusterError> {
+        bootstrap::bind_node(&self.kubectl_handle(), &self.state_dir.join("manifests"), provider, node)
+    }
+
     /// The token id (the part before the dot).
     pub fn token_id(&self) -> &str {
         self.token.split('.').next().unwrap_or_default()
@@ -304,6 +311,9 @@ fn start(opts: &Options) -> Result<Cluster, ClusterError> {
                 format!("--client-ca-file={}", s(&pki.ca_cert)),
                 format!("--kubelet-client-certificate={}", s(&pki.kubelet_client_cert)),
                 format!("--kubelet-client-key={}", s(&pki.kubelet_client_key)),
+                // Virtual nodes name themselves (Hostname) and give 127.0.0.1 as InternalIP; the
+                // name does not resolve, so the apiserver reaches a kubelet port by address.
+                "--kubelet-preferred-address-types=InternalIP,Hostname".into(),
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
                 format!("--service-account-key-file={}", s(&pki.sa_pub)),
                 format!("--service-account-signing-key-file={}", s(&pki.sa_key)),

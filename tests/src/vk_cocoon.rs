@@ -80,6 +80,7 @@ impl CocoonEnv {
         })();
         imported?;
         let (opts, cluster) = VirtualNode::cluster_up(&dir, spec.port)?;
+        cluster.bind_node("vk-cocoon", spec.node_name).map_err(|e| format!("binding the node's RBAC: {e}"))?;
         let args = VirtualNode::join_args(&cluster, &dir)?;
         let s = |p: &Path| p.display().to_string();
         let envs: Vec<(String, String)> = vec![

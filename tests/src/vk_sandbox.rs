@@ -56,6 +56,7 @@ impl NodeEnv {
         let dir_guard = tempfile::Builder::new().prefix("vknode").tempdir_in("/tmp").map_err(|e| e.to_string())?;
         let dir = dir_guard.path().to_path_buf();
         let (opts, cluster) = VirtualNode::cluster_up(&dir, spec.port)?;
+        cluster.bind_node("vk-sandbox", spec.node_name).map_err(|e| format!("binding the node's RBAC: {e}"))?;
         let sandboxd = Harness::new(&spec.sandboxd_bin, spec.pools.clone());
         for pool in spec.pools.as_array().into_iter().flatten() {
             if let Some(t) = pool["template"].as_str() {

@@ -1,7 +1,9 @@
 //! The test control plane itself, end to end: `Cluster::up` on its own port and state
 //! directory, then what the join and the vk-sandbox provider rely on — ready apiserver,
-//! agent-sandbox CRDs, a bootstrap-signed `cluster-info`, anonymous discovery, the upstream
-//! controller turning the seed's Sandbox into a Pod — and `down` leaving nothing running.
+//! agent-sandbox CRDs, a bootstrap-signed `cluster-info`, anonymous discovery, per-node RBAC
+//! (one node's grants reach no other node; the apiserver's kubelet client may use kubelet
+//! ports), the upstream controller turning the seed's Sandbox into a Pod — and `down` leaving
+//! nothing running.
 //!
 //! Enabled by `--features cluster` (the first run builds Kubernetes from source: tens of minutes).
 #![cfg(feature = "cluster")]
@@ -52,6 +54,38 @@ fn cluster_up_serves_bootstrap_and_agent_sandbox_then_down_leaves_nothing() {
         let cm: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let key = format!("jws-kubeconfig-{}", cluster.token_id());
         assert!(cm["data"][&key].as_str().is_some_and(|j| j.contains("..")), "no detached JWS {key}: {cm}");
+
+        // RBAC: a node's grants are bound to that node's user only; the apiserver's kubelet
+        // client may use every kubelet port (nodes/proxy, log, stats, metrics).
+        cluster.bind_node("vk-sandbox", "vk-a").expect("binding vk-a");
+        let can = |args: &[&str]| {
+            let out = cluster.kubectl().args(["auth", "can-i"]).args(args).output().expect("kubectl auth can-i");
+            String::from_utf8_lossy(&out.stdout).trim() == "yes"
+        };
+        let node = |n: &str| format!("--as=system:node:{n}");
+        for verb in ["get", "list", "watch"] {
+            assert!(can(&[verb, "sandboxes.agents.x-k8s.io", &node("vk-a"), "--as-group=system:nodes"]), "vk-a {verb}");
+            assert!(
+                !can(&[verb, "sandboxes.agents.x-k8s.io", &node("vk-other"), "--as-group=system:nodes"]),
+                "another node may {verb} Sandboxes"
+            );
+        }
+        assert!(!can(&["list", "sandboxes.agents.x-k8s.io", "--as=someone", "--as-group=system:nodes"]));
+        // Reviews through the binding alone (no system:nodes group, so not the Node authorizer).
+        for review in ["tokenreviews.authentication.k8s.io", "subjectaccessreviews.authorization.k8s.io"] {
+            assert!(can(&["create", review, &node("vk-a")]), "vk-a may not create {review}");
+            assert!(!can(&["create", review, &node("vk-other")]), "an unbound user may create {review}");
+        }
+        for sub in ["proxy", "log", "stats", "metrics"] {
+            let subresource = format!("--subresource={sub}");
+            for verb in ["get", "create"] {
+                assert!(
+                    can(&[verb, "nodes", &subresource, "--as=kube-apiserver-kubelet-client"]),
+                    "the kubelet client may not {verb} nodes/{sub}"
+                );
+                assert!(!can(&[verb, "nodes", &subresource, "--as=someone"]), "anyone may {verb} nodes/{sub}");
+            }
+        }
 
         // The seed's Sandbox, verbatim: the upstream controller creates its Pod, which stays
         // Pending (no node yet) and carries the Sandbox as controller owner.

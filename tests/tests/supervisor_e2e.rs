@@ -63,6 +63,9 @@ mod real {
         let netns = Netns::create(&format!("sup-e2e-{}", std::process::id())).unwrap_or_else(|e| panic!("{e}"));
         let opts = Options { state_dir: dir.join("cluster"), port: PORT, ..Options::default() };
         let cluster = Cluster::up_with(&opts).unwrap_or_else(|e| panic!("cluster up: {e}"));
+        for (provider, node) in [("vk-sandbox", SANDBOX_NODE), ("vk-cocoon", COCOON_NODE)] {
+            cluster.bind_node(provider, node).unwrap_or_else(|e| panic!("binding {node}'s RBAC: {e}"));
+        }
         let state = dir.join("state");
         let sandboxd = free_port();
         std::fs::write(dir.join("bootstrap-token"), format!("{}\n", cluster.token)).expect("token");

@@ -69,18 +69,17 @@ fn boot_and_measure(
     idle: Duration,
 ) -> Result<()> {
     let mut opts = Options::new(disk, work.join("box"));
-    opts.config_files = Some(
-        JoinedBox {
-            endpoint: format!("https://{APPLIANCE_API_ADDR}:{PORT}"),
-            ca_hash: &cluster.ca_hash,
-            bootstrap_token: &cluster.token,
-            sandbox_node: SANDBOX_NODE,
-            cocoon_node: COCOON_NODE,
-            api_token: API_TOKEN,
-            health_deadline_secs: 1800,
-        }
-        .config_files(),
-    );
+    let joined = JoinedBox {
+        endpoint: format!("https://{APPLIANCE_API_ADDR}:{PORT}"),
+        ca_hash: &cluster.ca_hash,
+        bootstrap_token: &cluster.token,
+        sandbox_node: SANDBOX_NODE,
+        cocoon_node: COCOON_NODE,
+        api_token: API_TOKEN,
+        health_deadline_secs: 1800,
+    };
+    joined.bind_nodes(cluster)?;
+    opts.config_files = Some(joined.config_files());
     opts.guest_forward_port = Some(PORT);
     let rt = tokio::runtime::Runtime::new()?;
     let power_on = Instant::now();

@@ -42,6 +42,8 @@ pub fn run(args: &VkCocoonArgs) -> Result<()> {
     }
     let token_file = root.join("bootstrap-token");
     std::fs::write(&token_file, &cluster.token).with_context(|| format!("writing {}", token_file.display()))?;
+    let binding = cluster.bind_node("vk-cocoon", &args.node_name)?;
+    eprintln!("xtask: bound the node's RBAC to system:node:{} ({})", args.node_name, binding.display());
     eprintln!("xtask: vk-cocoon node {} joining {}", args.node_name, cluster.endpoint);
     eprintln!(
         "xtask: try   cargo xtask cluster kubectl -- apply -f tests/seed/examples/cocoon-example.yaml   (Ctrl-C stops the node)"

@@ -65,6 +65,8 @@ pub fn run(args: &VkSandboxArgs) -> Result<()> {
             .spawn()
             .with_context(|| format!("running {}", sandboxd.display()))?,
     ));
+    let binding = cluster.bind_node("vk-sandbox", &args.node_name)?;
+    eprintln!("xtask: bound the node's RBAC to system:node:{} ({})", args.node_name, binding.display());
     eprintln!("xtask: vk-sandbox node {} joining {}", args.node_name, cluster.endpoint);
     children.0.push((
         "vk-sandbox",

@@ -14,7 +14,7 @@
 //! - HTTP/1.1 upgrades (the sandboxd relays, kubelet streaming), over plain TCP or TLS.
 //!
 //! Each request carries [`Peer`] (the remote address and, over TLS with client
-//! authentication, the verified client certificate chain) as an extension.
+//! authentication, the client certificate chain it presented) as an extension.
 //!
 //! [`tls`] builds server configurations from PEM files, mints self-signed certificates and
 //! prints their fingerprints; [`raise_nofile_limit`] lifts the soft descriptor limit to the

@@ -79,8 +79,11 @@ pub struct ConnStats {
 pub struct Peer {
     /// The remote address.
     pub addr: SocketAddr,
-    /// The client's certificate chain, leaf first, as verified during the TLS handshake
-    /// (empty without TLS or without a client certificate).
+    /// The client's certificate chain, leaf first, as presented in the TLS handshake (empty
+    /// without TLS or without a client certificate). The handshake proved the client holds the
+    /// leaf's key; whether the chain was checked against roots is the configuration's
+    /// `ClientCertVerifier`'s business (the kubelet port's accepts any chain and verifies it per
+    /// request, so an unknown certificate gets a 401, not a handshake failure).
     pub certificates: Arc<[CertificateDer<'static>]>,
 }
 

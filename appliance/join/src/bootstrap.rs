@@ -2,8 +2,6 @@
 //! obtained through a `kubernetes.io/kube-apiserver-client-kubelet` CSR, kept 0600 in the
 //! node's state directory, reused across restarts and renewed at a jittered 70–90 % of its life.
 
-use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -105,29 +103,16 @@ pub fn rotation_deadline(creds: &NodeCredentials) -> u64 {
     creds.not_before + (life * at) as u64
 }
 
-/// Writes `contents` to `path` atomically (temp file in the same directory, fsync, rename) with mode 0600.
-fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), JoinError> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
-        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-        f.write_all(contents)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
-    };
-    write().map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        io_err(path, "writing atomically")(e)
-    })
+/// Writes a secret of the node (its identity, its kubeconfig) with `foundation::write_secret`:
+/// born 0600 (no window in which it is readable), fsynced, renamed over `path`, in a directory
+/// made 0700.
+fn write_secret(path: &Path, contents: &[u8]) -> Result<(), JoinError> {
+    foundation::write_secret(path, contents).map_err(io_err(path, "writing the secret atomically"))
 }
 
+/// Creates the state directory (and its missing parents) and makes it 0700.
 fn prepare_dir(state_dir: &Path) -> Result<(), JoinError> {
-    std::fs::create_dir_all(state_dir).map_err(io_err(state_dir, "creating the state directory"))?;
-    std::fs::set_permissions(state_dir, std::fs::Permissions::from_mode(0o700))
-        .map_err(io_err(state_dir, "making the state directory 0700"))
+    foundation::private_dir(state_dir).map_err(io_err(state_dir, "creating the state directory 0700"))
 }
 
 /// A fresh ECDSA P-256 key and its PEM CSR for `CN=system:node:<name>, O=system:nodes`, no SANs.
@@ -236,11 +221,11 @@ async fn mint(
         return Err(JoinError::BadCert(format!("issued certificate is for {cn:?}, not system:node:{node_name}")));
     }
     let identity = state_dir.join(IDENTITY_FILE);
-    write_atomic(&identity, format!("{}\n{}", cert_pem.trim(), key_pem).as_bytes())?;
+    write_secret(&identity, format!("{}\n{}", cert_pem.trim(), key_pem).as_bytes())?;
     let kubeconfig_path = state_dir.join(KUBECONFIG_FILE);
     let kc =
         kubeconfig::node_kubeconfig(&cluster.server, &cluster.ca_pem, &format!("system:node:{node_name}"), &identity);
-    write_atomic(&kubeconfig_path, kc.as_bytes())?;
+    write_secret(&kubeconfig_path, kc.as_bytes())?;
     tracing::info!(not_after, "stored the node identity");
     Ok(NodeCredentials { cert_pem, key_pem, kubeconfig_path, not_before, not_after })
 }
@@ -264,7 +249,7 @@ pub async fn bootstrap(
                 &format!("system:node:{node_name}"),
                 &state_dir.join(IDENTITY_FILE),
             );
-            write_atomic(&creds.kubeconfig_path, kc.as_bytes())?;
+            write_secret(&creds.kubeconfig_path, kc.as_bytes())?;
             return Ok(creds);
         }
         tracing::info!("stored node identity is within 20 % of expiry; bootstrapping again");
@@ -303,6 +288,7 @@ pub async fn renew_if_due(
 #[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn csr_has_the_node_subject_and_no_sans() {
@@ -348,11 +334,18 @@ mod tests {
         prepare_dir(&state).unwrap();
         assert_eq!(std::fs::metadata(&state).unwrap().permissions().mode() & 0o777, 0o700);
         let p = state.join(IDENTITY_FILE);
-        write_atomic(&p, b"x").unwrap();
-        write_atomic(&p, b"y").unwrap();
+        write_secret(&p, b"x").unwrap();
+        write_secret(&p, b"y").unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"y");
         assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
         assert_eq!(std::fs::read_dir(&state).unwrap().count(), 1, "a temp file was left behind");
+        // A directory someone loosened is made 0700 again by the next secret written into it
+        // (the reuse path rewrites the kubeconfig without minting).
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).unwrap();
+        write_secret(&state.join(KUBECONFIG_FILE), b"kc").unwrap();
+        assert_eq!(std::fs::metadata(&state).unwrap().permissions().mode() & 0o777, 0o700);
+        assert_eq!(std::fs::metadata(state.join(KUBECONFIG_FILE)).unwrap().permissions().mode() & 0o777, 0o600);
+        std::fs::remove_file(state.join(KUBECONFIG_FILE)).unwrap();
         // Garbage is not an identity: load says "none", so bootstrap mints a new one.
         assert!(load(&state, "n").unwrap().is_none());
         assert!(load(&dir.path().join("absent"), "n").unwrap().is_none());

@@ -196,6 +196,7 @@ mod tests {
                     "join_token_file",
                     "join_ca_hash",
                     "credentials_dir",
+                    "client_ca_file",
                     "help",
                     "version"
                 ]

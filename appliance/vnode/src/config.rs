@@ -2,8 +2,10 @@
 //! runtime's knobs ([`RuntimeConfig`]), and [`NodeHandle`], the provider's way to change the
 //! Node's extra conditions and ask for an immediate status patch.
 
+use crate::auth::AuthConfig;
 use k8s_openapi::api::core::v1::{NodeCondition, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use rustls::pki_types::CertificateDer;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -74,6 +76,14 @@ pub struct RuntimeConfig {
     /// the node name, node IP and 127.0.0.1.
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
+    /// The CA certificates (DER) a client certificate on the kubelet port must chain to (the
+    /// kubelet's `--client-ca-file`). Empty: no client certificate is accepted (401), bearer
+    /// tokens still are. [`crate::session::Session::run`] fills it with the cluster CA.
+    pub client_ca: Vec<CertificateDer<'static>>,
+    /// The kubelet port's review caches and caps ([`crate::auth`]).
+    pub kubelet_auth: AuthConfig,
+    /// The kubelet port's connection cap and timeouts ([`crate::kubelet::default_limits`]).
+    pub kubelet_limits: httpd::Limits,
     /// `spec.leaseDurationSeconds` of the node Lease.
     pub lease_duration: Duration,
     /// How often the Lease is renewed.
@@ -98,6 +108,9 @@ impl Default for RuntimeConfig {
             listen_addr: SocketAddr::from(([0, 0, 0, 0], 10260)),
             tls_cert: None,
             tls_key: None,
+            client_ca: Vec::new(),
+            kubelet_auth: AuthConfig::default(),
+            kubelet_limits: crate::kubelet::default_limits(),
             lease_duration: Duration::from_secs(40),
             lease_renew: Duration::from_secs(10),
             status_interval: Duration::from_secs(60),

@@ -18,6 +18,10 @@ pub enum VnodeError {
     #[error("the kubelet endpoint's TLS setup failed")]
     KubeletTls(#[source] crate::tls::TlsError),
     #[error(
+        "the client CA of the kubelet endpoint is unusable; fix --client-ca-file or the cluster CA in the kubeconfig"
+    )]
+    ClientCa(#[source] crate::auth::x509::ClientCaError),
+    #[error(
         "the API server refused to register Node {node:?} (403 Forbidden: {message}). Under the Node \
          authorizer and NodeRestriction the client must be system:node:{node} (a node may only write its \
          own Node) and may not set labels under kubernetes.io/ or k8s.io/ other than the allowed ones \

@@ -1,7 +1,13 @@
 //! The kubelet HTTPS endpoint (`virtual-node.md` §1.3): `/healthz` → `ok`, `/pods` → the
 //! provider's pods as a `PodList`; `/containerLogs`, `/exec`, `/attach`, `/portForward`,
 //! `/runningpods/`, `/stats/summary`, `/metrics/resource` and anything else → `501`.
+//!
+//! Every route, `/healthz` included, sits behind [`auth::guard`] (authenticate, then a
+//! `SubjectAccessReview`), as on a kubelet's authenticated port. Served through
+//! [`httpd::serve`]: connection cap, request-head and idle timeouts, TLS handshake timeout,
+//! HTTP/1.1 or HTTP/2 (ALPN).
 
+use crate::auth::{self, KubeletAuth};
 use crate::error::VnodeError;
 use crate::provider::Provider;
 use axum::extract::State;
@@ -9,29 +15,27 @@ use axum::http::{StatusCode, Uri};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
-use hyper_util::service::TowerToHyperService;
 use k8s_openapi::api::core::v1::Pod;
 use rustls::ServerConfig;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
 
-/// How long a client may take to finish the TLS handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The kubelet port's default limits: a connection cap well above what an API server and a
+/// few scrapers open, the shared head/idle and handshake timeouts.
+pub fn default_limits() -> httpd::Limits {
+    httpd::Limits { max_connections: 1024, ..httpd::Limits::default() }
+}
 
-/// The routes, over `provider`.
-pub fn router(provider: Arc<dyn Provider>) -> Router {
+/// The routes, over `provider`, each behind `auth`.
+pub fn router(provider: Arc<dyn Provider>, auth: Arc<KubeletAuth>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/pods", get(pods))
         .fallback(not_implemented)
         .with_state(provider)
+        .layer(axum::middleware::from_fn_with_state(auth, auth::guard))
 }
 
 async fn pods(State(provider): State<Arc<dyn Provider>>) -> Json<k8s_openapi::List<Pod>> {
@@ -47,57 +51,31 @@ pub(crate) async fn bind(addr: SocketAddr) -> Result<TcpListener, VnodeError> {
     TcpListener::bind(addr).await.map_err(|source| VnodeError::KubeletListen { addr, source })
 }
 
-/// Serves HTTPS on `listener` until `cancel`.
-pub(crate) async fn serve(listener: TcpListener, tls: Arc<ServerConfig>, router: Router, cancel: CancellationToken) {
-    let acceptor = TlsAcceptor::from(tls);
-    loop {
-        let (tcp, peer) = tokio::select! {
-            _ = cancel.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    warn!(error = %e, "kubelet endpoint: accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-        };
-        let (acceptor, router, cancel) = (acceptor.clone(), router.clone(), cancel.clone());
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = cancel.cancelled() => {}
-                _ = connection(acceptor, tcp, peer, router) => {}
-            }
-        });
-    }
-}
-
-async fn connection(acceptor: TlsAcceptor, tcp: tokio::net::TcpStream, peer: SocketAddr, router: Router) {
-    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-        Ok(Ok(tls)) => tls,
-        Ok(Err(e)) => {
-            debug!(%peer, error = %e, "kubelet endpoint: TLS handshake failed");
-            return;
-        }
-        Err(_) => {
-            debug!(%peer, "kubelet endpoint: TLS handshake timed out");
-            return;
-        }
-    };
-    let service = TowerToHyperService::new(router);
-    if let Err(e) =
-        auto::Builder::new(TokioExecutor::new()).serve_connection_with_upgrades(TokioIo::new(tls), service).await
-    {
-        debug!(%peer, error = %e, "kubelet endpoint: connection ended with an error");
-    }
+/// Serves HTTPS on `listener` until `cancel`, within `limits`; `stats` counts connections.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<ServerConfig>,
+    router: Router,
+    limits: httpd::Limits,
+    stats: Arc<httpd::ConnStats>,
+    cancel: CancellationToken,
+) {
+    let opts = httpd::ServeOptions { name: "kubelet", limits, protocol: httpd::Protocol::Auto, tls: Some(tls) };
+    httpd::serve(listener, router, opts, stats, cancel.cancelled_owned()).await;
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::testing::FakeReviewer;
+    use crate::auth::x509::testing::{stranger, Ca, Leaf};
+    use crate::auth::x509::ClientCa;
+    use crate::auth::AuthConfig;
     use crate::provider::{PodKey, PodNotifier, ProviderError};
-    use rustls::pki_types::ServerName;
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     struct OnePod;
@@ -125,20 +103,97 @@ mod tests {
         fn notify_pods(&self, _: PodNotifier) {}
     }
 
-    /// `GET path` over TLS (`version` only); returns (status, body).
-    async fn get(addr: SocketAddr, path: &str, version: &'static rustls::SupportedProtocolVersion) -> (u16, String) {
-        let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+    /// A running endpoint: its address, the fake API server behind it and the CA it trusts.
+    struct Endpoint {
+        addr: SocketAddr,
+        fake: Arc<FakeReviewer>,
+        ca: Ca,
+        stats: Arc<httpd::ConnStats>,
+        cancel: CancellationToken,
+        server: tokio::task::JoinHandle<()>,
+    }
+
+    impl Endpoint {
+        async fn start(limits: httpd::Limits) -> Endpoint {
+            let ca = Ca::new("kubernetes");
+            let fake = Arc::new(
+                FakeReviewer::default()
+                    .with_token("sa-token", "system:serviceaccount:ns:reader")
+                    .with_token("nobody-token", "system:serviceaccount:ns:nobody")
+                    .allow("system:serviceaccount:ns:reader", "get", "proxy")
+                    .allow("kube-apiserver-kubelet-client", "get", "proxy")
+                    .allow("kube-apiserver-kubelet-client", "get", "stats")
+                    .allow("kube-apiserver-kubelet-client", "create", "proxy"),
+            );
+            let client_ca = ClientCa::new(std::slice::from_ref(&ca.der)).expect("ca");
+            let (tls, _) = crate::tls::server_config(None, None, "vk-t", None, client_ca.tls_verifier()).expect("tls");
+            let auth = Arc::new(KubeletAuth::new("vk-t", client_ca, fake.clone(), AuthConfig::default()));
+            let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let cancel = CancellationToken::new();
+            let stats = Arc::new(httpd::ConnStats::default());
+            let server = tokio::spawn(serve(
+                listener,
+                tls,
+                router(Arc::new(OnePod), auth),
+                limits,
+                stats.clone(),
+                cancel.clone(),
+            ));
+            Endpoint { addr, fake, ca, stats, cancel, server }
+        }
+
+        async fn stop(self) {
+            self.cancel.cancel();
+            self.server.await.expect("server task");
+        }
+    }
+
+    fn client_config(
+        cert: Option<&Leaf>,
+        alpn: &[&[u8]],
+        version: &'static rustls::SupportedProtocolVersion,
+    ) -> rustls::ClientConfig {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_protocol_versions(&[version])
             .expect("versions")
             .dangerous()
-            .with_custom_certificate_verifier(join::http::NoVerify::new(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            )))
-            .with_no_client_auth();
-        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            .with_custom_certificate_verifier(join::http::NoVerify::new(provider));
+        let mut config = match cert {
+            Some(leaf) => {
+                let chain = vec![CertificateDer::from_pem_slice(leaf.cert_pem.as_bytes()).expect("cert")];
+                let key = PrivateKeyDer::from_pem_slice(leaf.key_pem.as_bytes()).expect("key");
+                builder.with_client_auth_cert(chain, key).expect("client cert")
+            }
+            None => builder.with_no_client_auth(),
+        };
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        config
+    }
+
+    async fn connect(
+        addr: SocketAddr,
+        config: rustls::ClientConfig,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
         let name = ServerName::try_from("127.0.0.1").expect("name");
-        let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp).await.expect("handshake");
-        tls.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp).await
+    }
+
+    /// `method path` over HTTP/1.1 and TLS `version`, with an optional client certificate and
+    /// bearer token; returns (status, body).
+    async fn call(
+        addr: SocketAddr,
+        method: &str,
+        path: &str,
+        cert: Option<&Leaf>,
+        token: Option<&str>,
+        version: &'static rustls::SupportedProtocolVersion,
+    ) -> (u16, String) {
+        let mut tls = connect(addr, client_config(cert, &[b"http/1.1"], version)).await.expect("handshake");
+        let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+        tls.write_all(format!("{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").as_bytes())
             .await
             .expect("write");
         let mut raw = Vec::new();
@@ -149,41 +204,121 @@ mod tests {
         (status, body)
     }
 
+    async fn get(addr: SocketAddr, path: &str, cert: Option<&Leaf>, token: Option<&str>) -> (u16, String) {
+        call(addr, "GET", path, cert, token, &rustls::version::TLS13).await
+    }
+
     #[tokio::test]
-    async fn the_endpoint_serves_healthz_pods_and_501s_over_tls() {
-        let (tls, _) = crate::tls::server_config(None, None, "vk-t", None).expect("tls");
-        let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let cancel = CancellationToken::new();
-        let server = tokio::spawn(serve(listener, tls, router(Arc::new(OnePod)), cancel.clone()));
+    async fn the_endpoint_authenticates_and_authorizes_every_route() {
+        let ep = Endpoint::start(default_limits()).await;
+        let apiserver = ep.ca.client(Some("kube-apiserver-kubelet-client"), &[]);
+        let unbound = ep.ca.client(Some("someone"), &["system:authenticated"]);
+        let random = stranger("kube-apiserver-kubelet-client");
 
-        let (status, body) = get(addr, "/healthz", &rustls::version::TLS13).await;
-        assert_eq!((status, body.as_str()), (200, "ok"));
-        let (status, _) = get(addr, "/healthz", &rustls::version::TLS12).await;
-        assert_eq!(status, 200, "TLS 1.2 is accepted");
+        // Anonymous: 401 everywhere, /healthz included.
+        for path in ["/healthz", "/pods", "/exec/ns/p/c", "/anything"] {
+            let (status, body) = get(ep.addr, path, None, None).await;
+            assert_eq!((status, body.as_str()), (401, "Unauthorized\n"), "{path}");
+        }
+        // A certificate no CA vouches for passes the handshake, then gets 401 (TLS 1.2 too).
+        assert_eq!(get(ep.addr, "/pods", Some(&random), None).await.0, 401);
+        assert_eq!(call(ep.addr, "GET", "/pods", Some(&random), None, &rustls::version::TLS12).await.0, 401);
+        // A bad token: 401.
+        assert_eq!(get(ep.addr, "/pods", None, Some("not-a-token")).await.0, 401);
+        assert_eq!(ep.fake.calls().1, 0, "nothing unauthenticated reached authorization");
 
-        let (status, body) = get(addr, "/pods", &rustls::version::TLS13).await;
-        assert_eq!(status, 200);
+        // The API server's kubelet-client identity.
+        let (status, body) = get(ep.addr, "/pods", Some(&apiserver), None).await;
+        assert_eq!(status, 200, "{body}");
         let list: serde_json::Value = serde_json::from_str(&body).expect("json");
         assert_eq!(list["kind"], "PodList");
         assert_eq!(list["items"][0]["metadata"]["name"], "p1");
-
-        for path in [
-            "/containerLogs/ns/p/c",
-            "/exec/ns/p/c",
-            "/attach/ns/p/c",
-            "/portForward/ns/p",
-            "/runningpods/",
-            "/stats/summary",
-            "/metrics/resource",
-            "/anything",
-        ] {
-            let (status, body) = get(addr, path, &rustls::version::TLS13).await;
-            assert_eq!(status, 501, "{path}");
+        assert_eq!(
+            call(ep.addr, "GET", "/healthz", Some(&apiserver), None, &rustls::version::TLS12).await,
+            (200, "ok".into())
+        );
+        for path in ["/containerLogs/ns/p/c", "/runningpods/", "/stats/summary", "/anything"] {
+            let (status, body) = get(ep.addr, path, Some(&apiserver), None).await;
+            assert_eq!(status, 501, "{path}: {body}");
             assert!(body.contains("not implemented"), "{path}: {body}");
         }
-        cancel.cancel();
-        server.await.expect("server task");
+        assert_eq!(call(ep.addr, "POST", "/exec/ns/p/c", Some(&apiserver), None, &rustls::version::TLS13).await.0, 501);
+        // Authenticated by the CA but without a grant: 403 naming the attributes.
+        let (status, body) = get(ep.addr, "/pods", Some(&unbound), None).await;
+        assert_eq!(status, 403);
+        assert_eq!(body, "Forbidden (user=someone, verb=get, resource=nodes, subresource=proxy)\n");
+        let (status, _) = get(ep.addr, "/metrics/resource", Some(&apiserver), None).await;
+        assert_eq!(status, 403, "no metrics grant");
+
+        // A service account token: TokenReview, then SubjectAccessReview.
+        assert_eq!(get(ep.addr, "/pods", None, Some("sa-token")).await.0, 200);
+        assert_eq!(call(ep.addr, "POST", "/exec/ns/p/c", None, Some("sa-token"), &rustls::version::TLS13).await.0, 403);
+        assert_eq!(get(ep.addr, "/pods", None, Some("nobody-token")).await.0, 403);
+
+        // The API server goes away: a new token cannot be reviewed (503); cached answers hold.
+        ep.fake.down.store(true, Ordering::SeqCst);
+        ep.fake.tokens.lock().expect("lock").insert("late-token".into(), "system:serviceaccount:ns:reader".into());
+        let (status, body) = get(ep.addr, "/pods", None, Some("late-token")).await;
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(get(ep.addr, "/pods", None, Some("sa-token")).await.0, 200, "cached");
+        ep.stop().await;
+    }
+
+    #[tokio::test]
+    async fn http2_is_negotiated_and_guarded_too() {
+        let ep = Endpoint::start(default_limits()).await;
+        let apiserver = ep.ca.client(Some("kube-apiserver-kubelet-client"), &[]);
+        for (cert, want) in [(None, 401u16), (Some(&apiserver), 200)] {
+            let tls = connect(ep.addr, client_config(cert, &[b"h2", b"http/1.1"], &rustls::version::TLS13))
+                .await
+                .expect("handshake");
+            assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+            let (mut send, conn) = hyper::client::conn::http2::handshake(
+                hyper_util::rt::TokioExecutor::new(),
+                hyper_util::rt::TokioIo::new(tls),
+            )
+            .await
+            .expect("h2 handshake");
+            tokio::spawn(conn);
+            let req = hyper::Request::get("https://127.0.0.1/pods")
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .expect("request");
+            let resp = send.send_request(req).await.expect("h2 response");
+            assert_eq!(resp.status().as_u16(), want);
+        }
+        ep.stop().await;
+    }
+
+    #[tokio::test]
+    async fn the_connection_cap_closes_one_more_at_once() {
+        let ep = Endpoint::start(httpd::Limits { max_connections: 2, ..default_limits() }).await;
+        let apiserver = ep.ca.client(Some("kube-apiserver-kubelet-client"), &[]);
+        let config = || client_config(Some(&apiserver), &[b"http/1.1"], &rustls::version::TLS13);
+        let held =
+            [connect(ep.addr, config()).await.expect("first"), connect(ep.addr, config()).await.expect("second")];
+        // The server counts both before the third arrives.
+        for _ in 0..100 {
+            if ep.stats.open.load(Ordering::SeqCst) == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(ep.stats.open.load(Ordering::SeqCst), 2);
+        let third = connect(ep.addr, config()).await;
+        assert!(third.is_err(), "a third connection past the cap of 2 completed a handshake");
+        assert_eq!(ep.stats.refused.load(Ordering::SeqCst), 1);
+        drop(held);
+        let mut status = 0;
+        for _ in 0..100 {
+            // The freed slots come back once the server sees the closes.
+            if ep.stats.open.load(Ordering::SeqCst) == 0 {
+                status = get(ep.addr, "/healthz", Some(&apiserver), None).await.0;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(status, 200, "a connection after the others closed is served");
+        ep.stop().await;
     }
 
     #[tokio::test]

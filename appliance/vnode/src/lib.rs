@@ -8,10 +8,12 @@
 //! Modules: [`config`] (what callers pass), [`node`] (the Node object, pure), `registration`
 //! (create/patch the Node, status loop), [`lease`], `ping`, [`queue`] (the work queue),
 //! [`sync`] (the sync rules, pure), `controller` (informer + workers), [`status`] (provider
-//! pushes → `pods/status`), [`events`], [`kubelet`] + [`tls`] (HTTPS), [`error`];
+//! pushes → `pods/status`), [`events`], [`kubelet`] + [`tls`] (HTTPS) + [`auth`] (who may use
+//! it: client certificates against the cluster CA, `TokenReview`, `SubjectAccessReview`), [`error`];
 //! [`session`] (a provider binary's join flags, API client and renewal-restart loop);
 //! [`pod_status`] (the Pod status shapes providers push, pure).
 
+pub mod auth;
 pub mod config;
 mod controller;
 pub mod error;
@@ -120,11 +122,25 @@ async fn run_inner(
 ) -> Result<(), VnodeError> {
     validate(&node)?;
     let mut shutdown = std::pin::pin!(shutdown);
-    let (tls, _) =
-        tls::server_config(cfg.tls_cert.as_deref(), cfg.tls_key.as_deref(), &node.name, node.internal_ip.as_deref())
-            .map_err(VnodeError::KubeletTls)?;
+    let client_ca = auth::x509::ClientCa::new(&cfg.client_ca).map_err(VnodeError::ClientCa)?;
+    if !client_ca.is_configured() {
+        warn!("no client CA: the kubelet endpoint accepts bearer tokens only (client certificates get 401)");
+    }
+    let (tls, _) = tls::server_config(
+        cfg.tls_cert.as_deref(),
+        cfg.tls_key.as_deref(),
+        &node.name,
+        node.internal_ip.as_deref(),
+        client_ca.tls_verifier(),
+    )
+    .map_err(VnodeError::KubeletTls)?;
     let listener = kubelet::bind(cfg.listen_addr).await?;
-    info!(addr = %cfg.listen_addr, "kubelet endpoint listening");
+    if let Err(e) = httpd::raise_nofile_limit() {
+        warn!(error = %e, "cannot raise the open-file limit; the kubelet connection cap may not be reachable");
+    }
+    info!(addr = %cfg.listen_addr, max_connections = cfg.kubelet_limits.max_connections, "kubelet endpoint listening");
+    let reviewer = Arc::new(auth::review::KubeReviewer::new(client.clone(), cfg.kubelet_auth.review_timeout));
+    let kubelet_auth = Arc::new(auth::KubeletAuth::new(&node.name, client_ca, reviewer, cfg.kubelet_auth.clone()));
     let mut run = Running {
         cancel: CancellationToken::new(),
         tasks: JoinSet::new(),
@@ -133,7 +149,17 @@ async fn run_inner(
         grace: cfg.shutdown_grace,
     };
     let cancel = run.cancel.clone();
-    run.tasks.spawn(kubelet::serve(listener, tls, kubelet::router(provider.clone()), cancel.clone()).in_current_span());
+    run.tasks.spawn(
+        kubelet::serve(
+            listener,
+            tls,
+            kubelet::router(provider.clone(), kubelet_auth),
+            cfg.kubelet_limits,
+            Arc::new(httpd::ConnStats::default()),
+            cancel.clone(),
+        )
+        .in_current_span(),
+    );
 
     // 1. The Node (NotReady until the pod controller is up).
     let registrar = Arc::new(Registrar::new(client.clone(), node.clone()));

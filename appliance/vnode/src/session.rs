@@ -24,6 +24,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::CertificateDer;
 use tokio::sync::Notify;
 
 use crate::{NodeConfig, Provider, RuntimeConfig, VnodeError};
@@ -52,6 +54,10 @@ pub struct JoinArgs {
     /// Where the node's client identity and kubeconfig are kept, with --join-server.
     #[arg(long, required = false)]
     pub credentials_dir: PathBuf,
+    /// CA bundle (PEM) that client certificates on the kubelet port must chain to; default: the
+    /// cluster CA (from the join, or the kubeconfig's certificate authority).
+    #[arg(long, env = "VK_CLIENT_CA_FILE", value_name = "PEM")]
+    pub client_ca_file: Option<PathBuf>,
 }
 
 /// Why the session could not join, build a client, or keep the node running.
@@ -107,6 +113,8 @@ pub enum SessionError {
     NoCluster(#[source] kube::config::InClusterError),
     #[error("building the API client")]
     Client(#[source] kube::Error),
+    #[error("reading the client CA {}: {problem}; point --client-ca-file (VK_CLIENT_CA_FILE) at a PEM bundle of CA certificates", .path.display())]
+    ClientCa { path: PathBuf, problem: String },
     #[error("the node runtime failed")]
     Runtime(#[source] VnodeError),
     #[error("the node runtime stopped without being asked to")]
@@ -148,13 +156,40 @@ fn pins(hashes: &[String]) -> Result<Vec<join::CaHash>, SessionError> {
         .collect()
 }
 
-async fn kubeconfig_client(path: &Path) -> Result<kube::Client, SessionError> {
+async fn kubeconfig_config(path: &Path) -> Result<kube::Config, SessionError> {
     let kc = kube::config::Kubeconfig::read_from(path)
         .map_err(|source| SessionError::ReadKubeconfig { path: path.to_owned(), source })?;
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+    kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
         .await
-        .map_err(|source| SessionError::LoadKubeconfig { path: path.to_owned(), source })?;
-    kube::Client::try_from(cfg).map_err(SessionError::Client)
+        .map_err(|source| SessionError::LoadKubeconfig { path: path.to_owned(), source })
+}
+
+/// The certificates of a PEM bundle (at least one).
+fn read_ca_bundle(path: &Path) -> Result<Vec<CertificateDer<'static>>, SessionError> {
+    let err = |problem: String| SessionError::ClientCa { path: path.to_owned(), problem };
+    let certs = CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| err(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(err("no CERTIFICATE block in it".into()));
+    }
+    Ok(certs)
+}
+
+/// The CA client certificates on the kubelet port must chain to: `--client-ca-file`, else the
+/// CA the API client trusts (the cluster CA of the join or of the kubeconfig; in a Pod, the
+/// service account's `ca.crt`). Empty when there is none (then no certificate is accepted).
+fn client_ca(file: Option<&Path>, config: &kube::Config) -> Result<Vec<CertificateDer<'static>>, SessionError> {
+    if let Some(path) = file {
+        return read_ca_bundle(path);
+    }
+    if let Some(roots) = config.root_cert.as_ref().filter(|r| !r.is_empty()) {
+        return Ok(roots.iter().map(|der| CertificateDer::from(der.clone())).collect());
+    }
+    match &config.root_cert_file {
+        Some(path) => read_ca_bundle(path),
+        None => Ok(Vec::new()),
+    }
 }
 
 fn now_secs() -> u64 {
@@ -189,26 +224,30 @@ impl Session {
         self.joined.is_some()
     }
 
-    /// A client for the current identity: the joined kubeconfig; else `--kubeconfig`; else
-    /// in-cluster (when running in a Pod); else `$KUBECONFIG`.
-    pub async fn client(&self) -> Result<kube::Client, SessionError> {
+    /// The API configuration of the current identity: the joined kubeconfig; else
+    /// `--kubeconfig`; else in-cluster (when running in a Pod); else `$KUBECONFIG`.
+    pub async fn config(&self) -> Result<kube::Config, SessionError> {
         if let Some(j) = &self.joined {
-            return kubeconfig_client(&j.creds.kubeconfig_path).await;
+            return kubeconfig_config(&j.creds.kubeconfig_path).await;
         }
         if let Some(p) = &self.args.kubeconfig {
-            return kubeconfig_client(p).await;
+            return kubeconfig_config(p).await;
         }
-        let cfg = match kube::Config::incluster() {
-            Ok(cfg) => cfg,
+        match kube::Config::incluster() {
+            Ok(cfg) => Ok(cfg),
             Err(in_cluster) if std::env::var_os("KUBECONFIG").is_some_and(|v| !v.is_empty()) => {
                 tracing::debug!(error = %in_cluster, "not in a cluster; using $KUBECONFIG");
                 kube::Config::from_kubeconfig(&kube::config::KubeConfigOptions::default())
                     .await
-                    .map_err(SessionError::EnvKubeconfig)?
+                    .map_err(SessionError::EnvKubeconfig)
             }
-            Err(in_cluster) => return Err(SessionError::NoCluster(in_cluster)),
-        };
-        kube::Client::try_from(cfg).map_err(SessionError::Client)
+            Err(in_cluster) => Err(SessionError::NoCluster(in_cluster)),
+        }
+    }
+
+    /// A client for the current identity ([`Session::config`]).
+    pub async fn client(&self) -> Result<kube::Client, SessionError> {
+        kube::Client::try_from(self.config().await?).map_err(SessionError::Client)
     }
 
     /// Resolves with renewed credentials once the joined certificate reaches its rotation
@@ -238,17 +277,24 @@ impl Session {
     /// certificate restarts the runtime with a fresh client; `on_client` is called with each
     /// client before the runtime that uses it starts (e.g. to hand it to an owner lookup or an
     /// event recorder). The runtime stopping by itself is an error.
+    ///
+    /// Unless `runtime.client_ca` is already set, the kubelet endpoint trusts client
+    /// certificates of `--client-ca-file`, else of the cluster CA the API client trusts.
     pub async fn run(
         mut self,
         node: NodeConfig,
-        runtime: RuntimeConfig,
+        mut runtime: RuntimeConfig,
         provider: Arc<dyn Provider>,
         stop: impl Future<Output = ()>,
         mut on_client: impl FnMut(&kube::Client),
     ) -> Result<(), SessionError> {
         let mut stop = std::pin::pin!(stop);
         loop {
-            let client = self.client().await?;
+            let config = self.config().await?;
+            if runtime.client_ca.is_empty() {
+                runtime.client_ca = client_ca(self.args.client_ca_file.as_deref(), &config)?;
+            }
+            let client = kube::Client::try_from(config).map_err(SessionError::Client)?;
             on_client(&client);
             let stop_run = Arc::new(Notify::new());
             let shutdown = {
@@ -346,6 +392,7 @@ mod tests {
             join_token_file: None,
             join_ca_hash: vec![],
             credentials_dir: dir.path().join("pki"),
+            client_ca_file: None,
         };
         let e = Session::open(&base, "n").await.err().unwrap();
         assert!(matches!(e, SessionError::NoTokenFile), "{e}");
@@ -373,11 +420,57 @@ mod tests {
             join_token_file: None,
             join_ca_hash: vec![],
             credentials_dir: dir.path().join("pki"),
+            client_ca_file: None,
         };
         let s = Session::open(&args, "n").await.unwrap();
         assert!(!s.is_joined());
         let e = s.client().await.err().unwrap();
         assert!(matches!(e, SessionError::ReadKubeconfig { .. }), "{e}");
         assert!(e.to_string().contains("missing.yaml"));
+    }
+
+    #[tokio::test]
+    async fn the_client_ca_is_the_flag_else_the_clusters() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = crate::auth::x509::testing::Ca::new("kubernetes");
+        let ca_pem = format!(
+            "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+            base64::Engine::encode(&base64::engine::general_purpose::STANDARD, ca.der.as_ref())
+        );
+        let kubeconfig = dir.path().join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            join::kubeconfig::node_kubeconfig("https://127.0.0.1:1", &ca_pem, "u", Path::new("/none")),
+        )
+        .unwrap();
+        let config = kubeconfig_config(&kubeconfig).await.unwrap();
+        assert_eq!(client_ca(None, &config).unwrap(), vec![ca.der.clone()], "the kubeconfig's CA");
+
+        let other = crate::auth::x509::testing::Ca::new("front-proxy");
+        let bundle = dir.path().join("bundle.pem");
+        let pem = |der: &CertificateDer<'_>| {
+            format!(
+                "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+                base64::Engine::encode(&base64::engine::general_purpose::STANDARD, der.as_ref())
+            )
+        };
+        std::fs::write(&bundle, pem(&other.der) + &pem(&ca.der)).unwrap();
+        assert_eq!(
+            client_ca(Some(&bundle), &config).unwrap(),
+            vec![other.der.clone(), ca.der.clone()],
+            "the flag wins"
+        );
+
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, "no pem here").unwrap();
+        let e = client_ca(Some(&empty), &config).unwrap_err();
+        assert!(matches!(e, SessionError::ClientCa { .. }) && e.to_string().contains("empty.pem"), "{e}");
+        let e = client_ca(Some(&dir.path().join("missing.pem")), &config).unwrap_err();
+        assert!(e.to_string().contains("missing.pem") && e.to_string().contains("--client-ca-file"), "{e}");
+
+        let mut no_ca = config.clone();
+        no_ca.root_cert = None;
+        no_ca.root_cert_file = None;
+        assert!(client_ca(None, &no_ca).unwrap().is_empty(), "no CA anywhere: none");
     }
 }

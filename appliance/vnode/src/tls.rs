@@ -1,9 +1,12 @@
 //! The kubelet endpoint's TLS: the configured PEM pair, or (unset, unreadable or unusable) a
 //! self-signed P-256 certificate for the node name, the node IP and 127.0.0.1. TLS 1.2 and
-//! 1.3 only, no client authentication (`virtual-node.md` §1.3).
+//! 1.3, ALPN `h2` then `http/1.1`. Client certificates are *requested* (the cluster CA named as
+//! the acceptable issuer) but not required, and any chain passes the handshake: the request
+//! layer ([`crate::auth`]) verifies it against the cluster CA and answers 401 when it does not,
+//! as a kubelet does (Go's `tls.RequestClientCert`).
 
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use httpd::tls::{CertPair, ALPN_H2_HTTP1};
+use rustls::server::danger::ClientCertVerifier;
 use rustls::ServerConfig;
 use std::path::Path;
 use std::sync::Arc;
@@ -12,10 +15,8 @@ use tracing::{info, warn};
 /// Why no TLS configuration could be built at all.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("generating the self-signed kubelet certificate")]
-    Generate(#[source] rcgen::Error),
-    #[error("building the TLS server configuration")]
-    Config(#[source] rustls::Error),
+    #[error("minting the self-signed kubelet certificate")]
+    SelfSigned(#[source] httpd::tls::TlsError),
 }
 
 /// Where the serving certificate came from.
@@ -30,73 +31,53 @@ pub enum CertSource {
 
 /// A self-signed P-256 certificate (PEM chain of one) and its PKCS#8 key for `node`, `node_ip`
 /// (when it is an IP address) and 127.0.0.1.
-pub fn self_signed(node: &str, node_ip: Option<&str>) -> Result<(String, String), TlsError> {
+pub fn self_signed(node: &str, node_ip: Option<&str>) -> Result<CertPair, TlsError> {
     let mut names = vec![node.to_string()];
     if let Some(ip) = node_ip.filter(|ip| ip.parse::<std::net::IpAddr>().is_ok()) {
         names.push(ip.to_string());
     }
     names.push("127.0.0.1".into());
     names.dedup();
-    let mut params = rcgen::CertificateParams::new(names).map_err(TlsError::Generate)?;
-    params.distinguished_name.push(rcgen::DnType::CommonName, node);
-    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(TlsError::Generate)?;
-    let cert = params.self_signed(&key).map_err(TlsError::Generate)?;
-    Ok((cert.pem(), key.serialize_pem()))
+    httpd::tls::self_signed(&names).map_err(TlsError::SelfSigned)
 }
 
-fn load_pair(cert: &Path, key: &Path) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), String> {
-    let chain = CertificateDer::pem_file_iter(cert)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| format!("{}: {e}", cert.display()))?;
-    if chain.is_empty() {
-        return Err(format!("{}: no certificate in it", cert.display()));
-    }
-    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?;
-    Ok((chain, key))
+fn from_files(
+    cert: &Path,
+    key: &Path,
+    client: Arc<dyn ClientCertVerifier>,
+) -> Result<Arc<ServerConfig>, httpd::tls::TlsError> {
+    let chain = httpd::tls::load_chain(cert)?;
+    let key = httpd::tls::load_key(key)?;
+    httpd::tls::server_config(chain, key, ALPN_H2_HTTP1, Some(client))
 }
 
-fn parse_pem(cert: &str, key: &str) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), String> {
-    let chain =
-        CertificateDer::pem_slice_iter(cert.as_bytes()).collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
-    let key = PrivatePkcs8KeyDer::from_pem_slice(key.as_bytes()).map_err(|e| e.to_string())?;
-    Ok((chain, PrivateKeyDer::Pkcs8(key)))
-}
-
-fn build(chain: Vec<CertificateDer<'static>>, key: PrivateKeyDer<'static>) -> Result<Arc<ServerConfig>, rustls::Error> {
-    let mut config = ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
-        .with_no_client_auth()
-        .with_single_cert(chain, key)?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(Arc::new(config))
-}
-
-/// The server configuration: the files when both are set and usable, else self-signed.
+/// The server configuration: the files when both are set and usable, else self-signed; client
+/// certificates requested through `client` (from [`crate::auth::x509::ClientCa::tls_verifier`]).
 pub fn server_config(
     cert: Option<&Path>,
     key: Option<&Path>,
     node: &str,
     node_ip: Option<&str>,
+    client: Arc<dyn ClientCertVerifier>,
 ) -> Result<(Arc<ServerConfig>, CertSource), TlsError> {
     let why = match (cert, key) {
-        (Some(cert), Some(key)) => match load_pair(cert, key).and_then(|(c, k)| build(c, k).map_err(|e| e.to_string()))
-        {
+        (Some(cert), Some(key)) => match from_files(cert, key, client.clone()) {
             Ok(config) => {
                 info!(cert = %cert.display(), "kubelet endpoint: serving the configured certificate");
                 return Ok((config, CertSource::Files));
             }
             Err(e) => {
+                let e = crate::error::chain(&e);
                 warn!(error = %e, "kubelet endpoint: the configured certificate is unusable; using a self-signed one");
                 e
             }
         },
         _ => "no certificate configured".to_string(),
     };
-    let (cert_pem, key_pem) = self_signed(node, node_ip)?;
-    // Just generated by rcgen: failing to parse it back would be a bug, reported as such.
-    let (chain, key) = parse_pem(&cert_pem, &key_pem)
-        .map_err(|e| TlsError::Config(rustls::Error::General(format!("re-reading the generated key: {e}"))))?;
-    let config = build(chain, key).map_err(TlsError::Config)?;
+    let pair = self_signed(node, node_ip)?;
+    let config = httpd::tls::pair_der(&pair)
+        .and_then(|(chain, key)| httpd::tls::server_config(chain, key, ALPN_H2_HTTP1, Some(client)))
+        .map_err(TlsError::SelfSigned)?;
     info!(node, "kubelet endpoint: serving a self-signed P-256 certificate");
     Ok((config, CertSource::SelfSigned { why }))
 }
@@ -104,32 +85,38 @@ pub fn server_config(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::x509::ClientCa;
+
+    fn verifier() -> Arc<dyn ClientCertVerifier> {
+        ClientCa::none().tls_verifier()
+    }
 
     #[test]
     fn unset_or_unreadable_files_fall_back_to_self_signed() {
-        let (_, src) = server_config(None, None, "vk-a", Some("10.1.2.3")).expect("self-signed");
+        let (config, src) = server_config(None, None, "vk-a", Some("10.1.2.3"), verifier()).expect("self-signed");
         assert!(matches!(src, CertSource::SelfSigned { .. }));
+        assert_eq!(config.alpn_protocols, [b"h2".to_vec(), b"http/1.1".to_vec()]);
         let dir = tempfile::tempdir().expect("tempdir");
         let missing = dir.path().join("nope.crt");
-        let (_, src) = server_config(Some(&missing), Some(&missing), "vk-a", None).expect("self-signed");
+        let (_, src) = server_config(Some(&missing), Some(&missing), "vk-a", None, verifier()).expect("self-signed");
         match src {
             CertSource::SelfSigned { why } => assert!(why.contains("nope.crt"), "{why}"),
             other => panic!("{other:?}"),
         }
         let garbage = dir.path().join("garbage.pem");
         std::fs::write(&garbage, "not pem").expect("write");
-        let (_, src) = server_config(Some(&garbage), Some(&garbage), "vk-a", None).expect("self-signed");
+        let (_, src) = server_config(Some(&garbage), Some(&garbage), "vk-a", None, verifier()).expect("self-signed");
         assert!(matches!(src, CertSource::SelfSigned { .. }));
     }
 
     #[test]
     fn readable_files_are_used() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (cert, key) = self_signed("vk-b", None).expect("generate");
+        let pair = self_signed("vk-b", None).expect("generate");
         let (c, k) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
-        std::fs::write(&c, cert).expect("write");
-        std::fs::write(&k, key).expect("write");
-        let (_, src) = server_config(Some(&c), Some(&k), "vk-b", None).expect("files");
+        std::fs::write(&c, pair.cert_pem).expect("write");
+        std::fs::write(&k, pair.key_pem).expect("write");
+        let (_, src) = server_config(Some(&c), Some(&k), "vk-b", None, verifier()).expect("files");
         assert_eq!(src, CertSource::Files);
     }
 }

@@ -12,6 +12,15 @@
 //! `/exec/…` is 501; what a node may write on a pod (the annotation write-back finding);
 //! registering another node's Node fails naming NodeRestriction; a clean stop leaves the Node.
 //!
+//! Then, on a node started through `vnode::session::Session` (the provider binaries' path: the
+//! client CA comes from the join), the kubelet port authenticates and authorizes like a kubelet
+//! in webhook mode: anonymous, a stranger's certificate and a bad token get 401; the API
+//! server's kubelet-client certificate is allowed (directly and as the API server itself sends
+//! it for `kubectl logs`); a service account token with `nodes/proxy` is allowed (TokenReview +
+//! SubjectAccessReview) and one without, or a cluster-CA certificate of an unbound user, gets
+//! 403. The node's RBAC reaches only its own user: it lists Sandboxes, another bootstrapped
+//! node gets 403; join's credentials are 0600 in a 0700 directory.
+//!
 //! Enabled by `--features cluster`.
 #![cfg(feature = "cluster")]
 #![allow(clippy::unwrap_used)] // in a test, a panic is the failure report
@@ -264,35 +273,122 @@ fn has_event(evs: &[Event], type_: &str, reason: &str) -> bool {
 }
 
 mod https {
-    //! A bare HTTPS GET that accepts the endpoint's self-signed certificate.
-    use rustls::pki_types::ServerName;
+    //! A bare HTTPS request to the kubelet port that accepts its self-signed certificate, with
+    //! an optional client certificate and bearer token.
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
     use std::net::SocketAddr;
     use std::sync::Arc;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// (status, body, peer certificate DER)
-    pub async fn get(addr: SocketAddr, path: &str) -> (u16, String, Vec<u8>) {
-        let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+    /// A client identity: certificate and key PEM.
+    pub struct Identity {
+        pub cert_pem: String,
+        pub key_pem: String,
+    }
+
+    /// Who sends a request.
+    #[derive(Default, Clone, Copy)]
+    pub struct As<'a> {
+        pub cert: Option<&'a Identity>,
+        pub token: Option<&'a str>,
+    }
+
+    /// (status, body, server certificate DER) of `method path`.
+    pub async fn call(addr: SocketAddr, method: &str, path: &str, who: As<'_>) -> (u16, String, Vec<u8>) {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .unwrap()
             .dangerous()
-            .with_custom_certificate_verifier(join::http::NoVerify::new(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            )))
-            .with_no_client_auth();
+            .with_custom_certificate_verifier(join::http::NoVerify::new(provider));
+        let config = match who.cert {
+            Some(id) => builder
+                .with_client_auth_cert(
+                    CertificateDer::pem_slice_iter(id.cert_pem.as_bytes()).collect::<Result<Vec<_>, _>>().unwrap(),
+                    PrivateKeyDer::from_pem_slice(id.key_pem.as_bytes()).unwrap(),
+                )
+                .unwrap(),
+            None => builder.with_no_client_auth(),
+        };
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
             .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
             .await
-            .unwrap();
+            .expect("the TLS handshake (it must succeed whatever the client certificate)");
         let cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first()).map(|c| c.to_vec()).unwrap_or_default();
-        tls.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+        let auth = who.token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+        tls.write_all(format!("{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
         let mut raw = Vec::new();
         let _ = tls.read_to_end(&mut raw).await;
         let text = String::from_utf8_lossy(&raw).into_owned();
         let status = text.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
         let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
         (status, body, cert)
+    }
+
+    /// `GET path` as `who`.
+    pub async fn get(addr: SocketAddr, path: &str, who: As<'_>) -> (u16, String, Vec<u8>) {
+        call(addr, "GET", path, who).await
+    }
+}
+
+/// The cluster CA (DER), which the kubelet port trusts for client certificates.
+fn cluster_ca(cluster: &Cluster) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    use rustls::pki_types::pem::PemObject as _;
+    rustls::pki_types::CertificateDer::pem_file_iter(&cluster.ca_cert).unwrap().collect::<Result<_, _>>().unwrap()
+}
+
+/// The API server's own kubelet client identity (`--kubelet-client-certificate`).
+fn kubelet_client(cluster: &Cluster) -> https::Identity {
+    let pki = cluster.state_dir.join("pki");
+    https::Identity {
+        cert_pem: std::fs::read_to_string(pki.join("apiserver-kubelet-client.crt")).unwrap(),
+        key_pem: std::fs::read_to_string(pki.join("apiserver-kubelet-client.key")).unwrap(),
+    }
+}
+
+/// A client certificate for `cn`, signed by the cluster CA (so authenticated, and authorized by
+/// whatever RBAC says about `cn`).
+fn ca_signed(cluster: &Cluster, cn: &str) -> https::Identity {
+    let pki = cluster.state_dir.join("pki");
+    let ca_key = rcgen::KeyPair::from_pem(&std::fs::read_to_string(pki.join("ca.key")).unwrap()).unwrap();
+    let issuer = rcgen::Issuer::from_ca_cert_pem(&std::fs::read_to_string(&cluster.ca_cert).unwrap(), ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+    p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let cert = p.signed_by(&key, &issuer).unwrap();
+    https::Identity { cert_pem: cert.pem(), key_pem: key.serialize_pem() }
+}
+
+/// A self-signed client certificate naming the API server's kubelet client (and masters).
+fn stranger() -> https::Identity {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.distinguished_name.push(rcgen::DnType::CommonName, "kube-apiserver-kubelet-client");
+    p.distinguished_name.push(rcgen::DnType::OrganizationName, "system:masters");
+    p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let cert = p.self_signed(&key).unwrap();
+    https::Identity { cert_pem: cert.pem(), key_pem: key.serialize_pem() }
+}
+
+/// `kubectl <args>` as admin; its stdout.
+fn kubectl(cluster: &Cluster, args: &[&str]) -> String {
+    let out = cluster.kubectl().args(args).output().unwrap();
+    assert!(out.status.success(), "kubectl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `GET path` on the API server through `client`: the HTTP status (200 or the API error's code).
+async fn api_status(client: &kube::Client, path: &str) -> u16 {
+    let req = http::Request::get(path).body(Vec::new()).unwrap();
+    match client.request::<serde_json::Value>(req).await {
+        Ok(_) => 200,
+        Err(kube::Error::Api(s)) => s.code,
+        Err(e) => panic!("GET {path}: {e}"),
     }
 }
 
@@ -340,6 +436,7 @@ async fn scenario(cluster: &Cluster, state: &Path) {
     let listen: SocketAddr = ([127, 0, 0, 1], port).into();
     let cfg = RuntimeConfig {
         listen_addr: listen,
+        client_ca: cluster_ca(cluster),
         lease_renew: Duration::from_secs(2),
         status_interval: Duration::from_secs(5),
         resync: Duration::from_secs(10),
@@ -513,13 +610,17 @@ async fn scenario(cluster: &Cluster, state: &Path) {
     assert_eq!(provider.creates(&never_key), creates, "a Failed pod was synced to the provider again");
     assert_eq!(pods.get("never-pod").await.unwrap().status.unwrap().phase.as_deref(), Some("Failed"));
 
-    // HTTPS endpoint.
-    let (status, body, cert) = https::get(listen, "/healthz").await;
-    assert_eq!((status, body.as_str()), (200, "ok"));
+    // HTTPS endpoint: anonymous requests are refused; the API server's kubelet client is served.
+    let (status, body, cert) = https::get(listen, "/healthz", https::As::default()).await;
+    assert_eq!((status, body.as_str()), (401, "Unauthorized\n"));
     assert!(!cert.is_empty());
-    let (status, _, _) = https::get(listen, "/exec/default/ok-pod/main").await;
+    let apiserver = kubelet_client(cluster);
+    let as_apiserver = https::As { cert: Some(&apiserver), token: None };
+    let (status, body, _) = https::get(listen, "/healthz", as_apiserver).await;
+    assert_eq!((status, body.as_str()), (200, "ok"));
+    let (status, _, _) = https::get(listen, "/exec/default/ok-pod/main", as_apiserver).await;
     assert_eq!(status, 501);
-    let (status, body, _) = https::get(listen, "/pods").await;
+    let (status, body, _) = https::get(listen, "/pods", as_apiserver).await;
     assert_eq!(status, 200);
     assert!(body.contains("\"PodList\"") && body.contains("ok-pod"), "{body}");
 
@@ -613,6 +714,149 @@ async fn scenario(cluster: &Cluster, state: &Path) {
     assert!(nodes.get_opt(NODE).await.unwrap().is_some(), "a clean stop must leave the Node");
 }
 
+/// The kubelet port of a node started as the provider binaries start it (a [`vnode::session::Session`]
+/// joined with the bootstrap token: the cluster CA comes from the join), and the node's RBAC.
+async fn kubelet_port(cluster: &Cluster, state: &Path) {
+    const AUTH_NODE: &str = "vk-vnode-auth";
+    cluster.bind_node("vk-sandbox", AUTH_NODE).unwrap();
+    let token_file = state.join("bootstrap-token");
+    std::fs::write(&token_file, &cluster.token).unwrap();
+    let args = vnode::session::JoinArgs {
+        kubeconfig: None,
+        join_server: Some(cluster.endpoint.clone()),
+        join_api_server: None,
+        join_token_file: Some(token_file.clone()),
+        join_ca_hash: vec![cluster.ca_hash.clone()],
+        credentials_dir: state.join("auth-node/pki"),
+        client_ca_file: None,
+    };
+    let session = vnode::session::Session::open(&args, AUTH_NODE).await.unwrap();
+    let port = free_port();
+    let listen: SocketAddr = ([127, 0, 0, 1], port).into();
+    let provider = Arc::new(TestProvider::default());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let runtime = RuntimeConfig { listen_addr: listen, workers: 1, ..RuntimeConfig::default() };
+    let node = tokio::spawn(session.run(
+        node_config(AUTH_NODE, port),
+        runtime,
+        provider.clone(),
+        async move {
+            let _ = stop_rx.await;
+        },
+        |_| {},
+    ));
+    let admin = client_from(&cluster.kubeconfig, None).await;
+    let nodes: Api<Node> = Api::all(admin.clone());
+    eventually("the session's Node is Ready", Duration::from_secs(60), || async {
+        let n = nodes.get_opt(AUTH_NODE).await.ok().flatten()?;
+        n.status?.conditions?.iter().any(|c| c.type_ == "Ready" && c.status == "True").then_some(())
+    })
+    .await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let mut pod = test_pod("auth-pod", false, "Always");
+    pod.spec.as_mut().unwrap().node_name = Some(AUTH_NODE.into());
+    create_pod(&pods, &pod).await;
+    eventually("auth-pod is Running", Duration::from_secs(30), || async {
+        (pods.get("auth-pod").await.ok()?.status?.phase.as_deref() == Some("Running")).then_some(())
+    })
+    .await;
+
+    // Anonymous, a stranger's certificate (it names the kubelet client, in system:masters, but
+    // no CA vouches for it) and a bad token: 401. The handshake itself succeeds for the stranger.
+    let nobody = https::As::default();
+    for path in ["/pods", "/healthz", "/stats/summary", "/exec/default/auth-pod/main"] {
+        assert_eq!(https::get(listen, path, nobody).await.0, 401, "anonymous {path}");
+    }
+    let random = stranger();
+    let (status, body, _) = https::get(listen, "/pods", https::As { cert: Some(&random), token: None }).await;
+    assert_eq!((status, body.as_str()), (401, "Unauthorized\n"));
+    assert_eq!(
+        https::get(listen, "/pods", https::As { cert: None, token: Some("abcdef.0123456789abcdef") }).await.0,
+        401
+    );
+
+    // The API server's kubelet client (bound to system:kubelet-api-admin): allowed.
+    let apiserver = kubelet_client(cluster);
+    let as_apiserver = https::As { cert: Some(&apiserver), token: None };
+    let (status, body, _) = https::get(listen, "/pods", as_apiserver).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"PodList\"") && body.contains("auth-pod"), "{body}");
+    for path in ["/stats/summary", "/metrics/resource", "/containerLogs/default/auth-pod/main"] {
+        assert_eq!(https::get(listen, path, as_apiserver).await.0, 501, "{path}: authorized, then not implemented");
+    }
+    assert_eq!(https::call(listen, "POST", "/exec/default/auth-pod/main", as_apiserver).await.0, 501);
+    // ... and through the API server itself: `kubectl logs` makes it dial the node's InternalIP
+    // with that identity; the request is authorized, then answered 501 (logs are not built).
+    // (`nodes/<name>/proxy` cannot be used here: the API server refuses to proxy to loopback.)
+    let logs = cluster.kubectl().args(["logs", "auth-pod", "-c", "main", "-n", "default"]).output().unwrap();
+    let said = String::from_utf8_lossy(&logs.stderr);
+    assert!(!logs.status.success(), "kubectl logs succeeded?");
+    assert!(said.contains("not implemented by this virtual node"), "kubectl logs through the API server: {said}");
+
+    // A cluster-CA certificate for a user no RBAC names: authenticated, then 403.
+    let unbound = ca_signed(cluster, "chrysalis-e2e-unbound");
+    let (status, body, _) = https::get(listen, "/pods", https::As { cert: Some(&unbound), token: None }).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("user=chrysalis-e2e-unbound") && body.contains("subresource=proxy"), "{body}");
+
+    // Service account tokens: TokenReview, then SubjectAccessReview.
+    kubectl(cluster, &["create", "serviceaccount", "kubelet-reader", "-n", "default"]);
+    kubectl(cluster, &["create", "serviceaccount", "kubelet-nobody", "-n", "default"]);
+    kubectl(cluster, &["create", "clusterrole", "e2e-kubelet-reader", "--verb=get", "--resource=nodes/proxy"]);
+    kubectl(
+        cluster,
+        &[
+            "create",
+            "clusterrolebinding",
+            "e2e-kubelet-reader",
+            "--clusterrole=e2e-kubelet-reader",
+            "--serviceaccount=default:kubelet-reader",
+        ],
+    );
+    let reader = kubectl(cluster, &["create", "token", "kubelet-reader", "-n", "default"]).trim().to_owned();
+    let stranger_sa = kubectl(cluster, &["create", "token", "kubelet-nobody", "-n", "default"]).trim().to_owned();
+    let as_reader = https::As { cert: None, token: Some(&reader) };
+    let (status, body, _) = https::get(listen, "/pods", as_reader).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("auth-pod"), "{body}");
+    let (status, body, _) = https::get(listen, "/stats/summary", as_reader).await;
+    assert_eq!(status, 403, "no nodes/stats grant: {body}");
+    assert!(body.contains("subresource=stats"), "{body}");
+    assert_eq!(https::call(listen, "POST", "/exec/default/auth-pod/main", as_reader).await.0, 403, "no create");
+    let (status, body, _) = https::get(listen, "/pods", https::As { cert: None, token: Some(&stranger_sa) }).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("user=system:serviceaccount:default:kubelet-nobody"), "{body}");
+    let mut tampered = reader.clone();
+    tampered.push('x');
+    assert_eq!(https::get(listen, "/pods", https::As { cert: None, token: Some(&tampered) }).await.0, 401);
+
+    // The node's RBAC reaches this node only: it reads Sandboxes; another node joined with the
+    // same bootstrap token cannot.
+    let sandboxes = "/apis/agents.x-k8s.io/v1beta1/sandboxes";
+    let me = client_from(&state.join("auth-node/pki/kubeconfig"), None).await;
+    assert_eq!(api_status(&me, sandboxes).await, 200, "the bound node cannot list Sandboxes");
+    let token: join::BootstrapToken = cluster.token.parse().unwrap();
+    let pin: join::CaHash = cluster.ca_hash.parse().unwrap();
+    let info = join::discover(&cluster.endpoint, &token, &[pin]).await.unwrap();
+    let other_dir = state.join("other-node");
+    let other = join::bootstrap(&info, &token, "vk-vnode-other", &other_dir).await.unwrap();
+    let other = client_from(&other.kubeconfig_path, None).await;
+    assert_eq!(api_status(&other, sandboxes).await, 403, "another node identity lists Sandboxes");
+    assert_eq!(api_status(&other, "/apis/agents.x-k8s.io/v1beta1/namespaces/default/sandboxes").await, 403);
+    // join keeps that identity 0600 in a 0700 directory.
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&other_dir), 0o700);
+    for f in std::fs::read_dir(&other_dir).unwrap() {
+        let f = f.unwrap().path();
+        assert_eq!(mode(&f), 0o600, "{}", f.display());
+    }
+
+    stop_tx.send(()).unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(30), node).await.expect("the session stops").expect("join");
+    assert!(result.is_ok(), "{result:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_runtime_registers_a_node_and_runs_pods_through_a_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -624,7 +868,13 @@ async fn the_runtime_registers_a_node_and_runs_pods_through_a_provider() {
     let state = tempfile::tempdir().unwrap();
     let opts = Options { state_dir: state.path().join("state"), port: 28443, ..Options::default() };
     let cluster = Cluster::up_with(&opts).expect("cluster up");
-    let result = std::panic::AssertUnwindSafe(scenario(&cluster, state.path())).catch_unwind().await;
+    let result = std::panic::AssertUnwindSafe(async {
+        scenario(&cluster, state.path()).await;
+        eprintln!("-- the kubelet port and the node's RBAC");
+        kubelet_port(&cluster, state.path()).await;
+    })
+    .catch_unwind()
+    .await;
     Cluster::down_with(&opts).expect("cluster down");
     if let Err(panic) = result {
         std::panic::resume_unwind(panic);

@@ -163,6 +163,51 @@ pub fn provider_manifests() -> Vec<PathBuf> {
     out
 }
 
+/// The placeholder of a per-node RBAC template (`appliance/<provider>/manifests/node-rbac.yaml.in`).
+pub const NODE_NAME_PLACEHOLDER: &str = "${NODE_NAME}";
+
+/// The per-node RBAC template of `provider` (`vk-sandbox`, `vk-cocoon`).
+pub fn node_rbac_template(provider: &str) -> PathBuf {
+    super::lock::cluster_src_dir().join("../../appliance").join(provider).join("manifests/node-rbac.yaml.in")
+}
+
+/// `template` for node `node`: every `${NODE_NAME}` replaced. The name must be a DNS subdomain
+/// (what a Node name is), so nothing but a name lands in the YAML.
+pub fn render_node_rbac(template: &str, node: &str) -> Result<String, ClusterError> {
+    let valid = !node.is_empty()
+        && node.len() <= 253
+        && node.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        });
+    if !valid {
+        return Err(ClusterError::Bootstrap(format!("{node:?} is not a node name (a lower-case DNS subdomain)")));
+    }
+    if !template.contains(NODE_NAME_PLACEHOLDER) {
+        return Err(ClusterError::Bootstrap(format!("the node RBAC template has no {NODE_NAME_PLACEHOLDER}")));
+    }
+    Ok(template.replace(NODE_NAME_PLACEHOLDER, node))
+}
+
+/// Binds what a `provider` node needs to `system:node:<node>` alone, as an admin does once per
+/// node on a real cluster (the template's header says how). The rendered file is kept in
+/// `manifests` for inspection.
+pub fn bind_node(kubectl: &Kubectl, manifests: &Path, provider: &str, node: &str) -> Result<PathBuf, ClusterError> {
+    let template_path = node_rbac_template(provider);
+    let template = std::fs::read_to_string(&template_path)
+        .map_err(|source| ClusterError::Io { what: format!("reading {}", template_path.display()), source })?;
+    let rendered = render_node_rbac(&template, node)?;
+    std::fs::create_dir_all(manifests)
+        .map_err(|source| ClusterError::Io { what: format!("creating {}", manifests.display()), source })?;
+    let path = manifests.join(format!("node-rbac-{provider}-{node}.yaml"));
+    super::pki::write(&path, &rendered)?;
+    kubectl.apply(&path)?;
+    Ok(path)
+}
+
 /// Waits until the bootstrap signer has signed `cluster-info` for `token`
 /// (key `jws-kubeconfig-<id>`), returning the detached JWS.
 pub fn wait_signed(kubectl: &Kubectl, token: &Token, timeout: Duration) -> Result<String, ClusterError> {
@@ -188,6 +233,29 @@ pub fn wait_signed(kubectl: &Kubectl, token: &Token, timeout: Duration) -> Resul
 #[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_rbac_templates_bind_one_node_user() {
+        for provider in ["vk-sandbox", "vk-cocoon"] {
+            let template = std::fs::read_to_string(node_rbac_template(provider)).unwrap();
+            let out = render_node_rbac(&template, "box-1.edge").unwrap();
+            assert!(!out.contains("${"), "{provider}: a placeholder is left:\n{out}");
+            assert!(out.contains("name: system:node:box-1.edge"), "{provider}:\n{out}");
+            assert!(out.contains("kind: User") && !out.contains("kind: Group"), "{provider}: bound to a group:\n{out}");
+            assert!(out.contains("name: system:auth-delegator"), "{provider}: no review grant:\n{out}");
+        }
+        let template = std::fs::read_to_string(node_rbac_template("vk-sandbox")).unwrap();
+        assert!(render_node_rbac(&template, "a").unwrap().contains("name: chrysalis:vk-sandbox\n"));
+        for bad in ["", "Box", "a b", "a\nkind: Group", "-a", "a..b", "x}"] {
+            assert!(render_node_rbac(&template, bad).is_err(), "{bad:?} was accepted");
+        }
+        assert!(render_node_rbac("no placeholder", "a").is_err());
+        // Nothing cluster-wide binds a provider role to the node group any more.
+        for m in provider_manifests() {
+            let text = std::fs::read_to_string(&m).unwrap();
+            assert!(!text.contains("name: system:nodes"), "{} binds system:nodes", m.display());
+        }
+    }
 
     #[test]
     fn tokens_have_the_bootstrap_format() {

@@ -16,6 +16,8 @@ use time::{Duration, OffsetDateTime};
 /// The apiserver's in-cluster Service IP (first address of the service CIDR).
 pub const SERVICE_CIDR: &str = "10.96.0.0/12";
 const KUBERNETES_SERVICE_IP: &str = "10.96.0.1";
+/// The CN of the apiserver's kubelet client certificate (`--kubelet-client-certificate`).
+pub const KUBELET_CLIENT: &str = "kube-apiserver-kubelet-client";
 /// The CN of the apiserver's front-proxy client (`--requestheader-allowed-names`).
 pub const FRONT_PROXY_CLIENT: &str = "front-proxy-client";
 
@@ -102,14 +104,9 @@ pub fn generate(dir: &Path) -> Result<(Pki, Users), ClusterError> {
     write(&pki.apiserver_cert, &serving.cert_pem)?;
     write_secret(&pki.apiserver_key, &serving.key_pem)?;
 
-    let kubelet_client = leaf(
-        &issuer,
-        "kube-apiserver-kubelet-client",
-        Some("system:masters"),
-        &[],
-        ExtendedKeyUsagePurpose::ClientAuth,
-        now,
-    )?;
+    // No system:masters: what it may do on a kubelet port comes from RBAC
+    // (bootstrap-rbac.yaml binds system:kubelet-api-admin to this user, as kubeadm does).
+    let kubelet_client = leaf(&issuer, KUBELET_CLIENT, None, &[], ExtendedKeyUsagePurpose::ClientAuth, now)?;
     write(&pki.kubelet_client_cert, &kubelet_client.cert_pem)?;
     write_secret(&pki.kubelet_client_key, &kubelet_client.key_pem)?;
 

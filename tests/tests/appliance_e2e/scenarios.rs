@@ -85,6 +85,9 @@ fn env_up() -> Result<Env, String> {
     let dir = guard.path().to_path_buf();
     let cluster_opts = ClusterOptions { state_dir: dir.join("cluster"), port: PORT, ..ClusterOptions::default() };
     let cluster = Cluster::up_with(&cluster_opts).map_err(|e| format!("cluster up: {e}"))?;
+    for (provider, node) in [("vk-sandbox", SANDBOX_NODE), ("vk-cocoon", COCOON_NODE)] {
+        cluster.bind_node(provider, node).map_err(|e| format!("binding {node}'s RBAC: {e}"))?;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

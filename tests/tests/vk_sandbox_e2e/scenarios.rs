@@ -44,6 +44,7 @@ pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
         ("lease_expiry_fails_the_pod_with_sandbox_lease_expired", lease_expiry),
         ("provider_kill9_mid_burst_converges_without_duplicates_or_leaks", kill9_mid_burst),
         ("join_with_a_wrong_ca_hash_is_refused", |env, _| wrong_ca_hash(env)),
+        ("kubelet_port_authenticates_and_authorizes_like_a_kubelet", kubelet_port),
     ],
 });
 
@@ -442,4 +443,56 @@ fn wrong_ca_hash(env: &mut Env) -> Outcome {
 
 fn join_identity_file() -> &'static str {
     "kubelet-client-current.pem"
+}
+
+/// The real vk-sandbox binary's kubelet port (its client CA comes from the join): anonymous and
+/// bad-token requests get 401, the API server's kubelet-client certificate is served, a service
+/// account without `nodes/proxy` gets 403; the node's Sandbox RBAC is bound to it alone.
+fn kubelet_port(env: &mut Env, ns: &str) -> Outcome {
+    let l = env.provider.args.iter().position(|a| a == "--listen-addr").ok_or("no --listen-addr")? + 1;
+    let addr = env.provider.args[l].clone();
+    let pki = env.cluster.state_dir.join("pki");
+    let (cert, key) = (pki.join("apiserver-kubelet-client.crt"), pki.join("apiserver-kubelet-client.key"));
+    // curl -k: the endpoint's certificate is self-signed (the API server does not verify it either).
+    let status = |extra: &[&str], path: &str| -> Result<u16, String> {
+        let out = Command::new("curl")
+            .args(["-sk", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10"])
+            .args(extra)
+            .arg(format!("https://{addr}{path}"))
+            .output()
+            .map_err(|e| format!("curl: {e}"))?;
+        String::from_utf8_lossy(&out.stdout).trim().parse().map_err(|e| format!("curl printed no status: {e}"))
+    };
+    for path in ["/pods", "/healthz", "/stats/summary"] {
+        let got = status(&[], path)?;
+        ensure!(got == 401, "anonymous GET {path}: {got}, want 401");
+    }
+    let got = status(&["-H", "Authorization: Bearer abcdef.0123456789abcdef"], "/pods")?;
+    ensure!(got == 401, "a bad token: {got}, want 401");
+    let as_apiserver = ["--cert", &cert.display().to_string(), "--key", &key.display().to_string()].map(String::from);
+    let as_apiserver: Vec<&str> = as_apiserver.iter().map(String::as_str).collect();
+    let got = status(&as_apiserver, "/pods")?;
+    ensure!(got == 200, "the API server's kubelet client: {got}, want 200");
+    env.kubectl_ok(&["create", "serviceaccount", "nobody", "-n", ns])?;
+    let token = env.kubectl_ok(&["create", "token", "nobody", "-n", ns])?;
+    let bearer = format!("Authorization: Bearer {}", token.trim());
+    let got = status(&["-H", &bearer], "/pods")?;
+    ensure!(got == 403, "a service account without nodes/proxy: {got}, want 403");
+
+    let can = |user: &str| -> Result<bool, String> {
+        let out = env
+            .kubectl(&[
+                "auth",
+                "can-i",
+                "list",
+                "sandboxes.agents.x-k8s.io",
+                &format!("--as={user}"),
+                "--as-group=system:nodes",
+            ])
+            .map_err(|e| e.to_string())?;
+        Ok(String::from_utf8_lossy(&out.stdout).trim() == "yes")
+    };
+    ensure!(can(&format!("system:node:{NODE}"))?, "the node may not list Sandboxes");
+    ensure!(!can("system:node:vk-someone-else")?, "another node identity may list Sandboxes");
+    Ok(())
 }
