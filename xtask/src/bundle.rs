@@ -56,6 +56,8 @@ struct Inputs {
 
 pub fn run(args: &BundleArgs) -> Result<()> {
     let started = Instant::now();
+    // The key first: a missing --key/--dev-keys is the first thing to fix.
+    let source = keys::signing_key_source(args.key.as_deref(), args.dev_keys, "cargo xtask bundle")?;
     let mut inputs = inputs(args)?;
     let want = Manifest::compatible_for_board(&args.board);
     if inputs.fields.compatible != want {
@@ -64,7 +66,6 @@ pub fn run(args: &BundleArgs) -> Result<()> {
     if let Some(extra) = args.cmdline_extra.as_deref().map(str::trim).filter(|e| !e.is_empty()) {
         inputs.fields.cmdline = format!("{} {extra}", inputs.fields.cmdline.trim()).trim().to_string();
     }
-    let source = keys::signing_key_source(args.key.as_deref(), args.dev_keys, "cargo xtask bundle")?;
     let key = keys::signing_key(&source)?;
     let out = match &args.out {
         Some(out) => out.clone(),
@@ -158,7 +159,8 @@ fn inputs(args: &BundleArgs) -> Result<Inputs> {
     let manifest_path = dir.join("manifest.json");
     let bytes = fs::read(&manifest_path).with_context(|| {
         format!(
-            "reading {} (build the image first: `cargo xtask image --board {}`, or pass --root/--kernel/--verity-json)",
+            "reading {} (build the image first: `cargo xtask image --board {} --update-keys DIR` (or --dev-keys), \
+             or pass --root/--kernel/--verity-json)",
             manifest_path.display(),
             args.board
         )
