@@ -42,7 +42,7 @@ pub enum UpdaterError {
     #[error(transparent)]
     Floor(#[from] FloorError),
     /// `image.json` could not be read.
-    #[error("reading the board from {}: {reason}", path.display())]
+    #[error("reading the image description {} (board, security_version): {reason}", path.display())]
     ImageJson {
         /// The file.
         path: PathBuf,
