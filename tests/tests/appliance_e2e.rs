@@ -5,7 +5,9 @@
 //! QEMU's user networking; nothing leaves loopback), and upgraded with signed bundles made by
 //! `cargo xtask bundle`: a good one, one whose supervisor never becomes healthy (the bundle's
 //! boot entry carries `chrysalis.fault=never-healthy` and shortens its own trial deadline with
-//! `chrysalis.set=update.health_deadline_secs=300`), and a tampered copy.
+//! `chrysalis.set=update.health_deadline_secs=300`), a tampered copy, and a bundle of the first
+//! version (one `security_version` lower), replayed once the upgrade is committed: a downgrade,
+//! refused.
 //!
 //! Scenarios run in order on shared boxes (custom harness, like the other end-to-end suites)
 //! and everything is torn down at the end. Without the `appliance` feature, or without
@@ -24,6 +26,7 @@ const SCENARIOS: &[&str] = &[
     "a_tampered_bundle_is_refused",
     "a_bundle_that_never_becomes_healthy_rolls_back_to_a",
     "upgrade_a_to_b_commits_and_keeps_the_node_identities",
+    "a_lower_security_version_replayed_after_the_upgrade_is_refused",
     "a_power_cut_while_writing_the_inactive_slot_leaves_a_booting",
 ];
 

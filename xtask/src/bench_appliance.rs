@@ -30,7 +30,7 @@ const RSS_TARGET_MIB: f64 = 40.0;
 
 pub fn run(figures: &mut Vec<Figure>, board: &str, idle: Duration) -> Result<()> {
     crate::prereqs::ensure_apt(&["qemu-system-x86", "qemu-utils", "ovmf", "dosfstools", "mtools", "socat"])?;
-    let built = crate::image::build(board, None, false)?;
+    let built = crate::image::build(&crate::image::BuildOptions::dev(board))?;
     let m = &built.manifest;
     let allocated = crate::image::allocated_bytes(&built.disk);
     figures.push(Figure {

@@ -42,17 +42,26 @@ pub enum Cmd {
     /// Build the flashable A/B host image of a board (boards/<board>/board.toml + rootfs/):
     /// GPT disk with ESP (systemd-boot), root slots A/B (erofs + dm-verity) and a state
     /// partition, rootless and reproducible, under $CHRYSALIS_CACHE/appliance/<board>/.
+    /// Name the update keys the image trusts: `--update-keys DIR` (release public keys) or
+    /// `--dev-keys` (this machine's development pair; never for boxes you ship).
     Image(ImageArgs),
     /// Write a built image to a block device, with a confirmation and a read-back check.
     Flash(FlashArgs),
-    /// Build the image (cached) and boot it in QEMU (UEFI, TCG or KVM) in the foreground:
-    /// sandboxd on 127.0.0.1:7777, the supervisor API on 127.0.0.1:7780. Ctrl-C stops it.
+    /// Build the image (cached; trusting this machine's development update keys, as with
+    /// `cargo xtask image --dev-keys`) and boot it in QEMU (UEFI, TCG or KVM) in the
+    /// foreground: sandboxd on 127.0.0.1:7777, the supervisor API on 127.0.0.1:7780. Ctrl-C
+    /// stops it.
     Run(RunArgs),
     /// Make a signed update bundle (`*.chrysalis-bundle`: manifest.json, manifest.sig, vmlinuz,
-    /// root.img) from the last image built for the board, signed with the dev update key
-    /// ($CHRYSALIS_CACHE/keys/update-signing.key, generated on first use). Prints its path;
-    /// `chrysalis update apply <bundle>` installs it.
+    /// root.img) from the last image built for the board. Name the signing key: `--key FILE`
+    /// (a release key; run this on the signing host) or `--dev-keys` (this machine's
+    /// development pair). Prints its path; `chrysalis update apply <bundle>` installs it.
     Bundle(BundleArgs),
+    /// Make a new update-signing key pair: FILE (the ed25519 seed, 0600, in a 0700 directory)
+    /// and FILE.pub (the public key for `cargo xtask image --update-keys DIR`). Run it on the
+    /// machine that will sign (offline or HSM host), never on a build machine. Never replaces
+    /// an existing file.
+    Keygen(KeygenArgs),
     /// Boot microVMs by hand.
     #[command(subcommand)]
     Vm(VmCmd),
@@ -84,6 +93,19 @@ pub struct ImageArgs {
     /// tree only re-packs the root (the Debian tree, kernel and binaries are cached).
     #[arg(long)]
     pub version: Option<String>,
+    /// The public update keys the image trusts: every DIR/*.pub (64 hex characters and a
+    /// newline each, e.g. from `cargo xtask keygen`). Boxes running the image accept bundles
+    /// signed by these keys only. DIR must not hold signing keys (*.key).
+    #[arg(long, value_name = "DIR", conflicts_with = "dev_keys")]
+    pub update_keys: Option<std::path::PathBuf>,
+    /// Trust this machine's development key pair ($CHRYSALIS_CACHE/keys/update-signing.key,
+    /// generated on first use) instead: for development and tests only.
+    #[arg(long)]
+    pub dev_keys: bool,
+    /// The image's security_version (anti-rollback level: boxes refuse bundles below the
+    /// highest level they committed). Default: the number in rootfs/security-version.
+    #[arg(long, value_name = "N")]
+    pub security_version: Option<u64>,
     /// Only build the board's host kernel (prints its path).
     #[arg(long)]
     pub kernel_only: bool,
@@ -117,10 +139,20 @@ pub struct BundleArgs {
     /// Default: $CHRYSALIS_CACHE/appliance/<board>/current.
     #[arg(long)]
     pub image_dir: Option<std::path::PathBuf>,
-    /// The signing key (64 hex characters of ed25519 seed; generated with its `.pub` when
-    /// missing). Default: the dev key $CHRYSALIS_CACHE/keys/update-signing.key.
-    #[arg(long)]
+    /// The signing key: a file of 64 hex characters (the ed25519 seed) and a newline, mode
+    /// 0600 (refused when group or others can read it), made by `cargo xtask keygen`. Boxes
+    /// accept the bundle only if their image trusts its public half (--update-keys).
+    #[arg(long, value_name = "FILE", conflicts_with = "dev_keys")]
     pub key: Option<std::path::PathBuf>,
+    /// Sign with this machine's development key pair ($CHRYSALIS_CACHE/keys/update-signing.key,
+    /// generated on first use): only images built with --dev-keys accept it.
+    #[arg(long)]
+    pub dev_keys: bool,
+    /// The bundle's security_version. From an image directory: the image's own (baked into its
+    /// root; a different N is refused). With --root/--kernel/--verity-json: default the number
+    /// in rootfs/security-version.
+    #[arg(long, value_name = "N")]
+    pub security_version: Option<u64>,
     /// Where to write the bundle. Default:
     /// $CHRYSALIS_CACHE/bundles/chrysalis-<board>-<version>[-x<hash>].chrysalis-bundle.
     #[arg(long)]
@@ -144,6 +176,13 @@ pub struct BundleArgs {
     /// Without a built image: the build id (default: the version).
     #[arg(long)]
     pub build_id: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct KeygenArgs {
+    /// The signing key file to create (its public half goes to FILE.pub).
+    #[arg(long, value_name = "FILE")]
+    pub out: std::path::PathBuf,
 }
 
 #[derive(Debug, Args)]

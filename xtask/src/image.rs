@@ -1,7 +1,9 @@
 //! `cargo xtask image --board <board>`: the flashable A/B host image.
 //!
 //! Inputs: `boards/<board>/board.toml` ([`board`]), `rootfs/` (Debian package list, overlay,
-//! kernel base fragment), our release binaries, the guest VM images and the dev update key.
+//! kernel base fragment, `security-version`), our release binaries, the guest VM images and the
+//! trusted update keys, named explicitly (`--update-keys DIR` or `--dev-keys`; see
+//! [`crate::keys`]).
 //! Steps, each timed:
 //! 1. the Debian base (mmdebstrap, cached tarball);
 //! 2. the board's host kernel (Debian linux-source-6.1, EFI-stub `bzImage`, all built in);
@@ -14,7 +16,9 @@
 //!
 //! Outputs in `$CHRYSALIS_CACHE/appliance/<board>/<key>/` (`current` links the last one):
 //! `disk.raw` (the flashable disk), `root.img` (erofs + hash tree, for bundles), `vmlinuz`,
-//! `manifest.json` ([`Manifest`]: sizes, sha256s, verity parameters, layout, packages).
+//! `manifest.json` ([`Manifest`]: sizes, sha256s, verity parameters, `security_version`,
+//! trusted keys, layout, packages) and `update-keys/` (a copy of the public keys the root
+//! trusts: `cargo xtask bundle` checks its signature against them).
 //! Everything is rootless (no loop devices, no mounts) and reproducible: timestamps from
 //! `SOURCE_DATE_EPOCH` (git commit time unless set), ids from seeds.
 
@@ -25,6 +29,7 @@ mod tree;
 use crate::{flags, guest_kernel, keys, paths, prereqs, vm_image};
 use anyhow::{bail, Context, Result};
 use assemble::{EspFile, Layout, RootImage, Seed};
+use keys::UpdateKeys;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs;
@@ -43,6 +48,10 @@ const KEEP_BUILDS: usize = 4;
 const PREBUILT_ENV: &str = "CHRYSALIS_IMAGE_BINS";
 /// Overrides the image's SOURCE_DATE_EPOCH (default: the git commit time).
 const EPOCH_ENV: &str = "SOURCE_DATE_EPOCH";
+/// The repository's security_version (`--security-version` overrides it).
+pub const SECURITY_VERSION_FILE: &str = "rootfs/security-version";
+/// Where a built image keeps a copy of the public keys its root trusts.
+pub const UPDATE_KEYS_DIR: &str = "update-keys";
 
 /// `manifest.json` of a built image (`cargo xtask bundle` reads it).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -53,6 +62,11 @@ pub struct Manifest {
     pub compatible: String,
     pub version: String,
     pub build_id: String,
+    /// The anti-rollback level baked into the root (`image.json`) and the slot-A entry;
+    /// bundles of this image carry it.
+    pub security_version: u64,
+    /// The public keys the root trusts: file name → hex key.
+    pub update_keys: BTreeMap<String, String>,
     pub source_date_epoch: u64,
     pub disk: FileInfo,
     pub kernel: FileInfo,
@@ -103,13 +117,60 @@ pub fn run(args: &flags::ImageArgs) -> Result<()> {
         println!("{}", kernel.display());
         return Ok(());
     }
-    let built = build(&args.board, args.version.as_deref(), args.force)?;
+    let keys = keys::update_keys(args.update_keys.as_deref(), args.dev_keys, "cargo xtask image")?;
+    let built = build(&BuildOptions {
+        board: &args.board,
+        version: args.version.as_deref(),
+        security_version: args.security_version,
+        keys: &keys,
+        force: args.force,
+    })?;
     println!("{}", built.disk.display());
     Ok(())
 }
 
-/// Builds (or finds) the image of `board_name` at `version` (default: workspace version + git).
-pub fn build(board_name: &str, version: Option<&str>, force: bool) -> Result<Built> {
+/// What [`build`] builds.
+#[derive(Debug, Clone)]
+pub struct BuildOptions<'a> {
+    /// The board (a folder of `boards/`).
+    pub board: &'a str,
+    /// The version (default: workspace version + git).
+    pub version: Option<&'a str>,
+    /// The security_version (default: [`repository_security_version`]).
+    pub security_version: Option<u64>,
+    /// The public keys the image trusts.
+    pub keys: &'a UpdateKeys,
+    /// Rebuild cached steps.
+    pub force: bool,
+}
+
+impl<'a> BuildOptions<'a> {
+    /// The board's default image trusting this machine's dev keys (`cargo xtask run`, `test`,
+    /// `bench appliance`: development only).
+    pub fn dev(board: &'a str) -> BuildOptions<'a> {
+        BuildOptions { board, version: None, security_version: None, keys: &UpdateKeys::Dev, force: false }
+    }
+}
+
+/// The security_version kept in the repository (`rootfs/security-version`: one number; `#`
+/// comments and blank lines ignored).
+pub fn repository_security_version() -> Result<u64> {
+    let path = paths::project_root().join(SECURITY_VERSION_FILE);
+    let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    parse_security_version(&text).with_context(|| format!("{}", path.display()))
+}
+
+fn parse_security_version(text: &str) -> Result<u64> {
+    let mut numbers = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#'));
+    let (Some(first), None) = (numbers.next(), numbers.next()) else {
+        bail!("expected exactly one number (the security_version) besides # comments");
+    };
+    first.parse().with_context(|| format!("{first:?} is not a non-negative integer"))
+}
+
+/// Builds (or finds) the image described by `o`.
+pub fn build(o: &BuildOptions<'_>) -> Result<Built> {
+    let (board_name, version, force) = (o.board, o.version, o.force);
     let started = Instant::now();
     let root = paths::project_root();
     let board = board::Board::load(&root, board_name)?;
@@ -134,25 +195,39 @@ pub fn build(board_name: &str, version: Option<&str>, force: bool) -> Result<Bui
     {
         bail!("--version {version:?}: use at most 64 letters, digits and `._+~-`");
     }
+    let security_version = match o.security_version {
+        Some(v) => v,
+        None => repository_security_version()?,
+    };
+    let update_keys = keys::public_keys(o.keys)?;
     let epoch = source_date_epoch()?;
-    eprintln!("image: board {board_name} ({}), version {version}, SOURCE_DATE_EPOCH {epoch}", board.description);
+    eprintln!(
+        "image: board {board_name} ({}), version {version}, security_version {security_version}, SOURCE_DATE_EPOCH {epoch}",
+        board.description
+    );
+    match o.keys {
+        UpdateKeys::Dev => eprintln!(
+            "image: trusting this machine's DEV update key ({}): for development and tests only",
+            keys::dev_key_path().display()
+        ),
+        UpdateKeys::Dir(dir) => eprintln!(
+            "image: trusting the update keys of {}: {}",
+            dir.display(),
+            update_keys.iter().map(|k| k.name.as_str()).collect::<Vec<_>>().join(", ")
+        ),
+    }
 
     let (tarball, tarball_key) = step("[1/6] Debian base (mmdebstrap)", || tree::debootstrap(&host, &board, force))?;
     let kernel = step("[2/6] host kernel", || host_kernel(board_name, &board, force))?;
     let binaries = step("[3/6] release binaries", build_binaries)?;
     let templates = step("[4/6] VM images", || vm_templates(&board))?;
     let sdboot = step("[5/6] systemd-boot", systemd_boot)?;
-    let key = keys::dev_update_key()?;
 
     let board_dir = paths::cache_dir().join("appliance").join(board_name);
     fs::create_dir_all(&board_dir)?;
     let _lock = paths::lock_file(&board_dir.join(".lock"))?;
-    let inputs = tree::TreeInputs {
-        board: &board,
-        binaries: &binaries,
-        templates: &templates,
-        update_key: &key.public_hex_line(),
-    };
+    let inputs =
+        tree::TreeInputs { board: &board, binaries: &binaries, templates: &templates, update_keys: &update_keys };
     let tree = step("[5/6] root tree", || {
         tree::prepare(&board_dir, &tarball, &tarball_key, &root.join("rootfs/overlay"), &inputs)
     })?;
@@ -165,6 +240,7 @@ pub fn build(board_name: &str, version: Option<&str>, force: bool) -> Result<Bui
             IMAGE_FORMAT.as_bytes(),
             tree.key.as_bytes(),
             version.as_bytes(),
+            format!("security_version {security_version}").as_bytes(),
             epoch.to_string().as_bytes(),
             assemble::file_sha256(&kernel)?.as_bytes(),
             sdboot.sha256.as_bytes(),
@@ -195,7 +271,7 @@ pub fn build(board_name: &str, version: Option<&str>, force: bool) -> Result<Bui
     let seed = Seed::new(board_name);
     let layout = Layout::new(&seed, board.partitions.esp_mib, board.partitions.root_mib, board.partitions.state_mib);
 
-    tree::stamp_version(&tree, board_name, &version, &build_id)?;
+    tree::stamp_version(&tree, board_name, &version, &build_id, security_version)?;
     let root_img = tmp.join("root.img");
     let root_image = step("[6/6] erofs + dm-verity root", || assemble::make_root(&tree.root, &root_img, epoch, &seed))?;
     let slot_bytes = board.partitions.root_mib * 1024 * 1024;
@@ -217,6 +293,7 @@ pub fn build(board_name: &str, version: Option<&str>, force: bool) -> Result<Bui
         compatible: update::manifest::Manifest::compatible_for_board(board_name),
         version: version.clone(),
         build_id: build_id.clone(),
+        security_version,
         kernel: update::manifest::Blob { sha256: kernel_info.sha256.clone(), size: kernel_info.size },
         root: update::manifest::RootImage {
             sha256: root_image.sha256.clone(),
@@ -271,6 +348,8 @@ pub fn build(board_name: &str, version: Option<&str>, force: bool) -> Result<Bui
         compatible: format!("chrysalis-{board_name}"),
         version: version.clone(),
         build_id: build_id.clone(),
+        security_version,
+        update_keys: update_keys.iter().map(|k| (k.name.clone(), k.text.trim().to_string())).collect(),
         source_date_epoch: epoch,
         disk: FileInfo { sha256: assemble::file_sha256(&disk)?, size: fs::metadata(&disk)?.len() },
         kernel: kernel_info,
@@ -283,6 +362,11 @@ pub fn build(board_name: &str, version: Option<&str>, force: bool) -> Result<Bui
         binaries: installed,
         vm_templates: templates.iter().map(|(n, t)| (n.clone(), t.digest.clone())).collect(),
     };
+    let keys_copy = tmp.join(UPDATE_KEYS_DIR);
+    fs::create_dir_all(&keys_copy)?;
+    for key in &update_keys {
+        foundation::write_atomic(&keys_copy.join(&key.name), key.text.as_bytes(), foundation::PUBLIC_FILE)?;
+    }
     fs::write(tmp.join("manifest.json"), format!("{}\n", serde_json::to_string_pretty(&manifest)?))?;
     let _ = fs::remove_dir_all(&out);
     fs::rename(&tmp, &out).with_context(|| format!("installing {}", out.display()))?;
@@ -320,6 +404,12 @@ fn report(b: &Built) {
         m.layout.partitions[0].size >> 20,
         m.layout.partitions[1].size >> 20,
         m.layout.partitions[3].size >> 20
+    );
+    eprintln!(
+        "image: version {}, security_version {}, trusted update keys: {}",
+        m.version,
+        m.security_version,
+        m.update_keys.keys().cloned().collect::<Vec<_>>().join(", ")
     );
     eprintln!(
         "image: root.img {:.1} MiB (erofs {:.1} MiB + verity), kernel {:.1} MiB, {} Debian packages",
@@ -554,6 +644,7 @@ mod tests {
             compatible: "chrysalis-qemu-x86_64".into(),
             version: "1.2".into(),
             build_id: "b".into(),
+            security_version: 4,
             kernel: update::manifest::Blob { sha256: "00".repeat(32), size: 1 },
             root: update::manifest::RootImage {
                 sha256: "00".repeat(32),
@@ -575,7 +666,18 @@ mod tests {
         );
         assert!(c.starts_with(&want), "{c}");
         assert!(c.contains(" root=/dev/dm-0 rootfstype=erofs ro chrysalis.slot=a chrysalis.version=1.2"), "{c}");
+        assert!(c.contains(" chrysalis.generation=1 chrysalis.security_version=4 panic=10"), "{c}");
         assert!(c.ends_with("panic=10 console=ttyS0"), "{c}");
+    }
+
+    #[test]
+    fn the_repository_security_version_is_one_number() {
+        assert_eq!(parse_security_version("# comment\n\n 3 \n# more\n").expect("parse"), 3);
+        assert!(parse_security_version("# nothing\n").is_err());
+        assert!(parse_security_version("1\n2\n").is_err());
+        assert!(parse_security_version("-1\n").is_err());
+        let v = repository_security_version().expect("rootfs/security-version");
+        assert!(v >= 1, "the repository's security_version is {v}");
     }
 
     /// The real root: packs the cached root tree of the last `cargo xtask image` twice and

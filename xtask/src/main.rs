@@ -50,6 +50,7 @@ fn main() -> Result<()> {
         flags::Cmd::Flash(args) => flash::run(&args),
         flags::Cmd::Run(args) => run_appliance::run(&args),
         flags::Cmd::Bundle(args) => bundle::run(&args),
+        flags::Cmd::Keygen(args) => keys::keygen(&args.out),
         flags::Cmd::Vm(flags::VmCmd::Run(args)) => vm_run::run(&args),
         flags::Cmd::Cluster(cmd) => cluster::run(&cmd),
         flags::Cmd::VkSandbox(args) => vk_sandbox::run(&args),

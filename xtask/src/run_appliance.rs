@@ -24,7 +24,9 @@ const STARTED_SUPERVISOR: &str = "Started chrysalis.service";
 
 pub fn run(args: &RunArgs) -> Result<()> {
     prereqs::ensure_apt(&["qemu-system-x86", "qemu-utils", "ovmf", "dosfstools", "mtools", "socat"])?;
-    let built = image::build(&args.board, None, false)?;
+    // A development box: it trusts this machine's dev update keys (`--dev-keys`), so bundles
+    // made with `cargo xtask bundle --dev-keys` install on it.
+    let built = image::build(&image::BuildOptions::dev(&args.board))?;
     let work = paths::cache_dir().join("appliance-run").join(&args.board);
     fs::create_dir_all(&work)?;
     let token_file = paths::cache_dir().join("appliance-run/api-token");

@@ -2,9 +2,11 @@
 //!
 //! 1. host prerequisites (apt packages, the musl target);
 //! 2. the guest kernel and every guest image (cached);
-//! 3. the appliance image of the `qemu-x86_64` board (cached), a second version of it, and two
+//! 3. the appliance image of the `qemu-x86_64` board (cached; trusting this machine's dev update
+//!    keys, asked for explicitly), a second version of it one `security_version` higher, two
 //!    signed bundles of that version (a good one, one whose supervisor never becomes healthy)
-//!    for the appliance suite, in `$CHRYSALIS_CACHE/appliance-test/`
+//!    and a bundle of the first version (replayed after the upgrade: a downgrade) for the
+//!    appliance suite, in `$CHRYSALIS_CACHE/appliance-test/`
 //!    (`CHRYSALIS_APPLIANCE_TESTS=0` leaves the suite out: reported as skipped);
 //! 4. `cargo test` over the workspace with every suite enabled: real QEMU VMs, the public
 //!    Python SDK (pinned venv), sandboxd with real VMs, the test control plane (Kubernetes
@@ -181,13 +183,20 @@ const NEVER_HEALTHY_DEADLINE_SECS: u64 = 300;
 /// Set to `0` to leave the appliance suite out (it is then reported as skipped).
 const APPLIANCE_ENV: &str = "CHRYSALIS_APPLIANCE_TESTS";
 
-/// Builds (or finds) the appliance image, a second version of it and its two bundles, and
-/// gathers them in `$CHRYSALIS_CACHE/appliance-test/` (`disk.raw`, `good.chrysalis-bundle`,
-/// `never-healthy.chrysalis-bundle`).
+/// Builds (or finds) the appliance image (the repository's security_version N), a second
+/// version of it at N + 1, and the bundles, and gathers them in
+/// `$CHRYSALIS_CACHE/appliance-test/`: `disk.raw` (the first version), `good.chrysalis-bundle`
+/// and `never-healthy.chrysalis-bundle` (the second version), `old.chrysalis-bundle` (the first
+/// version, level N: a downgrade once the second is committed). Everything trusts and is
+/// signed with this machine's dev keys (asked for explicitly: `--dev-keys`).
 fn prepare_appliance() -> Result<std::path::PathBuf> {
-    let first = crate::image::build(APPLIANCE_BOARD, None, false)?;
+    let first = crate::image::build(&crate::image::BuildOptions::dev(APPLIANCE_BOARD))?;
     let next_version = format!("{}-next", first.manifest.version);
-    let next = crate::image::build(APPLIANCE_BOARD, Some(&next_version), false)?;
+    let next = crate::image::build(&crate::image::BuildOptions {
+        version: Some(&next_version),
+        security_version: Some(first.manifest.security_version + 1),
+        ..crate::image::BuildOptions::dev(APPLIANCE_BOARD)
+    })?;
     let dir = crate::paths::cache_dir().join("appliance-test");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let disk = dir.join("disk.raw");
@@ -198,11 +207,15 @@ fn prepare_appliance() -> Result<std::path::PathBuf> {
     let failing = format!(
         "chrysalis.fault=never-healthy chrysalis.set=update.health_deadline_secs={NEVER_HEALTHY_DEADLINE_SECS}"
     );
-    for (name, extra) in [("good", None), ("never-healthy", Some(failing.as_str()))] {
+    for (name, image, extra) in
+        [("good", &next, None), ("never-healthy", &next, Some(failing.as_str())), ("old", &first, None)]
+    {
         crate::bundle::run(&crate::flags::BundleArgs {
             board: APPLIANCE_BOARD.into(),
-            image_dir: Some(next.dir.clone()),
+            image_dir: Some(image.dir.clone()),
             key: None,
+            dev_keys: true,
+            security_version: None,
             out: Some(dir.join(format!("{name}.chrysalis-bundle"))),
             cmdline_extra: extra.map(str::to_string),
             version: None,
@@ -214,7 +227,7 @@ fn prepare_appliance() -> Result<std::path::PathBuf> {
         .with_context(|| format!("making the {name} bundle"))?;
     }
     // Reset `current` to the first version: `cargo xtask run` and `bundle` default to it.
-    let _ = crate::image::build(APPLIANCE_BOARD, None, false)?;
+    let _ = crate::image::build(&crate::image::BuildOptions::dev(APPLIANCE_BOARD))?;
     Ok(dir)
 }
 

@@ -75,6 +75,12 @@ fn update_line(u: &UpdateStatus) -> String {
     if let Some(g) = u.generation {
         s.push_str(&format!(", generation {g}"));
     }
+    match (u.security_version, u.security_floor) {
+        (Some(v), Some(f)) => s.push_str(&format!(", security version {v} (floor {f})")),
+        (Some(v), None) => s.push_str(&format!(", security version {v} (floor not recorded yet)")),
+        (None, Some(f)) => s.push_str(&format!(", security floor {f}")),
+        (None, None) => {}
+    }
     if let Some(p) = &u.progress {
         let total = p.total.map(|t| format!("/{t}")).unwrap_or_default();
         s.push_str(&format!(", {} {}{total} bytes", p.phase, p.done));
@@ -307,5 +313,33 @@ pub fn config(cmd: ConfigCmd) -> Result<ExitCode> {
             }
             Ok(ExitCode::from(1))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use supervisor::update::UpdateState;
+
+    #[test]
+    fn update_line_shows_the_security_floor_and_why_an_apply_was_refused() {
+        let mut u = UpdateStatus {
+            state: UpdateState::Failed,
+            slot: Some("b".into()),
+            version: Some("0.2.0".into()),
+            generation: Some(2),
+            security_version: Some(2),
+            security_floor: Some(2),
+            message: Some("the bundle's security_version 1 is lower than this box's security floor 2".into()),
+            ..UpdateStatus::unavailable("")
+        };
+        let line = update_line(&u);
+        assert_eq!(
+            line,
+            "failed, slot b, version 0.2.0, generation 2, security version 2 (floor 2): the bundle's \
+             security_version 1 is lower than this box's security floor 2"
+        );
+        u.security_floor = None;
+        assert!(update_line(&u).contains("security version 2 (floor not recorded yet)"));
     }
 }

@@ -44,20 +44,37 @@ impl AbUpdates {
     }
 
     /// The appliance's update side when this kernel booted from a slot (`chrysalis.slot=` on
-    /// `/proc/cmdline`), with the board from `image.json`; `None` on any other host.
+    /// `/proc/cmdline`), with the board and `security_version` from `image.json`; `None` on any
+    /// other host. Reconciles the security floor first (a first boot of a committed slot
+    /// records its level).
     pub fn for_appliance(image_json: &Path) -> Option<AbUpdates> {
         let cmdline = std::fs::read_to_string("/proc/cmdline").ok()?;
         if !cmdline.split_whitespace().any(|a| a.starts_with("chrysalis.slot=")) {
             return None;
         }
-        match update::UpdaterConfig::compatible_from_image_json(image_json) {
-            Ok(compatible) => {
-                Some(AbUpdates::new(Updater::open(update::UpdaterConfig::appliance(compatible)), &cmdline))
+        match update::ImageInfo::load(image_json) {
+            Ok(image) => {
+                let ab = AbUpdates::new(Updater::open(update::UpdaterConfig::appliance(image)), &cmdline);
+                ab.reconcile_floor();
+                Some(ab)
             }
             Err(e) => {
                 tracing::error!(error = %update::chain(&e), "booted from a slot but the image description is unreadable: updates disabled");
                 None
             }
+        }
+    }
+
+    /// Reconciles the security floor with the running slot (logged; an unknown floor only
+    /// means every apply is refused until it is known).
+    pub fn reconcile_floor(&self) {
+        match self.updater.reconcile_floor_blocking() {
+            Ok(floor) => tracing::info!(
+                floor,
+                security_version = self.updater.config().security_version,
+                "security floor: bundles below it are refused"
+            ),
+            Err(e) => tracing::error!(error = %update::chain(&e), "security floor: reconciling failed"),
         }
     }
 
@@ -99,6 +116,11 @@ fn internal(e: UpdaterError) -> UpdateError {
 
 /// The API's error for an updater error: refusals are the caller's (409 / 422), the rest 500.
 fn api_error(e: UpdaterError) -> UpdateError {
+    use update::apply::ApplyError;
+    use update::bundle::BundleError;
+    if let UpdaterError::Apply(ApplyError::Bundle(BundleError::Downgrade { bundle, floor })) = e {
+        return UpdateError::Downgrade { bundle, floor };
+    }
     match e.kind() {
         "busy" => UpdateError::Busy,
         "unconfirmed"
@@ -106,7 +128,8 @@ fn api_error(e: UpdaterError) -> UpdateError {
         | "already-committed"
         | "nothing-to-roll-back-to"
         | "other-not-good"
-        | "other-kernel-missing" => UpdateError::Conflict(update::chain(&e)),
+        | "other-kernel-missing"
+        | "below-security-floor" => UpdateError::Conflict(update::chain(&e)),
         _ if e.is_refusal() => UpdateError::BadBundle(update::chain(&e)),
         _ => internal(e),
     }
@@ -141,6 +164,8 @@ fn api_status(s: &update::Status) -> UpdateStatus {
         slot: Some(s.slot.to_string()),
         version: s.version.clone(),
         generation: s.generation,
+        security_version: Some(s.security_version),
+        security_floor: s.security_floor,
         progress: (p.phase != Phase::Idle).then(|| Progress {
             phase: phase.unwrap_or_else(|| format!("{:?}", p.phase)),
             done: p.bytes_done,
@@ -161,6 +186,8 @@ impl UpdateControl for AbUpdates {
                 slot: None,
                 version: None,
                 generation: None,
+                security_version: None,
+                security_floor: None,
                 progress: None,
                 message: Some(format!("reading the update state: {}", update::chain(&e))),
                 detail: serde_json::Value::Null,
@@ -245,22 +272,26 @@ impl UpdateControl for AbUpdates {
 mod tests {
     use super::*;
 
+    fn image(compatible: &str) -> update::ImageInfo {
+        update::ImageInfo { compatible: compatible.into(), security_version: 1 }
+    }
+
     #[test]
     fn the_fault_hook_only_hides_readiness() {
         let u = AbUpdates::new(
-            Updater::open(update::UpdaterConfig::appliance("chrysalis-qemu-x86_64")),
+            Updater::open(update::UpdaterConfig::appliance(image("chrysalis-qemu-x86_64"))),
             "root=/dev/dm-0 chrysalis.slot=b chrysalis.fault=never-healthy",
         );
         let h = Health { ready: true, api_reachable: Some(true), ..Health::default() };
         let s = u.snapshot(&h);
         assert!(!s.supervisor_ready && s.api_reachable);
-        let plain = AbUpdates::new(Updater::open(update::UpdaterConfig::appliance("x")), "chrysalis.slot=b");
+        let plain = AbUpdates::new(Updater::open(update::UpdaterConfig::appliance(image("x"))), "chrysalis.slot=b");
         assert!(plain.snapshot(&h).supervisor_ready);
     }
 
     #[test]
     fn unreadable_pools_are_not_at_target() {
-        let u = AbUpdates::new(Updater::open(update::UpdaterConfig::appliance("x")), "");
+        let u = AbUpdates::new(Updater::open(update::UpdaterConfig::appliance(image("x"))), "");
         let h = Health { ready: true, pools_error: Some("connection refused".into()), ..Health::default() };
         let s = u.snapshot(&h);
         assert!(s.pools.iter().any(|p| p.warm < p.target));
@@ -277,10 +308,13 @@ mod tests {
             entry: Some("chrysalis-a.conf".into()),
             other: None,
             boot_order: vec!["chrysalis-a.conf".into()],
+            security_version: 2,
+            security_floor: Some(2),
             progress: update::Progress::default(),
             last_attempt: None,
         };
         assert_eq!(api_status(&s).state, UpdateState::Confirmed);
+        assert_eq!((api_status(&s).security_version, api_status(&s).security_floor), (Some(2), Some(2)));
         s.progress.phase = update::Phase::Failed;
         s.progress.error = Some("root.img does not match the signed manifest".into());
         let failed = api_status(&s);
@@ -293,8 +327,121 @@ mod tests {
 
     #[test]
     fn configure_sets_the_deadline_and_offline_rule() {
-        let u = AbUpdates::new(Updater::open(update::UpdaterConfig::appliance("x")), "");
+        let u = AbUpdates::new(Updater::open(update::UpdaterConfig::appliance(image("x"))), "");
         u.configure(&UpdateConfig { health_deadline_secs: 42, offline: ConfiguredOffline::Wait });
         assert_eq!(u.settings(), (Duration::from_secs(42), OfflinePolicy::Wait));
+    }
+
+    #[test]
+    fn a_downgrade_is_its_own_api_error_naming_both_numbers() {
+        use update::apply::ApplyError;
+        use update::bundle::BundleError;
+        let e = api_error(UpdaterError::Apply(ApplyError::Bundle(BundleError::Downgrade { bundle: 1, floor: 2 })));
+        assert!(matches!(e, UpdateError::Downgrade { bundle: 1, floor: 2 }), "{e:?}");
+        let text = e.to_string();
+        assert!(text.contains("security_version 1") && text.contains("floor 2"), "{text}");
+        let below =
+            update::state::StateError::BelowFloor { slot: update::Slot::A, security_version: Some(1), floor: 2 };
+        assert!(matches!(api_error(UpdaterError::State(below)), UpdateError::Conflict(_)));
+    }
+
+    /// A box on files (ESP directory, slot files, by-partuuid links) running committed slot A
+    /// at security_version 2, and a signed bundle at `security_version`.
+    struct FakeBox {
+        dir: tempfile::TempDir,
+        ab: AbUpdates,
+        key: update::keys::SigningKey,
+    }
+
+    impl FakeBox {
+        const UUID_A: &'static str = "aaaaaaaa-1111-4111-8111-000000000001";
+        const UUID_B: &'static str = "bbbbbbbb-2222-4222-8222-000000000002";
+
+        fn new() -> FakeBox {
+            use update::entries::{BootEntry, EntryName, Esp};
+            let dir = tempfile::tempdir().unwrap();
+            let root = dir.path();
+            for sub in ["esp/chrysalis/a", "state", "keys", "by-partuuid"] {
+                std::fs::create_dir_all(root.join(sub)).unwrap();
+            }
+            let key = update::keys::SigningKey::from_bytes(&[5u8; 32]);
+            update::keys::write_public_key(&root.join("keys/dev.pub"), &key.verifying_key()).unwrap();
+            for (slot, uuid) in [("a", Self::UUID_A), ("b", Self::UUID_B)] {
+                std::fs::write(root.join(format!("root-{slot}")), vec![0xEEu8; 64 * 1024]).unwrap();
+                std::os::unix::fs::symlink(root.join(format!("root-{slot}")), root.join("by-partuuid").join(uuid))
+                    .unwrap();
+            }
+            let options =
+                "chrysalis.slot=a chrysalis.version=0.1.0 chrysalis.generation=1 chrysalis.security_version=2";
+            let esp = Esp::new(root.join("esp"));
+            esp.write(&EntryName::plain(update::Slot::A), &BootEntry::for_slot(update::Slot::A, "0.1.0", 1, options))
+                .unwrap();
+            std::fs::write(esp.kernel_path(update::Slot::A), b"kernel").unwrap();
+            let config = update::UpdaterConfig {
+                esp: root.join("esp"),
+                state_dir: root.join("state"),
+                trusted_keys: root.join("keys"),
+                slots: update::slots::SlotsConfig {
+                    a: root.join("root-a"),
+                    b: root.join("root-b"),
+                    partuuids: update::slots::PartUuidSource::ByPartUuidDir(root.join("by-partuuid")),
+                },
+                cmdline: update::cmdline::CmdlineSource::Literal(options.into()),
+                compatible: "chrysalis-qemu-x86_64".into(),
+                security_version: 2,
+            };
+            let ab = AbUpdates::new(Updater::open(config), options);
+            ab.reconcile_floor();
+            FakeBox { dir, ab, key }
+        }
+
+        fn bundle(&self, security_version: u64) -> BundleStream {
+            let work = self.dir.path().join(format!("bundle-{security_version}"));
+            std::fs::create_dir_all(&work).unwrap();
+            std::fs::write(work.join("root.img"), vec![security_version as u8; 3 * 4096]).unwrap();
+            std::fs::write(work.join("vmlinuz"), b"kernel").unwrap();
+            let fields = update::bundle::ManifestFields {
+                compatible: "chrysalis-qemu-x86_64".into(),
+                version: format!("0.{security_version}.0"),
+                build_id: "b".into(),
+                security_version,
+                verity: update::manifest::Verity {
+                    root_hash: "ab".repeat(32),
+                    salt: String::new(),
+                    data_blocks: 2,
+                    hash_offset: 2 * 4096,
+                },
+                cmdline: String::new(),
+            };
+            let out = work.join("x.chrysalis-bundle");
+            update::bundle::create(&work.join("root.img"), &work.join("vmlinuz"), &fields, &self.key, &out).unwrap();
+            Box::pin(std::io::Cursor::new(std::fs::read(out).unwrap()))
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lower_security_version_is_refused_and_status_says_why() {
+        let fake = FakeBox::new();
+        let before = fake.ab.status().await;
+        assert_eq!(
+            (before.state, before.security_version, before.security_floor),
+            (UpdateState::Confirmed, Some(2), Some(2))
+        );
+        let slot_b = std::fs::read(fake.dir.path().join("root-b")).unwrap();
+
+        let err = fake.ab.apply(fake.bundle(1)).await.expect_err("a downgrade was applied");
+        assert!(matches!(err, UpdateError::Downgrade { bundle: 1, floor: 2 }), "{err:?}");
+        assert_eq!(std::fs::read(fake.dir.path().join("root-b")).unwrap(), slot_b, "slot B was written");
+        let after = fake.ab.status().await;
+        assert_eq!((after.state, after.slot.as_deref(), after.generation), (UpdateState::Failed, Some("a"), Some(1)));
+        let why = after.message.unwrap_or_default();
+        assert!(why.contains("security_version 1") && why.contains("floor 2"), "{why}");
+        assert_eq!(after.detail["confirmed"], serde_json::Value::Bool(true));
+        assert_eq!(after.detail["other"]["state"], "empty");
+
+        // The same level is allowed.
+        let ok = fake.ab.apply(fake.bundle(2)).await.expect("an equal security_version");
+        assert_eq!(ok.status.state, UpdateState::Armed);
+        assert_eq!(ok.status.security_floor, Some(2), "applying raised the floor");
     }
 }

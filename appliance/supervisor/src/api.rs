@@ -103,6 +103,7 @@ impl ApiError {
             ApiError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
             ApiError::Update(UpdateError::Unavailable(_)) => (StatusCode::SERVICE_UNAVAILABLE, "updates_unavailable"),
             ApiError::Update(UpdateError::BadBundle(_)) => (StatusCode::UNPROCESSABLE_ENTITY, "bad_bundle"),
+            ApiError::Update(UpdateError::Downgrade { .. }) => (StatusCode::UNPROCESSABLE_ENTITY, "downgrade_refused"),
             ApiError::Update(UpdateError::Conflict(_)) => (StatusCode::CONFLICT, "update_conflict"),
             ApiError::Update(UpdateError::Busy) => (StatusCode::CONFLICT, "update_busy"),
             ApiError::Update(UpdateError::Internal { .. }) => (StatusCode::INTERNAL_SERVER_ERROR, "update_failed"),

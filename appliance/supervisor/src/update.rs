@@ -95,6 +95,13 @@ pub struct UpdateStatus {
     /// The running generation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generation: Option<u64>,
+    /// The running image's `security_version`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub security_version: Option<u64>,
+    /// The security floor: the highest `security_version` this box committed; bundles below it
+    /// are refused (no downgrades).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub security_floor: Option<u64>,
     /// Apply progress.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<Progress>,
@@ -114,6 +121,8 @@ impl UpdateStatus {
             slot: None,
             version: None,
             generation: None,
+            security_version: None,
+            security_floor: None,
             progress: None,
             message: Some(message.to_string()),
             detail: serde_json::Value::Null,
@@ -153,6 +162,17 @@ pub enum UpdateError {
     /// The bundle is unsigned, tampered, for another board, or malformed (`422`).
     #[error("bundle refused: {0}")]
     BadBundle(String),
+    /// The bundle's signed `security_version` is below the box's security floor (`422`).
+    #[error(
+        "bundle refused: its security_version {bundle} is lower than this box's security floor {floor} \
+         (no downgrades); install a bundle with security_version {floor} or higher"
+    )]
+    Downgrade {
+        /// The bundle's `security_version`.
+        bundle: u64,
+        /// The box's floor.
+        floor: u64,
+    },
     /// The operation is not allowed now: running slot unconfirmed, nothing to roll back to
     /// (`409`).
     #[error("{0}")]

@@ -4,7 +4,8 @@
 //! 1. refuse unless the running slot's entry is committed (no counter): the fallback is never
 //!    overwritten while the running slot is unconfirmed (systemd #34827, checklist #6);
 //! 2. read `manifest.json` + `manifest.sig` from the stream and verify the signature, the
-//!    board and the slot size — nothing has been written yet;
+//!    board, the `security_version` against the box's floor (no downgrades) and the slot size
+//!    — nothing has been written yet;
 //! 3. delete the other slot's entries and kernel (fsync the directory): from here on nothing
 //!    boots the other slot;
 //! 4. stream `vmlinuz` to `<esp>/chrysalis/<slot>/vmlinuz.tmp` and `root.img` onto the other
@@ -26,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use crate::bundle::{BundleError, BundleReader, Expect};
 use crate::cmdline::{slot_cmdline, BootInfo};
 use crate::entries::{self, BootEntry, EntriesError, EntryName, Esp};
+use crate::floor::FloorError;
 use crate::keys::{KeysError, TrustedKeys};
 use crate::slots::{Slot, SlotsConfig, SlotsError};
 
@@ -54,6 +56,10 @@ pub enum ApplyError {
     /// The trusted keys could not be loaded.
     #[error(transparent)]
     Keys(#[from] KeysError),
+    /// The security floor is unknown (its record cannot be read or written): nothing is
+    /// applied until it is known.
+    #[error(transparent)]
+    Floor(#[from] FloorError),
     /// The bundle was refused or could not be read.
     #[error(transparent)]
     Bundle(#[from] BundleError),
@@ -154,6 +160,8 @@ pub struct ApplyContext<'a> {
     pub keys: &'a TrustedKeys,
     /// This box's `compatible`.
     pub compatible: &'a str,
+    /// The security floor: bundles below it are refused.
+    pub min_security_version: u64,
     /// What booted.
     pub boot: &'a BootInfo,
 }
@@ -185,11 +193,23 @@ pub fn apply<R: Read>(
     check_confirmed(ctx.esp, ctx.boot)?;
     let slot_bytes = ctx.slots.size_bytes(target)?;
     let partuuid = ctx.slots.partuuid(target)?;
-    let expect = Expect { keys: ctx.keys, compatible: ctx.compatible, slot_bytes };
+    let expect = Expect {
+        keys: ctx.keys,
+        compatible: ctx.compatible,
+        min_security_version: ctx.min_security_version,
+        slot_bytes,
+    };
     let mut bundle = BundleReader::open(reader, &expect)?;
     let manifest = bundle.manifest().clone();
     let signer = bundle.signer().to_string();
-    tracing::info!(version = %manifest.version, build_id = %manifest.build_id, %signer, "bundle verified");
+    tracing::info!(
+        version = %manifest.version,
+        build_id = %manifest.build_id,
+        security_version = manifest.security_version,
+        floor = ctx.min_security_version,
+        %signer,
+        "bundle verified"
+    );
     state.version = Some(manifest.version.clone());
 
     // Counted before the other slot's entries go, so generations never repeat.

@@ -8,7 +8,8 @@
 //! it is checked.
 //!
 //! [`BundleReader::open`] reads the manifest and the signature, verifies the signature against
-//! the trusted keys, then checks `compatible` and the slot size. Only then does the caller
+//! the trusted keys, then checks `compatible`, the `security_version` against the box's floor
+//! (no downgrades) and the slot size. Only then does the caller
 //! prepare the destinations and call [`BundleReader::copy_kernel`],
 //! [`BundleReader::copy_root`] and [`BundleReader::finish`]. Each copy compares size and sha256
 //! with the manifest; a mismatch is [`BundleError::Tampered`] and the caller discards what
@@ -71,6 +72,19 @@ pub enum BundleError {
         dir: PathBuf,
         /// How many keys it holds.
         keys: usize,
+    },
+    /// The bundle's signed `security_version` is below the box's floor: installing it would
+    /// bring back vulnerabilities a committed update fixed.
+    #[error(
+        "the bundle's security_version {bundle} is lower than this box's security floor {floor} \
+         (the highest security_version it has committed): a downgrade is refused; install a \
+         bundle with security_version {floor} or higher"
+    )]
+    Downgrade {
+        /// The bundle's `security_version`.
+        bundle: u64,
+        /// The box's floor.
+        floor: u64,
     },
     /// The bundle is for another board.
     #[error("the bundle is for `{got}`, this box is `{want}`")]
@@ -201,6 +215,8 @@ pub struct ManifestFields {
     pub version: String,
     /// The build id.
     pub build_id: String,
+    /// The anti-rollback level (see [`Manifest::security_version`]).
+    pub security_version: u64,
     /// The verity parameters of `root.img`.
     pub verity: Verity,
     /// The board's kernel arguments.
@@ -224,6 +240,7 @@ pub fn create(
         compatible: fields.compatible.clone(),
         version: fields.version.clone(),
         build_id: fields.build_id.clone(),
+        security_version: fields.security_version,
         kernel: kernel_blob,
         root: RootImage { sha256: root_blob.sha256, size: root_blob.size, verity: fields.verity.clone() },
         cmdline: fields.cmdline.clone(),
@@ -301,6 +318,8 @@ pub struct Expect<'a> {
     pub keys: &'a TrustedKeys,
     /// This box's `compatible` (`chrysalis-<board>`).
     pub compatible: &'a str,
+    /// The lowest `security_version` this box accepts (its floor; 0 accepts every bundle).
+    pub min_security_version: u64,
     /// The size of the slot `root.img` goes to.
     pub slot_bytes: u64,
 }
@@ -335,7 +354,8 @@ pub struct BundleReader<R> {
 
 impl<R: Read> BundleReader<R> {
     /// Reads `manifest.json` and `manifest.sig`, verifies the signature, then checks
-    /// `compatible` and that the root image fits the slot. Nothing past the signature is read.
+    /// `compatible`, the `security_version` floor and that the root image fits the slot.
+    /// Nothing past the signature is read.
     pub fn open(inner: R, expect: &Expect<'_>) -> Result<BundleReader<R>, BundleError> {
         let mut reader =
             BundleReader { inner, offset: 0, manifest: placeholder(), signer: String::new(), stage: Stage::Kernel };
@@ -360,6 +380,12 @@ impl<R: Read> BundleReader<R> {
         let manifest = Manifest::parse(&manifest_bytes)?;
         if manifest.compatible != expect.compatible {
             return Err(BundleError::Incompatible { want: expect.compatible.to_string(), got: manifest.compatible });
+        }
+        if manifest.security_version < expect.min_security_version {
+            return Err(BundleError::Downgrade {
+                bundle: manifest.security_version,
+                floor: expect.min_security_version,
+            });
         }
         if manifest.root.size > expect.slot_bytes {
             return Err(BundleError::TooLarge { slot_bytes: expect.slot_bytes, image_bytes: manifest.root.size });
@@ -544,6 +570,7 @@ fn placeholder() -> Manifest {
         compatible: String::new(),
         version: String::new(),
         build_id: String::new(),
+        security_version: 0,
         kernel: Blob { sha256: String::new(), size: 0 },
         root: RootImage {
             sha256: String::new(),
@@ -648,6 +675,7 @@ mod tests {
             compatible: "chrysalis-qemu-x86_64".into(),
             version: "0.2.0".into(),
             build_id: "b1".into(),
+            security_version: 5,
             verity: Verity { root_hash: "ab".repeat(32), salt: "cd".repeat(32), data_blocks: 2, hash_offset: 2 * 4096 },
             cmdline: "console=ttyS0".into(),
         };
@@ -702,7 +730,12 @@ mod tests {
         /// What a box that should accept this bundle expects: its key, its `compatible`, a
         /// 1 MiB slot.
         fn expect(&self) -> Expect<'_> {
-            Expect { keys: &self.keys, compatible: "chrysalis-qemu-x86_64", slot_bytes: 1 << 20 }
+            Expect {
+                keys: &self.keys,
+                compatible: "chrysalis-qemu-x86_64",
+                min_security_version: 5,
+                slot_bytes: 1 << 20,
+            }
         }
 
         /// The data of member `index` (in [`MEMBERS`] order).
@@ -750,6 +783,17 @@ mod tests {
         assert!(matches!(
             open(bytes, &Expect { compatible: "chrysalis-x86_64-efi", ..ok }),
             Err(BundleError::Incompatible { ref want, ref got }) if want == "chrysalis-x86_64-efi" && got == "chrysalis-qemu-x86_64"
+        ));
+        // The floor: equal passes (above), one more is a downgrade; checked after the
+        // signature, so an unsigned claim of a high security_version gets nowhere.
+        let err = open(bytes, &Expect { min_security_version: 6, ..ok }).expect_err("downgrade");
+        assert!(matches!(err, BundleError::Downgrade { bundle: 5, floor: 6 }), "{err:?}");
+        let text = err.to_string();
+        assert!(text.contains("security_version 5") && text.contains("floor 6"), "{text}");
+        open(bytes, &Expect { min_security_version: 0, ..ok }).expect("no floor");
+        assert!(matches!(
+            open(bytes, &Expect { keys: &other, min_security_version: 6, ..ok }),
+            Err(BundleError::UnknownKey { .. })
         ));
         assert!(matches!(
             open(bytes, &Expect { slot_bytes: 4096, ..ok }),

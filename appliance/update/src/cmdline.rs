@@ -4,10 +4,14 @@
 //! ```text
 //! dm-mod.create="chrysalis-root,,,ro,0 <data_sectors> verity 1 PARTUUID=<u> PARTUUID=<u> 4096 4096 <data_blocks> <hash_start> sha256 <root_hash> <salt>"
 //! dm-mod.waitfor=PARTUUID=<u> root=/dev/dm-0 rootfstype=erofs ro
-//! chrysalis.slot=<s> chrysalis.version=<v> chrysalis.generation=<g> panic=10 <board args>
+//! chrysalis.slot=<s> chrysalis.version=<v> chrysalis.generation=<g> chrysalis.security_version=<n>
+//! panic=10 <board args>
 //! ```
 //! (one line). The image build renders slot A's line with the same function, so a fresh
-//! image and an updated slot boot with identical command lines.
+//! image and an updated slot boot with identical command lines. `chrysalis.security_version=`
+//! copies the manifest's, so the ESP says which level each slot holds (status, and the rollback
+//! rule: no rollback below the floor); the running system takes its own from its verified root
+//! (`image.json`), not from here.
 //!
 //! Parsing follows the kernel's rules: parameters are separated by spaces, and double quotes
 //! protect spaces inside a value (`dm-mod.create="…"`).
@@ -109,12 +113,14 @@ pub fn slot_cmdline(slot: Slot, partuuid: &str, generation: u64, manifest: &Mani
         "dm-mod.create=\"chrysalis-root,,,ro,0 {data_sectors} verity 1 PARTUUID={u} PARTUUID={u} \
          {bs} {bs} {blocks} {hash_start} sha256 {root_hash} {salt}\" \
          dm-mod.waitfor=PARTUUID={u} root=/dev/dm-0 rootfstype=erofs ro \
-         chrysalis.slot={slot} chrysalis.version={version} chrysalis.generation={generation} panic=10",
+         chrysalis.slot={slot} chrysalis.version={version} chrysalis.generation={generation} \
+         chrysalis.security_version={security_version} panic=10",
         u = partuuid,
         bs = VERITY_BLOCK,
         blocks = verity.data_blocks,
         root_hash = verity.root_hash,
         version = manifest.version,
+        security_version = manifest.security_version,
     );
     let board = manifest.cmdline.trim();
     if !board.is_empty() {
@@ -197,7 +203,8 @@ mod tests {
         let want = format!(
             "dm-mod.create=\"chrysalis-root,,,ro,0 16 verity 1 PARTUUID={u} PARTUUID={u} 4096 4096 2 2 sha256 {} {}\" \
              dm-mod.waitfor=PARTUUID={u} root=/dev/dm-0 rootfstype=erofs ro \
-             chrysalis.slot=b chrysalis.version=0.2.0 chrysalis.generation=7 panic=10 console=ttyS0,115200",
+             chrysalis.slot=b chrysalis.version=0.2.0 chrysalis.generation=7 chrysalis.security_version=3 \
+             panic=10 console=ttyS0,115200",
             "33".repeat(32),
             "44".repeat(32),
         );

@@ -255,6 +255,11 @@ impl BootEntry {
     pub fn chrysalis_version(&self) -> Option<String> {
         crate::cmdline::param(&self.options, "chrysalis.version")
     }
+
+    /// `chrysalis.security_version=` of the options (`None` when absent or not a number).
+    pub fn security_version(&self) -> Option<u64> {
+        crate::cmdline::param(&self.options, "chrysalis.security_version").and_then(|v| v.parse().ok())
+    }
 }
 
 /// `/chrysalis/<slot>/vmlinuz`: the kernel path as the boot entry names it.

@@ -4,14 +4,12 @@
 //! `*.pub` file: 64 hex characters (32 bytes) and a newline. They are part of the verified
 //! root, so a new image can rotate them.
 //!
-//! The signing key is a file holding the 32-byte seed as 64 hex characters (mode 0600); its
-//! public half sits beside it with `.pub` appended (`update-signing.key.pub`). The dev key of
-//! `cargo xtask bundle` is `$CHRYSALIS_CACHE/keys/update-signing.key`, generated on first use
-//! ([`ensure_dev_key`]; `cargo xtask image` embeds its `.pub`).
+//! The signing key is a file holding the 32-byte seed as 64 hex characters (mode 0600, refused
+//! when group or others can read it); its public half sits beside it with `.pub` appended
+//! (`update-signing.key.pub`). [`generate_signing_key`] makes a pair (`cargo xtask keygen`, and
+//! the dev pair of `cargo xtask image|bundle --dev-keys`); it never replaces an existing key.
 
 use std::fs;
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 pub use ed25519_dalek::{Signature, SigningKey, VerifyingKey};
@@ -38,6 +36,24 @@ pub enum KeysError {
         /// The cause.
         #[source]
         source: std::io::Error,
+    },
+    /// A signing key file readable by group or others.
+    #[error(
+        "{} is readable by others (mode {mode:o}): a signing key must be private; chmod 600 it \
+         (and, if others could read it, make a new key pair and rebuild the image with the new public key)",
+        path.display()
+    )]
+    Exposed {
+        /// The key file.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// Generating a key where one exists.
+    #[error("{} exists: refusing to replace a signing key (remove it first if you really mean to)", path.display())]
+    Exists {
+        /// The key file.
+        path: PathBuf,
     },
     /// A key file does not hold 64 hex characters, or not a valid ed25519 point.
     #[error("{}: {reason} (expected 64 hex characters and a newline)", path.display())]
@@ -143,8 +159,17 @@ pub fn public_key_path(signing_key: &Path) -> PathBuf {
     signing_key.with_file_name(name)
 }
 
-/// Loads a signing key file (64 hex characters of seed).
+/// Loads a signing key file (64 hex characters of seed). The file must not be readable by
+/// group or others (mode 0600 or stricter): a signing key anyone on the machine could copy is
+/// refused, with the fix.
 pub fn load_signing_key(path: &Path) -> Result<SigningKey, KeysError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let meta =
+        fs::metadata(path).map_err(|source| KeysError::File { path: path.to_path_buf(), what: "reading", source })?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(KeysError::Exposed { path: path.to_path_buf(), mode });
+    }
     let text = fs::read_to_string(path).map_err(|source| KeysError::File {
         path: path.to_path_buf(),
         what: "reading",
@@ -158,64 +183,25 @@ pub fn load_signing_key(path: &Path) -> Result<SigningKey, KeysError> {
     Ok(SigningKey::from_bytes(&seed))
 }
 
-/// The signing key at `path`, generated (seed 0600 + `<path>.pub`) when the file does not exist.
-/// Returns the key and whether it was just made. The `.pub` file is rewritten when missing.
-pub fn load_or_generate_signing_key(path: &Path) -> Result<(SigningKey, bool), KeysError> {
-    let (key, created) = if path.exists() {
-        (load_signing_key(path)?, false)
-    } else {
-        if let Some(dir) = path.parent() {
-            fs::create_dir_all(dir).map_err(|source| KeysError::File {
-                path: dir.to_path_buf(),
-                what: "creating",
-                source,
-            })?;
-        }
-        let key = SigningKey::from_bytes(&rand::random::<[u8; 32]>());
-        write_private(path, format!("{}\n", hex::encode(key.to_bytes())).as_bytes())?;
-        (key, true)
-    };
-    let pub_path = public_key_path(path);
-    let want = public_key_text(&key.verifying_key());
-    if fs::read_to_string(&pub_path).ok().as_deref() != Some(want.as_str()) {
-        crate::atomic::write_file(&pub_path, want.as_bytes()).map_err(|source| KeysError::File {
-            path: pub_path.clone(),
-            what: "writing",
-            source,
-        })?;
+/// Makes a new signing key at `path` (hex seed, 0600, in a directory made 0700, written with
+/// [`foundation::write_secret`]) and its public half at `<path>.pub` (0644). Refuses to
+/// replace an existing key: a lost signing key cannot be recovered, and a box trusts only the
+/// public keys its image was built with.
+pub fn generate_signing_key(path: &Path) -> Result<SigningKey, KeysError> {
+    if fs::symlink_metadata(path).is_ok() {
+        return Err(KeysError::Exists { path: path.to_path_buf() });
     }
-    Ok((key, created))
+    let key = SigningKey::from_bytes(&rand::random::<[u8; 32]>());
+    foundation::write_secret(path, format!("{}\n", hex::encode(key.to_bytes())).as_bytes())
+        .map_err(|source| KeysError::File { path: path.to_path_buf(), what: "writing", source })?;
+    write_public_key(&public_key_path(path), &key.verifying_key())?;
+    Ok(key)
 }
 
-/// The development signing key of this machine: `<cache>/keys/update-signing.key` (+ `.pub`),
-/// generated on first use. The image build embeds its `.pub`; `cargo xtask bundle` signs with it.
-pub fn ensure_dev_key(cache_dir: &Path) -> Result<DevKey, KeysError> {
-    let key_path = cache_dir.join("keys").join("update-signing.key");
-    let (key, created) = load_or_generate_signing_key(&key_path)?;
-    Ok(DevKey { pub_path: public_key_path(&key_path), key_path, key, created })
-}
-
-/// The dev signing key and where it lives.
-#[derive(Debug)]
-pub struct DevKey {
-    /// `<cache>/keys/update-signing.key` (hex seed, 0600).
-    pub key_path: PathBuf,
-    /// `<cache>/keys/update-signing.key.pub` (hex public key + newline).
-    pub pub_path: PathBuf,
-    /// The key.
-    pub key: SigningKey,
-    /// Whether this call generated it.
-    pub created: bool,
-}
-
-fn write_private(path: &Path, bytes: &[u8]) -> Result<(), KeysError> {
-    let tmp = crate::atomic::tmp_path(path);
-    let err = |what, source| KeysError::File { path: path.to_path_buf(), what, source };
-    let _ = fs::remove_file(&tmp);
-    let mut file =
-        fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp).map_err(|e| err("creating", e))?;
-    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(|e| err("writing", e))?;
-    crate::atomic::rename(&tmp, path).map_err(|e| err("installing", e))
+/// Writes a `.pub` file (0644, atomically).
+pub fn write_public_key(path: &Path, key: &VerifyingKey) -> Result<(), KeysError> {
+    foundation::write_atomic(path, public_key_text(key).as_bytes(), foundation::PUBLIC_FILE)
+        .map_err(|source| KeysError::File { path: path.to_path_buf(), what: "writing", source })
 }
 
 #[cfg(test)]
@@ -224,32 +210,51 @@ mod tests {
     use ed25519_dalek::Signer;
     use std::os::unix::fs::PermissionsExt;
 
+    fn mode(path: &Path) -> u32 {
+        fs::metadata(path).expect("meta").permissions().mode() & 0o777
+    }
+
     #[test]
     fn generate_load_and_trust() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let dev = ensure_dev_key(dir.path()).expect("generate");
-        assert!(dev.created);
-        let mode = fs::metadata(&dev.key_path).expect("meta").permissions().mode() & 0o777;
-        assert_eq!(mode, 0o600);
-        let again = ensure_dev_key(dir.path()).expect("load");
-        assert!(!again.created);
-        assert_eq!(again.key.to_bytes(), dev.key.to_bytes());
-        let pub_text = fs::read_to_string(&dev.pub_path).expect("pub");
+        let key_path = dir.path().join("keys/update-signing.key");
+        let key = generate_signing_key(&key_path).expect("generate");
+        assert_eq!(mode(&key_path), 0o600);
+        assert_eq!(mode(key_path.parent().expect("dir")), 0o700);
+        let pub_path = public_key_path(&key_path);
+        assert!(pub_path.ends_with("keys/update-signing.key.pub"));
+        assert_eq!(mode(&pub_path), 0o644);
+        assert_eq!(load_signing_key(&key_path).expect("load").to_bytes(), key.to_bytes());
+        assert!(matches!(generate_signing_key(&key_path), Err(KeysError::Exists { .. })), "a key was replaced");
+        let pub_text = fs::read_to_string(&pub_path).expect("pub");
         assert_eq!(pub_text.len(), 65);
-        assert!(dev.pub_path.ends_with("keys/update-signing.key.pub"));
         assert!(pub_text.ends_with('\n'));
 
         let trust = dir.path().join("trust");
         fs::create_dir(&trust).expect("mkdir");
-        fs::copy(&dev.pub_path, trust.join("dev.pub")).expect("copy");
+        fs::copy(&pub_path, trust.join("dev.pub")).expect("copy");
         fs::write(trust.join("README"), "not a key").expect("other file");
         let keys = TrustedKeys::load(&trust).expect("load trust");
         assert_eq!(keys.len(), 1);
-        let sig = dev.key.sign(b"hello");
+        let sig = key.sign(b"hello");
         assert_eq!(keys.verify(b"hello", &sig), Some("dev.pub"));
         assert_eq!(keys.verify(b"hellO", &sig), None);
         let other = SigningKey::from_bytes(&[7u8; 32]);
         assert_eq!(keys.verify(b"hello", &other.sign(b"hello")), None);
+    }
+
+    #[test]
+    fn an_exposed_signing_key_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key_path = dir.path().join("k");
+        generate_signing_key(&key_path).expect("generate");
+        fs::set_permissions(&key_path, fs::Permissions::from_mode(0o640)).expect("chmod");
+        match load_signing_key(&key_path) {
+            Err(e @ KeysError::Exposed { mode: 0o640, .. }) => assert!(e.to_string().contains("chmod 600"), "{e}"),
+            other => panic!("expected Exposed, got {other:?}"),
+        }
+        fs::set_permissions(&key_path, fs::Permissions::from_mode(0o400)).expect("chmod");
+        load_signing_key(&key_path).expect("0400 is private");
     }
 
     #[test]
@@ -261,5 +266,8 @@ mod tests {
             other => panic!("expected Malformed, got {other:?}"),
         }
         assert!(matches!(TrustedKeys::load(&dir.path().join("missing")), Err(KeysError::Dir { .. })));
+        let seed = dir.path().join("seed");
+        foundation::write_secret(&seed, b"not hex\n").expect("write");
+        assert!(matches!(load_signing_key(&seed), Err(KeysError::Malformed { .. })));
     }
 }

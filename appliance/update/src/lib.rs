@@ -13,17 +13,20 @@
 //!   `chrysalis-b+0-1.conf`) and systemd-boot's boot order;
 //! - [`apply`]: writing the inactive slot and arming a one-shot trial, entry last;
 //! - [`state`]: status, commit, mark-bad, rollback, and the update records;
+//! - [`floor`]: the security floor (no downgrades): the highest committed `security_version`;
 //! - [`gate`]: the pure health-gate decision (commit / wait / revert / offline rule);
 //! - [`Updater`]: the async facade the supervisor holds.
 //!
-//! Invariants: nothing is written before the bundle's signature verifies; the fallback slot
-//! is never written while the running slot is unconfirmed; the boot entry is always the last
-//! write, so a power cut at any point leaves the running slot booting.
+//! Invariants: nothing is written before the bundle's signature verifies; no bundle below the
+//! security floor is written, and only a commit (or the running committed slot) raises the
+//! floor; the fallback slot is never written while the running slot is unconfirmed; the boot
+//! entry is always the last write, so a power cut at any point leaves the running slot booting.
 
 pub mod apply;
 pub mod bundle;
 pub mod cmdline;
 pub mod entries;
+pub mod floor;
 pub mod gate;
 pub mod keys;
 pub mod manifest;
@@ -38,4 +41,4 @@ pub use cmdline::slot_cmdline;
 pub use gate::{decide, Decision, GateInput, HealthSnapshot, NodeHealth, OfflinePolicy, PoolHealth};
 pub use slots::Slot;
 pub use state::Status;
-pub use updater::{chain, since_boot, GateOutcome, Updater, UpdaterConfig, UpdaterError};
+pub use updater::{chain, since_boot, GateOutcome, ImageInfo, Updater, UpdaterConfig, UpdaterError};

@@ -2,6 +2,7 @@
 //!
 //! ```json
 //! {"format":1,"compatible":"chrysalis-qemu-x86_64","version":"0.1.0","build_id":"…",
+//!  "security_version":1,
 //!  "kernel":{"sha256":"…","size":123},
 //!  "root":{"sha256":"…","size":456,"verity":{"root_hash":"…","salt":"…","data_blocks":9,"hash_offset":36864}},
 //!  "cmdline":"console=ttyS0"}
@@ -13,6 +14,13 @@
 //! The signature (`manifest.sig`) covers the exact bytes of `manifest.json`, so this type is
 //! only ever parsed from bytes whose signature was already verified (see [`crate::bundle`]).
 //! The image build (`cargo xtask image`) writes the same type, unsigned, next to the image.
+//!
+//! `security_version` is the anti-rollback level: signed like every other field, raised (by
+//! the release process, `rootfs/security-version`) when a security fix lands, never lowered.
+//! A box refuses a bundle whose `security_version` is below the highest one it has committed
+//! (see [`crate::floor`]). The format stays 1: the field is required by this updater, and an
+//! older updater, which ignores unknown fields, still accepts bundles that carry it (so boxes
+//! can be upgraded into anti-rollback).
 
 use serde::{Deserialize, Serialize};
 
@@ -55,6 +63,8 @@ pub struct Manifest {
     pub version: String,
     /// The build's identifier (content hash or CI build number).
     pub build_id: String,
+    /// The anti-rollback level: a box refuses bundles below the highest level it committed.
+    pub security_version: u64,
     /// The host kernel (`vmlinuz`, an EFI-stub bzImage).
     pub kernel: Blob,
     /// The root image (`root.img`: erofs + dm-verity hash tree).
@@ -189,6 +199,7 @@ pub(crate) mod tests {
             compatible: "chrysalis-qemu-x86_64".to_string(),
             version: "0.2.0".to_string(),
             build_id: "test-build".to_string(),
+            security_version: 3,
             kernel: Blob { sha256: "11".repeat(32), size: 10 },
             root: RootImage {
                 sha256: "22".repeat(32),
@@ -210,7 +221,15 @@ pub(crate) mod tests {
         let bytes = m.to_bytes();
         assert_eq!(Manifest::parse(&bytes).expect("parse"), m);
         let text = String::from_utf8(bytes).expect("utf8");
-        for key in ["\"format\"", "\"compatible\"", "\"build_id\"", "\"root_hash\"", "\"hash_offset\"", "\"cmdline\""] {
+        for key in [
+            "\"format\"",
+            "\"compatible\"",
+            "\"build_id\"",
+            "\"security_version\"",
+            "\"root_hash\"",
+            "\"hash_offset\"",
+            "\"cmdline\"",
+        ] {
             assert!(text.contains(key), "{key} missing in {text}");
         }
     }
@@ -243,5 +262,16 @@ pub(crate) mod tests {
         m.root.verity.salt = String::new();
         m.validate().expect("an empty salt is allowed");
         assert!(matches!(Manifest::parse(b"{\"format\":1}"), Err(ManifestError::Json(_))));
+    }
+
+    #[test]
+    fn security_version_is_required() {
+        let mut value = serde_json::to_value(sample()).expect("json");
+        value.as_object_mut().expect("object").remove("security_version");
+        let bytes = serde_json::to_vec(&value).expect("bytes");
+        match Manifest::parse(&bytes) {
+            Err(ManifestError::Json(e)) => assert!(e.to_string().contains("security_version"), "{e}"),
+            other => panic!("a manifest without security_version parsed: {other:?}"),
+        }
     }
 }

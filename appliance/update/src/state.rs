@@ -6,8 +6,9 @@
 //! - **commit**: rename the running slot's `+0-1` (or `+N-M`) entry to `chrysalis-<slot>.conf`;
 //! - **mark bad**: make sure the running slot's counted entry has 0 tries left, so the next
 //!   boot picks the other slot (the trial entry already is `+0-1` once systemd-boot booted it);
-//! - **rollback**: the other slot must hold a committed entry; rewrite it (still committed)
-//!   with generation max + 1 so it boots next. An empty, armed or failed other slot is refused.
+//! - **rollback**: the other slot must hold a committed entry at or above the security floor
+//!   (its entry's `chrysalis.security_version=`); rewrite it (still committed) with generation
+//!   max + 1 so it boots next. An empty, armed, failed or below-the-floor other slot is refused.
 //!
 //! Records (`<state>/update/last-attempt.json`) say what the last apply, commit, revert or
 //! rollback did and why; they survive reboots and upgrades.
@@ -56,6 +57,21 @@ pub enum StateError {
         state: SlotState,
         /// Its entry.
         entry: String,
+    },
+    /// Rollback to a slot below the security floor: it would run an image whose known
+    /// vulnerabilities a committed update fixed.
+    #[error(
+        "slot {slot} holds security_version {}, below this box's security floor {floor}: \
+         refusing to roll back to it (install a bundle with security_version {floor} or higher instead)",
+        security_version.map_or_else(|| "unknown (its entry has no chrysalis.security_version=)".to_string(), |v| v.to_string())
+    )]
+    BelowFloor {
+        /// The other slot.
+        slot: Slot,
+        /// Its entry's `security_version`, when it has one.
+        security_version: Option<u64>,
+        /// The floor.
+        floor: u64,
     },
     /// Rollback to a slot whose kernel is gone.
     #[error("slot {slot}'s kernel {} is missing: refusing to roll back to it", path.display())]
@@ -112,6 +128,9 @@ pub struct OtherSlot {
     pub version: Option<String>,
     /// Its entry's generation.
     pub generation: Option<u64>,
+    /// `chrysalis.security_version=` of its entry.
+    #[serde(default)]
+    pub security_version: Option<u64>,
     /// Its state.
     pub state: SlotState,
     /// Its entry file.
@@ -127,6 +146,13 @@ pub struct Status {
     pub version: Option<String>,
     /// The running generation.
     pub generation: Option<u64>,
+    /// The running image's `security_version` (from its verified root).
+    #[serde(default)]
+    pub security_version: u64,
+    /// The security floor: the highest `security_version` this box committed (no bundle below
+    /// it is accepted). `None` until recorded (the first start of a committed slot).
+    #[serde(default)]
+    pub security_floor: Option<u64>,
     /// The running slot's entry is committed.
     pub confirmed: bool,
     /// The running slot is on trial (its entry has a counter): the health gate decides.
@@ -246,8 +272,14 @@ impl Records {
     }
 }
 
-/// The status of the box.
-pub fn status(esp: &Esp, boot: &BootInfo, progress: Progress, records: &Records) -> Result<Status, StateError> {
+/// The status of the box; `security_version` is the running image's.
+pub fn status(
+    esp: &Esp,
+    boot: &BootInfo,
+    security_version: u64,
+    progress: Progress,
+    records: &Records,
+) -> Result<Status, StateError> {
     let all = esp.slot_entries()?;
     let own = entries::mine(&all, boot.slot, boot.generation);
     let other_slot = boot.slot.other();
@@ -256,6 +288,14 @@ pub fn status(esp: &Esp, boot: &BootInfo, progress: Progress, records: &Records)
         slot: boot.slot,
         version: boot.version.clone().or_else(|| own.and_then(|e| e.entry.chrysalis_version())),
         generation: boot.generation.or_else(|| own.and_then(|e| e.entry.generation())),
+        security_version,
+        security_floor: match records.floor() {
+            Ok(recorded) => recorded.floor(),
+            Err(e) => {
+                tracing::warn!(error = %crate::chain(&e), "status: the security floor is unreadable");
+                None
+            }
+        },
         confirmed: own.is_some_and(|e| e.name.is_committed()),
         trial_in_progress: own.is_some_and(|e| !e.name.is_committed()),
         entry: own.map(|e| e.file_name.clone()),
@@ -263,6 +303,7 @@ pub fn status(esp: &Esp, boot: &BootInfo, progress: Progress, records: &Records)
             slot: other_slot,
             version: other.and_then(|e| e.entry.chrysalis_version()),
             generation: other.and_then(|e| e.entry.generation()),
+            security_version: other.and_then(|e| e.entry.security_version()),
             state: SlotState::of(other),
             entry: other.map(|e| e.file_name.clone()),
         }),
@@ -328,8 +369,9 @@ pub struct RolledBack {
 }
 
 /// Makes the other slot boot next: its committed entry is rewritten with generation max + 1
-/// (the running slot's entry stays, as the fallback). Reboot to take effect.
-pub fn rollback(esp: &Esp, boot: &BootInfo) -> Result<RolledBack, StateError> {
+/// (the running slot's entry stays, as the fallback). Reboot to take effect. A slot below
+/// `floor` (the security floor) is refused.
+pub fn rollback(esp: &Esp, boot: &BootInfo, floor: u64) -> Result<RolledBack, StateError> {
     let all = esp.slot_entries()?;
     let other = boot.slot.other();
     let target = entries::newest(&all, other).ok_or(StateError::NothingToRollBackTo { slot: other })?;
@@ -339,6 +381,10 @@ pub fn rollback(esp: &Esp, boot: &BootInfo) -> Result<RolledBack, StateError> {
             state: SlotState::of(Some(target)),
             entry: target.file_name.clone(),
         });
+    }
+    let security_version = target.entry.security_version();
+    if security_version.is_none_or(|v| v < floor) {
+        return Err(StateError::BelowFloor { slot: other, security_version, floor });
     }
     let kernel = esp.kernel_path(other);
     if !kernel.is_file() {
@@ -369,8 +415,11 @@ mod tests {
         let esp = Esp::new(dir);
         for (name, generation) in files {
             let n = EntryName::parse(name).expect("name");
-            let options =
-                format!("chrysalis.slot={} chrysalis.version=v{generation} chrysalis.generation={generation}", n.slot);
+            let options = format!(
+                "chrysalis.slot={} chrysalis.version=v{generation} chrysalis.generation={generation} \
+                 chrysalis.security_version={generation}",
+                n.slot
+            );
             esp.write(&n, &BootEntry::for_slot(n.slot, &format!("v{generation}"), *generation, &options))
                 .expect("write");
             fs::create_dir_all(esp.kernel_path(n.slot).parent().expect("dir")).expect("mkdir");
@@ -393,14 +442,14 @@ mod tests {
         let esp = esp_with(dir.path(), &[("chrysalis-a.conf", 1), ("chrysalis-b+0-1.conf", 2)]);
         let b = boot(Slot::B, 2);
         let records = Records::new(dir.path());
-        let before = status(&esp, &b, Progress::default(), &records).expect("status");
+        let before = status(&esp, &b, 2, Progress::default(), &records).expect("status");
         assert!(before.trial_in_progress && !before.confirmed);
         assert_eq!(before.boot_order, ["chrysalis-a.conf", "chrysalis-b+0-1.conf"]);
         let done = commit(&esp, &b).expect("commit");
         assert_eq!(done, Committed { entry: "chrysalis-b.conf".into(), already: false });
         assert_eq!(names(&esp), ["chrysalis-a.conf", "chrysalis-b.conf"]);
         assert!(commit(&esp, &b).expect("again").already);
-        let after = status(&esp, &b, Progress::default(), &records).expect("status");
+        let after = status(&esp, &b, 2, Progress::default(), &records).expect("status");
         assert!(after.confirmed && !after.trial_in_progress);
         assert_eq!(after.boot_order[0], "chrysalis-b.conf");
         let other = after.other.expect("other");
@@ -425,19 +474,22 @@ mod tests {
         // Nothing to roll back to on a fresh image.
         let dir = tempfile::tempdir().expect("tempdir");
         let esp = esp_with(dir.path(), &[("chrysalis-a.conf", 1)]);
-        assert!(matches!(rollback(&esp, &boot(Slot::A, 1)), Err(StateError::NothingToRollBackTo { slot: Slot::B })));
+        assert!(matches!(rollback(&esp, &boot(Slot::A, 1), 0), Err(StateError::NothingToRollBackTo { slot: Slot::B })));
 
         // An armed or failed other slot is not a rollback target.
         for other in ["chrysalis-b+1.conf", "chrysalis-b+0-1.conf"] {
             let dir = tempfile::tempdir().expect("tempdir");
             let esp = esp_with(dir.path(), &[("chrysalis-a.conf", 1), (other, 2)]);
-            assert!(matches!(rollback(&esp, &boot(Slot::A, 1)), Err(StateError::OtherNotGood { slot: Slot::B, .. })));
+            assert!(matches!(
+                rollback(&esp, &boot(Slot::A, 1), 0),
+                Err(StateError::OtherNotGood { slot: Slot::B, .. })
+            ));
         }
 
         // After A→B committed: rolling back rewrites A with generation 3, which then boots.
         let dir = tempfile::tempdir().expect("tempdir");
         let esp = esp_with(dir.path(), &[("chrysalis-a.conf", 1), ("chrysalis-b.conf", 2)]);
-        let done = rollback(&esp, &boot(Slot::B, 2)).expect("rollback");
+        let done = rollback(&esp, &boot(Slot::B, 2), 1).expect("rollback");
         assert_eq!(done.slot, Slot::A);
         assert_eq!(done.generation, 3);
         assert_eq!(done.entry, "chrysalis-a.conf");
@@ -450,13 +502,45 @@ mod tests {
         // During a trial of B, rolling back to the committed A is allowed.
         let dir = tempfile::tempdir().expect("tempdir");
         let esp = esp_with(dir.path(), &[("chrysalis-a.conf", 1), ("chrysalis-b+0-1.conf", 2)]);
-        assert_eq!(rollback(&esp, &boot(Slot::B, 2)).expect("rollback").generation, 3);
+        assert_eq!(rollback(&esp, &boot(Slot::B, 2), 1).expect("rollback").generation, 3);
 
         // A missing kernel makes the target unbootable.
         let dir = tempfile::tempdir().expect("tempdir");
         let esp = esp_with(dir.path(), &[("chrysalis-a.conf", 1), ("chrysalis-b.conf", 2)]);
         fs::remove_file(esp.kernel_path(Slot::A)).expect("rm");
-        assert!(matches!(rollback(&esp, &boot(Slot::B, 2)), Err(StateError::OtherKernelMissing { .. })));
+        assert!(matches!(rollback(&esp, &boot(Slot::B, 2), 1), Err(StateError::OtherKernelMissing { .. })));
+    }
+
+    #[test]
+    fn rollback_below_the_security_floor_is_refused() {
+        // A (security_version 1, from esp_with) and B (2) committed; B runs.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let esp = esp_with(dir.path(), &[("chrysalis-a.conf", 1), ("chrysalis-b.conf", 2)]);
+        let before = names(&esp);
+        let a_entry = fs::read(esp.entries_dir().join("chrysalis-a.conf")).expect("a");
+        match rollback(&esp, &boot(Slot::B, 2), 2) {
+            Err(e @ StateError::BelowFloor { slot: Slot::A, security_version: Some(1), floor: 2 }) => {
+                let text = e.to_string();
+                assert!(text.contains("security_version 1") && text.contains("floor 2"), "{text}");
+            }
+            other => panic!("expected BelowFloor, got {other:?}"),
+        }
+        assert_eq!(names(&esp), before);
+        assert_eq!(fs::read(esp.entries_dir().join("chrysalis-a.conf")).expect("a"), a_entry, "A was rewritten");
+        // An entry that does not say its level is below any floor but 0.
+        let bare = BootEntry::for_slot(Slot::A, "v1", 1, "chrysalis.slot=a chrysalis.generation=1");
+        esp.write(&EntryName::plain(Slot::A), &bare).expect("bare");
+        assert!(matches!(
+            rollback(&esp, &boot(Slot::B, 2), 1),
+            Err(StateError::BelowFloor { security_version: None, floor: 1, .. })
+        ));
+        // At the floor: allowed.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let esp = esp_with(dir.path(), &[("chrysalis-a.conf", 2), ("chrysalis-b.conf", 3)]);
+        assert_eq!(rollback(&esp, &boot(Slot::B, 3), 2).expect("at the floor").slot, Slot::A);
+        let status = status(&esp, &boot(Slot::B, 3), 3, Progress::default(), &Records::new(dir.path())).expect("st");
+        assert_eq!(status.other.and_then(|o| o.security_version), Some(2));
+        assert_eq!((status.security_version, status.security_floor), (3, None));
     }
 
     #[test]

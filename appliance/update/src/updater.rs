@@ -1,7 +1,8 @@
 //! [`Updater`]: the one object the supervisor holds. It ties the configuration (ESP, state
 //! directory, trusted keys, slot devices, command-line source, `compatible`) to the modules,
 //! runs the blocking work on tokio's blocking pool, allows one mutating operation at a time,
-//! publishes apply progress on a watch channel, and records every attempt.
+//! publishes apply progress on a watch channel, records every attempt, and keeps the security
+//! floor ([`crate::floor`]): reconciled at start and before each apply, raised by commits.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -15,7 +16,8 @@ use tokio::sync::{watch, Mutex, OwnedMutexGuard};
 use crate::apply::{self, ApplyContext, ApplyError, ApplyReport, Phase, Progress};
 use crate::bundle::BundleError;
 use crate::cmdline::{BootInfo, CmdlineError, CmdlineSource};
-use crate::entries::Esp;
+use crate::entries::{self, EntriesError, Esp};
+use crate::floor::{FloorError, FloorReason, RunningSlot};
 use crate::gate::Decision;
 use crate::keys::TrustedKeys;
 use crate::slots::SlotsConfig;
@@ -36,8 +38,11 @@ pub enum UpdaterError {
     /// A state transition failed or was refused.
     #[error(transparent)]
     State(#[from] StateError),
+    /// The security floor could not be read or written.
+    #[error(transparent)]
+    Floor(#[from] FloorError),
     /// `image.json` could not be read.
-    #[error("reading the board from {}: {reason}", path.display())]
+    #[error("reading the image description {} (board, security_version): {reason}", path.display())]
     ImageJson {
         /// The file.
         path: PathBuf,
@@ -61,6 +66,7 @@ impl UpdaterError {
                 ApplyError::Unconfirmed { .. } => "unconfirmed",
                 ApplyError::NoOwnEntry { .. } => "no-own-entry",
                 ApplyError::Keys(_) => "trusted-keys",
+                ApplyError::Floor(_) => "security-floor",
                 ApplyError::ReadBack { .. } => "read-back-mismatch",
                 ApplyError::Slots(_) | ApplyError::Entries(_) | ApplyError::Kernel { .. } => "io",
                 ApplyError::Bundle(b) => match b {
@@ -68,6 +74,7 @@ impl UpdaterError {
                     BundleError::BadSignature { .. } => "bad-signature",
                     BundleError::UnknownKey { .. } => "unknown-key",
                     BundleError::Incompatible { .. } => "incompatible",
+                    BundleError::Downgrade { .. } => "downgrade",
                     BundleError::Tampered { .. } | BundleError::SizeMismatch { .. } => "tampered",
                     BundleError::OutOfOrder { .. } => "out-of-order",
                     BundleError::UnexpectedMember { .. } => "unexpected-member",
@@ -87,8 +94,10 @@ impl UpdaterError {
                 StateError::NothingToRollBackTo { .. } => "nothing-to-roll-back-to",
                 StateError::OtherNotGood { .. } => "other-not-good",
                 StateError::OtherKernelMissing { .. } => "other-kernel-missing",
+                StateError::BelowFloor { .. } => "below-security-floor",
                 StateError::Entries(_) | StateError::Record { .. } => "io",
             },
+            UpdaterError::Floor(_) => "security-floor",
         }
     }
 
@@ -97,7 +106,12 @@ impl UpdaterError {
     pub fn is_refusal(&self) -> bool {
         !matches!(
             self.kind(),
-            "io" | "internal" | "read-back-mismatch" | "trusted-keys" | "not-booted-from-slot" | "image-json"
+            "io" | "internal"
+                | "read-back-mismatch"
+                | "trusted-keys"
+                | "not-booted-from-slot"
+                | "image-json"
+                | "security-floor"
         )
     }
 }
@@ -117,28 +131,48 @@ pub struct UpdaterConfig {
     pub cmdline: CmdlineSource,
     /// This box's `compatible` (`chrysalis-<board>`).
     pub compatible: String,
+    /// The running image's `security_version` (from `image.json` in its verified root).
+    pub security_version: u64,
 }
 
 impl UpdaterConfig {
-    /// The fixed appliance paths, for the board `compatible`.
-    pub fn appliance(compatible: impl Into<String>) -> UpdaterConfig {
+    /// The fixed appliance paths, for the running image.
+    pub fn appliance(image: ImageInfo) -> UpdaterConfig {
         UpdaterConfig {
             esp: PathBuf::from("/efi"),
             state_dir: PathBuf::from("/var/lib/chrysalis"),
             trusted_keys: PathBuf::from("/usr/share/chrysalis/update-keys"),
             slots: SlotsConfig::appliance(),
             cmdline: CmdlineSource::default(),
-            compatible: compatible.into(),
+            compatible: image.compatible,
+            security_version: image.security_version,
         }
     }
+}
 
-    /// `chrysalis-<board>` from the image's `image.json` (`/usr/share/chrysalis/image.json`).
-    pub fn compatible_from_image_json(path: &Path) -> Result<String, UpdaterError> {
+/// What the running image says about itself in `/usr/share/chrysalis/image.json` (written by
+/// `cargo xtask image`, inside the dm-verity root).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageInfo {
+    /// `chrysalis-<board>`.
+    pub compatible: String,
+    /// The image's `security_version`.
+    pub security_version: u64,
+}
+
+impl ImageInfo {
+    /// Reads `board` and `security_version` from `image.json`. Both are required: the updater
+    /// and `image.json` ship in the same root, so a missing field is a broken build.
+    pub fn load(path: &Path) -> Result<ImageInfo, UpdaterError> {
         let err = |reason: String| UpdaterError::ImageJson { path: path.to_path_buf(), reason };
         let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
         let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| err(e.to_string()))?;
         let board = value.get("board").and_then(|b| b.as_str()).ok_or_else(|| err("no \"board\" string".into()))?;
-        Ok(crate::manifest::Manifest::compatible_for_board(board))
+        let security_version = value
+            .get("security_version")
+            .and_then(|v| v.as_u64())
+            .ok_or_else(|| err("no \"security_version\" number (rebuild the image with `cargo xtask image`)".into()))?;
+        Ok(ImageInfo { compatible: crate::manifest::Manifest::compatible_for_board(board), security_version })
     }
 }
 
@@ -231,7 +265,29 @@ impl Updater {
     pub fn status_blocking(&self) -> Result<Status, UpdaterError> {
         let boot = self.boot_info()?;
         let progress = self.inner.progress.borrow().clone();
-        Ok(state::status(&self.esp(), &boot, progress, &self.records())?)
+        Ok(state::status(&self.esp(), &boot, self.inner.config.security_version, progress, &self.records())?)
+    }
+
+    /// The running slot as the floor rules see it.
+    fn running(&self, boot: &BootInfo) -> Result<RunningSlot, EntriesError> {
+        let all = self.esp().slot_entries()?;
+        let committed = entries::mine(&all, boot.slot, boot.generation).is_some_and(|e| e.name.is_committed());
+        Ok(RunningSlot {
+            slot: boot.slot,
+            version: boot.version.clone(),
+            generation: boot.generation,
+            security_version: self.inner.config.security_version,
+            committed,
+        })
+    }
+
+    /// Reconciles the security floor with the running slot (at start: a first boot of a
+    /// committed slot records its level) and returns the floor. See [`crate::floor::reconcile`].
+    pub fn reconcile_floor_blocking(&self) -> Result<u64, UpdaterError> {
+        let _guard = self.lock()?;
+        let boot = self.boot_info()?;
+        let running = self.running(&boot).map_err(StateError::from)?;
+        Ok(crate::floor::reconcile(&self.records(), &running)?)
     }
 
     /// Applies the bundle streamed from `body` (the HTTP request body) to the other slot and
@@ -264,12 +320,19 @@ impl Updater {
         let config = &self.inner.config;
         let esp = self.esp();
         let progress = &self.inner.progress;
-        let result = TrustedKeys::load(&config.trusted_keys).map_err(ApplyError::from).and_then(|keys| {
+        // The floor first: an unknown floor accepts nothing.
+        let floor = self
+            .running(&boot)
+            .map_err(ApplyError::from)
+            .and_then(|running| Ok(crate::floor::reconcile(&self.records(), &running)?));
+        let result = floor.and_then(|floor| {
+            let keys = TrustedKeys::load(&config.trusted_keys)?;
             let ctx = ApplyContext {
                 esp: &esp,
                 slots: &config.slots,
                 keys: &keys,
                 compatible: &config.compatible,
+                min_security_version: floor,
                 boot: &boot,
             };
             apply::apply(&ctx, body, &mut |p| {
@@ -311,6 +374,12 @@ impl Updater {
             let _guard = guard;
             let boot = this.boot_info()?;
             let done = state::commit(&this.esp(), &boot)?;
+            // Committed: the floor rises to this slot's level. A failed write is logged and
+            // caught up at the next start or apply (the slot is committed either way).
+            let running = RunningSlot { committed: true, ..this.running(&boot).map_err(StateError::from)? };
+            if let Err(e) = this.records().raise_floor(&running, FloorReason::Commit) {
+                tracing::error!(error = %chain(&e), "could not raise the security floor after the commit");
+            }
             if !done.already {
                 let mut attempt =
                     LastAttempt::now(action, boot.slot, true, format!("committed {}: {note}", done.entry));
@@ -354,7 +423,9 @@ impl Updater {
         run_blocking(move || {
             let _guard = guard;
             let boot = this.boot_info()?;
-            let result = state::rollback(&this.esp(), &boot);
+            let running = this.running(&boot).map_err(StateError::from)?;
+            let floor = crate::floor::reconcile(&this.records(), &running)?;
+            let result = state::rollback(&this.esp(), &boot, floor);
             let mut attempt = LastAttempt::now(Action::Rollback, boot.slot, result.is_ok(), "");
             attempt.to_slot = Some(boot.slot.other());
             match &result {

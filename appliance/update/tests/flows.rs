@@ -13,17 +13,21 @@ use std::time::Duration;
 use update::bundle::{self, ManifestFields};
 use update::cmdline::{slot_cmdline, CmdlineSource};
 use update::entries::{BootEntry, Counter, EntryName, Esp};
+use update::floor::{FloorReason, Recorded};
 use update::gate::{self, GateInput, HealthSnapshot, OfflinePolicy, PoolHealth};
 use update::keys::SigningKey;
 use update::manifest::{Blob, Manifest, RootImage, Verity, FORMAT};
 use update::slots::{PartUuidSource, SlotsConfig};
+use update::state::Records;
 use update::state::{Action, SlotState};
-use update::{GateOutcome, Phase, Slot, Updater, UpdaterConfig, UpdaterError};
+use update::{GateOutcome, ImageInfo, Phase, Slot, Updater, UpdaterConfig, UpdaterError};
 
 const COMPATIBLE: &str = "chrysalis-qemu-x86_64";
 const SLOT_BYTES: u64 = 64 * 1024;
 const UUID_A: &str = "aaaaaaaa-1111-4111-8111-000000000001";
 const UUID_B: &str = "bbbbbbbb-2222-4222-8222-000000000002";
+/// The fresh image's security_version (slot A).
+const IMAGE_SECURITY_VERSION: u64 = 1;
 
 /// A fake box: ESP, state dir, trusted keys, slot files, by-partuuid links.
 struct Rig {
@@ -61,7 +65,7 @@ impl Rig {
         std::os::unix::fs::symlink(&b, root.join("by-partuuid").join(UUID_B)).expect("link");
 
         // What the image build writes for slot A.
-        let image = manifest_for("0.1.0", &pattern("0.1.0", 12 * 4096), b"kernel 0.1.0");
+        let image = manifest_for("0.1.0", IMAGE_SECURITY_VERSION, &pattern("0.1.0", 12 * 4096), b"kernel 0.1.0");
         let options = slot_cmdline(Slot::A, UUID_A, 1, &image);
         let esp = Esp::new(root.join("esp"));
         esp.write(&EntryName::plain(Slot::A), &BootEntry::for_slot(Slot::A, "0.1.0", 1, &options)).expect("entry");
@@ -75,6 +79,7 @@ impl Rig {
             slots: SlotsConfig { a, b, partuuids: PartUuidSource::ByPartUuidDir(root.join("by-partuuid")) },
             cmdline: CmdlineSource::Literal(options),
             compatible: COMPATIBLE.to_string(),
+            security_version: IMAGE_SECURITY_VERSION,
         };
         Rig { dir, key, config }
     }
@@ -91,13 +96,30 @@ impl Rig {
         Updater::open(self.config.clone())
     }
 
-    /// Builds a signed bundle of `version` (root image of `blocks` 4 KiB blocks).
+    /// Builds a signed bundle of `version` (root image of `blocks` 4 KiB blocks) at the
+    /// image's security_version.
     fn bundle(&self, version: &str, blocks: u64) -> (PathBuf, Manifest) {
         self.bundle_with(version, blocks, &self.key, COMPATIBLE)
     }
 
     fn bundle_with(&self, version: &str, blocks: u64, key: &SigningKey, compatible: &str) -> (PathBuf, Manifest) {
-        let work = self.path(&format!("build-{version}-{compatible}"));
+        self.bundle_full(version, IMAGE_SECURITY_VERSION, blocks, key, compatible)
+    }
+
+    /// A bundle of `version` at `security_version`.
+    fn bundle_sv(&self, version: &str, security_version: u64) -> (PathBuf, Manifest) {
+        self.bundle_full(version, security_version, 12, &self.key, COMPATIBLE)
+    }
+
+    fn bundle_full(
+        &self,
+        version: &str,
+        security_version: u64,
+        blocks: u64,
+        key: &SigningKey,
+        compatible: &str,
+    ) -> (PathBuf, Manifest) {
+        let work = self.path(&format!("build-{version}-{compatible}-{security_version}"));
         fs::create_dir_all(&work).expect("mkdir");
         let (root, kernel) = (work.join("root.img"), work.join("vmlinuz"));
         fs::write(&root, pattern(version, (blocks * 4096) as usize)).expect("root");
@@ -106,6 +128,7 @@ impl Rig {
             compatible: compatible.to_string(),
             version: version.to_string(),
             build_id: format!("build-{version}"),
+            security_version,
             verity: verity(blocks),
             cmdline: "console=ttyS0,115200".to_string(),
         };
@@ -127,6 +150,8 @@ impl Rig {
             esp.rename(&first, &next).expect("systemd-boot's rename");
         }
         self.config.cmdline = CmdlineSource::Literal(entry.entry.options.clone());
+        // The booted root's image.json says what the bundle's manifest (and so the entry) said.
+        self.config.security_version = entry.entry.security_version().expect("the entry names its security_version");
         first
     }
 
@@ -140,13 +165,14 @@ fn verity(blocks: u64) -> Verity {
     Verity { root_hash: "5a".repeat(32), salt: "c3".repeat(32), data_blocks, hash_offset: data_blocks * 4096 }
 }
 
-fn manifest_for(version: &str, root: &[u8], kernel: &[u8]) -> Manifest {
+fn manifest_for(version: &str, security_version: u64, root: &[u8], kernel: &[u8]) -> Manifest {
     use sha2::Digest;
     Manifest {
         format: FORMAT,
         compatible: COMPATIBLE.to_string(),
         version: version.to_string(),
         build_id: format!("build-{version}"),
+        security_version,
         kernel: Blob { sha256: hex::encode(sha2::Sha256::digest(kernel)), size: kernel.len() as u64 },
         root: RootImage {
             sha256: hex::encode(sha2::Sha256::digest(root)),
@@ -504,6 +530,132 @@ fn status_needs_a_slot_on_the_command_line() {
     rig.config.cmdline = CmdlineSource::Literal("root=/dev/sda1 quiet".into());
     assert_eq!(kind(rig.updater().status_blocking()), "not-booted-from-slot");
     let image_json = rig.path("image.json");
+    fs::write(&image_json, r#"{"board":"qemu-x86_64","version":"0.1.0","security_version":4}"#).expect("write");
+    let image = ImageInfo::load(&image_json).expect("image.json");
+    assert_eq!((image.compatible.as_str(), image.security_version), (COMPATIBLE, 4));
+    // An image.json without its security_version is a broken build: updates stay off.
     fs::write(&image_json, r#"{"board":"qemu-x86_64","version":"0.1.0"}"#).expect("write");
-    assert_eq!(UpdaterConfig::compatible_from_image_json(&image_json).expect("board"), COMPATIBLE);
+    let err = ImageInfo::load(&image_json).expect_err("no security_version");
+    assert_eq!(err.kind(), "image-json");
+    assert!(err.to_string().contains("security_version"), "{err}");
+}
+
+/// The security floor on the rig's state directory.
+fn floor(rig: &Rig) -> Option<u64> {
+    Records::new(&rig.config.state_dir).floor().expect("floor record").floor()
+}
+
+#[test]
+fn a_lower_security_version_is_refused_before_anything_is_written() {
+    let mut rig = Rig::new();
+    rig.config.security_version = 2;
+    // B holds an older committed entry: a refusal must not even remove it.
+    let esp = rig.esp();
+    let old = BootEntry::for_slot(Slot::B, "0.0.9", 0, "chrysalis.slot=b chrysalis.generation=0");
+    esp.write(&EntryName::plain(Slot::B), &old).expect("old b");
+    fs::create_dir_all(rig.path("esp/chrysalis/b")).expect("mkdir");
+    fs::write(esp.kernel_path(Slot::B), b"old kernel").expect("old kernel");
+    let slot_b = fs::read(&rig.config.slots.b).expect("slot b");
+    let entries_before: Vec<(String, Vec<u8>)> = rig
+        .entry_names()
+        .into_iter()
+        .map(|n| (n.clone(), fs::read(rig.path(&format!("esp/loader/entries/{n}"))).expect("entry")))
+        .collect();
+
+    let (lower, _) = rig.bundle_sv("0.0.8", 1);
+    let updater = rig.updater();
+    let err = updater.apply_blocking(fs::File::open(&lower).expect("open")).expect_err("downgrade applied");
+    assert_eq!(err.kind(), "downgrade", "{err}");
+    assert!(err.is_refusal());
+    let text = err.to_string();
+    assert!(text.contains("security_version 1") && text.contains("floor 2"), "{text}");
+    // Nothing written: slot bytes, entries, kernel.
+    assert_eq!(fs::read(&rig.config.slots.b).expect("slot b"), slot_b, "slot B changed");
+    let entries_after: Vec<(String, Vec<u8>)> = rig
+        .entry_names()
+        .into_iter()
+        .map(|n| (n.clone(), fs::read(rig.path(&format!("esp/loader/entries/{n}"))).expect("entry")))
+        .collect();
+    assert_eq!(entries_after, entries_before);
+    assert_eq!(fs::read(esp.kernel_path(Slot::B)).expect("kernel"), b"old kernel");
+    // The first start of a committed slot recorded its level; the refusal is on record.
+    assert_eq!(floor(&rig), Some(2));
+    let status = updater.status_blocking().expect("status");
+    assert_eq!((status.security_version, status.security_floor), (2, Some(2)));
+    assert_eq!(status.progress.phase, Phase::Failed);
+    assert!(status.progress.error.as_deref().is_some_and(|e| e.contains("floor 2")), "{:?}", status.progress);
+    let last = status.last_attempt.expect("recorded");
+    assert!(!last.ok && last.message.contains("security_version 1") && last.message.contains("floor 2"), "{last:?}");
+
+    // Equal is allowed (a same-level update or a re-install), and higher too.
+    rig.updater().apply_blocking(fs::File::open(&rig.bundle_sv("0.2.0", 2).0).expect("open")).expect("equal");
+    rig.updater().apply_blocking(fs::File::open(&rig.bundle_sv("0.3.0", 3).0).expect("open")).expect("higher");
+    assert_eq!(floor(&rig), Some(2), "applying does not raise the floor");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_floor_rises_on_commit_only() {
+    let mut rig = Rig::new();
+    assert_eq!(rig.updater().reconcile_floor_blocking().expect("first start"), 1);
+    match Records::new(&rig.config.state_dir).floor().expect("floor") {
+        Recorded::Present(r) => {
+            assert_eq!((r.security_version, r.slot, r.reason), (1, Slot::A, FloorReason::FirstBoot))
+        }
+        other => panic!("first boot recorded nothing: {other:?}"),
+    }
+
+    // A failed trial of a level-3 bundle: applied, tried, reverted: the floor stays 1.
+    let (three, _) = rig.bundle_sv("0.3.0+fault", 3);
+    rig.updater().apply(tokio::fs::File::open(&three).await.expect("open")).await.expect("apply");
+    assert_eq!(floor(&rig), Some(1), "apply raised the floor");
+    assert_eq!(rig.reboot(), "chrysalis-b+1.conf");
+    let trial = rig.updater();
+    assert_eq!(trial.reconcile_floor_blocking().expect("trial start"), 1);
+    let st = trial.status().await.expect("status");
+    assert_eq!((st.security_version, st.security_floor, st.trial_in_progress), (3, Some(1), true));
+    let revert = gate::decide(&GateInput {
+        elapsed: Duration::from_secs(601),
+        deadline: Duration::from_secs(600),
+        health: unhealthy(),
+        offline: OfflinePolicy::CommitLocal,
+    });
+    assert!(matches!(trial.act(&revert).await.expect("act"), GateOutcome::RebootNeeded { .. }));
+    assert_eq!(floor(&rig), Some(1), "a failed trial raised the floor");
+    assert_eq!(rig.reboot(), "chrysalis-a.conf");
+    assert_eq!(rig.updater().reconcile_floor_blocking().expect("back on A"), 1);
+
+    // The same level again, committed this time: the floor becomes 3.
+    let (good, _) = rig.bundle_sv("0.3.0", 3);
+    rig.updater().apply(tokio::fs::File::open(&good).await.expect("open")).await.expect("apply");
+    rig.reboot();
+    assert_eq!(floor(&rig), Some(1));
+    let committed = rig.updater().commit().await.expect("commit");
+    assert_eq!(committed.entry, "chrysalis-b.conf");
+    assert_eq!(floor(&rig), Some(3), "the commit did not raise the floor");
+    match Records::new(&rig.config.state_dir).floor().expect("floor") {
+        Recorded::Present(r) => {
+            assert_eq!((r.slot, r.reason, r.version.as_deref()), (Slot::B, FloorReason::Commit, Some("0.3.0")))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(rig.reboot(), "chrysalis-b.conf");
+
+    // Now level 2 is a downgrade: refused with A byte-identical; rollback to A (level 1) too.
+    let slot_a = fs::read(&rig.config.slots.a).expect("slot a");
+    let entries = rig.entry_names();
+    let (two, _) = rig.bundle_sv("0.2.9", 2);
+    let err = rig.updater().apply(tokio::fs::File::open(&two).await.expect("open")).await.expect_err("downgrade");
+    assert_eq!(err.kind(), "downgrade", "{err}");
+    assert_eq!(fs::read(&rig.config.slots.a).expect("slot a"), slot_a, "slot A was written");
+    assert_eq!(rig.entry_names(), entries);
+    let err = rig.updater().rollback().await.expect_err("rollback below the floor");
+    assert_eq!(err.kind(), "below-security-floor", "{err}");
+    assert!(err.is_refusal());
+    assert!(err.to_string().contains("security_version 1") && err.to_string().contains("floor 3"), "{err}");
+    assert_eq!(rig.entry_names(), entries);
+    let st = rig.updater().status().await.expect("status");
+    assert_eq!((st.security_version, st.security_floor), (3, Some(3)));
+    assert_eq!(st.other.and_then(|o| o.security_version), Some(1));
+    // A re-install at the floor is allowed.
+    rig.updater().apply(tokio::fs::File::open(&good).await.expect("open")).await.expect("equal level");
 }

@@ -1,9 +1,10 @@
 //! The appliance scenarios and the boxes they share (see the suite's doc).
 //!
-//! Box 1 lives through the first four scenarios in order: first boot (join, both nodes Ready,
+//! Box 1 lives through the first five scenarios in order: first boot (join, both nodes Ready,
 //! the seed's sandboxd example), a tampered bundle refused, a bundle that never becomes healthy
-//! rolled back to A by itself, then a good bundle committed on B. Box 2 is a fresh disk for the
-//! power cut in the middle of writing the inactive slot.
+//! rolled back to A by itself, a good bundle committed on B (raising the security floor), then
+//! the first version's bundle replayed and refused as a downgrade (no reboot). Box 2 is a fresh
+//! disk for the power cut in the middle of writing the inactive slot.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,7 +12,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use serde_json::Value;
-use supervisor::client::Client;
+use supervisor::client::{Client, ClientError};
 use supervisor::http::Endpoint;
 use supervisor::update::{UpdateState, UpdateStatus};
 use test_infra::appliance_vm::{ApplianceVm, JoinedBox, Options as VmOptions};
@@ -43,6 +44,8 @@ struct Built {
     disk: PathBuf,
     good: PathBuf,
     never_healthy: PathBuf,
+    /// The first version's bundle: one security_version below `good`.
+    old: PathBuf,
 }
 
 fn built() -> Result<Built, String> {
@@ -53,8 +56,9 @@ fn built() -> Result<Built, String> {
         disk: dir.join("disk.raw"),
         good: dir.join("good.chrysalis-bundle"),
         never_healthy: dir.join("never-healthy.chrysalis-bundle"),
+        old: dir.join("old.chrysalis-bundle"),
     };
-    for p in [&b.disk, &b.good, &b.never_healthy] {
+    for p in [&b.disk, &b.good, &b.never_healthy, &b.old] {
         ensure!(p.is_file(), "{} is missing", p.display());
     }
     Ok(b)
@@ -108,6 +112,7 @@ pub fn run(name: &str) -> Result<(), String> {
         "a_tampered_bundle_is_refused" => tampered(env),
         "a_bundle_that_never_becomes_healthy_rolls_back_to_a" => never_healthy(env),
         "upgrade_a_to_b_commits_and_keeps_the_node_identities" => upgrade(env),
+        "a_lower_security_version_replayed_after_the_upgrade_is_refused" => downgrade(env),
         "a_power_cut_while_writing_the_inactive_slot_leaves_a_booting" => power_cut(env),
         other => Err(format!("unknown scenario {other}")),
     };
@@ -364,10 +369,66 @@ fn upgrade(env: &mut Env) -> Outcome {
     b.wait_slot(rt, "b", UpdateState::Trial, BOOT)?;
     let st = b.wait_slot(rt, "b", UpdateState::Confirmed, Duration::from_secs(HEALTH_DEADLINE_SECS) + BOOT)?;
     ensure!(st.generation.is_some_and(|g| g >= 2), "committed B runs generation {:?}", st.generation);
+    // The commit raised the security floor to B's level (A's + 1, see `cargo xtask test`).
+    ensure!(
+        st.security_version.is_some() && st.security_floor == st.security_version,
+        "after committing B the floor should be B's security_version: {st:?}"
+    );
     env.wait_nodes_ready(HEALTHY)?;
     // Credentials live on the state partition: the upgraded box needed no new certificate.
     let csrs_after = env.kubectl_json(&["get", "csr"])?["items"].as_array().map(Vec::len).unwrap_or(0);
     ensure!(csrs_after == csrs_before, "the upgrade re-bootstrapped: {csrs_before} CSRs before, {csrs_after} after");
+    Ok(())
+}
+
+/// After the upgrade: the first version's bundle (one security_version below the floor B's
+/// commit set) is refused before anything is written; the box keeps running committed B, same
+/// generation, services healthy.
+fn downgrade(env: &mut Env) -> Outcome {
+    let rt = &env.rt;
+    let b = env.box1.as_ref().ok_or("box1 did not boot (first scenario failed)")?;
+    let before = b.wait_settled(rt, "b", BOOT)?;
+    let floor = before.security_floor.ok_or_else(|| format!("no security floor recorded: {before:?}"))?;
+    ensure!(floor >= 1, "floor {floor}: the upgrade should have raised it above the first version's");
+    let (bundle_level, floor_text) = (format!("security_version {}", floor - 1), format!("floor {floor}"));
+    match rt.block_on(b.client.update_apply(&env.built.old)) {
+        Ok(o) => return Err(format!("a lower security_version was accepted: {o:?}")),
+        Err(ClientError::Api { status, kind, message }) => ensure!(
+            status.as_u16() == 422
+                && kind == "downgrade_refused"
+                && message.contains(&bundle_level)
+                && message.contains(&floor_text),
+            "the refusal is not a 422 downgrade_refused naming {bundle_level:?} and {floor_text:?}: \
+             {status} {kind}: {message}"
+        ),
+        Err(e) => return Err(format!("applying the old bundle failed otherwise: {e}")),
+    }
+    let after = b.wait_api(rt, BOOT)?;
+    ensure!(
+        after.slot.as_deref() == Some("b") && after.state == UpdateState::Failed,
+        "after the refused downgrade the box should say `failed` on B: {after:?}"
+    );
+    ensure!(
+        after.message.as_deref().is_some_and(|m| m.contains(&bundle_level) && m.contains(&floor_text)),
+        "update status does not say why the bundle was refused: {after:?}"
+    );
+    ensure!(
+        after.generation == before.generation
+            && after.security_floor == Some(floor)
+            && after.detail["confirmed"] == Value::Bool(true),
+        "the refusal changed the running slot or the floor: before {before:?}, after {after:?}"
+    );
+    ensure!(
+        after.detail["other"] == before.detail["other"] && after.detail["other"]["state"] == "good",
+        "the refusal touched slot A: before {}, after {}",
+        before.detail["other"],
+        after.detail["other"]
+    );
+    // The services never noticed: the supervisor is healthy and both nodes stay Ready.
+    poll("the supervisor healthy after the refusal", HEALTHY, || {
+        Ok(rt.block_on(b.client.status()).ok().filter(|s| s.health.healthy()).map(|_| ()))
+    })?;
+    env.wait_nodes_ready(HEALTHY)?;
     Ok(())
 }
 

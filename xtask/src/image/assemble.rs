@@ -321,13 +321,15 @@ pub fn slot_cmdline(
     slot: char,
     version: &str,
     generation: u64,
+    security_version: u64,
     board_args: &str,
 ) -> String {
     let data_sectors = verity.data_blocks * (BLOCK / SECTOR);
     let mut s = format!(
         "dm-mod.create=\"chrysalis-root,,,ro,0 {data_sectors} verity 1 PARTUUID={partuuid} PARTUUID={partuuid} \
          4096 4096 {blocks} {blocks} sha256 {hash} {salt}\" dm-mod.waitfor=PARTUUID={partuuid} root=/dev/dm-0 \
-         rootfstype=erofs ro chrysalis.slot={slot} chrysalis.version={version} chrysalis.generation={generation} panic=10",
+         rootfstype=erofs ro chrysalis.slot={slot} chrysalis.version={version} chrysalis.generation={generation} \
+         chrysalis.security_version={security_version} panic=10",
         blocks = verity.data_blocks,
         hash = verity.root_hash,
         salt = verity.salt,

@@ -1,5 +1,5 @@
 //! The host root tree: the Debian base from mmdebstrap (cached tarball), `rootfs/overlay/`, our
-//! release binaries, the shipped VM images and the update key. The tree is cached per input
+//! release binaries, the shipped VM images and the trusted update keys. The tree is cached per input
 //! hash under `$CHRYSALIS_CACHE/appliance/<board>/tree-<key>/root`, so building another
 //! version only rewrites the version files ([`stamp_version`]) and re-packs the root.
 
@@ -39,8 +39,8 @@ pub struct TreeInputs<'a> {
     pub binaries: &'a BTreeMap<String, PathBuf>,
     /// Shipped VM templates, by name.
     pub templates: &'a BTreeMap<String, BuiltTemplate>,
-    /// The update public key line (64 hex + newline).
-    pub update_key: &'a str,
+    /// The trusted update public keys (`usr/share/chrysalis/update-keys/<name>`).
+    pub update_keys: &'a [crate::keys::PublicKeyFile],
 }
 
 /// A prepared tree.
@@ -136,22 +136,25 @@ pub fn prepare(
     Ok(Tree { root, key, packages })
 }
 
-/// Writes the version-dependent files: `/usr/lib/os-release` (+ IMAGE_ID/IMAGE_VERSION) and
-/// `/usr/share/chrysalis/image.json`.
-pub fn stamp_version(tree: &Tree, board: &str, version: &str, build_id: &str) -> Result<()> {
+/// Writes the version-dependent files: `/usr/lib/os-release` (+ IMAGE_ID/IMAGE_VERSION/
+/// CHRYSALIS_SECURITY_VERSION) and `/usr/share/chrysalis/image.json` (the updater reads `board`
+/// and `security_version` from it).
+pub fn stamp_version(tree: &Tree, board: &str, version: &str, build_id: &str, security_version: u64) -> Result<()> {
     let base = tree.root.parent().context("tree has no parent")?.join("os-release.base");
     let mut os = fs::read_to_string(&base).with_context(|| format!("reading {}", base.display()))?;
     if !os.ends_with('\n') {
         os.push('\n');
     }
     os.push_str(&format!(
-        "VARIANT=\"Chrysalis appliance\"\nVARIANT_ID=chrysalis\nIMAGE_ID=chrysalis-{board}\nIMAGE_VERSION={version}\n"
+        "VARIANT=\"Chrysalis appliance\"\nVARIANT_ID=chrysalis\nIMAGE_ID=chrysalis-{board}\nIMAGE_VERSION={version}\n\
+         CHRYSALIS_SECURITY_VERSION={security_version}\n"
     ));
     fs::write(tree.root.join("usr/lib/os-release"), os)?;
     let image = serde_json::json!({
         "board": board,
         "version": version,
         "build_id": build_id,
+        "security_version": security_version,
         "generation_hint": 1,
     });
     fs::write(
@@ -189,7 +192,9 @@ fn tree_key(tarball_key: &str, overlay: &Path, inputs: &TreeInputs<'_>) -> Resul
     for (alias, target) in &inputs.board.vm_images.aliases {
         line(format!("alias {alias} {target}"));
     }
-    line(format!("key {}", inputs.update_key.trim()));
+    for key in inputs.update_keys {
+        line(format!("key {} {}", key.name, key.text.trim()));
+    }
     Ok(hex::encode(h.finalize())[..16].to_string())
 }
 
@@ -224,7 +229,9 @@ fn build(root: &Path, tarball: &Path, overlay: &Path, inputs: &TreeInputs<'_>) -
     }
     let keys = root.join("usr/share/chrysalis/update-keys");
     fs::create_dir_all(&keys)?;
-    fs::write(keys.join("dev.pub"), inputs.update_key)?;
+    for key in inputs.update_keys {
+        fs::write(keys.join(&key.name), &key.text)?;
+    }
     install_vm_images(root, inputs)?;
     Ok(())
 }
