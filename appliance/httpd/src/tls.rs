@@ -235,7 +235,7 @@ impl ServerCertVerifier for TrustVerifier {
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
         let digest: [u8; 32] = sha2::Sha256::digest(end_entity.as_ref()).into();
-        if self.pinned.iter().any(|p| *p == digest) {
+        if self.pinned.contains(&digest) {
             return Ok(ServerCertVerified::assertion());
         }
         match &self.chain {
