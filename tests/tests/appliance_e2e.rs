@@ -24,6 +24,7 @@ const SCENARIOS: &[&str] = &[
     "a_tampered_bundle_is_refused",
     "a_bundle_that_never_becomes_healthy_rolls_back_to_a",
     "upgrade_a_to_b_commits_and_keeps_the_node_identities",
+    "every_secret_on_the_state_partition_is_0600_in_a_0700_dir",
     "a_power_cut_while_writing_the_inactive_slot_leaves_a_booting",
 ];
 
