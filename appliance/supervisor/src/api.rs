@@ -364,13 +364,14 @@ pub fn bearer_ok(headers: &HeaderMap, token: &str) -> bool {
     scheme.eq_ignore_ascii_case("bearer") && bool::from(t.trim().as_bytes().ct_eq(token.as_bytes()))
 }
 
-/// `router` behind a bearer token (the TCP API).
+/// `router` behind a bearer token (the TCP API). An empty token (an unreadable or emptied
+/// token file) lets nobody in.
 pub fn with_token(router: Router, token: String) -> Router {
     let token = Arc::new(token);
     router.layer(axum::middleware::from_fn(move |req: Request, next: Next| {
         let token = token.clone();
         async move {
-            if bearer_ok(req.headers(), &token) {
+            if !token.is_empty() && bearer_ok(req.headers(), &token) {
                 next.run(req).await
             } else {
                 ApiError::Unauthorized.into_response()

@@ -377,6 +377,9 @@ pub async fn run(opts: RunOptions) -> Result<Exit, RunError> {
         };
         if let (Some(addr), Some(tf)) = (s.api_listen, &s.config.supervisor.api_token_file) {
             let token = read_secret(tf).unwrap_or_default();
+            if token.is_empty() {
+                tracing::error!(file = %tf.display(), "supervisor.api_token_file is empty or unreadable: the remote API refuses every request");
+            }
             let l = bind_tcp(addr, "binding supervisor.api_listen").await?;
             tracing::info!(listen = %addr, tls = tls.is_some(), "remote API listening (bearer token)");
             let router = api::with_token(api::app(api_state.clone()), token);

@@ -205,6 +205,14 @@ async fn the_tcp_api_needs_the_token() {
     assert_eq!(s, StatusCode::OK);
     let (s, _, _) = call(metrics_app(r.state.clone()), Method::GET, "/v1/status", Body::empty(), None).await;
     assert_eq!(s, StatusCode::NOT_FOUND, "the metrics listener serves only /metrics");
+    // An empty token (an emptied token file) opens nothing.
+    let empty = with_token(app(r.state.clone()), String::new());
+    for h in ["Bearer ", "Bearer", "bearer \t"] {
+        let req = Request::builder().uri("/v1/status").header(header::AUTHORIZATION, h).body(Body::empty()).unwrap();
+        assert_eq!(empty.clone().oneshot(req).await.unwrap().status(), StatusCode::UNAUTHORIZED, "{h:?}");
+    }
+    let (s, _, _) = call(empty, Method::GET, "/v1/status", Body::empty(), Some("")).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
 }
 
 #[tokio::test]
