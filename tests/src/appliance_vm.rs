@@ -32,6 +32,19 @@ pub const GUEST_SANDBOXD_PORT: u16 = 7777;
 pub const GUEST_API_PORT: u16 = 7780;
 /// The guest-side address of the forwarded host API server.
 pub const GUEST_FORWARD_ADDR: &str = "10.0.2.100";
+/// What the supervisor logs (to the journal, forwarded to the console on this board) before the
+/// fingerprint of each certificate it serves: the out-of-band channel a host pins it from.
+pub const FINGERPRINT_LINE: &str = "TLS certificate SHA-256 fingerprint ";
+
+/// The fingerprint following [`FINGERPRINT_LINE`] in `line` (`AB:CD:…`, 32 hex pairs).
+pub fn fingerprint_in(line: &str) -> Option<String> {
+    let at = line.find(FINGERPRINT_LINE)? + FINGERPRINT_LINE.len();
+    let fp: String = line[at..].chars().take(95).collect();
+    let ok = fp.len() == 95
+        && fp.split(':').count() == 32
+        && fp.split(':').all(|p| p.len() == 2 && p.bytes().all(|b| b.is_ascii_hexdigit()));
+    ok.then_some(fp)
+}
 
 /// How to start the machine.
 #[derive(Debug, Clone)]
@@ -282,6 +295,56 @@ impl ApplianceVm {
     }
 }
 
+impl ApplianceVm {
+    /// Waits for the supervisor to print its certificate's fingerprint on the console (after the
+    /// mark: call [`Self::mark_console`] first to wait for the next boot's).
+    pub fn wait_for_fingerprint(&mut self, timeout: Duration) -> Result<String> {
+        let line = self.wait_for_console(FINGERPRINT_LINE, timeout)?;
+        fingerprint_in(&line).with_context(|| format!("no fingerprint in the console line {line:?}"))
+    }
+
+    /// A clean power-off: ACPI power button through QMP (systemd stops the services and
+    /// unmounts), then waits for QEMU to exit; a machine still up after `timeout` is killed.
+    pub fn power_off(&mut self, timeout: Duration) -> Result<()> {
+        use std::io::{BufRead as _, BufReader};
+        use std::os::unix::net::UnixStream;
+        let sent = (|| -> std::io::Result<()> {
+            let s = UnixStream::connect(&self.qmp)?;
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            let mut r = BufReader::new(s.try_clone()?);
+            let mut w = s;
+            let mut line = String::new();
+            r.read_line(&mut line)?; // greeting
+            w.write_all(b"{\"execute\":\"qmp_capabilities\"}\n")?;
+            line.clear();
+            r.read_line(&mut line)?;
+            w.write_all(b"{\"execute\":\"system_powerdown\"}\n")?;
+            line.clear();
+            r.read_line(&mut line)?;
+            Ok(())
+        })();
+        if let Err(e) = sent {
+            eprintln!("appliance_vm: ACPI power-off through QMP failed ({e}); cutting the power");
+            return self.kill();
+        }
+        let deadline = Instant::now() + timeout;
+        while self.is_running() {
+            if Instant::now() >= deadline {
+                eprintln!("appliance_vm: still up {}s after the power button; cutting the power", timeout.as_secs());
+                return self.kill();
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        self.child = None;
+        Ok(())
+    }
+
+    /// The machine's disk (the qcow2 overlay on the built image).
+    pub fn disk(&self) -> PathBuf {
+        self.console.with_file_name("disk.qcow2")
+    }
+}
+
 impl Drop for ApplianceVm {
     fn drop(&mut self) {
         let _ = self.kill();
@@ -407,6 +470,17 @@ fn run(cmd: &mut Command, what: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fingerprints_are_read_off_console_lines() {
+        let fp = ["AB"; 32].join(":");
+        let json = format!(
+            "[   12.3] chrysalis[301]: {{\"level\":\"INFO\",\"message\":\"{FINGERPRINT_LINE}{fp}\",\"minted\":true}}"
+        );
+        assert_eq!(fingerprint_in(&json), Some(fp.clone()));
+        assert_eq!(fingerprint_in(&format!("{FINGERPRINT_LINE}{}", &fp[..40])), None);
+        assert_eq!(fingerprint_in("nothing here"), None);
+    }
 
     #[test]
     fn config_disk_holds_the_files_under_the_label() {

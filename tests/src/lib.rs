@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod netns;
 pub mod provider_process;
 pub mod sandboxd;
+pub mod secrets;
 pub mod suite;
 pub mod vfat;
 pub mod vk_cocoon;

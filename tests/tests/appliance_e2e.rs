@@ -27,6 +27,7 @@ const SCENARIOS: &[&str] = &[
     "a_bundle_that_never_becomes_healthy_rolls_back_to_a",
     "upgrade_a_to_b_commits_and_keeps_the_node_identities",
     "a_lower_security_version_replayed_after_the_upgrade_is_refused",
+    "every_secret_on_the_state_partition_is_0600_in_a_0700_dir",
     "a_power_cut_while_writing_the_inactive_slot_leaves_a_booting",
 ];
 

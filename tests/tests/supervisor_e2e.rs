@@ -6,7 +6,11 @@
 //!
 //! What it shows: `kill -9` of each child is recovered (a new process, the node Ready again, the
 //! pool back at target) and no claimed VM is lost (its QEMU process is the same one throughout);
-//! a stopped supervisor leaves the VMs running. A bad configuration naming its key is covered by
+//! a stopped supervisor leaves the VMs running. sandboxd runs with the root token the supervisor
+//! minted (read through `chrysalis token show sandboxd`'s route on the Unix socket; without it a
+//! claim is refused), on loopback in plain HTTP as a supervisor run by hand does; and every secret
+//! the box wrote, in the state directory and the runtime directory, is 0600 in a 0700 directory
+//! (`test_infra::secrets`). A bad configuration naming its key is covered by
 //! `appliance/supervisor/tests/supervise.rs`.
 
 #[cfg(all(feature = "e2e", feature = "cluster"))]
@@ -154,9 +158,23 @@ node_name = "{COCOON_NODE}"
             lines[lines.len().saturating_sub(60)..].join("\n")
         }
 
+        /// sandboxd's root token, as `chrysalis token show sandboxd` reads it (the Unix socket).
+        fn token(&self) -> String {
+            self.rt.block_on(self.client.token("sandboxd")).expect("GET /v1/tokens/sandboxd").token
+        }
+
         fn claim(&self) -> Value {
+            // Without the root token sandboxd refuses the claim.
+            let out = Command::new("curl")
+                .args(["-sS", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "30", "-X", "POST"])
+                .args(["-H", "content-type: application/json", "-d", r#"{"template": "base"}"#])
+                .arg(format!("http://127.0.0.1:{}/v1/claim", self.sandboxd))
+                .output()
+                .expect("curl");
+            assert_eq!(String::from_utf8_lossy(&out.stdout), "401", "an anonymous claim was not refused");
             let out = Command::new("curl")
                 .args(["-fsS", "--max-time", "120", "-X", "POST", "-H", "content-type: application/json"])
+                .args(["-H", &format!("authorization: Bearer {}", self.token())])
                 .args(["-d", &json!({"template": "base", "ttl_seconds": 900}).to_string()])
                 .arg(format!("http://127.0.0.1:{}/v1/claim", self.sandboxd))
                 .output()
@@ -200,7 +218,8 @@ node_name = "{COCOON_NODE}"
         // No VM lost: the claim is still listed and its QEMU is the same process.
         let alive: Vec<u32> = test_infra::qemu_processes_under(&run.state);
         let out = Command::new("curl")
-            .args(["-fsS", "--max-time", "30", &format!("http://127.0.0.1:{}/v1/sandboxes", run.sandboxd)])
+            .args(["-fsS", "--max-time", "30", "-H", &format!("authorization: Bearer {}", run.token())])
+            .arg(format!("http://127.0.0.1:{}/v1/sandboxes", run.sandboxd))
             .output()
             .expect("curl");
         let listed = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -214,6 +233,24 @@ node_name = "{COCOON_NODE}"
         assert!(exited.success(), "supervisor exit: {exited}\n{}", run.log());
         let after: Vec<u32> = test_infra::qemu_processes_under(&run.state);
         assert!(after.contains(&claimed[0]), "the claimed VM died with the supervisor: {after:?}");
+
+        // Every secret the box wrote: 0600 in a 0700 directory.
+        use test_infra::secrets::{check, walk_host};
+        let required = [
+            "secrets/sandboxd-token",
+            "sandboxd/claims.json",
+            "vk-sandbox/claims.json",
+            "vk-sandbox/pki/kubeconfig",
+            "vk-sandbox/pki/kubelet-client-current.pem",
+            "vk-cocoon/pki/kubeconfig",
+            "vk-cocoon/pki/kubelet-client-current.pem",
+            "logs/sandboxd.log",
+        ];
+        let checked =
+            check(&walk_host(&run.state).expect("walk the state"), &required).unwrap_or_else(|e| panic!("{e:#}"));
+        let run_dir = run.state.parent().expect("dir").join("run");
+        check(&walk_host(&run_dir).expect("walk the run dir"), &["sandboxd.json"]).unwrap_or_else(|e| panic!("{e:#}"));
+        println!("    {} secrets checked: {}", checked.len(), checked.join(", "));
     }
 }
 

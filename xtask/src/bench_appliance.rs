@@ -83,16 +83,21 @@ fn boot_and_measure(
     opts.guest_forward_port = Some(PORT);
     let rt = tokio::runtime::Runtime::new()?;
     let power_on = Instant::now();
-    let vm = ApplianceVm::start(&opts)?;
+    let mut vm = ApplianceVm::start(&opts)?;
     let accel = match vm.accel {
         vmm::Accel::Kvm => "KVM",
         vmm::Accel::Tcg => "TCG",
     };
     eprintln!("bench appliance: the box runs under {accel}; console {}", vm.console.display());
+    // The remote API serves TLS with the certificate the box mints: pin the fingerprint its
+    // console prints.
+    let fingerprint = vm.wait_for_fingerprint(BOOT)?;
+    let tls = httpd::tls::client_config(&httpd::tls::Trust::Fingerprint(fingerprint), httpd::tls::ALPN_HTTP1)?;
     let client = Client::new(
-        format!("http://127.0.0.1:{}", vm.api_port).parse().map_err(|e| anyhow!("API endpoint: {e}"))?,
+        format!("https://127.0.0.1:{}", vm.api_port).parse().map_err(|e| anyhow!("API endpoint: {e}"))?,
         Some(API_TOKEN.to_string()),
-    );
+    )
+    .with_tls(tls);
     let status = || rt.block_on(client.status()).ok();
     let failed =
         |e: String| anyhow!("{e}\n---- box console (last lines) ----\n{}", test_infra::tail(&vm.console_text(), 40));

@@ -6,6 +6,14 @@
 //! The machine gets a config disk (vfat, label `CHRYSALIS`) holding `--config-dir`'s files, its
 //! `config.toml` completed (unless it sets its own) with the supervisor's remote API on 7780 and a
 //! token generated once in `$CHRYSALIS_CACHE/appliance-run/api-token`.
+//!
+//! The box is secure by default: on first boot it mints sandboxd's root token and a TLS
+//! certificate, and prints the certificate's SHA-256 fingerprint on its console. When that line
+//! appears, this command pins the fingerprint, reads sandboxd's token through the remote API
+//! (`GET /v1/tokens/sandboxd`, what `chrysalis token show sandboxd` calls) and the certificate
+//! from sandboxd's TLS handshake, writes them next to the API token (`sandboxd-token`,
+//! `box.pem`, `fingerprint`) and prints how to use them: `chrysalis` with `--api-fingerprint`,
+//! curl with `--cacert`, and the SDK with `api_token=` and an `ssl_context`.
 
 use crate::flags::RunArgs;
 use crate::{image, paths, prereqs};
@@ -14,10 +22,11 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use test_infra::appliance_vm::{ApplianceVm, Options};
+use test_infra::appliance_vm::{fingerprint_in, ApplianceVm, Options};
 
 /// Console lines that mark progress worth a hint.
 const STARTED_SUPERVISOR: &str = "Started chrysalis.service";
@@ -50,17 +59,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let hints = format!(
         "run: image {} ({}), accelerator {accel}\n\
          run: console log {} (streamed below); QEMU: {}\n\
-         run: when the supervisor is up:\n\
-         run:   curl -s 127.0.0.1:{sp}/healthz ; curl -s 127.0.0.1:{sp}/v1/pools     # sandboxd\n\
-         run:   curl -s -H \"Authorization: Bearer $(cat {tok})\" 127.0.0.1:{ap}/v1/status   # supervisor\n\
+         run: the box mints sandboxd's token and a TLS certificate on first boot and prints the\n\
+         run: certificate's fingerprint on its console (\"TLS certificate SHA-256 fingerprint …\"); this\n\
+         run: command then fetches the token and the certificate into {dir} and shows how to use them.\n\
          run: Ctrl-C stops the machine{keep}{fwd}",
         built.manifest.version,
         built.disk.display(),
         vm.console.display(),
         vm.command_line(),
-        sp = args.sandboxd_port,
-        ap = args.api_port,
-        tok = token_file.display(),
+        dir = token_file.parent().map(|d| d.display().to_string()).unwrap_or_default(),
         keep = if args.keep { " (its disk is kept: --keep)" } else { "" },
         fwd = match args.guest_forward {
             Some(p) => format!("\nrun: the appliance reaches this host's 127.0.0.1:{p} as 10.0.2.100:{p}"),
@@ -76,11 +83,17 @@ pub fn run(args: &RunArgs) -> Result<()> {
     unsafe {
         libc::signal(libc::SIGINT, libc::SIG_IGN);
     }
+    let box_access = BoxAccess {
+        dir: token_file.parent().map(Path::to_path_buf).unwrap_or_default(),
+        api_token: token_file.clone(),
+        api_port: args.api_port,
+        sandboxd_port: args.sandboxd_port,
+    };
     let follower = {
         let stop = Arc::clone(&stop);
         let console = vm.console.clone();
         let hints = hints.clone();
-        std::thread::spawn(move || follow(&console, &stop, &hints))
+        std::thread::spawn(move || follow(&console, &stop, &hints, box_access))
     };
     let status = vm.wait()?;
     stop.store(true, Ordering::Relaxed);
@@ -89,11 +102,86 @@ pub fn run(args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// Streams the console file to stdout until `stop`; repeats the hints once the supervisor starts.
-fn follow(console: &Path, stop: &AtomicBool, hints: &str) {
+/// Where the host keeps what it needs to reach the box.
+#[derive(Debug, Clone)]
+struct BoxAccess {
+    dir: PathBuf,
+    api_token: PathBuf,
+    api_port: u16,
+    sandboxd_port: u16,
+}
+
+/// `der` as a PEM certificate.
+fn pem(der: &[u8]) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+    let lines: Vec<&str> = b64.as_bytes().chunks(64).map(|c| std::str::from_utf8(c).unwrap_or_default()).collect();
+    format!("-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n", lines.join("\n"))
+}
+
+/// Writes a file readable by its owner only.
+fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
+    f.write_all(bytes)?;
+    Ok(())
+}
+
+/// With the fingerprint from the console pinned: sandboxd's token through the remote API and
+/// sandboxd's certificate from its handshake, written into `a.dir`; returns the how-to.
+fn fetch_access(a: &BoxAccess, fingerprint: &str) -> Result<String> {
+    let tls = httpd::tls::client_config(&httpd::tls::Trust::Fingerprint(fingerprint.into()), httpd::tls::ALPN_HTTP1)?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let token = fs::read_to_string(&a.api_token).ok().map(|t| t.trim().to_string());
+    let client = supervisor::client::Client::new(format!("https://127.0.0.1:{}", a.api_port).parse()?, token)
+        .with_tls(tls.clone());
+    let deadline = std::time::Instant::now() + Duration::from_secs(600);
+    let sandboxd_token = loop {
+        match rt.block_on(client.token("sandboxd")) {
+            Ok(t) => break t.token,
+            Err(e) if std::time::Instant::now() > deadline => return Err(e).context("GET /v1/tokens/sandboxd"),
+            Err(_) => std::thread::sleep(Duration::from_secs(3)),
+        }
+    };
+    let cert = rt.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", a.sandboxd_port)).await?;
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?;
+        let conn = tokio_rustls::TlsConnector::from(tls).connect(name, tcp).await?;
+        let der = conn.get_ref().1.peer_certificates().and_then(|c| c.first()).map(|c| c.to_vec());
+        der.context("sandboxd sent no certificate")
+    })?;
+    let (tok, pem_file, fp_file) = (a.dir.join("sandboxd-token"), a.dir.join("box.pem"), a.dir.join("fingerprint"));
+    write_private(&tok, format!("{sandboxd_token}\n").as_bytes())?;
+    fs::write(&pem_file, pem(&cert))?;
+    fs::write(&fp_file, format!("{fingerprint}\n"))?;
+    Ok(format!(
+        "run: the box's certificate: SHA-256 {fingerprint} (from its console; pinned for what follows)\n\
+         run: wrote {tok} (sandboxd's root token, via the remote API), {pem} (its certificate), {fpf}\n\
+         run: the supervisor API (chrysalis: `cargo build -p chrysalis`, target/debug/chrysalis):\n\
+         run:   chrysalis --api https://127.0.0.1:{ap} --api-token-file {api} --api-fingerprint {fingerprint} status\n\
+         run:   chrysalis --api https://127.0.0.1:{ap} --api-token-file {api} --api-fingerprint $(cat {fpf}) token show sandboxd\n\
+         run: sandboxd (HTTPS, node routes need the token):\n\
+         run:   curl --cacert {pem} https://127.0.0.1:{sp}/healthz\n\
+         run:   curl --cacert {pem} -H \"Authorization: Bearer $(cat {tok})\" https://127.0.0.1:{sp}/v1/info\n\
+         run: the SDK (pip install cocoonstack-sandbox==0.1.19):\n\
+         run:   python3 -c 'import ssl; from cocoonsandbox import Client; c = Client(\"https://127.0.0.1:{sp}\", api_token=open(\"{tok}\").read().strip(), ssl_context=ssl.create_default_context(cafile=\"{pem}\")); sb = c.new(\"ghcr.io/cocoonstack/sandbox/rt:24.04\", ttl_seconds=600); print(sb.exec(\"sh\", \"-c\", \"echo $((40 + 2))\")); sb.close()'",
+        tok = tok.display(),
+        pem = pem_file.display(),
+        fpf = fp_file.display(),
+        api = a.api_token.display(),
+        ap = a.api_port,
+        sp = a.sandboxd_port,
+    ))
+}
+
+/// Streams the console file to stdout until `stop`; repeats the hints once the supervisor starts,
+/// and fetches the box's credentials once it prints its fingerprint.
+fn follow(console: &Path, stop: &AtomicBool, hints: &str, access: BoxAccess) {
     let mut pos = 0u64;
     let mut pending = String::new();
     let mut hinted = false;
+    let mut fetching = false;
     while !stop.load(Ordering::Relaxed) {
         if let Ok(mut f) = fs::File::open(console) {
             if f.seek(SeekFrom::Start(pos)).is_ok() {
@@ -110,6 +198,18 @@ fn follow(console: &Path, stop: &AtomicBool, hints: &str) {
             if !hinted && line.contains(STARTED_SUPERVISOR) {
                 hinted = true;
                 eprintln!("{hints}");
+            }
+            if let Some(fp) = fingerprint_in(&line).filter(|_| !fetching) {
+                fetching = true;
+                let access = access.clone();
+                std::thread::spawn(move || match fetch_access(&access, &fp) {
+                    Ok(howto) => eprintln!("{howto}"),
+                    Err(e) => eprintln!(
+                        "run: could not fetch sandboxd's token and certificate ({e:#}); by hand: chrysalis --api \
+                         https://127.0.0.1:{} --api-token-file <token> --api-fingerprint {fp} token show sandboxd",
+                        access.api_port
+                    ),
+                });
             }
         }
         std::thread::sleep(Duration::from_millis(200));
@@ -144,9 +244,7 @@ fn config_files(dir: Option<&Path>, token_file: &Path) -> Result<BTreeMap<String
         if let Some(dir) = token_file.parent() {
             fs::create_dir_all(dir)?;
         }
-        fs::write(token_file, format!("{}\n", hex::encode(token)))?;
-        use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(token_file, fs::Permissions::from_mode(0o600))?;
+        write_private(token_file, format!("{}\n", hex::encode(token)).as_bytes())?;
     }
     let token = fs::read(token_file).with_context(|| format!("reading {}", token_file.display()))?;
     let text = format!(

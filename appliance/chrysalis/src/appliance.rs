@@ -1,5 +1,5 @@
-//! The appliance verbs: `run` (the supervisor), and `status`, `logs`, `update`, `reboot`,
-//! `config` over the supervisor crate. Thin: flags in, library call, text or JSON out.
+//! The appliance verbs: `run` (the supervisor), and `status`, `logs`, `token`, `update`,
+//! `reboot`, `config` over the supervisor crate. Thin: flags in, library call, text or JSON out.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -11,7 +11,7 @@ use supervisor::config::{self, Issue, Settings, ValidateEnv};
 use supervisor::health::Health;
 use supervisor::update::UpdateStatus;
 
-use crate::flags::{ApiArgs, ClientArgs, ConfigCmd, LogsArgs, RunArgs, UpdateCmd};
+use crate::flags::{ApiArgs, ClientArgs, ConfigCmd, LogsArgs, RunArgs, TokenCmd, UpdateCmd};
 use crate::output::print_table;
 
 /// Where the image describes itself (board, version).
@@ -31,8 +31,28 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn client(a: &ApiArgs) -> Result<Client> {
-    let ep = a.api.parse().with_context(|| format!("--api {}", a.api))?;
-    Ok(Client::with_token_file(ep, a.api_token_file.as_deref())?)
+    use supervisor::http::Endpoint;
+    let ep: Endpoint = a.api.parse().with_context(|| format!("--api {}", a.api))?;
+    let https = matches!(ep, Endpoint::Https(_));
+    let trust = match (&a.api_fingerprint, &a.api_ca_file) {
+        (Some(f), _) => Some(httpd::tls::Trust::Fingerprint(f.clone())),
+        (None, Some(p)) => Some(httpd::tls::Trust::File(p.clone())),
+        (None, None) => None,
+    };
+    let c = Client::with_token_file(ep, a.api_token_file.as_deref())?;
+    match (https, trust) {
+        (true, Some(t)) => {
+            let tls = httpd::tls::client_config(&t, httpd::tls::ALPN_HTTP1).context("--api-fingerprint / --api-ca-file")?;
+            Ok(c.with_tls(tls))
+        }
+        (true, None) => anyhow::bail!(
+            "--api {} is HTTPS: give --api-fingerprint SHA256 (shown by `chrysalis status` on the box, and on its console at \
+             start) or --api-ca-file FILE (the box's certificate or its CA)",
+            a.api
+        ),
+        (false, Some(_)) => anyhow::bail!("--api-fingerprint / --api-ca-file need an https:// --api"),
+        (false, None) => Ok(c),
+    }
 }
 
 fn print_json(v: &impl serde::Serialize) -> Result<()> {
@@ -188,6 +208,13 @@ pub fn status(a: ClientArgs) -> Result<()> {
     if h.sandboxd_answers == Some(false) {
         println!("sandboxd    not answering");
     }
+    for t in &st.tls {
+        let origin = if t.minted { "self-signed, minted by the box" } else { "configured" };
+        println!("tls         SHA-256 {} ({origin}; serves {})", t.fingerprint, t.surfaces.join(", "));
+    }
+    if st.tls.is_empty() {
+        println!("tls         none (every TCP surface listens on loopback)");
+    }
     println!();
     print_health(h);
     Ok(())
@@ -241,6 +268,17 @@ pub fn update(cmd: UpdateCmd) -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// `chrysalis token …`.
+pub fn token(cmd: TokenCmd) -> Result<()> {
+    let TokenCmd::Show { name, client: a } = cmd;
+    let t = runtime()?.block_on(client(&a.api)?.token(&name))?;
+    if a.out.json {
+        return print_json(&t);
+    }
+    println!("{}", t.token);
     Ok(())
 }
 

@@ -15,10 +15,10 @@ use clap::{Args, Parser, Subcommand};
     about,
     long_about = "Chrysalis host tool.\n\n\
         On the appliance, `chrysalis run` is the supervisor (systemd's chrysalis.service) that runs \
-        sandboxd, vk-sandbox and vk-cocoon; `status`, `logs`, `update`, `reboot` talk to it over its \
-        API (unix:/run/chrysalis/api.sock, or --api http://host:7780 with --api-token-file), and \
-        `config check` validates the configuration. `image` and `snapshot` manage the local VM \
-        image library.",
+        sandboxd, vk-sandbox and vk-cocoon; `status`, `logs`, `token`, `update`, `reboot` talk to it \
+        over its API (unix:/run/chrysalis/api.sock on the box; from elsewhere --api https://host:7780 \
+        with --api-token-file and --api-fingerprint or --api-ca-file), and `config check` validates \
+        the configuration. `image` and `snapshot` manage the local VM image library.",
     propagate_version = true
 )]
 pub struct Cli {
@@ -60,6 +60,9 @@ pub enum Command {
     Update(UpdateCmd),
     /// Stop the services and reboot the box (VMs do not survive a reboot).
     Reboot(ClientArgs),
+    /// Tokens the box keeps (sandboxd's root token).
+    #[command(subcommand)]
+    Token(TokenCmd),
     /// The appliance configuration.
     #[command(subcommand)]
     Config(ConfigCmd),
@@ -143,12 +146,21 @@ pub struct OutputArgs {
 /// How to reach the supervisor API.
 #[derive(Debug, Clone, Args)]
 pub struct ApiArgs {
-    /// The supervisor API: unix:PATH, or http://host:port (supervisor.api_listen).
+    /// The supervisor API: unix:PATH on the box, https://host:port from elsewhere
+    /// (supervisor.api_listen; http:// only when it listens on loopback).
     #[arg(long, env = "CHRYSALIS_API", value_name = "ENDPOINT", default_value = "unix:/run/chrysalis/api.sock")]
     pub api: String,
-    /// File holding the bearer token of an http:// API (supervisor.api_token_file).
+    /// File holding the bearer token of a remote API (supervisor.api_token_file).
     #[arg(long, env = "CHRYSALIS_API_TOKEN_FILE", value_name = "FILE")]
     pub api_token_file: Option<PathBuf>,
+    /// For https://: the SHA-256 fingerprint of the box's certificate (AB:CD:… or hex), as
+    /// `chrysalis status` shows it on the box and its console prints it at start.
+    #[arg(long, env = "CHRYSALIS_API_FINGERPRINT", value_name = "SHA256", conflicts_with = "api_ca_file")]
+    pub api_fingerprint: Option<String>,
+    /// For https://: a PEM file to trust, the box's certificate itself or the CA that issued it
+    /// (supervisor.tls_cert_file).
+    #[arg(long, env = "CHRYSALIS_API_CA_FILE", value_name = "FILE")]
+    pub api_ca_file: Option<PathBuf>,
 }
 
 /// API + output flags.
@@ -188,6 +200,21 @@ pub enum UpdateCmd {
     Status(ClientArgs),
     /// Arm the other slot and reboot into it.
     Rollback(ClientArgs),
+}
+
+/// `chrysalis token …`
+#[derive(Debug, Subcommand)]
+pub enum TokenCmd {
+    /// Print a token the box keeps: `sandboxd` is sandboxd's root token (minted on first boot
+    /// unless sandboxd.api_token_file is set). Prints the token alone, so
+    /// `chrysalis token show sandboxd > sandboxd-token` makes a token file for the SDK
+    /// (`Client(…, api_token=…)`) or for curl (`Authorization: Bearer …`).
+    Show {
+        /// Which token: sandboxd.
+        name: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
 }
 
 /// `chrysalis config …`
@@ -346,6 +373,23 @@ mod tests {
         assert!(Cli::try_parse_from(["chrysalis", "update", "apply"]).is_err(), "apply needs a bundle");
         assert!(Cli::try_parse_from(["chrysalis", "update", "apply", "b.bundle", "--api", "http://h:7780"]).is_ok());
         assert!(Cli::try_parse_from(["chrysalis", "config", "check", "a.toml", "b.toml", "--json"]).is_ok());
+        let c = Cli::try_parse_from([
+            "chrysalis",
+            "token",
+            "show",
+            "sandboxd",
+            "--api",
+            "https://h:7780",
+            "--api-fingerprint",
+            "AB",
+        ])
+        .expect("token show");
+        let Command::Token(TokenCmd::Show { name, client }) = c.command else { panic!("not token show") };
+        assert_eq!((name.as_str(), client.api.api_fingerprint.as_deref()), ("sandboxd", Some("AB")));
+        assert!(
+            Cli::try_parse_from(["chrysalis", "status", "--api-fingerprint", "AB", "--api-ca-file", "/c"]).is_err(),
+            "one trust at a time"
+        );
         let c = Cli::try_parse_from(["chrysalis", "run", "--state-dir", "/s", "--no-cmdline"]).expect("run");
         let Command::Run(r) = c.command else { panic!("not run") };
         assert_eq!(r.sources.paths().cmdline, None);

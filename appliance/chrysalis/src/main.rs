@@ -1,5 +1,5 @@
 //! `chrysalis`: the host CLI. The appliance verbs (`run` = the supervisor, `status`, `logs`,
-//! `update`, `reboot`, `config`, in [`appliance`] over the `supervisor` crate) and the local
+//! `token`, `update`, `reboot`, `config`, in [`appliance`] over the `supervisor` crate) and the local
 //! image library (`chrysalis image …`, `chrysalis snapshot …`, on the `images` crate).
 //!
 //! Errors print as one chain (`chrysalis: a: b: c`) and exit with status 1; logs go to stderr
@@ -33,6 +33,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Logs(a) => appliance::logs(a)?,
         Command::Update(cmd) => appliance::update(cmd)?,
         Command::Reboot(a) => appliance::reboot(a)?,
+        Command::Token(cmd) => appliance::token(cmd)?,
         Command::Config(cmd) => return appliance::config(cmd),
     }
     Ok(ExitCode::SUCCESS)

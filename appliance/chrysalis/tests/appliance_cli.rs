@@ -225,3 +225,171 @@ fn run_exits_on_config_error_when_asked() {
     let err = text(&o.stderr);
     assert!(err.contains("sandboxd.listen") && err.contains("\"nowhere\" is not an ip:port address"), "{err}");
 }
+
+fn mode(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::metadata(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())).permissions().mode() & 0o7777
+}
+
+/// Starts `chrysalis run` under `d` with the fake sandboxd and waits until its socket answers;
+/// returns the child and `status --json`.
+fn start_supervisor(d: &Path, sock: &Path, log: &str) -> (std::process::Child, serde_json::Value) {
+    let api = format!("unix:{}", sock.display());
+    let mut sup = run_under(d, sock)
+        .args(["--bin-dir", p(&d.join("bin")), "--hostname", "box", "--shutdown-timeout", "3"])
+        .env("CHRYSALIS_LOG_FORMAT", "json")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(d.join(log)).expect("log"))
+        .spawn()
+        .expect("chrysalis run");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = chrysalis(&["status", "--api", &api, "--json"]);
+        if o.status.success() {
+            return (sup, serde_json::from_slice(&o.stdout).expect("json"));
+        }
+        if Instant::now() > deadline || sup.try_wait().expect("wait").is_some() {
+            let _ = sup.kill();
+            panic!("the supervisor did not answer: {}", std::fs::read_to_string(d.join(log)).unwrap_or_default());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn stop_supervisor(mut sup: std::process::Child) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sup.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .expect("SIGTERM");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while sup.try_wait().expect("wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = sup.kill();
+            panic!("chrysalis run did not stop");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The remote API beyond loopback: TLS with a certificate minted on first boot (fingerprint in
+/// `status`, stable across restarts), sandboxd's root token minted once and handed out only
+/// with the bearer token, no trust = no connection, and the connection cap closing the one too
+/// many. Every secret the supervisor writes is 0600 in a 0700 directory.
+#[test]
+fn remote_api_serves_tls_hands_out_the_sandboxd_token_and_caps_connections() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    std::fs::create_dir_all(d.join("bin")).expect("bin");
+    let fake = d.join("bin/sandboxd");
+    std::fs::write(&fake, "#!/bin/sh\necho \"fake sandboxd $*\"\nexec sleep 600\n").expect("fake");
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    std::fs::write(d.join("api-token"), "admin-token\n").expect("api token");
+    std::fs::write(
+        d.join("config.toml"),
+        format!(
+            "[supervisor]\napi_listen = \"0.0.0.0:{port}\"\napi_token_file = \"api-token\"\n\
+             [sandboxd]\nlisten = \"127.0.0.1:1\"\n"
+        ),
+    )
+    .expect("config");
+    let sock = d.join("api.sock");
+    let api = format!("unix:{}", sock.display());
+    let (sup, status) = start_supervisor(d, &sock, "run.log");
+
+    // The minted certificate serves the API (sandboxd listens on loopback: plain).
+    let tls = &status["tls"];
+    assert_eq!(tls.as_array().map(Vec::len), Some(1), "{status}");
+    let fp = tls[0]["fingerprint"].as_str().expect("fingerprint").to_string();
+    assert_eq!((fp.len(), tls[0]["minted"].as_bool()), (95, Some(true)), "{tls}");
+    assert_eq!(tls[0]["surfaces"], serde_json::json!(["api"]));
+    let human = text(&chrysalis(&["status", "--api", &api]).stdout);
+    assert!(
+        human.contains(&format!("tls         SHA-256 {fp} (self-signed, minted by the box; serves api)")),
+        "{human}"
+    );
+
+    // The secrets and the generated config: 0600 in 0700 directories.
+    let st = d.join("state");
+    let token = std::fs::read_to_string(st.join("secrets/sandboxd-token")).expect("minted token");
+    let token = token.trim().to_string();
+    assert_eq!(token.len(), 64);
+    for (file, dir) in [
+        (st.join("secrets/sandboxd-token"), st.join("secrets")),
+        (st.join("tls/key.pem"), st.join("tls")),
+        (d.join("run/sandboxd.json"), d.join("run")),
+        (st.join("logs/sandboxd.log"), st.join("logs")),
+    ] {
+        assert_eq!((mode(&file), mode(&dir)), (0o600, 0o700), "{}", file.display());
+    }
+    assert_eq!(mode(&st.join("sandboxd")), 0o700);
+    let generated: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(d.join("run/sandboxd.json")).expect("json")).expect("json");
+    assert_eq!(generated["api_token_file"], p(&st.join("secrets/sandboxd-token")));
+    assert!(generated.get("tls_cert_file").is_none(), "sandboxd on loopback serves plain HTTP");
+
+    // The token on the local socket, and remotely with the bearer token over verified TLS.
+    let o = chrysalis(&["token", "show", "sandboxd", "--api", &api]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(text(&o.stdout), format!("{token}\n"));
+    let https = format!("https://127.0.0.1:{port}");
+    let tok = p(&d.join("api-token")).to_string();
+    fn with<'a>(base: [&'a str; 4], extra: &[&'a str]) -> Vec<&'a str> {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        args
+    }
+    let base = ["--api", https.as_str(), "--api-token-file", tok.as_str()];
+
+    let o = chrysalis(&[&["token", "show", "sandboxd"][..], &with(base, &["--api-fingerprint", &fp])].concat());
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(text(&o.stdout), format!("{token}\n"));
+    let o =
+        chrysalis(&[&["status", "--json"][..], &with(base, &["--api-ca-file", p(&st.join("tls/cert.pem"))])].concat());
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    assert_eq!(j["tls"][0]["fingerprint"], fp.as_str());
+    assert!(!text(&o.stdout).contains(&token), "the status shows the token");
+    // Without the bearer token: 401. A wrong fingerprint, no trust, or plain HTTP: no answer.
+    let o = chrysalis(&["token", "show", "sandboxd", "--api", &https, "--api-fingerprint", &fp]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o.stderr).contains("missing or invalid bearer token"), "{}", text(&o.stderr));
+    let zeros = "00".repeat(32);
+    let o = chrysalis(&[&["token", "show", "sandboxd"][..], &with(base, &["--api-fingerprint", &zeros])].concat());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(!text(&o.stdout).contains(&token) && text(&o.stderr).contains("TLS"), "{}", text(&o.stderr));
+    let o = chrysalis(&[&["token", "show", "sandboxd"][..], &with(base, &[])].concat());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o.stderr).contains("--api-fingerprint"), "{}", text(&o.stderr));
+    let plain = format!("http://127.0.0.1:{port}");
+    let o = chrysalis(&["token", "show", "sandboxd", "--api", &plain, "--api-token-file", &tok]);
+    assert_eq!(o.status.code(), Some(1), "plain HTTP to the TLS port");
+
+    // The connection cap (64 on the remote API): the 65th connection is closed at once, and the
+    // API answers again once the others go.
+    let held: Vec<std::net::TcpStream> =
+        (0..64).map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect")).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut extra = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    extra.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let started = Instant::now();
+    let mut buf = [0u8; 16];
+    let n = std::io::Read::read(&mut extra, &mut buf).unwrap_or(0);
+    assert!(n == 0 && started.elapsed() < Duration::from_secs(3), "the connection over the cap was kept");
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let o = chrysalis(&[&["status"][..], &with(base, &["--api-fingerprint", &fp])].concat());
+        if o.status.success() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the API did not come back: {}", text(&o.stderr));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    stop_supervisor(sup);
+
+    // A restart keeps the certificate (pinned fingerprints stay valid) and the token.
+    let (sup, status) = start_supervisor(d, &sock, "run2.log");
+    assert_eq!(status["tls"][0]["fingerprint"], fp.as_str());
+    let o = chrysalis(&["token", "show", "sandboxd", "--api", &api]);
+    assert_eq!(text(&o.stdout), format!("{token}\n"));
+    stop_supervisor(sup);
+}

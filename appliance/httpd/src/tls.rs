@@ -2,15 +2,25 @@
 //! on first boot ([`ensure_self_signed`]), and SHA-256 fingerprints an operator compares before
 //! trusting one.
 //!
+//! And for the box's clients of those servers ([`client_config`]): trust a certificate file (each
+//! certificate in it is accepted as the server's exact certificate, whatever names it carries,
+//! or as a CA the server's chain leads to, with the host name checked), or pin a SHA-256
+//! fingerprint ([`Trust`]). A box's own clients (vk-sandbox, the supervisor's probes) reach
+//! sandboxd on `127.0.0.1`, which an operator's certificate need not name: the exact-certificate
+//! rule is what lets them trust it.
+//!
 //! TLS 1.2 and 1.3 only (rustls' safe defaults, the ring provider).
 
 use std::path::Path;
 use std::sync::Arc;
 
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
 use rustls::pki_types::pem::PemObject as _;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 use rustls::server::danger::ClientCertVerifier;
-use rustls::ServerConfig;
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
 use sha2::Digest as _;
 
 /// ALPN for HTTP/1.1 only (the SDK offers exactly this; upgrades need HTTP/1.1).
@@ -35,6 +45,9 @@ pub enum TlsError {
     /// Generating a certificate failed.
     #[error("generating a self-signed certificate")]
     Generate(#[source] rcgen::Error),
+    /// A certificate fingerprint is not 32 bytes of hex.
+    #[error("{0:?} is not a SHA-256 fingerprint (64 hex digits, colons allowed, as `chrysalis status` prints it)")]
+    Fingerprint(String),
     /// Writing a minted certificate or key failed.
     #[error("writing {path}")]
     Write {
@@ -171,6 +184,125 @@ pub fn ensure_self_signed(cert: &Path, key: &Path, names: &[String]) -> Result<E
     }
     foundation::write_atomic(cert, pair.cert_pem.as_bytes(), foundation::PUBLIC_FILE).map_err(write_err(cert))?;
     Ok(Ensured { fingerprint: file_fingerprint(cert)?, minted: true })
+}
+
+// ------------------------------------------------------------------------------- clients
+
+/// What a client of a box's server trusts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Trust {
+    /// A PEM file: each certificate in it is accepted as the server's exact certificate (no
+    /// name check: the bytes are the pin), or as a CA the server's chain must lead to (names
+    /// checked, as any TLS client does).
+    File(std::path::PathBuf),
+    /// The SHA-256 fingerprint of the server's certificate (`AB:CD:…` or plain hex).
+    Fingerprint(String),
+}
+
+/// Parses a SHA-256 fingerprint: 64 hex digits, optionally colon-separated and prefixed with
+/// `sha256:` or `SHA256=`, any case.
+pub fn parse_fingerprint(s: &str) -> Result<[u8; 32], TlsError> {
+    let bad = || TlsError::Fingerprint(s.to_string());
+    let t = s.trim();
+    let t = t.strip_prefix("sha256:").or_else(|| t.strip_prefix("SHA256:")).unwrap_or(t);
+    let t = t.strip_prefix("sha256=").or_else(|| t.strip_prefix("SHA256=")).unwrap_or(t);
+    let hex: String = t.chars().filter(|c| *c != ':').collect();
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(bad());
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    Ok(out)
+}
+
+/// The verifier behind [`client_config`]: exact certificates (by SHA-256), else a CA chain.
+#[derive(Debug)]
+struct TrustVerifier {
+    pinned: Vec<[u8; 32]>,
+    chain: Option<Arc<WebPkiServerVerifier>>,
+    provider: Arc<CryptoProvider>,
+}
+
+impl ServerCertVerifier for TrustVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let digest: [u8; 32] = sha2::Sha256::digest(end_entity.as_ref()).into();
+        if self.pinned.contains(&digest) {
+            return Ok(ServerCertVerified::assertion());
+        }
+        match &self.chain {
+            Some(v) => v.verify_server_cert(end_entity, intermediates, server_name, ocsp, now),
+            None => Err(rustls::Error::General(format!(
+                "the server's certificate (SHA-256 {}) is not the trusted one",
+                fingerprint(end_entity.as_ref())
+            ))),
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// A client configuration that trusts `trust` (see [`Trust`]) and offers `alpn`.
+pub fn client_config(trust: &Trust, alpn: &[&[u8]]) -> Result<Arc<ClientConfig>, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let verifier = match trust {
+        Trust::Fingerprint(f) => {
+            TrustVerifier { pinned: vec![parse_fingerprint(f)?], chain: None, provider: provider.clone() }
+        }
+        Trust::File(path) => {
+            let certs = load_chain(path)?;
+            let pinned = certs.iter().map(|c| sha2::Sha256::digest(c.as_ref()).into()).collect();
+            let mut roots = RootCertStore::empty();
+            // A leaf that cannot be a trust anchor is still pinned above; only usable CAs are roots.
+            let (added, _) = roots.add_parsable_certificates(certs);
+            let chain = if added > 0 {
+                Some(
+                    WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+                        .build()
+                        .map_err(|e| pem_err(path, e))?,
+                )
+            } else {
+                None
+            };
+            TrustVerifier { pinned, chain, provider: provider.clone() }
+        }
+    };
+    let mut config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Config)?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(verifier))
+        .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
 }
 
 #[cfg(test)]

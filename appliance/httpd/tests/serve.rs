@@ -201,3 +201,67 @@ async fn tls_with_alpn_http1_serves_upgrades_and_shows_client_certificates() {
     tls.read_exact(&mut got).await.expect("echo");
     assert_eq!(&got, b"ping");
 }
+
+/// A TLS `GET /` through `httpd::tls::client_config(trust)` to `name`; the error text on failure.
+async fn get_with_trust(addr: SocketAddr, trust: &httpd::tls::Trust, name: &str) -> Result<String, String> {
+    let config = httpd::tls::client_config(trust, httpd::tls::ALPN_HTTP1).map_err(|e| e.to_string())?;
+    let tcp = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let name = ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;
+    let mut tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await.map_err(|e| e.to_string())?;
+    tls.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.map_err(|e| e.to_string())?;
+    let mut out = String::new();
+    tls.read_to_string(&mut out).await.ok();
+    Ok(out)
+}
+
+#[tokio::test]
+async fn clients_trust_the_exact_certificate_a_pinned_fingerprint_or_a_ca() {
+    use httpd::tls::Trust;
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A self-signed box certificate that does not name 127.0.0.1: the exact-certificate rule
+    // trusts it anyway (the bytes are the pin); a fingerprint pin does too.
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    let minted = httpd::tls::ensure_self_signed(&cert, &key, &["box.example".to_string()]).expect("mint");
+    let server = httpd::tls::server_config_from_files(&cert, &key, httpd::tls::ALPN_HTTP1).expect("server");
+    let (addr, _) = start(Limits::default(), Some(server)).await;
+    let ok = get_with_trust(addr, &Trust::File(cert.clone()), "127.0.0.1").await.expect("exact certificate");
+    assert!(ok.ends_with("ok"), "{ok}");
+    let pin = Trust::Fingerprint(minted.fingerprint.to_lowercase().replace(':', ""));
+    assert!(get_with_trust(addr, &pin, "127.0.0.1").await.expect("pinned").ends_with("ok"));
+    // Another certificate, another fingerprint: refused.
+    let other = dir.path().join("other.pem");
+    std::fs::write(&other, httpd::tls::self_signed(&["127.0.0.1".to_string()]).expect("other").cert_pem).expect("w");
+    let e = get_with_trust(addr, &Trust::File(other), "127.0.0.1").await.expect_err("a stranger's certificate");
+    assert!(e.contains("not the trusted one") || e.contains("certificate"), "{e}");
+    let zeros = Trust::Fingerprint("00".repeat(32));
+    assert!(get_with_trust(addr, &zeros, "127.0.0.1").await.is_err());
+    let e = httpd::tls::client_config(&Trust::Fingerprint("AB:CD".into()), &[]).expect_err("short");
+    assert!(e.to_string().contains("SHA-256 fingerprint"), "{e}");
+
+    // A CA-issued certificate: trusting the CA checks the name as any client does.
+    let ca_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).expect("ca key");
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca params");
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params.distinguished_name.push(rcgen::DnType::CommonName, "test ca");
+    let ca = ca_params.self_signed(&ca_key).expect("ca");
+    let issuer = rcgen::Issuer::new(ca_params, &ca_key);
+    let leaf_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).expect("leaf key");
+    let leaf = rcgen::CertificateParams::new(vec!["sandboxd.example".to_string()])
+        .expect("leaf params")
+        .signed_by(&leaf_key, &issuer)
+        .expect("leaf");
+    let server = httpd::tls::server_config(
+        vec![leaf.der().clone()],
+        rustls::pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into()),
+        httpd::tls::ALPN_HTTP1,
+        None,
+    )
+    .expect("server");
+    let (addr, _) = start(Limits::default(), Some(server)).await;
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).expect("w");
+    let ok = get_with_trust(addr, &Trust::File(ca_file.clone()), "sandboxd.example").await.expect("via the CA");
+    assert!(ok.ends_with("ok"), "{ok}");
+    let e = get_with_trust(addr, &Trust::File(ca_file), "127.0.0.1").await.expect_err("a name the cert lacks");
+    assert!(e.contains("certificate"), "{e}");
+}

@@ -1,5 +1,5 @@
 //! A typed client of the supervisor API (what the `chrysalis` verbs call): Unix socket by
-//! default, or `http://host:port` with a bearer token.
+//! default, or `https://host:port` (`http://` on loopback) with a bearer token.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -58,12 +58,40 @@ pub enum ClientError {
 pub struct Client {
     endpoint: Endpoint,
     token: Option<String>,
+    tls: Option<http::TlsClient>,
+}
+
+/// A sandboxd token as the API hands it out (`GET /v1/tokens/{name}`).
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TokenView {
+    /// Which token (`sandboxd`).
+    pub name: String,
+    /// The token.
+    pub token: String,
+    /// The file it is kept in on the box.
+    pub file: String,
+}
+
+impl std::fmt::Debug for TokenView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenView")
+            .field("name", &self.name)
+            .field("token", &"<redacted>")
+            .field("file", &self.file)
+            .finish()
+    }
 }
 
 impl Client {
-    /// A client of `endpoint` (token only sent over TCP).
+    /// A client of `endpoint` (the token is only sent over the network).
     pub fn new(endpoint: Endpoint, token: Option<String>) -> Self {
-        Client { endpoint, token }
+        Client { endpoint, token, tls: None }
+    }
+
+    /// The same client verifying an `https://` endpoint with `tls`.
+    pub fn with_tls(mut self, tls: http::TlsClient) -> Self {
+        self.tls = Some(tls);
+        self
     }
 
     /// A client with the token read from `token_file`.
@@ -92,11 +120,8 @@ impl Client {
         body: http::Body,
         timeout: Duration,
     ) -> Result<bytes::Bytes, ClientError> {
-        let token = match self.endpoint {
-            Endpoint::Tcp(_) => self.token.as_deref(),
-            Endpoint::Unix(_) => None,
-        };
-        let r = http::send(&self.endpoint, method, path, token, body, timeout).await?;
+        let token = if self.endpoint.is_network() { self.token.as_deref() } else { None };
+        let r = http::send(&self.endpoint, self.tls.as_ref(), method, path, token, body, timeout).await?;
         if r.status.is_success() {
             return Ok(r.body);
         }
@@ -173,6 +198,11 @@ impl Client {
     /// `GET /v1/config`.
     pub async fn config(&self) -> Result<serde_json::Value, ClientError> {
         self.json(Method::GET, "/v1/config", http::empty(), TIMEOUT).await
+    }
+
+    /// `GET /v1/tokens/{name}`: a token the box keeps (e.g. sandboxd's root token).
+    pub async fn token(&self, name: &str) -> Result<TokenView, ClientError> {
+        self.json(Method::GET, &format!("/v1/tokens/{name}"), http::empty(), TIMEOUT).await
     }
 
     /// `GET /metrics`.

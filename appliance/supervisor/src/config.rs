@@ -20,6 +20,15 @@
 //! [`Config::validate`] checks that each named file is readable and non-empty (and that the
 //! bootstrap token has the kubeadm form) without ever printing its contents.
 //!
+//! # Secure defaults
+//! * sandboxd always gets a root token: `sandboxd.api_token_file`, or one the supervisor mints
+//!   on first boot in the state directory (`crate::secrets`).
+//! * A TCP surface (the remote API, metrics, sandboxd) that listens beyond loopback serves TLS:
+//!   with `supervisor.tls_cert_file`/`tls_key_file` (or sandboxd's own pair), else with a
+//!   certificate the supervisor mints on first boot. Plain HTTP is for loopback only.
+//! * `metrics_listen` beyond loopback needs `metrics_token_file` (a scraper's bearer token, not
+//!   the admin token: the admin API can update and reboot the box and read sandboxd's token).
+//!
 //! # Defaults
 //! No `[cluster]` table: sandboxd runs alone. With one, `vk_sandbox` and `vk_cocoon` are
 //! enabled unless `enabled = false`, named `<hostname>-sandbox` / `<hostname>-cocoon` unless
@@ -52,13 +61,22 @@ api_socket = "/run/chrysalis/api.sock"
 # api_listen = "0.0.0.0:7780"       # remote API over TCP; needs api_token_file
 # api_token_file = "api-token"      # bearer token for api_listen (relative to this file)
 # metrics_listen = "0.0.0.0:9100"   # /metrics is always served on the API too
+# metrics_token_file = "metrics-token" # bearer token for metrics_listen (required beyond loopback)
+# tls_cert_file = "box.crt"         # the box's certificate (PEM, chain); default: minted on first
+# tls_key_file = "box.key"          #   boot when a TCP surface listens beyond loopback
+tls_names = []                      # extra DNS names / IPs for the minted certificate
 state_dir = "/var/lib/chrysalis"
 
 [sandboxd]
 enabled = true
 listen = "0.0.0.0:7777"
-# api_token_file = "sandboxd-token" # sandboxd's root token
+# api_token_file = "sandboxd-token" # sandboxd's root token (default: minted on first boot)
+# tls_cert_file = "sandboxd.crt"    # sandboxd's own certificate (default: the box's)
+# tls_key_file = "sandboxd.key"
 # advertise_addr = "10.0.0.5:7777"  # host:port clients use for sandbox calls
+# max_vms = 64                      # node budget (default: sandboxd derives it from memory)
+# max_memory_mib = 65536
+# max_lifetime_secs = 604800        # longest lease across renewals (default 7 days)
 refill_concurrency = 0              # 0 = sandboxd picks (2/3 of the CPUs)
 boot_timeout_secs = 600
 # catalog = "/usr/share/chrysalis/vm-images/catalog.json"
@@ -265,6 +283,17 @@ pub struct SupervisorConfig {
     /// Optional extra `/metrics` listener.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<String>,
+    /// The metrics listener's bearer token file (required beyond loopback).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_token_file: Option<PathBuf>,
+    /// The box's TLS certificate chain (PEM); with `tls_key_file`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// The box's TLS private key (PEM); with `tls_cert_file`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key_file: Option<PathBuf>,
+    /// Extra names (DNS or IP) of the certificate the box mints.
+    pub tls_names: Vec<String>,
     /// The state partition.
     pub state_dir: PathBuf,
 }
@@ -276,6 +305,10 @@ impl Default for SupervisorConfig {
             api_listen: None,
             api_token_file: None,
             metrics_listen: None,
+            metrics_token_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_names: Vec::new(),
             state_dir: "/var/lib/chrysalis".into(),
         }
     }
@@ -316,9 +349,24 @@ pub struct SandboxdConfig {
     pub enabled: bool,
     /// Its HTTP listen address.
     pub listen: String,
-    /// Its root token file.
+    /// Its root token file (default: minted by the supervisor).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_token_file: Option<PathBuf>,
+    /// Its own TLS certificate (default: the box's when it serves TLS).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// Its own TLS key, with `tls_cert_file`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key_file: Option<PathBuf>,
+    /// Node budget: VMs at most (default: sandboxd's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_vms: Option<u64>,
+    /// Node budget: guest memory at most (default: sandboxd's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_memory_mib: Option<u64>,
+    /// Longest lease horizon across renewals (default: sandboxd's, 7 days).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_lifetime_secs: Option<u64>,
     /// `host:port` clients use for sandbox-scoped calls.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub advertise_addr: Option<String>,
@@ -339,6 +387,11 @@ impl Default for SandboxdConfig {
             enabled: true,
             listen: "0.0.0.0:7777".into(),
             api_token_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            max_vms: None,
+            max_memory_mib: None,
+            max_lifetime_secs: None,
             advertise_addr: None,
             refill_concurrency: 0,
             boot_timeout_secs: 600,
@@ -877,6 +930,37 @@ impl Check<'_> {
         }
     }
 
+    /// `<table>.tls_cert_file` and `tls_key_file`: both or neither; each readable.
+    fn tls_pair(&mut self, table: &str, cert: Option<&Path>, key: Option<&Path>, env: &ValidateEnv) {
+        match (cert, key) {
+            (None, None) => {}
+            (Some(_), None) | (None, Some(_)) => {
+                let (set, missing) =
+                    if cert.is_some() { ("tls_cert_file", "tls_key_file") } else { ("tls_key_file", "tls_cert_file") };
+                self.fail(
+                    &format!("{table}.{set}"),
+                    format!("is set without {table}.{missing}"),
+                    format!("set both {table}.tls_cert_file and {table}.tls_key_file (PEM), or neither"),
+                );
+            }
+            (Some(c), Some(k)) => {
+                let cert_ok =
+                    self.secret(&format!("{table}.tls_cert_file"), c, env, "the certificate chain (PEM, leaf first)");
+                let key_ok =
+                    self.secret(&format!("{table}.tls_key_file"), k, env, "the certificate's private key (PEM)");
+                if cert_ok.is_some() && key_ok.is_some() {
+                    if let Err(e) = httpd::tls::server_config_from_files(c, k, httpd::tls::ALPN_HTTP1) {
+                        self.fail(
+                            &format!("{table}.tls_cert_file"),
+                            format!("{} and {} are not a usable certificate and key: {e}", c.display(), k.display()),
+                            "give a PEM certificate chain (leaf first) and the PEM private key of its leaf",
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// A secret file: readable and non-empty; returns its trimmed contents.
     fn secret(&mut self, key: &str, p: &Path, env: &ValidateEnv, what: &str) -> Option<String> {
         if !env.check_files {
@@ -898,6 +982,24 @@ impl Check<'_> {
             }
         }
     }
+}
+
+/// A name a certificate may carry: an IP address, or a DNS name (labels of letters, digits and
+/// `-`, optionally a leading `*.`).
+pub fn valid_tls_name(n: &str) -> bool {
+    if n.parse::<std::net::IpAddr>().is_ok() {
+        return true;
+    }
+    let n = n.strip_prefix("*.").unwrap_or(n);
+    !n.is_empty()
+        && n.len() <= 253
+        && n.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
 }
 
 /// `[a-z0-9]{6}.[a-z0-9]{16}`.
@@ -987,12 +1089,47 @@ impl Config {
         }
         let metrics_listen =
             s.metrics_listen.as_deref().and_then(|v| c.addr("supervisor.metrics_listen", v, "0.0.0.0:9100"));
+        if metrics_listen.is_some_and(|a| !a.ip().is_loopback()) && s.metrics_token_file.is_none() {
+            c.fail(
+                "supervisor.metrics_listen",
+                "metrics beyond loopback without a token would show the box's state to anyone on the network",
+                "set supervisor.metrics_token_file to a file holding a bearer token for the scraper \
+                 (Prometheus: authorization.credentials_file), or listen on 127.0.0.1",
+            );
+        }
+        if let Some(p) = &s.metrics_token_file {
+            c.secret("supervisor.metrics_token_file", p, env, "a bearer token (e.g. `openssl rand -hex 32`)");
+        }
+        c.tls_pair("supervisor", s.tls_cert_file.as_deref(), s.tls_key_file.as_deref(), env);
+        for (i, n) in s.tls_names.iter().enumerate() {
+            if !valid_tls_name(n) {
+                c.fail(
+                    &format!("supervisor.tls_names[{i}]"),
+                    format!("{n:?} is not a DNS name or an IP address"),
+                    "give names like \"box1.example.com\" or addresses like \"10.0.0.5\"",
+                );
+            }
+        }
 
         // [sandboxd]
         let sb = &cfg.sandboxd;
         let sandboxd_listen = c.addr("sandboxd.listen", &sb.listen, "0.0.0.0:7777");
         if let Some(p) = &sb.api_token_file {
             c.secret("sandboxd.api_token_file", p, env, "sandboxd's root token");
+        }
+        c.tls_pair("sandboxd", sb.tls_cert_file.as_deref(), sb.tls_key_file.as_deref(), env);
+        for (key, v) in [
+            ("max_vms", sb.max_vms),
+            ("max_memory_mib", sb.max_memory_mib),
+            ("max_lifetime_secs", sb.max_lifetime_secs),
+        ] {
+            if v == Some(0) {
+                c.fail(
+                    &format!("sandboxd.{key}"),
+                    "0 would refuse every claim",
+                    format!("remove sandboxd.{key} (sandboxd then picks its default) or give a positive number"),
+                );
+            }
         }
         if let Some(p) = &sb.catalog {
             c.absolute("sandboxd.catalog", p);

@@ -2,7 +2,7 @@
 //! * services: from the supervisor;
 //! * sandboxd: `GET /healthz` (is it answering) and `GET /v1/info` (each pool's warm count and
 //!   target; `GET /v1/pools` only lists the configured pools, without warm counts), with the
-//!   root token when `sandboxd.api_token_file` is set;
+//!   root token, over HTTPS verified against sandboxd's certificate when it serves TLS;
 //! * virtual nodes: with each node's own kubeconfig (`<state>/<svc>/pki/kubeconfig`, written
 //!   by the join), the Node's `Ready` condition and its `kube-node-lease` Lease renewed within
 //!   [`LEASE_FRESH`].
@@ -148,6 +148,7 @@ pub struct NodeTarget {
 /// Probes sandboxd and the cluster.
 pub struct Prober {
     sandboxd: Option<Endpoint>,
+    sandboxd_tls: Option<http::TlsClient>,
     sandboxd_token: Option<String>,
     nodes: Vec<NodeTarget>,
     endpoint: Option<String>,
@@ -183,13 +184,28 @@ impl Prober {
         nodes: Vec<NodeTarget>,
         endpoint: Option<String>,
     ) -> Self {
-        Prober { sandboxd, sandboxd_token, nodes, endpoint, clients: Mutex::new(HashMap::new()) }
+        Prober { sandboxd, sandboxd_tls: None, sandboxd_token, nodes, endpoint, clients: Mutex::new(HashMap::new()) }
+    }
+
+    /// The same prober verifying an `https://` sandboxd with `tls`.
+    pub fn with_sandboxd_tls(mut self, tls: http::TlsClient) -> Self {
+        self.sandboxd_tls = Some(tls);
+        self
     }
 
     /// Whether sandboxd answers `/healthz` (`None` when it is not configured).
     pub async fn sandboxd_answers(&self) -> Option<bool> {
         let ep = self.sandboxd.as_ref()?;
-        let r = http::send(ep, hyper::Method::GET, "/healthz", None, http::empty(), Duration::from_secs(2)).await;
+        let r = http::send(
+            ep,
+            self.sandboxd_tls.as_ref(),
+            hyper::Method::GET,
+            "/healthz",
+            self.sandboxd_token.as_deref(),
+            http::empty(),
+            Duration::from_secs(2),
+        )
+        .await;
         Some(matches!(r, Ok(resp) if resp.status.is_success()))
     }
 
@@ -216,6 +232,7 @@ impl Prober {
         let Some(ep) = &self.sandboxd else { return Ok(Vec::new()) };
         let r = http::send(
             ep,
+            self.sandboxd_tls.as_ref(),
             hyper::Method::GET,
             "/v1/info",
             self.sandboxd_token.as_deref(),

@@ -1,5 +1,7 @@
-//! A minimal HTTP/1.1 client over TCP or a Unix socket (hyper's connection API, one request
-//! per connection): the CLI talks to the supervisor API with it, the health prober to sandboxd.
+//! A minimal HTTP/1.1 client over TCP, TLS or a Unix socket (hyper's connection API, one
+//! request per connection): the CLI talks to the supervisor API with it, the health prober to
+//! sandboxd. An `https://` endpoint needs a trust ([`httpd::tls::client_config`]): there is no
+//! fallback to an unverified connection.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -18,9 +20,22 @@ pub type Body = UnsyncBoxBody<Bytes, std::io::Error>;
 /// Why a request failed before a response arrived.
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
-    /// The endpoint string is not `unix:PATH`, an absolute path, or `http://host:port`.
-    #[error("{0:?} is not unix:/path/to.sock or http://host:port")]
+    /// The endpoint string is not `unix:PATH`, an absolute path, `http://host:port` or
+    /// `https://host:port`.
+    #[error("{0:?} is not unix:/path/to.sock, http://host:port or https://host:port")]
     BadEndpoint(String),
+    /// An `https://` endpoint without a trust to verify it with.
+    #[error("{0} is HTTPS: give the certificate to trust (--api-ca-file FILE) or its SHA-256 fingerprint (--api-fingerprint, shown by `chrysalis status` on the box and on its console at start)")]
+    NoTrust(String),
+    /// The TLS handshake failed (wrong certificate, wrong name, not TLS).
+    #[error("TLS with {endpoint}")]
+    Tls {
+        /// The endpoint.
+        endpoint: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// Could not connect.
     #[error("connecting to {endpoint}")]
     Connect {
@@ -66,6 +81,15 @@ pub enum Endpoint {
     Unix(PathBuf),
     /// `host:port` over TCP.
     Tcp(String),
+    /// `host:port` over TLS.
+    Https(String),
+}
+
+impl Endpoint {
+    /// Whether requests go over the network (they then carry the bearer token).
+    pub fn is_network(&self) -> bool {
+        !matches!(self, Endpoint::Unix(_))
+    }
 }
 
 impl std::fmt::Display for Endpoint {
@@ -73,6 +97,7 @@ impl std::fmt::Display for Endpoint {
         match self {
             Endpoint::Unix(p) => write!(f, "unix:{}", p.display()),
             Endpoint::Tcp(a) => write!(f, "http://{a}"),
+            Endpoint::Https(a) => write!(f, "https://{a}"),
         }
     }
 }
@@ -87,10 +112,12 @@ impl std::str::FromStr for Endpoint {
         if s.starts_with('/') {
             return Ok(Endpoint::Unix(s.into()));
         }
-        if let Some(a) = s.strip_prefix("http://") {
-            let a = a.trim_end_matches('/');
-            if !a.is_empty() && !a.contains('/') {
-                return Ok(Endpoint::Tcp(a.to_string()));
+        for (scheme, make) in [("http://", Endpoint::Tcp as fn(String) -> Endpoint), ("https://", Endpoint::Https)] {
+            if let Some(a) = s.strip_prefix(scheme) {
+                let a = a.trim_end_matches('/');
+                if !a.is_empty() && !a.contains('/') {
+                    return Ok(make(a.to_string()));
+                }
             }
         }
         Err(HttpError::BadEndpoint(s.to_string()))
@@ -125,17 +152,41 @@ pub fn file(f: tokio::fs::File) -> Body {
 trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
 
-async fn connect(ep: &Endpoint) -> Result<Box<dyn Io>, HttpError> {
+/// The host of `host:port` / `[v6]:port`, as a TLS server name.
+fn server_name(authority: &str) -> Option<rustls::pki_types::ServerName<'static>> {
+    let host = match authority.strip_prefix('[') {
+        Some(v6) => v6.split_once(']').map(|(h, _)| h)?,
+        None => authority.rsplit_once(':').map(|(h, _)| h).unwrap_or(authority),
+    };
+    rustls::pki_types::ServerName::try_from(host.to_string()).ok()
+}
+
+async fn connect(ep: &Endpoint, tls: Option<&TlsClient>) -> Result<Box<dyn Io>, HttpError> {
     let err = |source| HttpError::Connect { endpoint: ep.to_string(), source };
     Ok(match ep {
         Endpoint::Unix(p) => Box::new(tokio::net::UnixStream::connect(p).await.map_err(err)?),
         Endpoint::Tcp(a) => Box::new(tokio::net::TcpStream::connect(a.as_str()).await.map_err(err)?),
+        Endpoint::Https(a) => {
+            let config = tls.ok_or_else(|| HttpError::NoTrust(ep.to_string()))?;
+            let name = server_name(a).ok_or_else(|| HttpError::BadEndpoint(ep.to_string()))?;
+            let tcp = tokio::net::TcpStream::connect(a.as_str()).await.map_err(err)?;
+            let stream = tokio_rustls::TlsConnector::from(config.clone())
+                .connect(name, tcp)
+                .await
+                .map_err(|source| HttpError::Tls { endpoint: ep.to_string(), source })?;
+            Box::new(stream)
+        }
     })
 }
 
-/// Sends one request and collects the response, all within `timeout`.
+/// A TLS client configuration ([`httpd::tls::client_config`]).
+pub type TlsClient = std::sync::Arc<rustls::ClientConfig>;
+
+/// Sends one request and collects the response, all within `timeout`. `tls` is required for an
+/// `https://` endpoint.
 pub async fn send(
     ep: &Endpoint,
+    tls: Option<&TlsClient>,
     method: Method,
     path: &str,
     token: Option<&str>,
@@ -143,7 +194,7 @@ pub async fn send(
     timeout: Duration,
 ) -> Result<Response, HttpError> {
     let fut = async {
-        let io = connect(ep).await?;
+        let io = connect(ep, tls).await?;
         let exchange = |source| HttpError::Exchange { endpoint: ep.to_string(), source };
         let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await.map_err(exchange)?;
         tokio::spawn(async move {
@@ -151,7 +202,7 @@ pub async fn send(
         });
         let host = match ep {
             Endpoint::Unix(_) => "localhost".to_string(),
-            Endpoint::Tcp(a) => a.clone(),
+            Endpoint::Tcp(a) | Endpoint::Https(a) => a.clone(),
         };
         let mut req = Request::builder().method(method).uri(path).header(header::HOST, host);
         if let Some(t) = token {
@@ -178,7 +229,8 @@ mod tests {
         assert_eq!("unix:/run/a.sock".parse::<Endpoint>().unwrap(), Endpoint::Unix("/run/a.sock".into()));
         assert_eq!("/run/a.sock".parse::<Endpoint>().unwrap(), Endpoint::Unix("/run/a.sock".into()));
         assert_eq!("http://10.0.0.1:7780/".parse::<Endpoint>().unwrap(), Endpoint::Tcp("10.0.0.1:7780".into()));
-        assert!("https://x:1".parse::<Endpoint>().is_err());
+        assert_eq!("https://x:1".parse::<Endpoint>().unwrap(), Endpoint::Https("x:1".into()));
+        assert!("ftp://x:1".parse::<Endpoint>().is_err());
         assert!("http://x/y".parse::<Endpoint>().is_err());
         assert!("relative.sock".parse::<Endpoint>().is_err());
     }
@@ -187,7 +239,15 @@ mod tests {
     async fn connect_errors_are_connect_errors() {
         let dir = tempfile::tempdir().unwrap();
         let ep = Endpoint::Unix(dir.path().join("none.sock"));
-        let e = send(&ep, Method::GET, "/", None, empty(), Duration::from_secs(2)).await.unwrap_err();
+        let e = send(&ep, None, Method::GET, "/", None, empty(), Duration::from_secs(2)).await.unwrap_err();
         assert!(e.is_connect(), "{e:?}");
+        // HTTPS without a trust never connects unverified.
+        let e =
+            send(&Endpoint::Https("127.0.0.1:1".into()), None, Method::GET, "/", None, empty(), Duration::from_secs(2))
+                .await
+                .unwrap_err();
+        assert!(matches!(e, HttpError::NoTrust(_)), "{e:?}");
+        assert_eq!(server_name("[::1]:7780").unwrap().to_str(), "::1");
+        assert_eq!(server_name("box.example:7780").unwrap().to_str(), "box.example");
     }
 }

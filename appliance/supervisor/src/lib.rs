@@ -6,14 +6,19 @@
 //!    configuration starts no service; the supervisor logs every problem (key, source, fix),
 //!    shows them in `chrysalis status` and stays up so the box can be inspected (with
 //!    [`RunOptions::exit_on_config_error`] it exits instead).
-//! 2. **Subreaper**, stale services of a previous supervisor stopped ([`supervise`]).
-//! 3. **API** ([`api`]) bound on the Unix socket (and TCP / metrics listeners when configured).
-//! 4. **Services** ([`services`]) started in order: sandboxd, vk-sandbox, vk-cocoon.
-//! 5. **Main loop** (one task, a closed set of events: `SIGCHLD`, `SIGTERM`/`SIGINT`, a 250 ms
+//! 2. **Secrets** ([`secrets`]): sandboxd's root token and, when a TCP surface serves TLS, the
+//!    box certificate, minted on first boot in the state directory (0600 in 0700 directories)
+//!    and reused after. A failure here is reported like a configuration error: no service
+//!    starts without its token.
+//! 3. **Subreaper**, stale services of a previous supervisor stopped ([`supervise`]).
+//! 4. **API** ([`api`]) bound on the Unix socket (and TCP / metrics listeners when configured,
+//!    through [`httpd::serve`]: connection caps, header timeouts, TLS beyond loopback).
+//! 5. **Services** ([`services`]) started in order: sandboxd, vk-sandbox, vk-cocoon.
+//! 6. **Main loop** (one task, a closed set of events: `SIGCHLD`, `SIGTERM`/`SIGINT`, a 250 ms
 //!    tick, the watchdog tick, API commands): reaps, restarts with backoff, publishes state,
 //!    sends `READY=1` once every enabled service has run for 1 s and sandboxd answers `/healthz`,
 //!    `STATUS=` on changes and `WATCHDOG=1` ([`notify`]).
-//! 6. **Health task** ([`health`]): sandboxd, pools and virtual nodes every few seconds; each
+//! 7. **Health task** ([`health`]): sandboxd, pools and virtual nodes every few seconds; each
 //!    snapshot goes to [`UpdateControl::on_health`] (the A/B commit gate).
 //!
 //! `SIGTERM`/`SIGINT` stop the services (their process groups; VMs live on) and exit 0.
@@ -38,6 +43,7 @@ pub mod http;
 pub mod logs;
 pub mod metrics;
 pub mod notify;
+pub mod secrets;
 pub mod services;
 pub mod state;
 pub mod supervise;
@@ -109,6 +115,10 @@ pub enum RunError {
     /// Supervision could not be set up.
     #[error("setting up supervision")]
     Supervise(#[from] supervise::SuperviseError),
+    /// The secrets could not be prepared (only with [`RunOptions::exit_on_config_error`]), or a
+    /// listener's TLS configuration failed.
+    #[error("preparing the box's secrets")]
+    Secrets(#[source] secrets::SecretsError),
 }
 
 /// Everything [`run`] can be told; [`RunOptions::new`] gives the appliance's defaults.
@@ -251,9 +261,14 @@ fn read_secret(p: &Path) -> Option<String> {
 pub async fn run(opts: RunOptions) -> Result<Exit, RunError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut notifier = notify::Notifier::from_env();
+    // Children inherit it: sandboxd's connection cap and relays need thousands of descriptors.
+    match httpd::raise_nofile_limit() {
+        Ok((soft, hard)) => tracing::debug!(soft, hard, "open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
+    }
 
     // 1. Config.
-    let (settings, config_errors) = match load_settings(&opts.sources, opts.hostname.as_deref()) {
+    let (settings, mut config_errors) = match load_settings(&opts.sources, opts.hostname.as_deref()) {
         Ok(s) => (Some(s), Vec::new()),
         Err(e) => {
             let issues = e.to_issues();
@@ -278,13 +293,39 @@ pub async fn run(opts: RunOptions) -> Result<Exit, RunError> {
         default_catalog: opts.catalog.clone(),
     };
     let api_socket = opts.api_socket.clone().unwrap_or(cfg.supervisor.api_socket.clone());
-    for d in [layout.logs_dir(), layout.run_dir.clone()] {
-        std::fs::create_dir_all(&d).map_err(setup_err("creating", &d))?;
-    }
+    std::fs::create_dir_all(&layout.run_dir).map_err(setup_err("creating", &layout.run_dir))?;
+    foundation::private_dir(&layout.logs_dir()).map_err(setup_err("creating", &layout.logs_dir()))?;
 
-    // 2. Subreaper; the services and their logs.
+    // 2. Secrets.
+    let hostname = opts.hostname.clone().unwrap_or_else(config::hostname);
+    let secrets = match &settings {
+        None => None,
+        Some(s) => match secrets::prepare(s, &layout, &hostname) {
+            Ok(sec) => Some(sec),
+            Err(e) => {
+                let (key, fix) = e.key_and_fix();
+                let issue = Issue {
+                    key: key.into(),
+                    source: config::Source::Default,
+                    problem: error_chain(&e),
+                    fix: fix.into(),
+                };
+                tracing::error!(key = %issue.key, problem = %issue.problem, fix = %issue.fix, "secrets unavailable; no service is started");
+                if opts.exit_on_config_error {
+                    return Err(RunError::Secrets(e));
+                }
+                config_errors.push(issue);
+                None
+            }
+        },
+    };
+
+    // 3. Subreaper; the services and their logs.
     supervise::become_subreaper()?;
-    let specs = settings.as_ref().map(|s| services::plan(s, &layout)).unwrap_or_default();
+    let specs = match (&settings, &secrets) {
+        (Some(s), Some(sec)) => services::plan(s, &layout, sec),
+        _ => Vec::new(),
+    };
     let mut logs: HashMap<ServiceName, Arc<logs::ServiceLog>> = HashMap::new();
     for s in &specs {
         let log = logs::ServiceLog::open(s.name.as_str(), Some(&layout.logs_dir())).unwrap_or_else(|e| {
@@ -295,17 +336,29 @@ pub async fn run(opts: RunOptions) -> Result<Exit, RunError> {
     }
     let by_name: BTreeMap<String, Arc<logs::ServiceLog>> =
         logs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
-    let shared = Arc::new(Shared::new(
-        by_name,
-        config_view(settings.as_ref()),
-        config_errors.clone(),
-        layout.state_dir.display().to_string(),
-    ));
+    let served = match (&settings, &secrets) {
+        (Some(s), Some(sec)) => sec.served(s.api_listen.is_some(), s.metrics_listen.is_some()),
+        _ => Vec::new(),
+    };
+    let shared = Arc::new(
+        Shared::new(
+            by_name,
+            config_view(settings.as_ref()),
+            config_errors.clone(),
+            layout.state_dir.display().to_string(),
+        )
+        .with_secrets(secrets.as_ref().map(|s| s.sandboxd_token_file.clone()), served),
+    );
     let sandboxd_enabled = specs.iter().any(|s| s.name == ServiceName::Sandboxd);
 
-    // 3. API.
+    // 4. API.
     let (cmd_tx, mut cmd_rx) = mpsc::channel::<api::Command>(8);
-    let api_state = api::ApiState { shared: shared.clone(), update: opts.update.clone(), commands: cmd_tx.clone() };
+    let api_state = api::ApiState {
+        shared: shared.clone(),
+        update: opts.update.clone(),
+        commands: cmd_tx.clone(),
+        upload: api::UploadLimits::default(),
+    };
     let mut tasks = tokio::task::JoinSet::new();
     let unix = bind_unix(&api_socket)?;
     tracing::info!(socket = %api_socket.display(), "API listening");
@@ -315,37 +368,61 @@ pub async fn run(opts: RunOptions) -> Result<Exit, RunError> {
             tracing::error!(error = %e, "the API socket server stopped");
         }
     });
-    if let Some(s) = &settings {
+    if let (Some(s), Some(sec)) = (&settings, &secrets) {
+        let tls = match &sec.api_tls {
+            Some(c) => Some(httpd::tls::server_config_from_files(&c.cert, &c.key, httpd::tls::ALPN_HTTP1).map_err(
+                |source| RunError::Secrets(secrets::SecretsError::Tls { surfaces: "the API".into(), source }),
+            )?),
+            None => None,
+        };
         if let (Some(addr), Some(tf)) = (s.api_listen, &s.config.supervisor.api_token_file) {
             let token = read_secret(tf).unwrap_or_default();
+            if token.is_empty() {
+                tracing::error!(file = %tf.display(), "supervisor.api_token_file is empty or unreadable: the remote API refuses every request");
+            }
             let l = bind_tcp(addr, "binding supervisor.api_listen").await?;
-            tracing::info!(listen = %addr, "remote API listening (bearer token)");
+            tracing::info!(listen = %addr, tls = tls.is_some(), "remote API listening (bearer token)");
             let router = api::with_token(api::app(api_state.clone()), token);
-            tasks.spawn(async move {
-                let _ = axum::serve(l, router).await;
-            });
+            let opts = httpd::ServeOptions {
+                name: "supervisor api",
+                limits: api::API_LIMITS,
+                protocol: httpd::Protocol::Http1,
+                tls: tls.clone(),
+            };
+            tasks.spawn(httpd::serve(l, router, opts, Arc::default(), std::future::pending()));
         }
         if let Some(addr) = s.metrics_listen {
             let l = bind_tcp(addr, "binding supervisor.metrics_listen").await?;
-            tracing::info!(listen = %addr, "metrics listening");
-            let router = api::metrics_app(api_state.clone());
-            tasks.spawn(async move {
-                let _ = axum::serve(l, router).await;
-            });
+            let token = s.config.supervisor.metrics_token_file.as_deref().map(|f| read_secret(f).unwrap_or_default());
+            tracing::info!(listen = %addr, tls = tls.is_some(), bearer = token.is_some(), "metrics listening");
+            let router = match token {
+                Some(t) => api::with_token(api::metrics_app(api_state.clone()), t),
+                None => api::metrics_app(api_state.clone()),
+            };
+            let opts = httpd::ServeOptions {
+                name: "supervisor metrics",
+                limits: api::METRICS_LIMITS,
+                protocol: httpd::Protocol::Http1,
+                tls,
+            };
+            tasks.spawn(httpd::serve(l, router, opts, Arc::default(), std::future::pending()));
         }
     }
 
-    // 4. Services.
+    // 5. Services.
     let mut sup = Supervisor::new(specs, &logs, opts.backoff, layout.clone());
     sup.stop_stale(opts.shutdown_timeout).await;
     sup.start_due();
 
-    // 6. Health task.
-    let prober = Arc::new(match &settings {
-        Some(s) => {
-            let sandboxd =
-                sandboxd_enabled.then(|| http::Endpoint::Tcp(services::local_addr(s.sandboxd_listen).to_string()));
-            let token = s.config.sandboxd.api_token_file.as_deref().and_then(read_secret);
+    // 7. Health task.
+    let prober = Arc::new(match (&settings, &secrets) {
+        (Some(s), Some(sec)) => {
+            let addr = services::local_addr(s.sandboxd_listen).to_string();
+            let sandboxd = sandboxd_enabled.then_some(match sec.sandboxd_tls {
+                Some(_) => http::Endpoint::Https(addr),
+                None => http::Endpoint::Tcp(addr),
+            });
+            let token = read_secret(&sec.sandboxd_token_file);
             let mut nodes = Vec::new();
             if s.vk_sandbox {
                 nodes.push(health::NodeTarget {
@@ -361,9 +438,22 @@ pub async fn run(opts: RunOptions) -> Result<Exit, RunError> {
                     pki_dir: layout.pki_dir(ServiceName::VkCocoon),
                 });
             }
-            health::Prober::new(sandboxd, token, nodes, s.config.cluster.as_ref().map(|c| c.endpoint.clone()))
+            let p = health::Prober::new(sandboxd, token, nodes, s.config.cluster.as_ref().map(|c| c.endpoint.clone()));
+            match &sec.sandboxd_tls {
+                // Trusts exactly sandboxd's certificate (it need not name 127.0.0.1).
+                Some(c) => {
+                    match httpd::tls::client_config(&httpd::tls::Trust::File(c.cert.clone()), httpd::tls::ALPN_HTTP1) {
+                        Ok(tls) => p.with_sandboxd_tls(tls),
+                        Err(e) => {
+                            tracing::error!(error = %error_chain(&e), "sandboxd's certificate cannot be trusted; its health is unknown");
+                            p
+                        }
+                    }
+                }
+                None => p,
+            }
         }
-        None => health::Prober::new(None, None, Vec::new(), None),
+        _ => health::Prober::new(None, None, Vec::new(), None),
     });
     {
         let (shared, prober, update, cmd_tx, every) =
@@ -461,6 +551,7 @@ pub async fn run(opts: RunOptions) -> Result<Exit, RunError> {
         let statuses = sup.statuses();
         let answers = shared.health().sandboxd_answers;
         let ready = settings.is_some()
+            && secrets.is_some()
             && sup.all_running_for(supervise::STABLE_AFTER)
             && (!sandboxd_enabled || answers == Some(true));
         shared.set_services(statuses, ready);

@@ -1,7 +1,8 @@
 //! Per-service logs: every line a child writes to stdout or stderr (and every supervisor event
 //! about it) goes to three places:
 //! 1. a ring buffer of the last [`RING_LINES`] lines (`chrysalis logs <svc>`, `GET /v1/logs/…`),
-//! 2. `<state>/logs/<svc>.log`, rotated to `<svc>.log.1` at [`FILE_CAP`] bytes (two files kept),
+//! 2. `<state>/logs/<svc>.log` (0600 in a 0700 directory: service output is for the operator),
+//!    rotated to `<svc>.log.1` at [`FILE_CAP`] bytes (two files kept),
 //! 3. the supervisor's own `tracing` output with a `service` field (so journald / the serial
 //!    console see the whole appliance in one structured stream).
 //!
@@ -78,13 +79,22 @@ struct RotatingFile {
     file: Option<std::fs::File>,
 }
 
+/// Opens `path` for appending, created 0600 (service output is for the operator only); an
+/// existing file is tightened to 0600.
+fn open_private(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    let f = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(path)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    Ok(f)
+}
+
 impl RotatingFile {
     fn open(path: &Path, cap: u64) -> Result<Self, LogsError> {
         let err = |source| LogsError::Open { path: path.to_path_buf(), source };
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(err)?;
+            foundation::private_dir(dir).map_err(err)?;
         }
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(err)?;
+        let file = open_private(path).map_err(err)?;
         let size = file.metadata().map(|m| m.len()).unwrap_or(0);
         Ok(RotatingFile { path: path.to_path_buf(), cap, size, file: Some(file) })
     }
@@ -106,7 +116,7 @@ impl RotatingFile {
         let mut old = self.path.clone().into_os_string();
         old.push(".1");
         let _ = std::fs::rename(&self.path, &old);
-        self.file = std::fs::OpenOptions::new().create(true).append(true).open(&self.path).ok();
+        self.file = open_private(&self.path).ok();
         self.size = 0;
     }
 }

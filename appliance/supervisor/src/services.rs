@@ -3,21 +3,25 @@
 //!
 //! | service | program | configured by |
 //! |---|---|---|
-//! | `sandboxd` | `<bin>/sandboxd --config <run>/sandboxd.json` | a JSON config generated here (`data_dir = <state>/sandboxd`, catalog, pools) |
-//! | `vk-sandbox` | `<bin>/vk-sandbox` | flags: node name, sandboxd URL and token, `--state-path <state>/vk-sandbox/claims.json`, join flags |
+//! | `sandboxd` | `<bin>/sandboxd --config <run>/sandboxd.json` | a JSON config generated here (`data_dir = <state>/sandboxd`, catalog, pools, budget, the root token file, the TLS pair when it serves TLS) |
+//! | `vk-sandbox` | `<bin>/vk-sandbox` | flags: node name, sandboxd URL (`https://` with `--sandboxd-ca-file` = sandboxd's certificate when it serves TLS) and root token file, `--state-path <state>/vk-sandbox/claims.json`, join flags |
 //! | `vk-cocoon` | `<bin>/vk-cocoon` | join flags; env `VK_NODE_NAME`, `VK_NODE_POOL`, `COCOON_ROOT_DIR=<state>/vk-cocoon`, `CHRYSALIS_IMAGES=<state>/images` |
 //!
 //! Join flags (both nodes): `--join-server <endpoint> --join-api-server <endpoint>
 //! --join-token-file <file> --join-ca-hash <h>… --credentials-dir <state>/<svc>/pki`.
 //! Every child gets `CHRYSALIS_STATE=<state>` and `NO_COLOR=1`, and never the supervisor's
 //! `NOTIFY_SOCKET` / `WATCHDOG_*` / `LISTEN_*` (they belong to the supervisor alone).
+//!
+//! Generated files name secrets (the token file, the TLS key): they are written 0600 in a
+//! directory made 0700 ([`foundation::write_secret`]); each service's directories are 0700.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::Serialize;
 
 use crate::config::Settings;
+use crate::secrets::Secrets;
 
 /// Environment variables a child must not inherit.
 pub const SCRUBBED_ENV: [&str; 6] =
@@ -126,38 +130,24 @@ pub struct ServiceSpec {
     pub args: Vec<String>,
     /// Extra environment (on top of the supervisor's, minus [`SCRUBBED_ENV`]).
     pub env: Vec<(String, String)>,
-    /// Directories to create first.
+    /// Directories to create first (each made 0700; missing parents 0755).
     pub dirs: Vec<PathBuf>,
-    /// Files to write first (mode 0600).
+    /// Files to write first (0600 in a 0700 directory, atomically).
     pub files: Vec<GeneratedFile>,
 }
 
 impl ServiceSpec {
-    /// Creates the directories and writes the generated files (atomically).
+    /// Creates the directories and writes the generated files.
     pub fn prepare(&self) -> Result<(), ServicesError> {
         for d in &self.dirs {
-            std::fs::create_dir_all(d).map_err(|source| ServicesError::Write { path: d.clone(), source })?;
+            foundation::private_dir(d).map_err(|source| ServicesError::Write { path: d.clone(), source })?;
         }
         for f in &self.files {
-            write_private(&f.path, &f.contents)?;
+            foundation::write_secret(&f.path, &f.contents)
+                .map_err(|source| ServicesError::Write { path: f.path.clone(), source })?;
         }
         Ok(())
     }
-}
-
-fn write_private(path: &Path, contents: &[u8]) -> Result<(), ServicesError> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let err = |source| ServicesError::Write { path: path.to_path_buf(), source };
-    if let Some(d) = path.parent() {
-        std::fs::create_dir_all(d).map_err(err)?;
-    }
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let mut f =
-        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(err)?;
-    f.write_all(contents).map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)
 }
 
 /// The address a local client uses to reach a listen address (`0.0.0.0` → `127.0.0.1`).
@@ -170,8 +160,9 @@ pub fn local_addr(listen: SocketAddr) -> SocketAddr {
     SocketAddr::new(ip, listen.port())
 }
 
-/// sandboxd's generated config (the schema of `sandboxd::config::Config`).
-pub fn sandboxd_config(settings: &Settings, layout: &Layout) -> serde_json::Value {
+/// sandboxd's generated config (the schema of `sandboxd::config::Config`): always a root token
+/// (configured or minted), the TLS pair when it serves TLS, the budget keys when set.
+pub fn sandboxd_config(settings: &Settings, layout: &Layout, secrets: &Secrets) -> serde_json::Value {
     let sb = &settings.config.sandboxd;
     let mut v = serde_json::json!({
         "listen": settings.sandboxd_listen.to_string(),
@@ -183,13 +174,28 @@ pub fn sandboxd_config(settings: &Settings, layout: &Layout) -> serde_json::Valu
             "template": p.template, "size": p.size, "net": p.net, "warm": p.warm,
         })).collect::<Vec<_>>(),
     });
-    if let Some(t) = &sb.api_token_file {
-        v["api_token_file"] = serde_json::json!(t);
+    v["api_token_file"] = serde_json::json!(secrets.sandboxd_token_file);
+    if let Some(t) = &secrets.sandboxd_tls {
+        v["tls_cert_file"] = serde_json::json!(t.cert);
+        v["tls_key_file"] = serde_json::json!(t.key);
     }
     if let Some(a) = &sb.advertise_addr {
         v["advertise_addr"] = serde_json::json!(a);
     }
+    for (k, val) in
+        [("max_vms", sb.max_vms), ("max_memory_mib", sb.max_memory_mib), ("max_lifetime_secs", sb.max_lifetime_secs)]
+    {
+        if let Some(n) = val {
+            v[k] = serde_json::json!(n);
+        }
+    }
     v
+}
+
+/// The URL a local client (vk-sandbox, the health probe) reaches sandboxd at.
+pub fn sandboxd_url(settings: &Settings, secrets: &Secrets) -> String {
+    let scheme = if secrets.sandboxd_tls.is_some() { "https" } else { "http" };
+    format!("{scheme}://{}", local_addr(settings.sandboxd_listen))
 }
 
 fn join_args(settings: &Settings, layout: &Layout, svc: ServiceName) -> Vec<String> {
@@ -206,13 +212,13 @@ fn join_args(settings: &Settings, layout: &Layout, svc: ServiceName) -> Vec<Stri
 }
 
 /// The enabled services, in start order.
-pub fn plan(settings: &Settings, layout: &Layout) -> Vec<ServiceSpec> {
+pub fn plan(settings: &Settings, layout: &Layout, secrets: &Secrets) -> Vec<ServiceSpec> {
     let state = layout.state_dir.display().to_string();
     let common = || vec![("CHRYSALIS_STATE".to_string(), state.clone()), ("NO_COLOR".to_string(), "1".to_string())];
     let mut out = Vec::new();
     if settings.config.sandboxd.enabled {
         let cfg_path = layout.run_dir.join("sandboxd.json");
-        let json = sandboxd_config(settings, layout);
+        let json = sandboxd_config(settings, layout, secrets);
         out.push(ServiceSpec {
             name: ServiceName::Sandboxd,
             program: layout.bin_dir.join("sandboxd"),
@@ -229,12 +235,15 @@ pub fn plan(settings: &Settings, layout: &Layout) -> Vec<ServiceSpec> {
             "--node-name".to_string(),
             settings.vk_sandbox_name().to_string(),
             "--sandboxd-url".into(),
-            format!("http://{}", local_addr(settings.sandboxd_listen)),
+            sandboxd_url(settings, secrets),
             "--state-path".into(),
             dir.join("claims.json").display().to_string(),
+            // The root token: also what lets vk-sandbox take over a claim granted just before a crash.
+            "--sandboxd-token-file".into(),
+            secrets.sandboxd_token_file.display().to_string(),
         ];
-        if let Some(t) = &settings.config.sandboxd.api_token_file {
-            args.extend(["--sandboxd-token-file".into(), t.display().to_string()]);
+        if let Some(t) = &secrets.sandboxd_tls {
+            args.extend(["--sandboxd-ca-file".into(), t.cert.display().to_string()]);
         }
         args.extend(join_args(settings, layout, svc));
         out.push(ServiceSpec {
@@ -242,7 +251,7 @@ pub fn plan(settings: &Settings, layout: &Layout) -> Vec<ServiceSpec> {
             program: layout.bin_dir.join(svc.as_str()),
             args,
             env: common(),
-            dirs: vec![layout.pki_dir(svc)],
+            dirs: vec![dir, layout.pki_dir(svc)],
             files: Vec::new(),
         });
     }
@@ -260,7 +269,7 @@ pub fn plan(settings: &Settings, layout: &Layout) -> Vec<ServiceSpec> {
             program: layout.bin_dir.join(svc.as_str()),
             args: join_args(settings, layout, svc),
             env,
-            dirs: vec![layout.pki_dir(svc), layout.state_dir.join("images")],
+            dirs: vec![layout.state_dir.join(svc.as_str()), layout.pki_dir(svc), layout.state_dir.join("images")],
             files: Vec::new(),
         });
     }
@@ -272,6 +281,7 @@ pub fn plan(settings: &Settings, layout: &Layout) -> Vec<ServiceSpec> {
 mod tests {
     use super::*;
     use crate::config::{self, ValidateEnv};
+    use std::path::Path;
 
     const HASH: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 
@@ -289,6 +299,14 @@ mod tests {
             bin_dir: "/bin".into(),
             default_catalog: "/cat.json".into(),
         }
+    }
+
+    fn plain() -> Secrets {
+        Secrets::plain("/state/secrets/sandboxd-token")
+    }
+
+    fn plan(s: &Settings, l: &Layout) -> Vec<ServiceSpec> {
+        super::plan(s, l, &plain())
     }
 
     fn flag<'a>(args: &'a [String], name: &str) -> Vec<&'a str> {
@@ -309,7 +327,8 @@ mod tests {
         assert_eq!(json["data_dir"], "/state/sandboxd");
         assert_eq!(json["catalog"], "/cat.json");
         assert_eq!(json["listen"], "0.0.0.0:7777");
-        assert!(json.get("api_token_file").is_none());
+        assert_eq!(json["api_token_file"], "/state/secrets/sandboxd-token", "sandboxd always gets a token");
+        assert!(json.get("tls_cert_file").is_none() && json.get("max_vms").is_none());
     }
 
     #[test]
@@ -318,12 +337,38 @@ mod tests {
             "[sandboxd]\nlisten = \"127.0.0.1:7000\"\napi_token_file = \"/t\"\ncatalog = \"/c.json\"\nrefill_concurrency = 2\n\
              [[sandboxd.pools]]\ntemplate = \"base\"\nwarm = 2\n",
         );
-        let j = sandboxd_config(&s, &layout());
+        let j = sandboxd_config(&s, &layout(), &Secrets::plain("/t"));
         assert_eq!(j["pools"], serde_json::json!([{"template": "base", "size": "small", "net": "none", "warm": 2}]));
         assert_eq!(j["api_token_file"], "/t");
         assert_eq!(j["catalog"], "/c.json");
         assert_eq!(j["refill_concurrency"], 2);
         assert_eq!(j["listen"], "127.0.0.1:7000");
+    }
+
+    #[test]
+    fn tls_and_budget_reach_sandboxd_and_vk_sandbox() {
+        let s = settings(&format!(
+            "[sandboxd]\nmax_vms = 8\nmax_memory_mib = 4096\nmax_lifetime_secs = 3600\n[cluster]\nendpoint = \"https://a:1\"\n\
+             ca_cert_hashes = [\"{HASH}\"]\nbootstrap_token_file = \"/boot\"\n"
+        ));
+        let cert = crate::secrets::CertFiles {
+            cert: "/state/tls/cert.pem".into(),
+            key: "/state/tls/key.pem".into(),
+            fingerprint: "AB".into(),
+            minted: true,
+        };
+        let secrets = Secrets { sandboxd_tls: Some(cert.clone()), api_tls: Some(cert), ..plain() };
+        let j = sandboxd_config(&s, &layout(), &secrets);
+        assert_eq!(j["tls_cert_file"], "/state/tls/cert.pem");
+        assert_eq!(j["tls_key_file"], "/state/tls/key.pem");
+        assert_eq!(j["api_token_file"], "/state/secrets/sandboxd-token");
+        assert_eq!((j["max_vms"].as_u64(), j["max_memory_mib"].as_u64()), (Some(8), Some(4096)));
+        assert_eq!(j["max_lifetime_secs"], 3600);
+        let plan = super::plan(&s, &layout(), &secrets);
+        let vs = &plan[1];
+        assert_eq!(flag(&vs.args, "--sandboxd-url"), ["https://127.0.0.1:7777"]);
+        assert_eq!(flag(&vs.args, "--sandboxd-ca-file"), ["/state/tls/cert.pem"]);
+        assert_eq!(flag(&vs.args, "--sandboxd-token-file"), ["/state/secrets/sandboxd-token"]);
     }
 
     #[test]
@@ -338,7 +383,8 @@ mod tests {
         let vs = &plan[1];
         assert_eq!(flag(&vs.args, "--node-name"), ["box-sandbox"]);
         assert_eq!(flag(&vs.args, "--sandboxd-url"), ["http://127.0.0.1:7777"]);
-        assert_eq!(flag(&vs.args, "--sandboxd-token-file"), ["/tok"]);
+        assert_eq!(flag(&vs.args, "--sandboxd-token-file"), ["/state/secrets/sandboxd-token"]);
+        assert!(flag(&vs.args, "--sandboxd-ca-file").is_empty(), "plain HTTP needs no CA");
         assert_eq!(flag(&vs.args, "--state-path"), ["/state/vk-sandbox/claims.json"]);
         for p in &plan[1..] {
             assert_eq!(flag(&p.args, "--join-server"), ["https://10.0.2.100:16443"]);
@@ -370,11 +416,20 @@ mod tests {
         use std::os::unix::fs::PermissionsExt as _;
         let dir = tempfile::tempdir().unwrap();
         let l = Layout { state_dir: dir.path().join("s"), run_dir: dir.path().join("r"), ..layout() };
-        let specs = plan(&settings(""), &l);
-        specs[0].prepare().unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        let s = settings(&format!(
+            "[cluster]\nendpoint = \"https://a:1\"\nca_cert_hashes = [\"{HASH}\"]\nbootstrap_token_file = \"/boot\"\n"
+        ));
+        let specs = plan(&s, &l);
+        for spec in &specs {
+            spec.prepare().unwrap();
+        }
         let f = dir.path().join("r/sandboxd.json");
-        assert_eq!(std::fs::metadata(&f).unwrap().permissions().mode() & 0o777, 0o600);
-        assert!(dir.path().join("s/sandboxd").is_dir());
+        assert_eq!(mode(&f), 0o600, "the generated config names the token file");
+        assert_eq!(mode(&dir.path().join("r")), 0o700);
+        for d in ["s/sandboxd", "s/vk-sandbox", "s/vk-sandbox/pki", "s/vk-cocoon", "s/vk-cocoon/pki"] {
+            assert_eq!(mode(&dir.path().join(d)), 0o700, "{d}");
+        }
         let j: serde_json::Value = serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap();
         assert_eq!(j["data_dir"], serde_json::json!(dir.path().join("s/sandboxd")));
     }

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::Issue;
 use crate::health::Health;
 use crate::logs::ServiceLog;
+use crate::secrets::TlsCert;
 use crate::supervise::ServiceStatus;
 use crate::update::UpdateStatus;
 
@@ -42,6 +43,9 @@ pub struct Status {
     pub health: Health,
     /// Slot and update state.
     pub update: UpdateStatus,
+    /// The certificates the box's TCP surfaces serve (empty: plain HTTP on loopback only).
+    #[serde(default)]
+    pub tls: Vec<TlsCert>,
 }
 
 /// Shared state (cheap locks, short critical sections).
@@ -58,6 +62,10 @@ pub struct Shared {
     pub config_errors: Vec<Issue>,
     /// The state directory.
     pub state_dir: String,
+    /// sandboxd's root token file (`GET /v1/tokens/sandboxd`).
+    pub sandboxd_token_file: Option<std::path::PathBuf>,
+    /// The certificates served.
+    pub tls: Vec<TlsCert>,
 }
 
 impl Shared {
@@ -76,7 +84,16 @@ impl Shared {
             config_view,
             config_errors,
             state_dir,
+            sandboxd_token_file: None,
+            tls: Vec::new(),
         }
+    }
+
+    /// With sandboxd's token file and the served certificates.
+    pub fn with_secrets(mut self, sandboxd_token_file: Option<std::path::PathBuf>, tls: Vec<TlsCert>) -> Self {
+        self.sandboxd_token_file = sandboxd_token_file;
+        self.tls = tls;
+        self
     }
 
     /// Time since start.
@@ -127,6 +144,7 @@ impl Shared {
             config_errors: self.config_errors.clone(),
             health: self.health(),
             update,
+            tls: self.tls.clone(),
         }
     }
 }

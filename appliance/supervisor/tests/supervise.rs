@@ -582,6 +582,72 @@ fn real_sandboxd_becomes_ready() {
     assert!(r.stop().success());
 }
 
+/// The real sandboxd behind the box certificate (configured, so TLS even on loopback): it
+/// serves HTTPS with the minted root token; the supervisor's probe trusts exactly that
+/// certificate (which does not name 127.0.0.1) and reads the pools with the token.
+fn real_sandboxd_over_tls_with_the_minted_token() {
+    let sandboxd = built_sandboxd();
+    let certs = tempfile::tempdir().expect("tempdir");
+    let (cert, key) = (certs.path().join("box.crt"), certs.path().join("box.key"));
+    let fp = httpd::tls::ensure_self_signed(&cert, &key, &["box.example".to_string()]).expect("cert").fingerprint;
+    let port = free_port();
+    let mut r = Rig::new(
+        &format!(
+            "[supervisor]\ntls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n[sandboxd]\nlisten = \"127.0.0.1:{port}\"\n",
+            cert.display(),
+            key.display()
+        ),
+        &[],
+    );
+    std::fs::remove_file(r.path("bin/sandboxd")).expect("rm fake");
+    std::os::unix::fs::symlink(&sandboxd, r.path("bin/sandboxd")).expect("symlink");
+    r.start();
+    wait_until("READY=1 from sandboxd over HTTPS", Duration::from_secs(60), || {
+        r.notes().iter().any(|n| n.contains("READY=1"))
+    });
+    wait_until("pools read over HTTPS with the token", Duration::from_secs(10), || {
+        r.status().is_some_and(|s| s.health.pools_error.is_none() && s.health.checked_at > 0)
+    });
+    let st = r.status().expect("status");
+    assert_eq!(st.tls.len(), 1, "{:?}", st.tls);
+    assert_eq!((st.tls[0].fingerprint.as_str(), st.tls[0].minted), (fp.as_str(), false));
+    assert_eq!(st.tls[0].surfaces, ["sandboxd"]);
+    let gen: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(r.path("run/sandboxd.json")).expect("generated config")).expect("json");
+    assert_eq!(gen["tls_cert_file"], serde_json::json!(cert));
+    assert_eq!(gen["api_token_file"], serde_json::json!(r.path("state/secrets/sandboxd-token")));
+    let token = r.rt.block_on(r.client().token("sandboxd")).expect("token").token;
+    // From outside: plain HTTP gets nothing; HTTPS needs the token.
+    let tls = httpd::tls::client_config(&httpd::tls::Trust::Fingerprint(fp), httpd::tls::ALPN_HTTP1).expect("tls");
+    let ep = Endpoint::Https(format!("127.0.0.1:{port}"));
+    let get = |token: Option<&str>| {
+        r.rt.block_on(supervisor::http::send(
+            &ep,
+            Some(&tls),
+            hyper::Method::GET,
+            "/v1/info",
+            token,
+            supervisor::http::empty(),
+            Duration::from_secs(10),
+        ))
+        .expect("HTTPS")
+        .status
+    };
+    assert_eq!(get(None).as_u16(), 401);
+    assert_eq!(get(Some(&token)).as_u16(), 200);
+    let plain = r.rt.block_on(supervisor::http::send(
+        &Endpoint::Tcp(format!("127.0.0.1:{port}")),
+        None,
+        hyper::Method::GET,
+        "/healthz",
+        None,
+        supervisor::http::empty(),
+        Duration::from_secs(5),
+    ));
+    assert!(!plain.is_ok_and(|r| r.status.is_success()), "sandboxd answered plain HTTP on its TLS port");
+    assert!(r.stop().success());
+}
+
 // ----------------------------------------------------------------------------------- runner
 
 /// The sandboxd binary next to this test's target directory.
@@ -594,13 +660,13 @@ fn built_sandboxd() -> PathBuf {
 /// Why a scenario cannot run here (it is then counted as ignored, with the reason).
 fn cannot_run(name: &str) -> Option<String> {
     let sandboxd = built_sandboxd();
-    (name == "real_sandboxd_becomes_ready" && !sandboxd.exists())
+    (name.starts_with("real_sandboxd") && !sandboxd.exists())
         .then(|| format!("{} is not built (cargo build -p sandboxd; cargo xtask test builds it)", sandboxd.display()))
 }
 
 fn runner(args: &[String]) {
     let filters: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();
-    let scenarios: [(&str, fn()); 8] = [
+    let scenarios: [(&str, fn()); 9] = [
         ("restart_backoff_and_crash_isolation", restart_backoff_and_crash_isolation),
         ("kill_9_is_recovered", kill_9_is_recovered),
         ("reaping_and_graceful_shutdown", reaping_and_graceful_shutdown),
@@ -609,6 +675,7 @@ fn runner(args: &[String]) {
         ("reboot_stops_services_then_reboots", reboot_stops_services_then_reboots),
         ("a_stalled_main_loop_stops_the_watchdog", a_stalled_main_loop_stops_the_watchdog),
         ("real_sandboxd_becomes_ready", real_sandboxd_becomes_ready),
+        ("real_sandboxd_over_tls_with_the_minted_token", real_sandboxd_over_tls_with_the_minted_token),
     ];
     if args.iter().any(|a| a == "--list") {
         for (name, _) in scenarios {

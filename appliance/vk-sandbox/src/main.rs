@@ -73,9 +73,13 @@ struct Cli {
     /// Pod queue (and API) burst.
     #[arg(long, default_value_t = 400)]
     kube_api_burst: u32,
-    /// sandboxd's URL (plain HTTP).
+    /// sandboxd's URL: http://host:port, or https://host:port with --sandboxd-ca-file.
     #[arg(long, env = "SANDBOXD_URL", default_value = "http://127.0.0.1:7777")]
     sandboxd_url: String,
+    /// For an https:// --sandboxd-url: the PEM certificates to trust, sandboxd's own certificate
+    /// (trusted exactly, whatever names it carries) or the CA that issued it; empty = none.
+    #[arg(long, env = "SANDBOXD_CA_FILE", default_value = "")]
+    sandboxd_ca_file: String,
     /// The address Pods are reported at when a claim carries no owner_addr; empty = host:port of --sandboxd-url.
     #[arg(long, env = "SANDBOXD_ADVERTISE_ADDR", default_value = "")]
     sandboxd_advertise_addr: String,
@@ -225,7 +229,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Some(p) => Some(read_trimmed(&p, "the sandboxd token file")?),
         None => None,
     };
-    let sandboxd = SandboxdClient::new(&cli.sandboxd_url, node_token).context("--sandboxd-url")?;
+    let ca = non_empty(&cli.sandboxd_ca_file);
+    let sandboxd = SandboxdClient::with_ca(&cli.sandboxd_url, node_token, ca.as_deref()).with_context(|| {
+        format!("--sandboxd-url {} (--sandboxd-ca-file {:?})", cli.sandboxd_url, cli.sandboxd_ca_file)
+    })?;
     let advertise = match cli.sandboxd_advertise_addr.trim() {
         "" => sandboxd.host_port().to_owned(),
         a => a.to_owned(),

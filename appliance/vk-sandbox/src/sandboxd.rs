@@ -2,6 +2,11 @@
 //! `shared/spec/sandboxd.md` §5.1): claim, release, list, info. One pooled HTTP/1.1 client
 //! (64 idle connections per host, 90 s idle), every call bounded by 10 s including its body.
 //!
+//! `https://` URLs are verified against a trust file (`--sandboxd-ca-file`: sandboxd's own
+//! certificate, which then need not name the address dialled, or a CA; see
+//! [`httpd::tls::Trust::File`]); there is no unverified HTTPS. On the appliance the supervisor
+//! passes the box certificate sandboxd serves.
+//!
 //! Node routes carry the node token (`--sandboxd-token-file`) when one is configured; release
 //! carries the claim's own token. No capacity (`429`, or `200` with an empty `id` and a
 //! `redirect`) is the typed [`SandboxdError::NoCapacity`]; other failures carry sandboxd's
@@ -12,6 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::{Method, Request, StatusCode};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -33,6 +39,9 @@ pub enum SandboxdError {
     /// The configured URL is unusable.
     #[error("sandboxd URL {url:?}: {reason}")]
     Url { url: String, reason: &'static str },
+    /// The trust file for an `https://` URL is unusable.
+    #[error("sandboxd CA file")]
+    Trust(#[source] httpd::tls::TlsError),
     /// Connecting or sending failed.
     #[error("sandboxd {what}: request failed")]
     Transport {
@@ -165,7 +174,7 @@ struct ListReply {
 /// The client of the node's sandboxd.
 #[derive(Clone)]
 pub struct SandboxdClient {
-    http: Client<HttpConnector, Full<Bytes>>,
+    http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     base: String,
     host_port: String,
     node_token: Option<String>,
@@ -206,23 +215,58 @@ fn error_text(body: &[u8]) -> String {
 impl SandboxdClient {
     /// A client of `url` (`http://host:port`), sending `node_token` on node routes.
     pub fn new(url: &str, node_token: Option<String>) -> Result<SandboxdClient, SandboxdError> {
+        Self::with_ca(url, node_token, None)
+    }
+
+    /// A client of `url`, `http://host:port` or `https://host:port` (then verified against
+    /// `ca_file`, required), sending `node_token` on node routes.
+    pub fn with_ca(
+        url: &str,
+        node_token: Option<String>,
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<SandboxdClient, SandboxdError> {
         let bad = |reason| SandboxdError::Url { url: url.to_owned(), reason };
         let uri: hyper::Uri = url.parse().map_err(|_| bad("not a URL"))?;
-        match uri.scheme_str() {
-            Some("http") => {}
-            Some("https") => return Err(bad("https is not supported: sandboxd serves plain HTTP on the node")),
-            _ => return Err(bad("the scheme must be http://")),
-        }
+        let (scheme, default_port) = match uri.scheme_str() {
+            Some("http") => ("http", 80),
+            Some("https") => ("https", 443),
+            _ => return Err(bad("the scheme must be http:// or https://")),
+        };
+        let tls = match (scheme, ca_file) {
+            ("https", None) => {
+                return Err(bad("https needs --sandboxd-ca-file (sandboxd's certificate, or the CA that issued it)"))
+            }
+            // No ALPN here: the connector offers http/1.1 itself (enable_http1).
+            ("https", Some(f)) => {
+                httpd::tls::client_config(&httpd::tls::Trust::File(f.to_owned()), &[]).map_err(SandboxdError::Trust)?
+            }
+            // Plain HTTP: the TLS side is never used; it trusts nothing.
+            _ => std::sync::Arc::new(
+                rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+                    rustls::crypto::ring::default_provider(),
+                ))
+                .with_safe_default_protocol_versions()
+                .map_err(|_| bad("no TLS protocol versions"))?
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth(),
+            ),
+        };
         let authority = uri.authority().ok_or_else(|| bad("no host"))?;
         let host_port = match authority.port_u16() {
             Some(_) => authority.as_str().to_owned(),
-            None => format!("{}:80", authority.host()),
+            None => format!("{}:{default_port}", authority.host()),
         };
         let path = uri.path().trim_end_matches('/');
-        let base = format!("http://{}{}", authority.as_str(), path);
+        let base = format!("{scheme}://{}{}", authority.as_str(), path);
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(TIMEOUT));
         connector.set_nodelay(true);
+        connector.enforce_http(false);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config((*tls).clone())
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         let http = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(64)
             .pool_idle_timeout(Duration::from_secs(90))
@@ -414,6 +458,11 @@ mod tests {
         for bad in ["127.0.0.1:7777", "https://127.0.0.1:7777", "ftp://x", "not a url"] {
             assert!(matches!(SandboxdClient::new(bad, None), Err(SandboxdError::Url { .. })), "{bad} accepted");
         }
+        let e = SandboxdClient::new("https://127.0.0.1:7777", None).unwrap_err();
+        assert!(e.to_string().contains("--sandboxd-ca-file"), "{e}");
+        let e = SandboxdClient::with_ca("https://127.0.0.1:7777", None, Some(std::path::Path::new("/nonexistent")))
+            .unwrap_err();
+        assert!(matches!(e, SandboxdError::Trust(_)), "{e:?}");
         assert_eq!(query_escape("ns/name"), "ns/name");
         assert_eq!(query_escape("a b&c"), "a%20b%26c");
     }
@@ -440,6 +489,30 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn https_is_verified_against_the_ca_file() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        // The box certificate names the hostname only: trusted as the exact certificate.
+        httpd::tls::ensure_self_signed(&cert, &key, &["box".to_string()]).unwrap();
+        let server = httpd::tls::server_config_from_files(&cert, &key, httpd::tls::ALPN_HTTP1).unwrap();
+        let fake = FakeSandboxd::start_tls(Some("node-secret"), server).await;
+        assert!(fake.url().starts_with("https://127.0.0.1:"));
+        let c = SandboxdClient::with_ca(&fake.url(), Some("node-secret".into()), Some(&cert)).unwrap();
+        assert_eq!(c.info().await.unwrap().claimed, 0);
+        let g = c.claim(&spec("rt"), "ns/a").await.unwrap();
+        c.release(&g.id, &g.token).await.unwrap();
+        // Another certificate in the CA file: the handshake fails, nothing is sent.
+        let other = dir.path().join("other.pem");
+        std::fs::write(&other, httpd::tls::self_signed(&["127.0.0.1".to_string()]).unwrap().cert_pem).unwrap();
+        let c = SandboxdClient::with_ca(&fake.url(), Some("node-secret".into()), Some(&other)).unwrap();
+        assert!(matches!(c.info().await, Err(SandboxdError::Transport { .. })));
+        // Plain HTTP to a TLS port fails too (no downgrade).
+        let plain = SandboxdClient::new(&fake.url().replace("https", "http"), None).unwrap();
+        assert!(plain.info().await.is_err());
     }
 
     #[tokio::test]

@@ -3,13 +3,11 @@
 //!
 //! Shape: `{"claims":{"ns/name":{id, token, address, podUID, claimedAt, deadline, owner?}}}`,
 //! plus `releasing` (claims decided for release whose release has not yet succeeded). Written
-//! 0600 in a 0700 directory (when we create it) by temp file + fsync + rename + directory
-//! fsync; writes are serialized. Loading: a missing file is an empty table; a malformed one is
-//! fatal (reading it as empty would forget live credentials).
+//! 0600 in a directory made 0700 ([`foundation::write_secret`]: a temp file born 0600, fsync,
+//! rename, directory fsync); writes are serialized. Loading: a missing file is an empty table; a
+//! malformed one is fatal (reading it as empty would forget live credentials).
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::jiff::Timestamp;
@@ -109,45 +107,26 @@ pub fn load(path: &Path) -> Result<StateFile, StateError> {
     serde_json::from_slice(&bytes).map_err(|source| StateError::Malformed { path: path.to_owned(), source })
 }
 
-/// Writes `state` to `path` atomically with mode 0600 (blocking).
+/// Writes `state` to `path` atomically, 0600 in a directory made 0700 (blocking).
 pub fn write(path: &Path, state: &StateFile) -> Result<(), StateError> {
-    let io = |what| move |source| StateError::Io { path: path.to_owned(), what, source };
     let bytes =
         serde_json::to_vec_pretty(state).map_err(|source| StateError::Encode { path: path.to_owned(), source })?;
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "claims.json".into());
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(io("creating the temp file"))?;
-        f.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(io("making the temp file 0600"))?;
-        f.write_all(&bytes).map_err(io("writing the temp file"))?;
-        f.sync_all().map_err(io("syncing the temp file"))?;
-        std::fs::rename(&tmp, path).map_err(io("renaming the temp file into place"))?;
-        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io("syncing the directory"))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    foundation::write_secret(path, &bytes).map_err(|source| StateError::Io {
+        path: path.to_owned(),
+        what: "writing (temp file, fsync, rename)",
+        source,
+    })
 }
 
-/// Creates the parent directory (0700) if it is missing; an existing directory is left as is.
+/// Creates the parent directory, or tightens an existing one, to 0700 (the file holds every
+/// claim's release credential).
 pub fn prepare_dir(path: &Path) -> Result<(), StateError> {
     let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) else {
         return Ok(());
     };
-    if dir.is_dir() {
-        return Ok(());
-    }
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|source| StateError::Io {
+    foundation::private_dir(dir).map_err(|source| StateError::Io {
         path: path.to_owned(),
-        what: "creating the state directory",
+        what: "creating the state directory (0700)",
         source,
     })
 }
@@ -197,6 +176,7 @@ impl StateStore {
 #[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt as _;
 
     fn rec(id: &str) -> ClaimRecord {
         ClaimRecord {
@@ -208,6 +188,18 @@ mod tests {
             deadline: Some("2030-01-02T00:00:00Z".parse().unwrap()),
             owner: None,
         }
+    }
+
+    #[test]
+    fn a_loose_existing_directory_is_tightened() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("vk-sandbox");
+        std::fs::create_dir(&sub).unwrap();
+        std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = sub.join("claims.json");
+        StateStore::open(&path).unwrap();
+        assert_eq!(std::fs::metadata(&sub).unwrap().permissions().mode() & 0o777, 0o700);
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
     }
 
     #[test]

@@ -55,6 +55,7 @@ pub struct FakeSandboxd {
     state: Arc<Mutex<FakeState>>,
     addr: std::net::SocketAddr,
     server: tokio::task::JoinHandle<()>,
+    https: bool,
 }
 
 impl Drop for FakeSandboxd {
@@ -198,6 +199,15 @@ async fn info(State(s): S, h: HeaderMap) -> Response {
 impl FakeSandboxd {
     /// Starts the fake on a loopback port; `node_token` guards the node routes.
     pub async fn start(node_token: Option<&str>) -> FakeSandboxd {
+        Self::start_with(node_token, None).await
+    }
+
+    /// [`FakeSandboxd::start`] serving HTTPS with `tls` (through `httpd::serve`, as sandboxd).
+    pub async fn start_tls(node_token: Option<&str>, tls: Arc<rustls::ServerConfig>) -> FakeSandboxd {
+        Self::start_with(node_token, Some(tls)).await
+    }
+
+    async fn start_with(node_token: Option<&str>, tls: Option<Arc<rustls::ServerConfig>>) -> FakeSandboxd {
         let state = Arc::new(Mutex::new(FakeState {
             node_token: node_token.map(str::to_owned),
             owner_addr: "10.1.2.3:7777".into(),
@@ -220,19 +230,26 @@ impl FakeSandboxd {
             .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let https = tls.is_some();
         let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
+            let opts = httpd::ServeOptions {
+                name: "fake sandboxd",
+                limits: httpd::Limits::default(),
+                protocol: httpd::Protocol::Http1,
+                tls,
+            };
+            httpd::serve(listener, app, opts, Arc::default(), std::future::pending()).await;
         });
-        FakeSandboxd { state, addr, server }
+        FakeSandboxd { state, addr, server, https }
     }
 
     fn st(&self) -> std::sync::MutexGuard<'_, FakeState> {
         self.state.lock().unwrap()
     }
 
-    /// `http://127.0.0.1:<port>`.
+    /// `http://127.0.0.1:<port>` (`https://` when serving TLS).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("{}://{}", if self.https { "https" } else { "http" }, self.addr)
     }
     /// The `owner_addr` grants carry.
     pub fn owner_addr(&self) -> String {

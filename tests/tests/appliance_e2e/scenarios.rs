@@ -1,10 +1,17 @@
 //! The appliance scenarios and the boxes they share (see the suite's doc).
 //!
-//! Box 1 lives through the first five scenarios in order: first boot (join, both nodes Ready,
-//! the seed's sandboxd example), a tampered bundle refused, a bundle that never becomes healthy
-//! rolled back to A by itself, a good bundle committed on B (raising the security floor), then
-//! the first version's bundle replayed and refused as a downgrade (no reboot). Box 2 is a fresh
-//! disk for the power cut in the middle of writing the inactive slot.
+//! Box 1 lives through the first six scenarios in order: first boot (join, both nodes Ready,
+//! secure by default: sandboxd's minted token and the minted certificate, the seed's sandboxd
+//! example), a tampered bundle refused, a bundle that never becomes healthy rolled back to A by
+//! itself, a good bundle committed on B (raising the security floor, same certificate after the
+//! upgrade), the first version's bundle replayed and refused as a downgrade (no reboot), then a
+//! clean power-off and a walk of its state partition read off the disk (every secret 0600 in a
+//! 0700 directory). Box 2 is a fresh disk for the power cut in the middle of writing the
+//! inactive slot.
+//!
+//! The host trusts a box the way an operator does: it reads the certificate's SHA-256
+//! fingerprint off the box's console (the out-of-band channel) and pins it for every HTTPS call,
+//! to the supervisor API and to sandboxd.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -13,7 +20,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use supervisor::client::{Client, ClientError};
-use supervisor::http::Endpoint;
+use supervisor::http::{self as sup_http, Endpoint};
 use supervisor::update::{UpdateState, UpdateStatus};
 use test_infra::appliance_vm::{ApplianceVm, JoinedBox, Options as VmOptions};
 use test_infra::cluster::{Cluster, Options as ClusterOptions, APPLIANCE_API_ADDR};
@@ -38,6 +45,8 @@ const HEALTH_DEADLINE_SECS: u64 = 900;
 const NEVER_HEALTHY_DEADLINE: Duration = Duration::from_secs(300);
 /// The API token of the boxes' remote API (forwarded to a loopback port).
 const API_TOKEN: &str = "appliance-e2e-api-token";
+/// A clean power-off (ACPI, systemd stopping everything) under TCG.
+const POWER_OFF: Duration = Duration::from_secs(180);
 
 /// The built image and its bundles (`cargo xtask test` builds them first; see the suite doc).
 struct Built {
@@ -68,6 +77,8 @@ fn built() -> Result<Built, String> {
 struct Box {
     vm: ApplianceVm,
     opts: VmOptions,
+    /// Its certificate's fingerprint, read off its console at first boot.
+    fingerprint: String,
     client: Client,
 }
 
@@ -113,6 +124,7 @@ pub fn run(name: &str) -> Result<(), String> {
         "a_bundle_that_never_becomes_healthy_rolls_back_to_a" => never_healthy(env),
         "upgrade_a_to_b_commits_and_keeps_the_node_identities" => upgrade(env),
         "a_lower_security_version_replayed_after_the_upgrade_is_refused" => downgrade(env),
+        "every_secret_on_the_state_partition_is_0600_in_a_0700_dir" => secrets_at_rest(env),
         "a_power_cut_while_writing_the_inactive_slot_leaves_a_booting" => power_cut(env),
         other => Err(format!("unknown scenario {other}")),
     };
@@ -152,15 +164,18 @@ impl Env {
         .config_files()
     }
 
-    /// Powers on a fresh box (a new overlay on the built disk).
+    /// Powers on a fresh box (a new overlay on the built disk) and waits for its supervisor to
+    /// print the fingerprint of the certificate it minted.
     fn new_box(&self, name: &str) -> Result<Box, String> {
         let mut opts = VmOptions::new(&self.built.disk, self.dir.join(name));
         opts.config_files = Some(self.config_files());
         opts.guest_forward_port = Some(PORT);
-        let vm = ApplianceVm::start(&opts).map_err(|e| format!("starting {name}: {e:#}"))?;
+        let mut vm = ApplianceVm::start(&opts).map_err(|e| format!("starting {name}: {e:#}"))?;
         eprintln!("appliance_e2e: {name} runs under {} (console {})", vm.accel, vm.console.display());
-        let client = client_for(&vm)?;
-        Ok(Box { vm, opts, client })
+        let fingerprint = vm.wait_for_fingerprint(BOOT).map_err(|e| format!("{name}'s fingerprint: {e:#}"))?;
+        eprintln!("appliance_e2e: {name}'s certificate: SHA-256 {fingerprint} (from its console)");
+        let client = client_for(&vm, &fingerprint)?;
+        Ok(Box { vm, opts, fingerprint, client })
     }
 
     fn box1(&mut self) -> Result<&mut Box, String> {
@@ -197,10 +212,45 @@ impl Env {
     }
 }
 
-fn client_for(vm: &ApplianceVm) -> Result<Client, String> {
+/// A TLS client configuration pinning `fingerprint`.
+fn pinned(fingerprint: &str) -> Result<sup_http::TlsClient, String> {
+    httpd::tls::client_config(&httpd::tls::Trust::Fingerprint(fingerprint.into()), httpd::tls::ALPN_HTTP1)
+        .map_err(|e| format!("pinning {fingerprint}: {e}"))
+}
+
+/// The remote API over HTTPS, the box's certificate pinned.
+fn client_for(vm: &ApplianceVm, fingerprint: &str) -> Result<Client, String> {
     let endpoint: Endpoint =
-        format!("http://127.0.0.1:{}", vm.api_port).parse().map_err(|e| format!("API endpoint: {e}"))?;
-    Ok(Client::new(endpoint, Some(API_TOKEN.to_string())))
+        format!("https://127.0.0.1:{}", vm.api_port).parse().map_err(|e| format!("API endpoint: {e}"))?;
+    Ok(Client::new(endpoint, Some(API_TOKEN.to_string())).with_tls(pinned(fingerprint)?))
+}
+
+/// One request to the box's sandboxd (forwarded port) over HTTPS with the fingerprint pinned.
+fn sandboxd_get(
+    rt: &tokio::runtime::Runtime,
+    vm: &ApplianceVm,
+    fingerprint: &str,
+    path: &str,
+    token: Option<&str>,
+) -> Result<sup_http::Response, String> {
+    let ep = Endpoint::Https(format!("127.0.0.1:{}", vm.sandboxd_port));
+    let tls = pinned(fingerprint)?;
+    rt.block_on(sup_http::send(
+        &ep,
+        Some(&tls),
+        hyper::Method::GET,
+        path,
+        token,
+        sup_http::empty(),
+        Duration::from_secs(10),
+    ))
+    .map_err(|e| supervisor::error_chain(&e))
+}
+
+/// Runs the `chrysalis` binary (built beside this suite) with `args`.
+fn chrysalis(args: &[&str]) -> Result<std::process::Output, String> {
+    let bin = test_infra::suite::sibling_bin("chrysalis").map_err(|e| e.to_string())?;
+    std::process::Command::new(bin).args(args).env_remove("CHRYSALIS_API").output().map_err(|e| e.to_string())
 }
 
 impl Box {
@@ -275,15 +325,7 @@ fn first_boot(env: &mut Env) -> Outcome {
         Ok(rt.block_on(b.client.status()).ok().filter(|s| s.health.ready).map(|_| ()))
     })?;
     env.wait_nodes_ready(HEALTHY)?;
-    // sandboxd is reachable from the host through the forwarded port.
-    let sbx = b.vm.sandboxd_port;
-    poll("sandboxd /healthz from the host", BOOT, || {
-        let ok = std::process::Command::new("curl")
-            .args(["-fsS", "--max-time", "5", &format!("http://127.0.0.1:{sbx}/healthz")])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        Ok(ok.then_some(()))
-    })?;
+    secure_by_default(env)?;
     // The seed's sandboxd example, verbatim, runs on the box's vk-sandbox node.
     let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("seed/examples/sandboxd-example.yaml");
     env.kubectl_ok(&["apply", "-f", &seed.display().to_string()])?;
@@ -298,6 +340,72 @@ fn first_boot(env: &mut Env) -> Outcome {
         pod["metadata"]["annotations"]
     );
     env.kubectl_ok(&["delete", "sandbox", "sandboxd-example", "--wait=false"])?;
+    Ok(())
+}
+
+/// The first boot's security: the minted certificate (console fingerprint = `chrysalis status`),
+/// sandboxd's minted root token through the remote API (401 without the API token), sandboxd
+/// over HTTPS from the host (401 without its token, 200 with it, the pinned certificate), and no
+/// plain HTTP on the network.
+fn secure_by_default(env: &Env) -> Outcome {
+    let rt = &env.rt;
+    let b = env.box1.as_ref().ok_or("no box")?;
+    let fp = b.fingerprint.as_str();
+    // `chrysalis status` over the remote API, pinned: the same fingerprint, minted, on both surfaces.
+    let api_token = env.dir.join("api-token");
+    std::fs::write(&api_token, format!("{API_TOKEN}\n")).map_err(|e| e.to_string())?;
+    let https = format!("https://127.0.0.1:{}", b.vm.api_port);
+    let tok = api_token.display().to_string();
+    let remote = ["--api", https.as_str(), "--api-token-file", tok.as_str(), "--api-fingerprint", fp];
+    let o = chrysalis(&[&["status", "--json"][..], &remote[..]].concat())?;
+    ensure!(o.status.success(), "chrysalis status: {}", String::from_utf8_lossy(&o.stderr));
+    let st: Value = serde_json::from_slice(&o.stdout).map_err(|e| e.to_string())?;
+    let tls = st["tls"].as_array().cloned().unwrap_or_default();
+    ensure!(tls.len() == 1 && tls[0]["fingerprint"] == fp && tls[0]["minted"] == true, "status tls: {}", st["tls"]);
+    ensure!(tls[0]["surfaces"] == serde_json::json!(["api", "sandboxd"]), "served by: {}", tls[0]["surfaces"]);
+    let o = chrysalis(&[&["status"][..], &remote[..]].concat())?;
+    let human = String::from_utf8_lossy(&o.stdout);
+    ensure!(human.contains(&format!("tls         SHA-256 {fp}")), "chrysalis status does not print it:\n{human}");
+    // sandboxd's root token, minted on first boot, through the remote API.
+    let o = chrysalis(&[&["token", "show", "sandboxd"][..], &remote[..]].concat())?;
+    ensure!(o.status.success(), "chrysalis token show sandboxd: {}", String::from_utf8_lossy(&o.stderr));
+    let token = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    ensure!(
+        token.len() == 64 && token.bytes().all(|c| c.is_ascii_hexdigit()),
+        "not a minted token: {} chars",
+        token.len()
+    );
+    let anon = Client::new(format!("https://127.0.0.1:{}", b.vm.api_port).parse().map_err(|e| format!("{e}"))?, None)
+        .with_tls(pinned(fp)?);
+    match rt.block_on(anon.token("sandboxd")) {
+        Err(ClientError::Api { status, .. }) if status == 401 => {}
+        other => return Err(format!("the token route without the API token: {other:?}")),
+    }
+    let config = rt.block_on(b.client.config()).map_err(|e| e.to_string())?.to_string();
+    ensure!(!config.contains(&token), "GET /v1/config shows sandboxd's token");
+    // sandboxd from the host: HTTPS with the pinned certificate; 401 without the token, 200 with it.
+    poll("sandboxd /healthz over HTTPS from the host", BOOT, || {
+        Ok(sandboxd_get(rt, &b.vm, fp, "/healthz", None).ok().filter(|r| r.status.is_success()).map(|_| ()))
+    })?;
+    let r = sandboxd_get(rt, &b.vm, fp, "/v1/info", None)?;
+    ensure!(r.status == 401, "GET /v1/info without the token: {}", r.status);
+    let r = sandboxd_get(rt, &b.vm, fp, "/v1/info", Some("0".repeat(64).as_str()))?;
+    ensure!(r.status == 401, "GET /v1/info with a wrong token: {}", r.status);
+    let r = sandboxd_get(rt, &b.vm, fp, "/v1/info", Some(&token))?;
+    ensure!(r.status == 200, "GET /v1/info with the minted token: {} {}", r.status, String::from_utf8_lossy(&r.body));
+    // A certificate other than the pinned one is refused; plain HTTP gets no answer.
+    let other = "00".repeat(32);
+    ensure!(sandboxd_get(rt, &b.vm, &other, "/healthz", None).is_err(), "a wrong pin was accepted");
+    let plain = rt.block_on(sup_http::send(
+        &Endpoint::Tcp(format!("127.0.0.1:{}", b.vm.sandboxd_port)),
+        None,
+        hyper::Method::GET,
+        "/healthz",
+        None,
+        sup_http::empty(),
+        Duration::from_secs(10),
+    ));
+    ensure!(!plain.as_ref().is_ok_and(|r| r.status.is_success()), "sandboxd answered plain HTTP: {plain:?}");
     Ok(())
 }
 
@@ -365,7 +473,13 @@ fn upgrade(env: &mut Env) -> Outcome {
     let csrs_before = env.kubectl_json(&["get", "csr"])?["items"].as_array().map(Vec::len).unwrap_or(0);
     let out = b.apply(rt, &env.built.good)?;
     ensure!(out.status.state == UpdateState::Armed, "after apply: {:?}", out.status);
+    let b = env.box1.as_mut().ok_or("no box")?;
+    b.vm.mark_console();
     b.reboot(rt)?;
+    // The certificate lives on the state partition: slot B serves the same one.
+    let fp = b.vm.wait_for_fingerprint(BOOT).map_err(|e| format!("B's fingerprint: {e:#}"))?;
+    ensure!(fp == b.fingerprint, "the upgrade changed the certificate: {fp} after, {} before", b.fingerprint);
+    let b = env.box1.as_ref().ok_or("no box")?;
     b.wait_slot(rt, "b", UpdateState::Trial, BOOT)?;
     let st = b.wait_slot(rt, "b", UpdateState::Confirmed, Duration::from_secs(HEALTH_DEADLINE_SECS) + BOOT)?;
     ensure!(st.generation.is_some_and(|g| g >= 2), "committed B runs generation {:?}", st.generation);
@@ -432,13 +546,39 @@ fn downgrade(env: &mut Env) -> Outcome {
     Ok(())
 }
 
+/// Box 1 powered off cleanly; its state partition read off its disk: every secret the box wrote
+/// (the minted token and key, sandboxd's journal, vk-sandbox's claims, both nodes' credentials,
+/// the service logs) is 0600 in a 0700 directory.
+fn secrets_at_rest(env: &mut Env) -> Outcome {
+    let b = env.box1.as_mut().ok_or("box1 did not boot (first scenario failed)")?;
+    b.vm.power_off(POWER_OFF).map_err(|e| format!("power off: {e:#}"))?;
+    let disk = b.vm.disk();
+    let entries = test_infra::secrets::state_partition(&disk, "chrysalis-state", &env.dir.join("state-walk"))
+        .map_err(|e| format!("reading the state partition: {e:#}"))?;
+    let required = [
+        "secrets/sandboxd-token",
+        "tls/key.pem",
+        "sandboxd/claims.json",
+        "vk-sandbox/claims.json",
+        "vk-sandbox/pki/kubeconfig",
+        "vk-sandbox/pki/kubelet-client-current.pem",
+        "vk-cocoon/pki/kubeconfig",
+        "vk-cocoon/pki/kubelet-client-current.pem",
+        "logs/sandboxd.log",
+    ];
+    let checked = test_infra::secrets::check(&entries, &required).map_err(|e| format!("{e:#}"))?;
+    eprintln!("appliance_e2e: {} secrets on the state partition checked: {}", checked.len(), checked.join(", "));
+    env.box1 = None;
+    Ok(())
+}
+
 fn power_cut(env: &mut Env) -> Outcome {
     let mut b = env.new_box("box2")?;
     let rt = &env.rt;
     b.wait_slot(rt, "a", UpdateState::Confirmed, BOOT)?;
     // Start the apply on another thread and cut the power once the root image is being written.
     let bundle = env.built.good.clone();
-    let client = client_for(&b.vm)?;
+    let client = client_for(&b.vm, &b.fingerprint)?;
     let handle = rt.handle().clone();
     let apply = std::thread::spawn(move || handle.block_on(client.update_apply(&bundle)).map_err(|e| e.to_string()));
     poll("the root image being written", BOOT, || {
@@ -450,7 +590,9 @@ fn power_cut(env: &mut Env) -> Outcome {
     // Power back on: the same disk, A boots, nothing is armed.
     b.opts.keep_disk = true;
     b.vm = ApplianceVm::start(&b.opts).map_err(|e| format!("power on: {e:#}"))?;
-    b.client = client_for(&b.vm)?;
+    let fp = b.vm.wait_for_fingerprint(BOOT).map_err(|e| format!("fingerprint after the power cut: {e:#}"))?;
+    ensure!(fp == b.fingerprint, "the power cut changed the certificate: {fp}");
+    b.client = client_for(&b.vm, &b.fingerprint)?;
     let st = b.wait_slot(rt, "a", UpdateState::Confirmed, BOOT)?;
     ensure!(st.generation == Some(1), "after the power cut: {st:?}");
     let detail = st.detail.to_string();

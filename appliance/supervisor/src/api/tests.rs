@@ -51,7 +51,10 @@ impl UpdateControl for FakeUpdates {
 struct Rig {
     state: ApiState,
     commands: mpsc::Receiver<Command>,
+    _dir: tempfile::TempDir,
 }
+
+const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 
 fn rig(update: Arc<dyn UpdateControl>) -> Rig {
     let log = Arc::new(ServiceLog::memory("sandboxd"));
@@ -59,10 +62,20 @@ fn rig(update: Arc<dyn UpdateControl>) -> Rig {
         log.push(Stream::Stdout, &format!("line {i}"));
     }
     let logs = BTreeMap::from([("sandboxd".to_string(), log)]);
-    let shared = Arc::new(Shared::new(logs, serde_json::json!({"config": {"a": 1}}), Vec::new(), "/state".into()));
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("secrets/sandboxd-token");
+    foundation::write_secret(&token_file, format!("{TOKEN}\n").as_bytes()).unwrap();
+    let tls = vec![crate::secrets::TlsCert {
+        fingerprint: "AB:CD".into(),
+        certificate: "/state/tls/cert.pem".into(),
+        minted: true,
+        surfaces: vec!["api".into(), "sandboxd".into()],
+    }];
+    let config = serde_json::json!({"config": {"a": 1, "sandboxd": {"api_token_file": token_file}}});
+    let shared = Arc::new(Shared::new(logs, config, Vec::new(), "/state".into()).with_secrets(Some(token_file), tls));
     shared.tick();
     let (tx, rx) = mpsc::channel(4);
-    Rig { state: ApiState { shared, update, commands: tx }, commands: rx }
+    Rig { state: ApiState { shared, update, commands: tx, upload: UploadLimits::default() }, commands: rx, _dir: dir }
 }
 
 async fn call(
@@ -192,6 +205,88 @@ async fn the_tcp_api_needs_the_token() {
     assert_eq!(s, StatusCode::OK);
     let (s, _, _) = call(metrics_app(r.state.clone()), Method::GET, "/v1/status", Body::empty(), None).await;
     assert_eq!(s, StatusCode::NOT_FOUND, "the metrics listener serves only /metrics");
+    // An empty token (an emptied token file) opens nothing.
+    let empty = with_token(app(r.state.clone()), String::new());
+    for h in ["Bearer ", "Bearer", "bearer \t"] {
+        let req = Request::builder().uri("/v1/status").header(header::AUTHORIZATION, h).body(Body::empty()).unwrap();
+        assert_eq!(empty.clone().oneshot(req).await.unwrap().status(), StatusCode::UNAUTHORIZED, "{h:?}");
+    }
+    let (s, _, _) = call(empty, Method::GET, "/v1/status", Body::empty(), Some("")).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn sandboxd_token_on_the_socket_and_behind_the_bearer_token_never_in_config_or_status() {
+    let r = rig(Arc::new(NoUpdates));
+    // The Unix socket: file permissions are the access control.
+    let (s, j, _) = call(app(r.state.clone()), Method::GET, "/v1/tokens/sandboxd", Body::empty(), None).await;
+    assert_eq!(s, StatusCode::OK, "{j}");
+    assert_eq!((j["name"].as_str(), j["token"].as_str()), (Some("sandboxd"), Some(TOKEN)));
+    assert!(j["file"].as_str().unwrap().ends_with("secrets/sandboxd-token"));
+    let resp = app(r.state.clone())
+        .oneshot(Request::builder().uri("/v1/tokens/sandboxd").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.headers().get(header::CACHE_CONTROL).unwrap(), "no-store");
+    let (s, j, _) = call(app(r.state.clone()), Method::GET, "/v1/tokens/api", Body::empty(), None).await;
+    assert_eq!((s, j["kind"].as_str()), (StatusCode::NOT_FOUND, Some("unknown_token")));
+    // TCP: 401 without or with a wrong bearer token, the token with the right one.
+    let tcp = with_token(app(r.state.clone()), "admin".into());
+    for bad in [None, Some("wrong"), Some(TOKEN)] {
+        let (s, j, text) = call(tcp.clone(), Method::GET, "/v1/tokens/sandboxd", Body::empty(), bad).await;
+        assert_eq!((s, j["kind"].as_str()), (StatusCode::UNAUTHORIZED, Some("unauthorized")), "{bad:?}");
+        assert!(!text.contains(TOKEN));
+    }
+    let (s, j, _) = call(tcp.clone(), Method::GET, "/v1/tokens/sandboxd", Body::empty(), Some("admin")).await;
+    assert_eq!((s, j["token"].as_str()), (StatusCode::OK, Some(TOKEN)));
+    // Status and config name the file and the fingerprint, never the token.
+    for uri in ["/v1/status", "/v1/config"] {
+        let (s, j, text) = call(tcp.clone(), Method::GET, uri, Body::empty(), Some("admin")).await;
+        assert_eq!(s, StatusCode::OK, "{uri}");
+        assert!(!text.contains(TOKEN), "{uri} shows the token: {text}");
+        if uri == "/v1/status" {
+            assert_eq!(j["tls"][0]["fingerprint"], "AB:CD");
+            assert_eq!(j["tls"][0]["surfaces"], serde_json::json!(["api", "sandboxd"]));
+        }
+    }
+    // An unreadable token file is a typed 500, not an empty token.
+    std::fs::remove_file(r.state.shared.sandboxd_token_file.as_ref().unwrap()).unwrap();
+    let (s, j, _) = call(app(r.state.clone()), Method::GET, "/v1/tokens/sandboxd", Body::empty(), None).await;
+    assert_eq!((s, j["kind"].as_str()), (StatusCode::INTERNAL_SERVER_ERROR, Some("token_unreadable")));
+}
+
+#[tokio::test]
+async fn the_bundle_upload_has_a_size_cap_and_an_idle_timeout() {
+    use futures::StreamExt as _;
+    let fake = Arc::new(FakeUpdates::default());
+    let mut r = rig(fake.clone());
+    r.state.upload = UploadLimits { max_bytes: 1 << 20, idle: Duration::from_millis(300) };
+    // At the cap: accepted whole.
+    let (s, _, _) =
+        call(app(r.state.clone()), Method::POST, "/v1/update/apply", Body::from(vec![1u8; 1 << 20]), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(fake.got.lock().unwrap().len(), 1 << 20);
+    // One byte over: 413, typed.
+    let (s, j, _) =
+        call(app(r.state.clone()), Method::POST, "/v1/update/apply", Body::from(vec![1u8; (1 << 20) + 1]), None).await;
+    assert_eq!((s, j["kind"].as_str()), (StatusCode::PAYLOAD_TOO_LARGE, Some("bundle_too_large")), "{j}");
+    // A slow but steady upload (a chunk every 100 ms, 1.5 s in all) is not cut off: no total deadline.
+    let steady = futures::stream::iter(0..15).then(|_| async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"chunk"))
+    });
+    let (s, _, _) = call(app(r.state.clone()), Method::POST, "/v1/update/apply", Body::from_stream(steady), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(fake.got.lock().unwrap().len(), 75);
+    // One chunk, then silence: 408 after the idle limit.
+    let stalled = futures::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"head"))])
+        .chain(futures::stream::pending());
+    let started = std::time::Instant::now();
+    let (s, j, _) =
+        call(app(r.state.clone()), Method::POST, "/v1/update/apply", Body::from_stream(stalled), None).await;
+    assert_eq!((s, j["kind"].as_str()), (StatusCode::REQUEST_TIMEOUT, Some("upload_idle")), "{j}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(r.commands.try_recv().is_err(), "a cut-off upload asks for nothing");
 }
 
 #[tokio::test]

@@ -90,6 +90,7 @@ fn the_design_example_parses() {
     let f = Fixture::new();
     f.write("esp/api-token", "t0k3n\n");
     f.write("esp/sandboxd-token", "root\n");
+    f.write("esp/metrics-token", "scrape\n");
     let cluster = f.cluster("esp");
     f.write(
         "esp/chrysalis/config.toml",
@@ -99,6 +100,7 @@ api_socket = "/run/chrysalis/api.sock"
 api_listen = "0.0.0.0:7780"
 api_token_file = "../api-token"
 metrics_listen = "0.0.0.0:9100"
+metrics_token_file = "../metrics-token"
 state_dir = "/var/lib/chrysalis"
 [sandboxd]
 enabled = true
@@ -403,4 +405,53 @@ fn all_problems_are_reported_at_once() {
     assert_eq!(keys, ["sandboxd.listen", "sandboxd.boot_timeout_secs", "update.health_deadline_secs"]);
     let e = ConfigError::Invalid(v);
     assert!(e.to_string().starts_with("3 configuration errors:\n  sandboxd.listen in "), "{e}");
+}
+
+#[test]
+fn metrics_beyond_loopback_need_their_own_token() {
+    let i = only_issue(check("[supervisor]\nmetrics_listen = \"0.0.0.0:9100\"\n"), "supervisor.metrics_listen");
+    assert!(i.fix.contains("metrics_token_file"), "{i}");
+    check("[supervisor]\nmetrics_listen = \"127.0.0.1:9100\"\n").unwrap();
+    check("[supervisor]\nmetrics_listen = \"0.0.0.0:9100\"\nmetrics_token_file = \"/m\"\n").unwrap();
+    let f = Fixture::new();
+    f.write(
+        "esp/chrysalis/config.toml",
+        "[supervisor]\nmetrics_listen = \"0.0.0.0:9100\"\nmetrics_token_file = \"m\"\n",
+    );
+    let i = only_issue(load(&f.paths()).unwrap().validate(&env()), "supervisor.metrics_token_file");
+    assert!(i.problem.contains("cannot be read"), "{i}");
+}
+
+#[test]
+fn tls_pairs_come_whole_and_must_load() {
+    let i = only_issue(check("[supervisor]\ntls_cert_file = \"/c\"\n"), "supervisor.tls_cert_file");
+    assert!(i.problem.contains("without supervisor.tls_key_file"), "{i}");
+    let i = only_issue(check("[sandboxd]\ntls_key_file = \"/k\"\n"), "sandboxd.tls_key_file");
+    assert!(i.fix.contains("sandboxd.tls_cert_file"), "{i}");
+    check("[supervisor]\ntls_cert_file = \"/c\"\ntls_key_file = \"/k\"\n").unwrap();
+    // With file checks: a pair that does not load names the key.
+    let f = Fixture::new();
+    let (c, k) = (f.dir.path().join("esp/chrysalis/box.crt"), f.dir.path().join("esp/chrysalis/box.key"));
+    std::fs::create_dir_all(c.parent().unwrap()).unwrap();
+    httpd::tls::ensure_self_signed(&c, &k, &["box".into()]).unwrap();
+    f.write("esp/chrysalis/config.toml", "[supervisor]\ntls_cert_file = \"box.crt\"\ntls_key_file = \"box.key\"\n");
+    load(&f.paths()).unwrap().validate(&env()).unwrap();
+    f.write("esp/chrysalis/box.key", "not a key\n");
+    let i = only_issue(load(&f.paths()).unwrap().validate(&env()), "supervisor.tls_cert_file");
+    assert!(i.problem.contains("not a usable certificate and key"), "{i}");
+}
+
+#[test]
+fn tls_names_and_budgets() {
+    check("[supervisor]\ntls_names = [\"box1.example.com\", \"10.0.0.5\", \"::1\", \"*.edge.example\"]\n").unwrap();
+    only_issue(check("[supervisor]\ntls_names = [\"ok\", \"not a name\"]\n"), "supervisor.tls_names[1]");
+    only_issue(check("[supervisor]\ntls_names = [\"-bad.example\"]\n"), "supervisor.tls_names[0]");
+    for k in ["max_vms", "max_memory_mib", "max_lifetime_secs"] {
+        only_issue(check(&format!("[sandboxd]\n{k} = 0\n")), &format!("sandboxd.{k}"));
+    }
+    let s = check("[sandboxd]\nmax_vms = 4\nmax_memory_mib = 8192\nmax_lifetime_secs = 3600\n").unwrap();
+    assert_eq!(
+        (s.config.sandboxd.max_vms, s.config.sandboxd.max_memory_mib, s.config.sandboxd.max_lifetime_secs),
+        (Some(4), Some(8192), Some(3600))
+    );
 }
