@@ -22,6 +22,7 @@ mod prereqs;
 mod python;
 mod run_appliance;
 mod sandboxd;
+mod suites;
 mod test;
 mod vk_cocoon;
 mod vk_sandbox;

@@ -8,7 +8,8 @@
 //!    and a bundle of the first version (replayed after the upgrade: a downgrade) for the
 //!    appliance suite, in `$CHRYSALIS_CACHE/appliance-test/`
 //!    (`CHRYSALIS_APPLIANCE_TESTS=0` leaves the suite out: reported as skipped);
-//! 4. `cargo test` over the workspace with every suite enabled: real QEMU VMs, the public
+//! 4. every test binary of the workspace with every suite enabled (built by `cargo test
+//!    --no-run`, run by [`crate::suites`]: the appliance suite beside the others, each timed): real QEMU VMs, the public
 //!    Python SDK (pinned venv), sandboxd with real VMs, the test control plane (Kubernetes
 //!    built from its Go modules, cached), the supervisor with the real services, and the
 //!    appliance booted under OVMF;
@@ -22,33 +23,7 @@ use anyhow::{bail, Context, Result};
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
-#[derive(Default, Debug)]
-struct Tally {
-    passed: u64,
-    failed: u64,
-    skipped: u64,
-}
-
-impl Tally {
-    /// Adds one `test result: ok. 8 passed; 0 failed; 1 ignored; …` line.
-    fn add_cargo_line(&mut self, line: &str) {
-        let Some(rest) = line.trim().strip_prefix("test result: ") else { return };
-        for part in rest.split(';') {
-            let words: Vec<&str> = part.split_whitespace().collect();
-            let (num, what) = match words.as_slice() {
-                [.., n, w] => (n.trim_start_matches("ok.").trim_start_matches("FAILED."), *w),
-                _ => continue,
-            };
-            let Ok(n) = num.parse::<u64>() else { continue };
-            match what {
-                "passed" => self.passed += n,
-                "failed" => self.failed += n,
-                "ignored" => self.skipped += n,
-                _ => {}
-            }
-        }
-    }
-}
+use crate::suites::Tally;
 
 /// Wall-clock time of each phase of the run, printed at the end (also when it fails).
 #[derive(Default)]
@@ -88,7 +63,7 @@ fn run_counted(cmd: &mut Command, tally: &mut Tally) -> Result<bool> {
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         println!("{line}");
-        tally.add_cargo_line(&line);
+        tally.add_line("doc tests", &line);
     }
     Ok(child.wait()?.success())
 }
@@ -137,19 +112,57 @@ fn run_phases(args: &TestArgs, phases: &mut Phases) -> Result<()> {
     anyhow::ensure!(built.success(), "building the sandboxd, vk-sandbox and vk-cocoon binaries failed");
 
     let mut tally = Tally::default();
-    phases.start("cargo test (every suite; builds the test binaries first)");
-    let mut cargo = Command::new("cargo");
-    cargo.args(["test", "--workspace", "--no-fail-fast", "--features", "chrysalis-tests/e2e,chrysalis-tests/cluster,join/cluster,vnode/cluster,sandboxd/sdk-tests,sandboxd/e2e,silkd/sdk-tests,vmm/qemu-tests,images/qemu-tests,chrysalis/qemu-tests,vmnet/vm-tests,xtask/image-tests"]);
-    cargo.env("CHRYSALIS_PYTHON", &python);
+    phases.start("build the test binaries");
+    let mut cargo_args: Vec<String> = ["--workspace", "--features", TEST_FEATURES].map(String::from).to_vec();
+    let mut env: Vec<(String, std::path::PathBuf)> =
+        vec![("CHRYSALIS_PYTHON".into(), python.clone()), ("CHRYSALIS_CACHE".into(), crate::paths::cache_dir())];
     if let Some(dir) = &appliance {
-        cargo.args(["--features", "chrysalis-tests/appliance,xtask/appliance-image"]);
-        cargo.env("CHRYSALIS_APPLIANCE_TEST_DIR", dir);
+        cargo_args.extend(["--features", "chrysalis-tests/appliance,xtask/appliance-image"].map(String::from));
+        env.push(("CHRYSALIS_APPLIANCE_TEST_DIR".into(), dir.clone()));
     }
-    if let Some(filter) = &args.filter {
-        cargo.arg(filter);
+    let all = crate::suites::build(&cargo_args)?;
+    let filter = args.filter.as_deref();
+
+    phases.start("cargo test (every suite, two lanes)");
+    let (beside, serial): (Vec<_>, Vec<_>) =
+        all.into_iter().partition(|s| crate::suites::PARALLEL.contains(&s.target.as_str()));
+    let logs = crate::paths::cache_dir().join("test-logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let lane = {
+        let (env, logs, filter) = (env.clone(), logs.clone(), filter.map(str::to_string));
+        std::thread::spawn(move || {
+            beside
+                .iter()
+                .map(|s| {
+                    let log = logs.join(format!("{}.log", s.target));
+                    eprintln!("test: {} runs beside the other suites; its output: {}", s.name, log.display());
+                    crate::suites::run_logged(s, filter.as_deref(), &env, &log).map(|r| (r, log))
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    let mut ran = Vec::new();
+    for suite in &serial {
+        let (r, t) = crate::suites::run(suite, filter, &env, Stdio::inherit(), &mut |l| println!("{l}"))?;
+        ran.push(r);
+        tally.merge(t);
     }
-    cargo.env("CHRYSALIS_CACHE", crate::paths::cache_dir());
-    let tests_ok = run_counted(&mut cargo, &mut tally)?;
+    // Doc tests, which `cargo test` would also run.
+    let mut doc = Command::new("cargo");
+    doc.args(["test", "--doc"]).args(&cargo_args).envs(env.iter().map(|(k, v)| (k, v)));
+    if let Some(f) = filter {
+        doc.arg(f);
+    }
+    let doc_ok = run_counted(&mut doc, &mut tally)?;
+    for outcome in lane.join().map_err(|_| anyhow::anyhow!("the parallel lane panicked"))? {
+        let ((r, t), log) = outcome?;
+        println!("---- {} (ran beside the others; {}) ----", r.name, log.display());
+        print!("{}", std::fs::read_to_string(&log).unwrap_or_default());
+        ran.push(r);
+        tally.merge(t);
+    }
+    let tests_ok = doc_ok && ran.iter().all(|r| r.ok);
+    crate::suites::print_times(&ran);
 
     phases.start("fuzz");
     let fuzz_ok = if args.no_fuzz {
@@ -168,12 +181,22 @@ fn run_phases(args: &TestArgs, phases: &mut Phases) -> Result<()> {
         }
     };
 
+    if !tally.failed_tests.is_empty() {
+        println!("failed:");
+        for name in &tally.failed_tests {
+            println!("  {name}");
+        }
+    }
     println!("{} passed, {} failed, {} skipped", tally.passed, tally.failed, tally.skipped);
     if !tests_ok || !fuzz_ok || tally.failed > 0 {
         bail!("the test suite failed");
     }
     Ok(())
 }
+
+/// The features that turn every suite on (real QEMU VMs, the SDK, the control plane).
+const TEST_FEATURES: &str = "chrysalis-tests/e2e,chrysalis-tests/cluster,join/cluster,vnode/cluster,sandboxd/sdk-tests,\
+    sandboxd/e2e,silkd/sdk-tests,vmm/qemu-tests,images/qemu-tests,chrysalis/qemu-tests,vmnet/vm-tests,xtask/image-tests";
 
 /// The board the appliance suite boots.
 const APPLIANCE_BOARD: &str = "qemu-x86_64";
@@ -229,20 +252,4 @@ fn prepare_appliance() -> Result<std::path::PathBuf> {
     // Reset `current` to the first version: `cargo xtask run` and `bundle` default to it.
     let _ = crate::image::build(&crate::image::BuildOptions::dev(APPLIANCE_BOARD))?;
     Ok(dir)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Tally;
-
-    #[test]
-    fn tally_reads_cargo_result_lines() {
-        let mut t = Tally::default();
-        t.add_cargo_line(
-            "test result: ok. 8 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out; finished in 0.60s",
-        );
-        t.add_cargo_line("test result: FAILED. 1 passed; 3 failed; 0 ignored; 0 measured; 0 filtered out");
-        t.add_cargo_line("running 4 tests");
-        assert_eq!((t.passed, t.failed, t.skipped), (9, 3, 2));
-    }
 }
