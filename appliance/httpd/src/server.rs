@@ -1,4 +1,4 @@
-//! The accept loop: connection cap, TLS handshake, HTTP/1.1 (or auto-detected HTTP/2) with
+//! The accept loop: connection cap, TLS handshake, HTTP/1.1 (or HTTP/2 when ALPN chose it) with
 //! upgrades, and the [`Peer`] extension on every request.
 
 use std::convert::Infallible;
@@ -46,7 +46,10 @@ impl Default for Limits {
 pub enum Protocol {
     /// HTTP/1.1 only (sandboxd: the SDK offers ALPN `http/1.1`, and relays are HTTP/1.1 upgrades).
     Http1,
-    /// HTTP/1.1 or HTTP/2, detected from the connection preface (the kubelet port).
+    /// HTTP/2 when the TLS handshake negotiated `h2` through ALPN, HTTP/1.1 otherwise (the
+    /// kubelet port). The version is never sniffed from the first bytes: that read would have
+    /// no deadline. An HTTP/2 connection on which no request starts for
+    /// [`Limits::header_timeout`] is sent GOAWAY (requests in flight finish).
     Auto,
 }
 
@@ -151,7 +154,7 @@ async fn connection(
 ) {
     let Some(acceptor) = acceptor else {
         let peer = Peer { addr, certificates: Arc::from(Vec::new()) };
-        return http(TokioIo::new(tcp), peer, router, opts, stats).await;
+        return http(TokioIo::new(tcp), peer, false, router, opts, stats).await;
     };
     let tls = match tokio::time::timeout(opts.limits.handshake_timeout, acceptor.accept(tcp)).await {
         Ok(Ok(tls)) => tls,
@@ -171,37 +174,64 @@ async fn connection(
         .peer_certificates()
         .map(|c| c.iter().map(|d| d.clone().into_owned()).collect())
         .unwrap_or_default();
-    http(TokioIo::new(tls), Peer { addr, certificates }, router, opts, stats).await;
+    let h2 = opts.protocol == Protocol::Auto && tls.get_ref().1.alpn_protocol() == Some(b"h2".as_slice());
+    http(TokioIo::new(tls), Peer { addr, certificates }, h2, router, opts, stats).await;
 }
 
-async fn http<I>(io: TokioIo<I>, peer: Peer, router: Router, opts: &ServeOptions, stats: &ConnStats)
+async fn http<I>(io: TokioIo<I>, peer: Peer, h2: bool, router: Router, opts: &ServeOptions, stats: &ConnStats)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let addr = peer.addr;
+    // When the last request started (ms since `epoch`, plus one; 0: none yet): an idle HTTP/2
+    // connection is sent GOAWAY, and one that never sent a request is then dropped.
+    let epoch = tokio::time::Instant::now();
+    let last_request = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&last_request);
     let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
+        seen.store(epoch.elapsed().as_millis() as u64 + 1, Ordering::Relaxed);
         req.extensions_mut().insert(peer.clone());
         let router = router.clone();
         async move { Ok::<_, Infallible>(router.oneshot(req).await.unwrap_or_else(|never| match never {})) }
     });
-    let result = match opts.protocol {
-        Protocol::Http1 => {
-            let mut b = hyper::server::conn::http1::Builder::new();
-            b.timer(TokioTimer::new())
-                .header_read_timeout(opts.limits.header_timeout)
-                .title_case_headers(true)
-                .auto_date_header(false);
-            b.serve_connection(io, service).with_upgrades().await.map_err(|e| (e.is_timeout(), e.to_string()))
+    let result = if h2 {
+        let idle = opts.limits.header_timeout;
+        let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        b.timer(TokioTimer::new()).keep_alive_interval(Some(idle));
+        let conn = b.serve_connection(io, service);
+        tokio::pin!(conn);
+        let mut closing = false;
+        loop {
+            let since = Duration::from_millis(last_request.load(Ordering::Relaxed));
+            let deadline = epoch + since + idle;
+            tokio::select! {
+                r = conn.as_mut() => break r.map_err(|e| (e.is_timeout(), e.to_string())),
+                () = tokio::time::sleep_until(deadline + if closing { idle } else { Duration::ZERO }) => {
+                    if closing {
+                        // GOAWAY went out a whole `idle` ago on a connection that never sent a
+                        // request (no preface, or a client that ignores GOAWAY): drop it.
+                        if last_request.load(Ordering::Relaxed) == 0 {
+                            break Err((false, "no request on an idle HTTP/2 connection".into()));
+                        }
+                        // Requests were served: the ones in flight finish at their own pace.
+                        break conn.as_mut().await.map_err(|e| (e.is_timeout(), e.to_string()));
+                    }
+                    if Duration::from_millis(last_request.load(Ordering::Relaxed)) == since {
+                        tracing::debug!(server = opts.name, peer = %addr, "idle HTTP/2 connection; sending GOAWAY");
+                        stats.timed_out.fetch_add(1, Ordering::Relaxed);
+                        conn.as_mut().graceful_shutdown();
+                        closing = true;
+                    }
+                }
+            }
         }
-        Protocol::Auto => {
-            let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            b.http1().timer(TokioTimer::new()).header_read_timeout(opts.limits.header_timeout);
-            b.http2().timer(TokioTimer::new()).keep_alive_interval(Some(opts.limits.header_timeout));
-            b.serve_connection_with_upgrades(io, service).await.map_err(|e| {
-                let timeout = e.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_timeout);
-                (timeout, e.to_string())
-            })
+    } else {
+        let mut b = hyper::server::conn::http1::Builder::new();
+        b.timer(TokioTimer::new()).header_read_timeout(opts.limits.header_timeout);
+        if opts.protocol == Protocol::Http1 {
+            b.title_case_headers(true).auto_date_header(false);
         }
+        b.serve_connection(io, service).with_upgrades().await.map_err(|e| (e.is_timeout(), e.to_string()))
     };
     if let Err((timeout, e)) = result {
         if timeout {

@@ -265,3 +265,53 @@ async fn clients_trust_the_exact_certificate_a_pinned_fingerprint_or_a_ca() {
     let e = get_with_trust(addr, &Trust::File(ca_file), "127.0.0.1").await.expect_err("a name the cert lacks");
     assert!(e.contains("certificate"), "{e}");
 }
+
+/// An `Auto` server (the kubelet port's) over TLS with ALPN `h2`/`http/1.1`, and a client
+/// configuration that pins its certificate and offers `alpn`.
+async fn start_auto(header_timeout: Duration, alpn: &[&[u8]]) -> (SocketAddr, Arc<rustls::ClientConfig>) {
+    let pair = httpd::tls::self_signed(&["127.0.0.1".into()]).expect("cert");
+    let (chain, key) = httpd::tls::pair_der(&pair).expect("der");
+    let trust = httpd::tls::Trust::Fingerprint(httpd::tls::fingerprint(&chain[0]));
+    let server = httpd::tls::server_config(chain, key, httpd::tls::ALPN_H2_HTTP1, None).expect("server");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let limits = Limits { header_timeout, ..Limits::default() };
+    let opts = ServeOptions { name: "test", limits, protocol: Protocol::Auto, tls: Some(server) };
+    tokio::spawn(httpd::serve(listener, router(), opts, Arc::new(ConnStats::default()), std::future::pending()));
+    (addr, httpd::tls::client_config(&trust, alpn).expect("client"))
+}
+
+async fn tls_connect(addr: SocketAddr, config: Arc<rustls::ClientConfig>) -> tokio_rustls::client::TlsStream<TcpStream> {
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = ServerName::try_from("127.0.0.1".to_string()).expect("name");
+    tokio_rustls::TlsConnector::from(config).connect(name, tcp).await.expect("handshake")
+}
+
+#[tokio::test]
+async fn auto_speaks_h2_when_alpn_chose_it_and_closes_idle_or_silent_connections() {
+    let idle = Duration::from_millis(800);
+    // HTTP/2 chosen by ALPN: a request is served, then the idle connection gets GOAWAY.
+    let (addr, h2_client) = start_auto(idle, &[b"h2"]).await;
+    let tls = tls_connect(addr, Arc::clone(&h2_client)).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(b"h2".as_slice()));
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tls))
+            .await
+            .expect("h2 handshake");
+    let conn = tokio::spawn(conn);
+    let req = hyper::Request::get("https://127.0.0.1/").body(http_body_util::Empty::<bytes::Bytes>::new()).expect("req");
+    let resp = send.send_request(req).await.expect("h2 request");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let ended = tokio::time::timeout(idle * 5, conn).await;
+    assert!(ended.is_ok(), "an idle HTTP/2 connection was not closed");
+
+    // TLS done, ALPN h2, then silence (no connection preface): closed, not held forever.
+    let mut silent = tls_connect(addr, Arc::clone(&h2_client)).await;
+    assert!(closed_within(&mut silent, idle * 5).await, "a silent h2 connection was kept open");
+
+    // TLS done without ALPN, then silence: HTTP/1.1's header timeout closes it.
+    let (addr, plain_client) = start_auto(idle, &[]).await;
+    let mut silent = tls_connect(addr, plain_client).await;
+    assert_eq!(silent.get_ref().1.alpn_protocol(), None);
+    assert!(closed_within(&mut silent, idle * 5).await, "a silent HTTP/1.1 connection was kept open");
+}
