@@ -14,9 +14,10 @@
 //!   caught up.
 //!
 //! Applying a bundle, a trial boot, a failed trial and a rollback never raise it. A record that
-//! is not valid JSON is rebuilt from the running committed slot (the floor equals the running
-//! committed slot's level in every state the updater can reach: a rollback below the floor is
-//! refused), and the rebuild is logged; a record that cannot be read at all fails the apply.
+//! is missing or not valid JSON is rebuilt from the highest level committed on the box: the
+//! running committed slot's and every committed boot entry's `chrysalis.security_version=` (an
+//! older committed slot picked in the boot menu does not lower it), and the rebuild is logged;
+//! a record that cannot be read at all fails the apply.
 //!
 //! The record (not a secret, mode 0644, written with [`foundation::write_atomic`]):
 //! ```json
@@ -102,6 +103,10 @@ pub struct RunningSlot {
     pub security_version: u64,
     /// Its boot entry is committed.
     pub committed: bool,
+    /// The highest `chrysalis.security_version=` of any committed boot entry on the ESP (0 when
+    /// none names one): a floor rebuilt while an older committed slot runs (picked in the boot
+    /// menu) still counts the newer one.
+    pub committed_max: u64,
 }
 
 /// The floor as read from the record.
@@ -145,22 +150,24 @@ impl Records {
         })
     }
 
-    /// Raises the floor to `running`'s level (never lowers it); writes only when the record is
-    /// missing, damaged or lower. Returns the floor afterwards.
+    /// Raises the floor to the highest level committed on this box, `running`'s or any committed
+    /// boot entry's (never lowers it); writes only when the record is missing, damaged or lower.
+    /// Returns the floor afterwards.
     pub fn raise_floor(&self, running: &RunningSlot, reason: FloorReason) -> Result<u64, FloorError> {
         let recorded = self.floor()?;
+        let target = running.security_version.max(running.committed_max);
         let (floor, reason) = match &recorded {
-            Recorded::Present(r) if r.security_version >= running.security_version => return Ok(r.security_version),
-            Recorded::Present(_) => (running.security_version, reason),
-            Recorded::Missing => (running.security_version, reason),
+            Recorded::Present(r) if r.security_version >= target => return Ok(r.security_version),
+            Recorded::Present(_) => (target, reason),
+            Recorded::Missing => (target, reason),
             Recorded::Damaged(why) => {
                 tracing::warn!(
                     path = %self.floor_path().display(),
                     error = %why,
-                    floor = running.security_version,
-                    "the security floor record is damaged: rebuilt from the running committed slot"
+                    floor = target,
+                    "the security floor record is damaged: rebuilt from the committed slots"
                 );
-                (running.security_version, FloorReason::Rebuilt)
+                (target, FloorReason::Rebuilt)
             }
         };
         let record = FloorRecord {
@@ -185,7 +192,8 @@ impl Records {
 /// The floor a bundle must meet now, reconciling the record with the running slot first: when
 /// the running slot is committed, the floor is raised to its level (first boot, a missed
 /// commit, a damaged record); on a trial boot the record is only read (a trial never raises
-/// it) and a missing or damaged record counts as 0 (nothing is applied during a trial anyway).
+/// it), and the floor is at least the highest committed boot entry's level (a missing or
+/// damaged record counts as that).
 pub fn reconcile(records: &Records, running: &RunningSlot) -> Result<u64, FloorError> {
     if running.committed {
         let reason = match records.floor()? {
@@ -194,7 +202,7 @@ pub fn reconcile(records: &Records, running: &RunningSlot) -> Result<u64, FloorE
         };
         records.raise_floor(running, reason)
     } else {
-        Ok(records.floor()?.floor().unwrap_or(0))
+        Ok(records.floor()?.floor().unwrap_or(0).max(running.committed_max))
     }
 }
 
@@ -204,7 +212,14 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     fn running(slot: Slot, sv: u64, committed: bool) -> RunningSlot {
-        RunningSlot { slot, version: Some(format!("v{sv}")), generation: Some(1), security_version: sv, committed }
+        RunningSlot {
+            slot,
+            version: Some(format!("v{sv}")),
+            generation: Some(1),
+            security_version: sv,
+            committed,
+            committed_max: 0,
+        }
     }
 
     fn record(records: &Records) -> FloorRecord {
@@ -276,5 +291,21 @@ mod tests {
         let err = reconcile(&records, &running(Slot::A, 1, true)).expect_err("unknown floor");
         assert!(matches!(err, FloorError::Read { .. }), "{err:?}");
         assert!(err.to_string().contains(FLOOR_FILE), "{err}");
+    }
+
+    #[test]
+    fn a_rebuilt_floor_counts_every_committed_entry_not_only_the_running_slot() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let records = Records::new(dir.path());
+        std::fs::create_dir_all(records.dir()).expect("mkdir");
+        std::fs::write(records.floor_path(), "not json").expect("damage");
+        // Old A (level 1) picked in the boot menu while B (level 3) is committed too.
+        let old_a = RunningSlot { committed_max: 3, ..running(Slot::A, 1, true) };
+        assert_eq!(reconcile(&records, &old_a).expect("reconcile"), 3);
+        assert_eq!((record(&records).security_version, record(&records).reason), (3, FloorReason::Rebuilt));
+        // A trial with no record: the committed entries still set the floor.
+        std::fs::remove_file(records.floor_path()).expect("rm");
+        let trial = RunningSlot { committed_max: 3, ..running(Slot::B, 4, false) };
+        assert_eq!(reconcile(&records, &trial).expect("reconcile"), 3);
     }
 }
