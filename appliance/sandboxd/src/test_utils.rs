@@ -168,6 +168,11 @@ impl FakeDriver {
         }
     }
 
+    /// Processes still running in every fake guest (exec children not yet exited or killed).
+    pub fn running_procs(&self) -> usize {
+        lock(&self.procs).values().map(|p| lock(&p.running).len()).sum()
+    }
+
     fn procs_of(&self, id: &VmId) -> Arc<Procs> {
         Arc::clone(lock(&self.procs).entry(id.clone()).or_default())
     }

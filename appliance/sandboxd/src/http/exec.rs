@@ -89,11 +89,14 @@ pub(super) async fn exec(
     };
     conn.send(&req).await.map_err(agent_err)?;
     conn.send(&Frame::StdinClose).await.map_err(agent_err)?;
-    let (mut out, mut err, mut pid) = (Vec::new(), Vec::new(), None::<u32>);
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    // Armed once the guest names the child: if this request ends any way but the child's exit
+    // (the client hung up and the handler was dropped included), the child is killed.
+    let mut child = ChildGuard { node: Arc::clone(&node), vm: vm.clone(), pid: None };
     let run = async {
         loop {
             match conn.recv().await? {
-                Reply::Started { pid: p } => pid = Some(p),
+                Reply::Started { pid: p } => child.pid = Some(p),
                 Reply::Stdout { data } => out.extend_from_slice(&data.0),
                 Reply::Stderr { data } => err.extend_from_slice(&data.0),
                 Reply::Exit { code } => return Ok(Outcome::Exit(code)),
@@ -107,6 +110,11 @@ pub(super) async fn exec(
         }
     };
     let result = tokio::time::timeout(timeout, run).await.ok();
+    if !matches!(result, Some(Ok(Outcome::Exit(_)))) {
+        // Killed here, awaited; the guard stays armed in case this request is dropped meanwhile.
+        kill(&node, &vm, child.pid).await;
+    }
+    child.pid = None;
     match result {
         Some(Ok(Outcome::Exit(code))) => Ok(Json(serde_json::json!({
             "exit_code": code,
@@ -114,18 +122,26 @@ pub(super) async fn exec(
             "stderr": String::from_utf8_lossy(&err),
         }))
         .into_response()),
-        Some(Ok(Outcome::TooLarge)) => {
-            kill(&node, &vm, pid).await;
-            Err(ApiError::TooLarge("exec output exceeds 8 MiB".into()))
-        }
-        Some(Err(e)) => {
-            kill(&node, &vm, pid).await;
-            Err(agent_err(e))
-        }
-        None => {
-            kill(&node, &vm, pid).await;
-            Err(ApiError::GatewayTimeout(format!("command did not finish within {}s", timeout.as_secs_f64())))
-        }
+        Some(Ok(Outcome::TooLarge)) => Err(ApiError::TooLarge("exec output exceeds 8 MiB".into())),
+        Some(Err(e)) => Err(agent_err(e)),
+        None => Err(ApiError::GatewayTimeout(format!("command did not finish within {}s", timeout.as_secs_f64()))),
+    }
+}
+
+/// The exec's child in the guest, killed when dropped while still armed (`pid` set).
+struct ChildGuard {
+    node: Arc<Node>,
+    vm: Vm,
+    pid: Option<u32>,
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let Some(pid) = self.pid.take() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let (node, vm) = (Arc::clone(&self.node), self.vm.clone());
+        tracing::debug!(pid, vm = %vm.id, "exec request ended before its child exited; killing it");
+        rt.spawn(async move { kill(&node, &vm, Some(pid)).await });
     }
 }
 

@@ -327,6 +327,30 @@ async fn exec_timeouts_and_cap() {
     assert_eq!((s, v["stdout"].as_str()), (StatusCode::OK, Some("x\n")));
 }
 
+/// Nothing a client starts outlives it: an `/exec` whose client hangs up has its child killed
+/// in the guest (the agent itself would let it run), and its slot comes back.
+#[tokio::test]
+async fn an_exec_whose_client_leaves_has_its_child_killed() {
+    let h = start_with(&[("base", 1)], None, |o| {
+        o.limits.exec.default = Duration::from_secs(60);
+        o.limits.exec.max = Duration::from_secs(120);
+    })
+    .await;
+    wait_warm(&h.node, "base", 1).await;
+    let c = h.claim(json!({"template": "base"})).await;
+    let id = c["id"].as_str().expect("id").to_string();
+    let path = format!("/v1/sandboxes/{id}/exec");
+    let token = c["token"].as_str().expect("token").to_string();
+    let client = {
+        let (app, path, token) = (h.app.clone(), path.clone(), token.clone());
+        tokio::spawn(async move { call(&app, "POST", &path, Some(&token), Some(json!({"argv": ["sleep"]}).to_string())).await })
+    };
+    wait_for("the exec child to run", || h.driver.running_procs() == 1).await;
+    client.abort();
+    wait_for("the child of the abandoned exec to be killed", || h.driver.running_procs() == 0).await;
+    wait_for("the exec slot to come back", || h.node.open_uses(&id) == [0, 0, 0]).await;
+}
+
 async fn upgrade(addr: std::net::SocketAddr, path: &str, proto: &str, token: &str) -> BufReader<TcpStream> {
     let mut r = BufReader::new(TcpStream::connect(addr).await.expect("connect"));
     r.get_mut().write_all(head(path, Some(proto), token).as_bytes()).await.expect("write");
