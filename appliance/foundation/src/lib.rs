@@ -4,6 +4,7 @@
 //! - [`atomic`]: replace a file crash-safely (temp file born with its final mode, fsync, rename,
 //!   directory fsync). Secrets are born 0600: there is no window in which they are readable.
 //! - [`private_dir`]: create (or tighten) a directory to 0700, the home of every secret.
+//! - [`token`]: read a bearer-token file under the one rule (owner-only, 32+ characters).
 //!
 //! Functions here return plain [`std::io::Error`]s; callers wrap them with the path and the
 //! step in their own module error.
@@ -11,5 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod atomic;
+pub mod token;
 
 pub use atomic::{private_dir, write_atomic, write_secret, FileMode, PRIVATE_DIR, PUBLIC_FILE, SECRET_FILE};
+pub use token::{read_token_file, TokenFileError, MIN_TOKEN_LEN};

@@ -19,7 +19,6 @@
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -29,7 +28,7 @@ use crate::limits::{self, Budget, BudgetError, ClaimCaps, ExecTimeouts, HttpLimi
 use crate::pool::{KeyError, PoolKey};
 
 /// The shortest root token accepted (32 characters: 128 bits as hex, 192 as base64).
-pub const MIN_TOKEN_LEN: usize = 32;
+pub use foundation::MIN_TOKEN_LEN;
 
 /// Where the effective `listen` address came from (named in errors).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -500,29 +499,9 @@ impl Config {
         let Some(path) = &self.api_token_file else {
             return Ok(None);
         };
-        let err = |reason: String| ConfigError::Token { path: path.clone(), reason };
-        let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
-        let mode = meta.permissions().mode() & 0o777;
-        if mode & 0o077 != 0 {
-            return Err(err(format!(
-                "mode {mode:04o} lets group or others read the root token; run chmod 600 {}",
-                path.display()
-            )));
-        }
-        let raw = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-        let t = raw.trim();
-        if t.is_empty() {
-            return Err(err("the file is empty; write a random token of at least 32 characters into it".into()));
-        }
-        if t.chars().count() < MIN_TOKEN_LEN {
-            return Err(err(format!(
-                "the token has {} characters, fewer than {MIN_TOKEN_LEN}; write a random one, e.g. \
-                 `openssl rand -hex 32 > {}`",
-                t.chars().count(),
-                path.display()
-            )));
-        }
-        Ok(Some(t.to_string()))
+        foundation::read_token_file(path)
+            .map(Some)
+            .map_err(|e| ConfigError::Token { path: path.clone(), reason: e.to_string() })
     }
 
     /// The driver state dir.
@@ -534,6 +513,7 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt as _;
 
     fn parse(s: &str) -> Result<Config, ConfigError> {
         Config::parse(Path::new("test.json"), s.as_bytes())

@@ -961,6 +961,22 @@ impl Check<'_> {
         }
     }
 
+    /// A bearer-token file under sandboxd's rule ([`foundation::read_token_file`]: owner-only,
+    /// at least 32 characters), so the check refuses what sandboxd would refuse at start.
+    fn token(&mut self, key: &str, p: &Path, env: &ValidateEnv) {
+        if !env.check_files {
+            return;
+        }
+        if let Err(e) = foundation::read_token_file(p) {
+            self.fail(
+                key,
+                format!("{}: {e}", p.display()),
+                "give a file readable by its owner only holding a random token of at least 32 characters \
+                 (or leave the key unset: the supervisor mints one)",
+            );
+        }
+    }
+
     /// A secret file: readable and non-empty; returns its trimmed contents.
     fn secret(&mut self, key: &str, p: &Path, env: &ValidateEnv, what: &str) -> Option<String> {
         if !env.check_files {
@@ -1115,7 +1131,7 @@ impl Config {
         let sb = &cfg.sandboxd;
         let sandboxd_listen = c.addr("sandboxd.listen", &sb.listen, "0.0.0.0:7777");
         if let Some(p) = &sb.api_token_file {
-            c.secret("sandboxd.api_token_file", p, env, "sandboxd's root token");
+            c.token("sandboxd.api_token_file", p, env);
         }
         c.tls_pair("sandboxd", sb.tls_cert_file.as_deref(), sb.tls_key_file.as_deref(), env);
         for (key, v) in [

@@ -343,7 +343,9 @@ async fn an_exec_whose_client_leaves_has_its_child_killed() {
     let token = c["token"].as_str().expect("token").to_string();
     let client = {
         let (app, path, token) = (h.app.clone(), path.clone(), token.clone());
-        tokio::spawn(async move { call(&app, "POST", &path, Some(&token), Some(json!({"argv": ["sleep"]}).to_string())).await })
+        tokio::spawn(async move {
+            call(&app, "POST", &path, Some(&token), Some(json!({"argv": ["sleep"]}).to_string())).await
+        })
     };
     wait_for("the exec child to run", || h.driver.running_procs() == 1).await;
     client.abort();

@@ -89,7 +89,8 @@ fn the_documented_default_file_equals_the_built_in_defaults() {
 fn the_design_example_parses() {
     let f = Fixture::new();
     f.write("esp/api-token", "t0k3n\n");
-    f.write("esp/sandboxd-token", "root\n");
+    let root = f.write("esp/sandboxd-token", "0123456789abcdef0123456789abcdef\n");
+    std::fs::set_permissions(&root, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     f.write("esp/metrics-token", "scrape\n");
     let cluster = f.cluster("esp");
     f.write(
