@@ -119,13 +119,9 @@ fn pem(der: &[u8]) -> String {
     format!("-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n", lines.join("\n"))
 }
 
-/// Writes a file readable by its owner only.
+/// Writes a file readable by its owner only (born 0600, replaced atomically, in a 0700 dir).
 fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
-    f.write_all(bytes)?;
-    Ok(())
+    foundation::write_secret(path, bytes).with_context(|| format!("writing {}", path.display()))
 }
 
 /// With the fingerprint from the console pinned: sandboxd's token through the remote API and

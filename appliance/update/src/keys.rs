@@ -183,8 +183,9 @@ pub fn load_signing_key(path: &Path) -> Result<SigningKey, KeysError> {
     Ok(SigningKey::from_bytes(&seed))
 }
 
-/// Makes a new signing key at `path` (hex seed, 0600, in a directory made 0700, written with
-/// [`foundation::write_secret`]) and its public half at `<path>.pub` (0644). Refuses to
+/// Makes a new signing key at `path` (hex seed, born 0600 with [`foundation::write_atomic`]; a
+/// missing directory is created 0700, an existing one is left as it is: `--out ~/k.key` must
+/// not change `$HOME`) and its public half at `<path>.pub` (0644). Refuses to
 /// replace an existing key: a lost signing key cannot be recovered, and a box trusts only the
 /// public keys its image was built with.
 pub fn generate_signing_key(path: &Path) -> Result<SigningKey, KeysError> {
@@ -192,7 +193,12 @@ pub fn generate_signing_key(path: &Path) -> Result<SigningKey, KeysError> {
         return Err(KeysError::Exists { path: path.to_path_buf() });
     }
     let key = SigningKey::from_bytes(&rand::random::<[u8; 32]>());
-    foundation::write_secret(path, format!("{}\n", hex::encode(key.to_bytes())).as_bytes())
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.exists());
+    dir.map_or(Ok(()), foundation::private_dir)
+        .and_then(|()| {
+            let seed = format!("{}\n", hex::encode(key.to_bytes()));
+            foundation::write_atomic(path, seed.as_bytes(), foundation::SECRET_FILE)
+        })
         .map_err(|source| KeysError::File { path: path.to_path_buf(), what: "writing", source })?;
     write_public_key(&public_key_path(path), &key.verifying_key())?;
     Ok(key)

@@ -272,12 +272,8 @@ impl Updater {
     fn running(&self, boot: &BootInfo) -> Result<RunningSlot, EntriesError> {
         let all = self.esp().slot_entries()?;
         let committed = entries::mine(&all, boot.slot, boot.generation).is_some_and(|e| e.name.is_committed());
-        let committed_max = all
-            .iter()
-            .filter(|e| e.name.is_committed())
-            .filter_map(|e| e.entry.security_version())
-            .max()
-            .unwrap_or(0);
+        let committed_max =
+            all.iter().filter(|e| e.name.is_committed()).filter_map(|e| e.entry.security_version()).max().unwrap_or(0);
         Ok(RunningSlot {
             slot: boot.slot,
             version: boot.version.clone(),
