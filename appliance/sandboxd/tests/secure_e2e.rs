@@ -408,6 +408,10 @@ fn sdk_plain_and_tls_then_limits() {
         (!h.sandbox_ids().contains(&id)).then_some(())
     });
     h.wait_full("base");
+    // The reaper drops the claim from the listing first, then destroys its VM: wait for that too.
+    wait_for("the expired claim's VM to be destroyed", Duration::from_secs(30), || {
+        (h.vm_dirs().len() == 2 && h.qemus().len() == 2).then_some(())
+    });
     h.assert_vms(2, "after every scenario, only the warm pool");
     h.finish();
 }
