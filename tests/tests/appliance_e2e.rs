@@ -5,7 +5,7 @@
 //! QEMU's user networking; nothing leaves loopback), and upgraded with signed bundles made by
 //! `cargo xtask bundle`: a good one, one whose supervisor never becomes healthy (the bundle's
 //! boot entry carries `chrysalis.fault=never-healthy` and shortens its own trial deadline with
-//! `chrysalis.set=update.health_deadline_secs=300`), a tampered copy, and a bundle of the first
+//! `chrysalis.set=update.health_deadline_secs=150`), a tampered copy, and a bundle of the first
 //! version (one `security_version` lower), replayed once the upgrade is committed: a downgrade,
 //! refused.
 //!

@@ -8,15 +8,18 @@
 //!    and a bundle of the first version (replayed after the upgrade: a downgrade) for the
 //!    appliance suite, in `$CHRYSALIS_CACHE/appliance-test/`
 //!    (`CHRYSALIS_APPLIANCE_TESTS=0` leaves the suite out: reported as skipped);
-//! 4. every test binary of the workspace with every suite enabled (built by `cargo test
-//!    --no-run`, run by [`crate::suites`]: the appliance suite beside the others, each timed): real QEMU VMs, the public
-//!    Python SDK (pinned venv), sandboxd with real VMs, the test control plane (Kubernetes
-//!    built from its Go modules, cached), the supervisor with the real services, and the
-//!    appliance booted under OVMF;
+//! 4. the appliance suite's binary first, then that suite runs beside everything that follows
+//!    (it is the longest: boots, reboots, trial deadlines; its output goes to a log printed at
+//!    the end); then every other test binary of the workspace with every suite enabled (built
+//!    by `cargo test --no-run`, run one after another by [`crate::suites`], each timed): real
+//!    QEMU VMs, the public Python SDK (pinned venv), sandboxd with real VMs, the test control
+//!    plane (Kubernetes built from its Go modules, cached), the supervisor with the real
+//!    services, and the doc tests;
 //! 5. a bounded fuzz run of the wire decoder.
 //!
 //! Tests that cannot run on this machine are `#[ignore = "why"]` and are counted as
-//! skipped, never as passed. The last line is `N passed, N failed, N skipped`.
+//! skipped, never as passed. The run ends with each suite's time, the failed tests by name,
+//! `N passed, N failed, N skipped` and the phase times.
 
 use crate::flags::{FuzzArgs, TestArgs, VmImageArgs};
 use anyhow::{bail, Context, Result};
@@ -103,16 +106,9 @@ fn run_phases(args: &TestArgs, phases: &mut Phases) -> Result<()> {
         .and_then(|lock| test_infra::cluster::build::ensure_all(&lock, &opts.bin_dir))
         .context("building the test control plane")?;
 
-    phases.start("build (service binaries)");
-    // The suites in tests/ run these binaries from the target directory they are built into.
-    let built = Command::new("cargo")
-        .args(["build", "-p", "sandboxd", "-p", "vk-sandbox", "-p", "vk-cocoon", "-p", "chrysalis", "--bins"])
-        .status()
-        .context("running cargo build")?;
-    anyhow::ensure!(built.success(), "building the sandboxd, vk-sandbox and vk-cocoon binaries failed");
-
-    let mut tally = Tally::default();
-    phases.start("build the test binaries");
+    // The appliance suite is the longest (boots, reboots, trial deadlines): its binary is built
+    // first and it runs beside everything that follows.
+    phases.start("build the appliance suite (then it runs beside the rest)");
     let mut cargo_args: Vec<String> = ["--workspace", "--features", TEST_FEATURES].map(String::from).to_vec();
     let mut env: Vec<(String, std::path::PathBuf)> =
         vec![("CHRYSALIS_PYTHON".into(), python.clone()), ("CHRYSALIS_CACHE".into(), crate::paths::cache_dir())];
@@ -120,12 +116,13 @@ fn run_phases(args: &TestArgs, phases: &mut Phases) -> Result<()> {
         cargo_args.extend(["--features", "chrysalis-tests/appliance,xtask/appliance-image"].map(String::from));
         env.push(("CHRYSALIS_APPLIANCE_TEST_DIR".into(), dir.clone()));
     }
-    let all = crate::suites::build(&cargo_args)?;
     let filter = args.filter.as_deref();
-
-    phases.start("cargo test (every suite, two lanes)");
-    let (beside, serial): (Vec<_>, Vec<_>) =
-        all.into_iter().partition(|s| crate::suites::PARALLEL.contains(&s.target.as_str()));
+    let mut early = cargo_args.clone();
+    early.extend(crate::suites::PARALLEL.iter().flat_map(|t| ["--test".to_string(), t.to_string()]));
+    let beside: Vec<_> = crate::suites::build(&early)?
+        .into_iter()
+        .filter(|s| crate::suites::PARALLEL.contains(&s.target.as_str()))
+        .collect();
     let logs = crate::paths::cache_dir().join("test-logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let lane = {
@@ -141,6 +138,23 @@ fn run_phases(args: &TestArgs, phases: &mut Phases) -> Result<()> {
                 .collect::<Vec<_>>()
         })
     };
+
+    phases.start("build (service binaries)");
+    // The suites in tests/ run these binaries from the target directory they are built into.
+    let built = Command::new("cargo")
+        .args(["build", "-p", "sandboxd", "-p", "vk-sandbox", "-p", "vk-cocoon", "-p", "chrysalis", "--bins"])
+        .status()
+        .context("running cargo build")?;
+    anyhow::ensure!(built.success(), "building the sandboxd, vk-sandbox and vk-cocoon binaries failed");
+
+    let mut tally = Tally::default();
+    phases.start("build the other test binaries");
+    let serial: Vec<_> = crate::suites::build(&cargo_args)?
+        .into_iter()
+        .filter(|s| !crate::suites::PARALLEL.contains(&s.target.as_str()))
+        .collect();
+
+    phases.start("the other suites, one after another");
     let mut ran = Vec::new();
     for suite in &serial {
         let (r, t) = crate::suites::run(suite, filter, &env, Stdio::inherit(), &mut |l| println!("{l}"))?;
@@ -154,15 +168,6 @@ fn run_phases(args: &TestArgs, phases: &mut Phases) -> Result<()> {
         doc.arg(f);
     }
     let doc_ok = run_counted(&mut doc, &mut tally)?;
-    for outcome in lane.join().map_err(|_| anyhow::anyhow!("the parallel lane panicked"))? {
-        let ((r, t), log) = outcome?;
-        println!("---- {} (ran beside the others; {}) ----", r.name, log.display());
-        print!("{}", std::fs::read_to_string(&log).unwrap_or_default());
-        ran.push(r);
-        tally.merge(t);
-    }
-    let tests_ok = doc_ok && ran.iter().all(|r| r.ok);
-    crate::suites::print_times(&ran);
 
     phases.start("fuzz");
     let fuzz_ok = if args.no_fuzz {
@@ -180,6 +185,17 @@ fn run_phases(args: &TestArgs, phases: &mut Phases) -> Result<()> {
             }
         }
     };
+
+    phases.start("waiting for the appliance suite");
+    for outcome in lane.join().map_err(|_| anyhow::anyhow!("the parallel lane panicked"))? {
+        let ((r, t), log) = outcome?;
+        println!("---- {} (ran beside the others; {}) ----", r.name, log.display());
+        print!("{}", std::fs::read_to_string(&log).unwrap_or_default());
+        ran.push(r);
+        tally.merge(t);
+    }
+    let tests_ok = doc_ok && ran.iter().all(|r| r.ok);
+    crate::suites::print_times(&ran);
 
     if !tally.failed_tests.is_empty() {
         println!("failed:");
@@ -202,7 +218,7 @@ const TEST_FEATURES: &str = "chrysalis-tests/e2e,chrysalis-tests/cluster,join/cl
 const APPLIANCE_BOARD: &str = "qemu-x86_64";
 /// The trial deadline the never-healthy bundle sets for itself (the appliance suite's
 /// `NEVER_HEALTHY_DEADLINE` matches it).
-const NEVER_HEALTHY_DEADLINE_SECS: u64 = 300;
+const NEVER_HEALTHY_DEADLINE_SECS: u64 = 150;
 /// Set to `0` to leave the appliance suite out (it is then reported as skipped).
 const APPLIANCE_ENV: &str = "CHRYSALIS_APPLIANCE_TESTS";
 

@@ -41,8 +41,8 @@ const HEALTHY: Duration = Duration::from_secs(900);
 /// nested TCG, short enough that the failing bundle reverts in reasonable time.
 const HEALTH_DEADLINE_SECS: u64 = 900;
 /// The deadline the never-healthy bundle sets on its kernel command line
-/// (`chrysalis.set=update.health_deadline_secs=300`, made by `cargo xtask test`).
-const NEVER_HEALTHY_DEADLINE: Duration = Duration::from_secs(300);
+/// (`chrysalis.set=update.health_deadline_secs=150`, made by `cargo xtask test`).
+const NEVER_HEALTHY_DEADLINE: Duration = Duration::from_secs(150);
 /// The API token of the boxes' remote API (forwarded to a loopback port).
 const API_TOKEN: &str = "appliance-e2e-api-token";
 /// A clean power-off (ACPI, systemd stopping everything) under TCG.
