@@ -281,7 +281,10 @@ async fn start_auto(header_timeout: Duration, alpn: &[&[u8]]) -> (SocketAddr, Ar
     (addr, httpd::tls::client_config(&trust, alpn).expect("client"))
 }
 
-async fn tls_connect(addr: SocketAddr, config: Arc<rustls::ClientConfig>) -> tokio_rustls::client::TlsStream<TcpStream> {
+async fn tls_connect(
+    addr: SocketAddr,
+    config: Arc<rustls::ClientConfig>,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
     let tcp = TcpStream::connect(addr).await.expect("connect");
     let name = ServerName::try_from("127.0.0.1".to_string()).expect("name");
     tokio_rustls::TlsConnector::from(config).connect(name, tcp).await.expect("handshake")
@@ -299,7 +302,8 @@ async fn auto_speaks_h2_when_alpn_chose_it_and_closes_idle_or_silent_connections
             .await
             .expect("h2 handshake");
     let conn = tokio::spawn(conn);
-    let req = hyper::Request::get("https://127.0.0.1/").body(http_body_util::Empty::<bytes::Bytes>::new()).expect("req");
+    let req =
+        hyper::Request::get("https://127.0.0.1/").body(http_body_util::Empty::<bytes::Bytes>::new()).expect("req");
     let resp = send.send_request(req).await.expect("h2 request");
     assert_eq!(resp.status(), StatusCode::OK);
     let ended = tokio::time::timeout(idle * 5, conn).await;
