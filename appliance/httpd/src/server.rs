@@ -22,7 +22,9 @@ use tower::ServiceExt as _;
 /// The bounds every connection lives within.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Open connections at most; one more is closed at once.
+    /// Open connections at most; one more is closed at once. One remote address (loopback
+    /// excepted) may hold an eighth of them at most (at least 4; see [`per_peer_cap`]), so a
+    /// single host cannot fill the cap and lock everyone else out.
     pub max_connections: usize,
     /// How long a client may take to send a request head, and how long a keep-alive
     /// connection may sit idle between requests.
@@ -64,6 +66,56 @@ pub struct ServeOptions {
     pub protocol: Protocol,
     /// TLS, when the surface serves it.
     pub tls: Option<Arc<ServerConfig>>,
+}
+
+/// The most connections one non-loopback address may hold under `max_connections`.
+pub fn per_peer_cap(max_connections: usize) -> usize {
+    (max_connections / 8).max(4).min(max_connections)
+}
+
+/// Open connections per remote address (loopback peers are not counted: they are this host).
+#[derive(Debug)]
+struct PeerCounts {
+    cap: usize,
+    open: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+}
+
+/// One admitted connection of a counted peer; gives its place back when dropped.
+struct PeerSlot {
+    counts: Arc<PeerCounts>,
+    ip: std::net::IpAddr,
+}
+
+impl PeerCounts {
+    fn new(max_connections: usize) -> Arc<Self> {
+        Arc::new(PeerCounts { cap: per_peer_cap(max_connections), open: Default::default() })
+    }
+
+    /// Admits a connection from `ip`, or `Err(())` when that address already holds `cap`.
+    fn admit(self: &Arc<Self>, ip: std::net::IpAddr) -> Result<Option<PeerSlot>, ()> {
+        if ip.is_loopback() || ip.to_canonical().is_loopback() {
+            return Ok(None);
+        }
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.entry(ip).or_default();
+        if *n >= self.cap {
+            return Err(());
+        }
+        *n += 1;
+        Ok(Some(PeerSlot { counts: Arc::clone(self), ip }))
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut open = self.counts.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
 }
 
 /// Live connection counts, for metrics.
@@ -112,6 +164,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let permits = Arc::new(Semaphore::new(opts.limits.max_connections));
+    let peers = PeerCounts::new(opts.limits.max_connections);
     let acceptor = opts.tls.clone().map(TlsAcceptor::from);
     tokio::pin!(shutdown);
     loop {
@@ -127,6 +180,12 @@ pub async fn serve(
                 }
             },
         };
+        let Ok(peer_slot) = peers.admit(addr.ip()) else {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(server = opts.name, peer = %addr, max = peers.cap, "per-address connection cap reached; closing");
+            drop(tcp);
+            continue;
+        };
         let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
             stats.refused.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(server = opts.name, peer = %addr, max = opts.limits.max_connections, "connection cap reached; closing");
@@ -139,7 +198,7 @@ pub async fn serve(
         tokio::spawn(async move {
             connection(tcp, addr, acceptor, router, &opts, &stats).await;
             stats.open.fetch_sub(1, Ordering::Relaxed);
-            drop(permit);
+            drop((permit, peer_slot));
         });
     }
 }
@@ -238,5 +297,31 @@ where
             stats.timed_out.fetch_add(1, Ordering::Relaxed);
         }
         tracing::debug!(server = opts.name, peer = %addr, error = %e, "connection ended with an error");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::IpAddr;
+
+    #[test]
+    fn one_remote_address_holds_an_eighth_of_the_cap_and_loopback_is_not_counted() {
+        assert_eq!((per_peer_cap(4096), per_peer_cap(64), per_peer_cap(16), per_peer_cap(2)), (512, 8, 4, 2));
+        let counts = PeerCounts::new(64);
+        let (a, b): (IpAddr, IpAddr) = ("192.0.2.1".parse().expect("ip"), "192.0.2.2".parse().expect("ip"));
+        let held: Vec<_> = (0..8).map(|_| counts.admit(a).expect("under the cap")).collect();
+        assert!(counts.admit(a).is_err(), "the ninth connection from one address");
+        assert!(counts.admit(b).expect("another address").is_some());
+        for lo in ["127.0.0.1", "::1", "::ffff:127.0.0.1"] {
+            let lo: IpAddr = lo.parse().expect("ip");
+            assert!((0..100).all(|_| matches!(counts.admit(lo), Ok(None))), "{lo} is not counted");
+        }
+        drop(held);
+        let again = counts.admit(a).expect("freed");
+        assert!(again.is_some());
+        assert_eq!(counts.open.lock().expect("lock").get(&a), Some(&1));
+        drop(again);
+        assert!(counts.open.lock().expect("lock").is_empty(), "a freed address leaves no entry");
     }
 }
