@@ -26,7 +26,7 @@ mod real {
     use test_infra::netns::Netns;
     use test_infra::suite::{poll, sibling_bin};
 
-    const PORT: u16 = 36443;
+    const PORT: u16 = 25443;
     const SANDBOX_NODE: &str = "sup-sandbox";
     const COCOON_NODE: &str = "sup-cocoon";
     const WAIT: Duration = Duration::from_secs(300);

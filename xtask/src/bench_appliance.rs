@@ -17,8 +17,8 @@ use test_infra::appliance_vm::{ApplianceVm, JoinedBox, Options};
 use test_infra::cluster::{Cluster, Options as ClusterOptions, APPLIANCE_API_ADDR};
 use test_infra::suite::poll;
 
-/// The apiserver port of the bench's cluster (the test suites use 16443–36443).
-const PORT: u16 = 37443;
+/// The apiserver port of the bench's cluster (the test suites use 16443–31449).
+const PORT: u16 = 22443;
 const SANDBOX_NODE: &str = "bench-sandbox";
 const COCOON_NODE: &str = "bench-cocoon";
 const API_TOKEN: &str = "bench-appliance-api-token";

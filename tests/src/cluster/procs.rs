@@ -49,7 +49,18 @@ pub fn spawn(
         name: name.to_owned(),
         detail: format!("sh printed no pid: {:?}", String::from_utf8_lossy(&out.stdout)),
     })?;
-    Ok(Daemon { name: name.to_owned(), pid, exe: exe.to_path_buf(), log: log.to_path_buf() })
+    let daemon = Daemon { name: name.to_owned(), pid, exe: exe.to_path_buf(), log: log.to_path_buf() };
+    // `$!` is the background subshell, which execs the daemon a moment later (longer on a busy
+    // machine): until then its cmdline is `sh`, and `is_ours` would call it dead. Wait for the
+    // exec (or for the process to be gone), so callers see the daemon or a real exit.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !daemon.is_ours() && !is_zombie(pid) {
+        if Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(daemon)
 }
 
 impl Daemon {

@@ -27,9 +27,11 @@ use test_infra::cluster::{Cluster, Options as ClusterOptions, APPLIANCE_API_ADDR
 use test_infra::ensure;
 use test_infra::suite::{poll, poll_every, Outcome};
 
-/// The apiserver port of this suite's cluster (others: 16443 xtask, 26443 cluster_e2e, 27443
-/// join, 28443 vnode, 29443 vk_sandbox_e2e, 31443 vk_cocoon_e2e).
-const PORT: u16 = 33443;
+/// The apiserver port of this suite's cluster (others: 16443 xtask, 25443 supervisor_e2e, 26443
+/// cluster_e2e, 27443 join, 28443 vnode, 29443 vk_sandbox_e2e, 31443 vk_cocoon_e2e). Each suite's
+/// seven ports stay below the kernel's ephemeral range (32768 and up): the suites run side by
+/// side, and an ephemeral port taken by a client would make a cluster fail to start.
+const PORT: u16 = 23443;
 /// Node names the boxes register (each box: its own pair).
 const SANDBOX_NODE: &str = "box-sandbox";
 const COCOON_NODE: &str = "box-cocoon";
