@@ -236,11 +236,13 @@ fn wait_for_record(owner: &mut Child, vm_dir: &Path, ready: impl Fn(&VmRecord) -
     }
 }
 
-/// The only VM directory under `vms`, once there is one.
+/// The only VM directory under `vms`, once there is one (a hidden `.staging-…` directory is the
+/// VM before its rename into place: not it yet).
 fn only_vm_dir(owner: &mut Child, vms: &Path) -> PathBuf {
     let deadline = Instant::now() + Duration::from_secs(25);
     loop {
-        let dirs = dirs_under(vms);
+        let staging = |d: &PathBuf| d.file_name().is_some_and(|n| n.to_string_lossy().starts_with(".staging-"));
+        let dirs: Vec<PathBuf> = dirs_under(vms).into_iter().filter(|d| !staging(d)).collect();
         if dirs.len() == 1 {
             return dirs[0].clone();
         }
