@@ -66,6 +66,9 @@ pub const ID_PREFIX: &str = "vc-";
 const MAX_ID: usize = 40;
 /// How long one agent exchange (connect + `info`, or the net-config exec) may take.
 const AGENT_CALL: Duration = Duration::from_secs(30);
+/// What a `guest-init net-config` exec may print (stdout + stderr) before it is cut off: a
+/// guest that streams endless output gets a typed error, never our memory.
+const NET_CONFIG_OUTPUT_CAP: usize = 64 * 1024;
 
 /// Failures of this module that are not another crate's error (the `source` of a
 /// [`BackendError::Failed`]).
@@ -717,6 +720,7 @@ impl VmBackend for VmmBackend {
         let exchange = async {
             let stream = self.driver.connect(&vm, AGENT_PORT).await.map_err(|e| failed(op, id.to_owned(), e))?;
             AgentConn::new(stream)
+                .with_output_cap(NET_CONFIG_OUTPUT_CAP)
                 .exec(&args, ExecOptions::default(), b"")
                 .await
                 .map_err(|e| failed(op, id.to_owned(), VmmBackendError::Agent(e)))
