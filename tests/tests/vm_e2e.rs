@@ -33,7 +33,8 @@ async fn base_boot_exec_files_pull_snapshot_clone_shutdown() -> Result<()> {
     eprintln!("base ready after {:?} ({:?})", parent.ready_after, parent.vm.accel);
     let vm = parent.vm;
 
-    let mut conn = agent(&driver, &vm).await?;
+    // The 10 MiB read-back below is past the default 8 MiB output cap.
+    let mut conn = agent(&driver, &vm).await?.with_output_cap(16 << 20);
     assert!(matches!(conn.info().await?, Response::Info { proto: 2, .. }));
     assert_eq!(exec_ok(&mut conn, &["echo", "hello"]).await?, "hello\n");
 
