@@ -527,9 +527,9 @@ impl VmmBackend {
     /// Waits for the agent of a freshly booted VM; on failure kills it (console tail in the error).
     async fn await_agent(&self, id: &str, vm: &vmm::Vm) -> Result<(), BackendError> {
         if let Err(e) = self.driver.wait_agent(vm, self.boot_timeout).await {
-            let console = std::fs::read_to_string(&vm.console_log).unwrap_or_default();
-            let tail: Vec<&str> = console.lines().rev().take(10).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            // Read by seeking: the console is the guest's to fill (up to its cap).
+            let console = vmm::console::tail_text(&vm.console_log, 10);
+            let tail: Vec<&str> = console.lines().collect();
             if let Err(k) = self.driver.kill(vm).await {
                 tracing::warn!(vm = id, error = %crate::provider::error_chain(&k), "killing a VM whose agent never answered failed");
             }
