@@ -55,10 +55,11 @@ pub async fn boot(driver: &Arc<dyn Driver>, catalog: &Catalog, template: &str, s
     let started = Instant::now();
     let vm = driver.boot(&spec).await.with_context(|| format!("booting {template}"))?;
     if let Err(e) = driver.wait_agent(&vm, BOOT_TIMEOUT).await {
-        let console = std::fs::read_to_string(&vm.console_log).unwrap_or_default();
+        let console = vmm::console::tail_text(&vm.console_log, 40);
         let _ = driver.kill(&vm).await;
-        return Err(anyhow::Error::new(e)
-            .context(format!("agent of {template} never answered; console tail:\n{}", tail(&console, 40))));
+        return Err(
+            anyhow::Error::new(e).context(format!("agent of {template} never answered; console tail:\n{console}"))
+        );
     }
     Ok(Booted { vm, ready_after: started.elapsed() })
 }

@@ -33,7 +33,8 @@ async fn base_boot_exec_files_pull_snapshot_clone_shutdown() -> Result<()> {
     eprintln!("base ready after {:?} ({:?})", parent.ready_after, parent.vm.accel);
     let vm = parent.vm;
 
-    let mut conn = agent(&driver, &vm).await?;
+    // The 10 MiB read-back below is past the default 8 MiB output cap.
+    let mut conn = agent(&driver, &vm).await?.with_output_cap(16 << 20);
     assert!(matches!(conn.info().await?, Response::Info { proto: 2, .. }));
     assert_eq!(exec_ok(&mut conn, &["echo", "hello"]).await?, "hello\n");
 
@@ -158,6 +159,81 @@ s.bind(('127.0.0.1', 7000))\ns.listen()\nc, _ = s.accept()\nd = c.recv(100)\nc.s
     assert!(buf[..n].starts_with(b"{\"type\":\"info\""), "raw info reply: {:?}", String::from_utf8_lossy(&buf[..n]));
 
     driver.shutdown(&vm, Duration::from_secs(10)).await?;
+    let left = qemu_processes_under(state.path());
+    assert!(left.is_empty(), "QEMU processes left behind: {left:?}");
+    Ok(())
+}
+
+/// Bytes of console log on disk for `log` (both segments).
+fn console_on_disk(log: &std::path::Path) -> u64 {
+    let size = |p: &std::path::Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    size(log) + size(&vmm::console::rotated_path(log))
+}
+
+/// Runs `line` through `sh -c` in the guest until the console log ends with `marker`
+/// (output written while no host listens is dropped, so a write may need repeating).
+async fn console_until(
+    conn: &mut silkd_client::AgentConn<vmm::AgentStream>,
+    log: &std::path::Path,
+    line: &str,
+    marker: &str,
+) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        exec_ok(conn, &["sh", "-c", line]).await?;
+        for _ in 0..10 {
+            if vmm::console::tail_string(log, 4096).contains(marker) {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("{marker:?} never reached the console; tail:\n{}", vmm::console::tail_text(log, 20));
+        }
+    }
+}
+
+/// A guest writing far more than the cap to its serial console leaves at most the cap on disk
+/// and the newest output in the log; after a restart of the host side (a fresh driver that
+/// re-attaches), QEMU re-dials the console and the log continues, still capped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_flooding_its_serial_console_is_held_to_the_cap() -> Result<()> {
+    init_tracing();
+    let state = state_dir()?;
+    let cap = 64 * 1024;
+    let driver_for = |state: &std::path::Path| -> std::sync::Arc<dyn vmm::Driver> {
+        let mut cfg = vmm::qemu::QemuConfig::from_env();
+        cfg.state_dir = state.to_path_buf();
+        cfg.console_cap = cap;
+        std::sync::Arc::new(vmm::qemu::QemuDriver::new(cfg))
+    };
+    let driver = driver_for(state.path());
+    let vm = boot(&driver, &catalog()?, "base", SizeClass::Small).await?.vm;
+    let log = vm.console_log.clone();
+    assert!(vmm::console::tail_string(&log, 1 << 20).contains("Linux version"), "boot output is kept from the start");
+    let mut conn = agent(&driver, &vm).await?;
+    // 2 MiB through the UART: 32 times the cap.
+    let flood = "head -c 2097152 /dev/zero | tr '\\000' x > /dev/ttyS0; echo flood-done-1 > /dev/ttyS0";
+    let t0 = std::time::Instant::now();
+    console_until(&mut conn, &log, flood, "flood-done-1").await?;
+    eprintln!("2 MiB through the serial console in {:?}", t0.elapsed());
+    assert!(console_on_disk(&log) <= cap, "{} bytes on disk, cap {cap}", console_on_disk(&log));
+    let tail = vmm::console::tail(&log, cap as usize)?;
+    assert!(tail.len() as u64 >= cap / 2, "at least half the cap is kept: {}", tail.len());
+    assert!(tail.ends_with(b"flood-done-1\r\n") || tail.ends_with(b"flood-done-1\n"), "the newest bytes are kept");
+    drop(conn);
+
+    // "sandboxd restarted": the old driver (and its console listener) is gone; a new one
+    // re-attaches and QEMU re-dials the console socket within a second.
+    drop(driver);
+    let driver = driver_for(state.path());
+    let vm = driver.attach(&vm.id).await?;
+    let mut conn = agent(&driver, &vm).await?;
+    console_until(&mut conn, &log, "echo after-restart > /dev/ttyS0", "after-restart").await?;
+    console_until(&mut conn, &log, flood.replace("done-1", "done-2").as_str(), "flood-done-2").await?;
+    assert!(console_on_disk(&log) <= cap, "{} bytes on disk after the restart", console_on_disk(&log));
+    drop(conn);
+    driver.kill(&vm).await?;
     let left = qemu_processes_under(state.path());
     assert!(left.is_empty(), "QEMU processes left behind: {left:?}");
     Ok(())

@@ -151,6 +151,8 @@ async fn measure(
         .await?;
     anyhow::ensure!(out.code == 0, "dd failed: {}", String::from_utf8_lossy(&out.stderr));
     let t = Instant::now();
+    // The tar of one `mib` MiB file, plus headroom for its headers.
+    let mut conn = conn.with_output_cap((mib as usize + 1) * 1048576);
     let tar = conn.download(&Request::FsPull { path: "/tmp/pull.bin".into() }).await?;
     let secs = t.elapsed().as_secs_f64();
     figures.push(Figure {

@@ -4,6 +4,14 @@
 //!
 //! The client mirrors what the public SDK does on the wire, so tests and tools that use
 //! it exercise the same frames users send.
+//!
+//! Everything a guest sends is untrusted: a call that collects output ([`AgentConn::exec`],
+//! [`AgentConn::download`]) keeps at most the connection's output cap in memory
+//! ([`DEFAULT_OUTPUT_CAP`], [`AgentConn::with_output_cap`]) and fails with
+//! [`ClientError::OutputTooLarge`] past it. [`OutputBuffer`] is that bounded collector, for
+//! callers that run their own exec loop (sandboxd's `/exec`). After `OutputTooLarge` the
+//! connection is mid-RPC: drop it (silkd kills a foreground child once its output can no
+//! longer be sent).
 
 use std::collections::BTreeMap;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -26,6 +34,78 @@ pub enum ClientError {
     Agent { kind: ErrorKind, message: String },
     #[error("expected a {expected} frame, got {got}")]
     Unexpected { expected: &'static str, got: String },
+    /// The guest sent more output than the call keeps (the connection is mid-RPC: drop it).
+    #[error(transparent)]
+    OutputTooLarge(#[from] OutputTooLarge),
+}
+
+/// Default cap on the bytes one collecting call keeps: stdout + stderr of an
+/// [`AgentConn::exec`], the data of an [`AgentConn::download`]. The same 8 MiB sandboxd's
+/// `/exec` has always answered `413` past.
+pub const DEFAULT_OUTPUT_CAP: usize = 8 * 1024 * 1024;
+
+/// Guest output went past a collector's cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the guest sent more than {cap} bytes of output (the cap of this call; raise it with AgentConn::with_output_cap if the output is expected)")]
+pub struct OutputTooLarge {
+    /// The cap, in bytes.
+    pub cap: usize,
+}
+
+/// Which output stream a chunk belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Collects a process's stdout and stderr under one byte cap on their sum. A chunk that would
+/// take the total past the cap is refused whole, so the buffer never holds more than `cap`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutputBuffer {
+    cap: usize,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+}
+
+impl OutputBuffer {
+    /// An empty buffer keeping at most `cap` bytes.
+    pub fn new(cap: usize) -> Self {
+        Self { cap, stdout: Vec::new(), stderr: Vec::new() }
+    }
+
+    /// Appends `data` to `stream`, or refuses it (nothing appended) past the cap.
+    pub fn push(&mut self, stream: Stream, data: &[u8]) -> Result<(), OutputTooLarge> {
+        let total = self.len().checked_add(data.len()).filter(|&t| t <= self.cap);
+        if total.is_none() {
+            return Err(OutputTooLarge { cap: self.cap });
+        }
+        match stream {
+            Stream::Stdout => self.stdout.extend_from_slice(data),
+            Stream::Stderr => self.stderr.extend_from_slice(data),
+        }
+        Ok(())
+    }
+
+    /// Bytes held (stdout + stderr).
+    pub fn len(&self) -> usize {
+        self.stdout.len() + self.stderr.len()
+    }
+
+    /// Whether nothing was collected.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The cap, in bytes.
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// `(stdout, stderr)`.
+    pub fn into_parts(self) -> (Vec<u8>, Vec<u8>) {
+        (self.stdout, self.stderr)
+    }
 }
 
 /// The result of a buffered exec.
@@ -49,11 +129,23 @@ pub struct AgentConn<S> {
     stream: S,
     splitter: FrameSplitter,
     buf: Vec<u8>,
+    output_cap: usize,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
     pub fn new(stream: S) -> Self {
-        Self { stream, splitter: FrameSplitter::new(), buf: vec![0; 256 * 1024] }
+        Self { stream, splitter: FrameSplitter::new(), buf: vec![0; 256 * 1024], output_cap: DEFAULT_OUTPUT_CAP }
+    }
+
+    /// Sets the cap on the output one collecting call keeps ([`DEFAULT_OUTPUT_CAP`] by default).
+    pub fn with_output_cap(mut self, cap: usize) -> Self {
+        self.output_cap = cap;
+        self
+    }
+
+    /// The cap on the output one collecting call keeps.
+    pub fn output_cap(&self) -> usize {
+        self.output_cap
     }
 
     /// The underlying stream (for splicing after a `port_forward` `ready`, say).
@@ -105,7 +197,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
         self.recv().await
     }
 
-    /// Runs argv to completion, feeding `stdin` (then `stdin_close`), collecting output.
+    /// Runs argv to completion, feeding `stdin` (then `stdin_close`), collecting output: at
+    /// most [`AgentConn::output_cap`] bytes of stdout + stderr, else
+    /// [`ClientError::OutputTooLarge`].
     pub async fn exec(&mut self, argv: &[&str], opts: ExecOptions, stdin: &[u8]) -> Result<ExecOutput, ClientError> {
         let req = Request::Exec {
             argv: argv.iter().map(|s| s.to_string()).collect(),
@@ -116,7 +210,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
             session: None,
         };
         self.send(&req).await?;
-        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let mut output = OutputBuffer::new(self.output_cap);
         let (mut reader, mut writer) = tokio::io::split(&mut self.stream);
         let feed = async {
             for chunk in stdin.chunks(256 * 1024) {
@@ -142,21 +236,23 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
                 };
                 match frame {
                     Response::Started { .. } => {}
-                    Response::Stdout { data } => out.extend_from_slice(&data.0),
-                    Response::Stderr { data } => err.extend_from_slice(&data.0),
+                    Response::Stdout { data } => output.push(Stream::Stdout, &data.0)?,
+                    Response::Stderr { data } => output.push(Stream::Stderr, &data.0)?,
                     Response::Exit { code } => return Ok(code),
                     Response::Error { kind, message } => return Err(ClientError::Agent { kind, message }),
                     other => return Err(unexpected("exec output", &other)),
                 }
             }
         };
+        // The output cap ends the call at once, whatever the stdin feed is doing.
         let (fed, code) = tokio::join!(feed, read);
         let code = code?;
         // A write failure after the child exited is not an error of the exec.
         if let Err(e) = fed {
             tracing::debug!(error = %e, "stdin feed ended early");
         }
-        Ok(ExecOutput { code, stdout: out, stderr: err })
+        let (stdout, stderr) = output.into_parts();
+        Ok(ExecOutput { code, stdout, stderr })
     }
 
     /// Starts argv detached (`detach: true`): the RPC ends at `started`, whose guest pid is
@@ -192,14 +288,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
         self.expect_done().await
     }
 
-    /// Collects the `data` frames of an RPC up to `done` (`fs_read`, `fs_pull`).
+    /// Collects the `data` frames of an RPC up to `done` (`fs_read`, `fs_pull`): at most
+    /// [`AgentConn::output_cap`] bytes, else [`ClientError::OutputTooLarge`].
     pub async fn download(&mut self, req: &Request) -> Result<Vec<u8>, ClientError> {
         self.send(req).await?;
-        let mut out = Vec::new();
+        let mut out = OutputBuffer::new(self.output_cap);
         loop {
             match self.recv().await? {
-                Response::Data { data } => out.extend_from_slice(&data.0),
-                Response::Done => return Ok(out),
+                Response::Data { data } => out.push(Stream::Stdout, &data.0)?,
+                Response::Done => return Ok(out.into_parts().0),
                 other => return Err(unexpected("data", &other)),
             }
         }
@@ -270,5 +367,100 @@ mod tests {
         let refusal = Response::Error { kind: ErrorKind::NotFound, message: "no sleep".into() };
         let (got, _) = detached_against(refusal, ExecOptions::default()).await;
         assert!(matches!(got, Err(ClientError::Agent { kind: ErrorKind::NotFound, .. })), "{got:?}");
+    }
+
+    /// A fake agent that reads one request, then sends `chunks` stdout (or `data`) frames of
+    /// `chunk` bytes each (forever if `None`) and, if it got that far, `exit 0` (or `done`).
+    fn flooding_agent(
+        mut agent: tokio::io::DuplexStream,
+        chunk: usize,
+        chunks: Option<usize>,
+        data: bool,
+    ) -> tokio::task::JoinHandle<usize> {
+        tokio::spawn(async move {
+            let mut splitter = FrameSplitter::new();
+            let mut buf = vec![0; 4096];
+            while splitter.next_frame().is_none() {
+                let n = agent.read(&mut buf).await.expect("read");
+                assert_ne!(n, 0, "the client closed before sending a request");
+                splitter.push(&buf[..n]);
+            }
+            // Drain whatever the client sends next (stdin, stdin_close) so it never blocks.
+            let (mut rd, mut wr) = tokio::io::split(agent);
+            tokio::spawn(async move { while rd.read(&mut buf).await.is_ok_and(|n| n > 0) {} });
+            let payload = Bytes64(vec![b'x'; chunk]);
+            let frame = if data { Response::Data { data: payload } } else { Response::Stdout { data: payload } };
+            let frame = encode_response(&frame).expect("encode");
+            if !data && wr.write_all(&encode_response(&Response::Started { pid: 7 }).expect("encode")).await.is_err() {
+                return 0;
+            }
+            let mut sent = 0;
+            while chunks.is_none_or(|c| sent < c) {
+                if wr.write_all(&frame).await.is_err() {
+                    return sent;
+                }
+                sent += 1;
+            }
+            let end = if data { Response::Done } else { Response::Exit { code: 0 } };
+            let _ = wr.write_all(&encode_response(&end).expect("encode")).await;
+            sent
+        })
+    }
+
+    #[test]
+    fn output_buffer_holds_at_most_its_cap() {
+        let mut b = OutputBuffer::new(10);
+        b.push(Stream::Stdout, b"hello").expect("5 of 10");
+        b.push(Stream::Stderr, b"world").expect("10 of 10: exactly the cap");
+        assert_eq!(b.push(Stream::Stdout, b"!"), Err(OutputTooLarge { cap: 10 }));
+        assert_eq!(b.len(), 10, "a refused chunk is not appended");
+        assert_eq!(b.into_parts(), (b"hello".to_vec(), b"world".to_vec()));
+        let mut b = OutputBuffer::new(0);
+        b.push(Stream::Stdout, b"").expect("empty fits");
+        assert!(b.push(Stream::Stderr, b"x").is_err());
+    }
+
+    #[tokio::test]
+    async fn exec_of_endless_stdout_stops_at_the_cap() {
+        let (client, agent) = tokio::io::duplex(64 * 1024);
+        let fake = flooding_agent(agent, 64 * 1024, None, false);
+        let got = AgentConn::new(client).with_output_cap(1024 * 1024).exec(&["yes"], ExecOptions::default(), b"").await;
+        assert!(matches!(got, Err(ClientError::OutputTooLarge(OutputTooLarge { cap: 1048576 }))), "{got:?}");
+        // The client stopped reading right past the cap and hung up.
+        let sent = fake.await.expect("fake agent");
+        assert!(sent <= 16 + 2, "the client kept reading after the cap: {sent} frames");
+    }
+
+    #[tokio::test]
+    async fn exec_output_up_to_the_cap_is_kept() {
+        let (client, agent) = tokio::io::duplex(64 * 1024);
+        let _fake = flooding_agent(agent, 1000, Some(8), false);
+        let out = AgentConn::new(client).with_output_cap(8000).exec(&["x"], ExecOptions::default(), b"in").await;
+        let out = out.expect("8000 bytes fit a cap of 8000");
+        assert_eq!((out.code, out.stdout.len()), (0, 8000));
+    }
+
+    #[tokio::test]
+    async fn exec_has_the_default_cap() {
+        let (client, agent) = tokio::io::duplex(256 * 1024);
+        let fake = flooding_agent(agent, 256 * 1024, None, false);
+        let conn = AgentConn::new(client);
+        assert_eq!(conn.output_cap(), DEFAULT_OUTPUT_CAP);
+        let got = { conn }.exec(&["yes"], ExecOptions::default(), b"").await;
+        assert!(matches!(got, Err(ClientError::OutputTooLarge(OutputTooLarge { cap: DEFAULT_OUTPUT_CAP }))), "{got:?}");
+        assert!(fake.await.expect("fake agent") <= 32 + 2);
+    }
+
+    #[tokio::test]
+    async fn download_stops_at_the_cap() {
+        let (client, agent) = tokio::io::duplex(64 * 1024);
+        let _fake = flooding_agent(agent, 4096, None, true);
+        let req = Request::FsRead { path: "/dev/zero".into() };
+        let got = AgentConn::new(client).with_output_cap(100_000).download(&req).await;
+        assert!(matches!(got, Err(ClientError::OutputTooLarge(OutputTooLarge { cap: 100_000 }))), "{got:?}");
+        let (client, agent) = tokio::io::duplex(64 * 1024);
+        let _fake = flooding_agent(agent, 4096, Some(2), true);
+        let got = AgentConn::new(client).with_output_cap(8192).download(&req).await.expect("8192 fit");
+        assert_eq!(got.len(), 8192);
     }
 }

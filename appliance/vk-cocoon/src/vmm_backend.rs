@@ -66,6 +66,9 @@ pub const ID_PREFIX: &str = "vc-";
 const MAX_ID: usize = 40;
 /// How long one agent exchange (connect + `info`, or the net-config exec) may take.
 const AGENT_CALL: Duration = Duration::from_secs(30);
+/// What a `guest-init net-config` exec may print (stdout + stderr) before it is cut off: a
+/// guest that streams endless output gets a typed error, never our memory.
+const NET_CONFIG_OUTPUT_CAP: usize = 64 * 1024;
 
 /// Failures of this module that are not another crate's error (the `source` of a
 /// [`BackendError::Failed`]).
@@ -524,9 +527,9 @@ impl VmmBackend {
     /// Waits for the agent of a freshly booted VM; on failure kills it (console tail in the error).
     async fn await_agent(&self, id: &str, vm: &vmm::Vm) -> Result<(), BackendError> {
         if let Err(e) = self.driver.wait_agent(vm, self.boot_timeout).await {
-            let console = std::fs::read_to_string(&vm.console_log).unwrap_or_default();
-            let tail: Vec<&str> = console.lines().rev().take(10).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            // Read by seeking: the console is the guest's to fill (up to its cap).
+            let console = vmm::console::tail_text(&vm.console_log, 10);
+            let tail: Vec<&str> = console.lines().collect();
             if let Err(k) = self.driver.kill(vm).await {
                 tracing::warn!(vm = id, error = %crate::provider::error_chain(&k), "killing a VM whose agent never answered failed");
             }
@@ -716,10 +719,7 @@ impl VmBackend for VmmBackend {
         let op = "configuring the guest network of";
         let exchange = async {
             let stream = self.driver.connect(&vm, AGENT_PORT).await.map_err(|e| failed(op, id.to_owned(), e))?;
-            AgentConn::new(stream)
-                .exec(&args, ExecOptions::default(), b"")
-                .await
-                .map_err(|e| failed(op, id.to_owned(), VmmBackendError::Agent(e)))
+            net_config_exec(stream, &args).await.map_err(|e| failed(op, id.to_owned(), VmmBackendError::Agent(e)))
         };
         let out = tokio::time::timeout(AGENT_CALL, exchange).await.map_err(|_| {
             failed(op, id.to_owned(), VmmBackendError::Timeout { what: "net-config", after: AGENT_CALL })
@@ -903,10 +903,55 @@ impl VmBackend for VmmBackend {
     }
 }
 
+/// Runs the `guest-init net-config` argv over an agent stream, keeping at most
+/// [`NET_CONFIG_OUTPUT_CAP`] bytes of its output.
+async fn net_config_exec<S>(stream: S, argv: &[&str]) -> Result<silkd_client::ExecOutput, silkd_client::ClientError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    AgentConn::new(stream).with_output_cap(NET_CONFIG_OUTPUT_CAP).exec(argv, ExecOptions::default(), b"").await
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_net_config_streaming_endless_output_hits_the_cap() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use wire::codec::{encode_response, FrameSplitter};
+        let (ours, mut guest) = tokio::io::duplex(64 * 1024);
+        // A hostile guest agent: whatever the request, `started` and then stdout forever.
+        tokio::spawn(async move {
+            let mut splitter = FrameSplitter::new();
+            let mut buf = vec![0; 4096];
+            while splitter.next_frame().is_none() {
+                match guest.read(&mut buf).await {
+                    Ok(n) if n > 0 => splitter.push(&buf[..n]),
+                    _ => return,
+                }
+            }
+            let (mut rd, mut wr) = tokio::io::split(guest);
+            tokio::spawn(async move { while rd.read(&mut buf).await.is_ok_and(|n| n > 0) {} });
+            let started = encode_response(&wire::Response::Started { pid: 1 }).unwrap();
+            let chunk = encode_response(&wire::Response::Stdout { data: wire::Bytes64(vec![b'y'; 4096]) }).unwrap();
+            if wr.write_all(&started).await.is_err() {
+                return;
+            }
+            while wr.write_all(&chunk).await.is_ok() {}
+        });
+        let got = net_config_exec(ours, &["/.chrysalis/guest-init", "net-config"]).await;
+        assert!(
+            matches!(
+                got,
+                Err(silkd_client::ClientError::OutputTooLarge(silkd_client::OutputTooLarge {
+                    cap: NET_CONFIG_OUTPUT_CAP
+                }))
+            ),
+            "{got:?}"
+        );
+    }
 
     #[test]
     fn ids_are_derived_from_names() {

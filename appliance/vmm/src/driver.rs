@@ -286,7 +286,8 @@ pub struct Vm {
     pub control_socket: PathBuf,
     /// Hybrid-vsock Unix socket: connect, write `CONNECT <port>\n`, read `OK …\n`.
     pub vsock_socket: PathBuf,
-    /// Serial console log.
+    /// Serial console log: the current segment of a size-capped log (`<path>.1` holds the
+    /// previous one). Read it with [`crate::console::tail`] / [`crate::console::tail_text`].
     pub console_log: PathBuf,
     /// The spec it was booted from (for a clone: the parent's).
     pub spec: BootSpec,

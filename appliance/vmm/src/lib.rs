@@ -4,6 +4,7 @@
 //! - [`qemu`]: QEMU `-M microvm` over QMP, guest agent over virtio-serial + `agent-mux`;
 //! - [`cloud_hypervisor`]: cloud-hypervisor over its REST API, guest agent over hybrid vsock;
 //! - [`agent`]: the one hybrid-vsock dialler every driver uses;
+//! - [`console`]: the serial console, drained into a size-capped log; tails read by seeking;
 //! - [`catalog`], [`size`], [`accel`], [`record`]: templates, size classes, KVM/TCG probe, `vm.json`;
 //! - [`lifecycle`]: the `creating` → `running` record that keeps every started hypervisor findable;
 //! - [`test_utils`]: an in-memory [`test_utils::FakeDriver`] with settable failures.
@@ -12,6 +13,7 @@ pub mod accel;
 pub mod agent;
 pub mod catalog;
 pub mod cloud_hypervisor;
+pub mod console;
 pub mod driver;
 pub mod lifecycle;
 pub mod qemu;

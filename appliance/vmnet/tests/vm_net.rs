@@ -234,7 +234,7 @@ async fn boot_on_test_net(ns_name: &str, cidr: &str, template: &str, vm_name: &s
     let t0 = Instant::now();
     let vm = driver.boot(&spec).await.expect("boot");
     if let Err(e) = driver.wait_agent(&vm, Duration::from_secs(180)).await {
-        let console = std::fs::read_to_string(&vm.console_log).unwrap_or_default();
+        let console = vmm::console::tail_string(&vm.console_log, vmm::console::DEFAULT_CONSOLE_CAP as usize);
         let _ = driver.kill(&vm).await;
         panic!("agent never answered: {e}\n{console}");
     }
@@ -251,7 +251,7 @@ async fn base_vm_and_its_clone_serve_tcp_on_their_own_ips() {
     // Bound in this order so that they drop in reverse: QEMUs killed before the netns goes.
     let NetVm { ns, dir, net, _reaper, state, lease: pl, vm, driver } =
         boot_on_test_net("vm", "10.88.0.0/24", "base", "vm-parent").await;
-    let console = std::fs::read_to_string(&vm.console_log).unwrap_or_default();
+    let console = vmm::console::tail_string(&vm.console_log, vmm::console::DEFAULT_CONSOLE_CAP as usize);
     assert!(console.contains("eth0 10.88.0.2/24 gw 10.88.0.1"), "guest-init configured eth0:\n{console}");
     assert_eq!(sh(&driver, &vm, "cat /sys/class/net/eth0/address").await.trim(), pl.mac.to_string());
     assert!(sh(&driver, &vm, "ip -4 addr show dev eth0").await.contains("10.88.0.2/24"));
@@ -313,7 +313,7 @@ async fn rt_vm_gets_its_address_and_has_guest_init_installed() {
     let NetVm { ns, dir: _dir, net, _reaper, state, lease, vm, driver } =
         boot_on_test_net("rt", "10.90.0.0/24", "rt", "rt-vm").await;
     // After the switch to the image root, guest-init is still reachable at the same path.
-    let console = std::fs::read_to_string(&vm.console_log).unwrap_or_default();
+    let console = vmm::console::tail_string(&vm.console_log, vmm::console::DEFAULT_CONSOLE_CAP as usize);
     assert!(console.contains("eth0 10.90.0.2/24 gw 10.90.0.1"), "guest-init configured eth0:\n{console}");
     assert!(!console.contains("installing /.chrysalis/guest-init"), "guest-init installed itself:\n{console}");
     assert!(sh(&driver, &vm, "test -x /.chrysalis/guest-init && echo yes").await.contains("yes"));

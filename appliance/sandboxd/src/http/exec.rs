@@ -17,7 +17,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
-use silkd_client::{AgentConn, ClientError};
+use silkd_client::{AgentConn, ClientError, OutputBuffer, Stream};
 use vmm::{Vm, AGENT_PORT};
 use wire::{ErrorKind, Request as Frame, Response as Reply};
 
@@ -28,8 +28,8 @@ use crate::limits::Use;
 use crate::metrics::inc;
 use crate::node::Node;
 
-/// Output cap (stdout + stderr).
-pub const MAX_OUTPUT: usize = 8 * 1024 * 1024;
+/// Output cap (stdout + stderr): the host-side collectors' shared default, 8 MiB.
+pub const MAX_OUTPUT: usize = silkd_client::DEFAULT_OUTPUT_CAP;
 /// How long the kill after a timeout may take.
 const KILL_BUDGET: Duration = Duration::from_secs(5);
 
@@ -89,7 +89,7 @@ pub(super) async fn exec(
     };
     conn.send(&req).await.map_err(agent_err)?;
     conn.send(&Frame::StdinClose).await.map_err(agent_err)?;
-    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let mut output = OutputBuffer::new(MAX_OUTPUT);
     // Armed once the guest names the child: if this request ends any way but the child's exit
     // (the client hung up and the handler was dropped included), the child is killed.
     let mut child = ChildGuard { node: Arc::clone(&node), vm: vm.clone(), pid: None };
@@ -97,15 +97,20 @@ pub(super) async fn exec(
         loop {
             match conn.recv().await? {
                 Reply::Started { pid: p } => child.pid = Some(p),
-                Reply::Stdout { data } => out.extend_from_slice(&data.0),
-                Reply::Stderr { data } => err.extend_from_slice(&data.0),
+                Reply::Stdout { data } => {
+                    if output.push(Stream::Stdout, &data.0).is_err() {
+                        return Ok(Outcome::TooLarge);
+                    }
+                }
+                Reply::Stderr { data } => {
+                    if output.push(Stream::Stderr, &data.0).is_err() {
+                        return Ok(Outcome::TooLarge);
+                    }
+                }
                 Reply::Exit { code } => return Ok(Outcome::Exit(code)),
                 other => {
                     return Err(ClientError::Unexpected { expected: "exec output", got: other.type_name().to_string() })
                 }
-            }
-            if out.len() + err.len() > MAX_OUTPUT {
-                return Ok(Outcome::TooLarge);
             }
         }
     };
@@ -116,12 +121,15 @@ pub(super) async fn exec(
     }
     child.pid = None;
     match result {
-        Some(Ok(Outcome::Exit(code))) => Ok(Json(serde_json::json!({
-            "exit_code": code,
-            "stdout": String::from_utf8_lossy(&out),
-            "stderr": String::from_utf8_lossy(&err),
-        }))
-        .into_response()),
+        Some(Ok(Outcome::Exit(code))) => {
+            let (out, err) = output.into_parts();
+            Ok(Json(serde_json::json!({
+                "exit_code": code,
+                "stdout": String::from_utf8_lossy(&out),
+                "stderr": String::from_utf8_lossy(&err),
+            }))
+            .into_response())
+        }
         Some(Ok(Outcome::TooLarge)) => Err(ApiError::TooLarge("exec output exceeds 8 MiB".into())),
         Some(Err(e)) => Err(agent_err(e)),
         None => Err(ApiError::GatewayTimeout(format!("command did not finish within {}s", timeout.as_secs_f64()))),

@@ -48,8 +48,9 @@ pub struct VmPlan {
     pub rootfs: Option<PathBuf>,
     /// Writable per-VM raw overlay, attached second (`/dev/vdb`).
     pub overlay: Option<PathBuf>,
-    /// Serial console (ttyS0) output file.
-    pub serial_file: PathBuf,
+    /// Serial console (ttyS0) socket cloud-hypervisor listens on; the driver drains it into a
+    /// capped log ([`crate::console`]). Never a file: its size would be the guest's choice.
+    pub serial_socket: PathBuf,
     /// Guest vsock CID (≥ 3).
     pub vsock_cid: u32,
     /// Hybrid-vsock Unix socket cloud-hypervisor listens on.
@@ -98,8 +99,8 @@ impl VmPlan {
             memory: Some(memory),
             disks: (!disks.is_empty()).then_some(disks),
             serial: Some(SerialConfig {
-                file: Some(path_str(&self.serial_file)),
-                ..SerialConfig::new(ConsoleMode::File)
+                socket: Some(path_str(&self.serial_socket)),
+                ..SerialConfig::new(ConsoleMode::Socket)
             }),
             console: Some(ConsoleConfig::new(ConsoleMode::Off)),
             vsock: Some(VsockConfig::new(i64::from(self.vsock_cid), path_str(&self.vsock_socket))),
@@ -130,21 +131,24 @@ pub fn kernel_cmdline(template: &str, has_rootfs: bool, has_overlay: bool) -> St
 pub struct CloneRewrite {
     /// The clone's hybrid-vsock socket.
     pub vsock_socket: PathBuf,
-    /// The clone's serial log.
-    pub serial_file: PathBuf,
+    /// The clone's serial socket.
+    pub serial_socket: PathBuf,
     /// The clone's own overlay copy, when the parent had an overlay.
     pub overlay: Option<PathBuf>,
 }
 
 /// Rewrites a snapshot's `config.json` (cloud-hypervisor's serialised `VmConfig`) in place for
-/// a clone: `vsock.socket`, `serial.file` and the path of the disk with id
+/// a clone: `vsock.socket`, the serial port (made the clone's own console socket, whatever the
+/// parent had: a parent's `File` console becomes a `Socket`) and the path of the disk with id
 /// [`OVERLAY_DISK_ID`]. Unknown fields are kept as they are.
 pub fn rewrite_snapshot_config(config: &mut Value, with: &CloneRewrite) -> Result<(), ConfigError> {
     let obj = config.as_object_mut().ok_or(ConfigError::NotAnObject)?;
     let vsock = obj.get_mut("vsock").and_then(Value::as_object_mut).ok_or(ConfigError::Missing("vsock"))?;
     vsock.insert("socket".into(), Value::String(path_str(&with.vsock_socket)));
     if let Some(serial) = obj.get_mut("serial").and_then(Value::as_object_mut) {
-        serial.insert("file".into(), Value::String(path_str(&with.serial_file)));
+        serial.insert("mode".into(), Value::String("Socket".into()));
+        serial.insert("socket".into(), Value::String(path_str(&with.serial_socket)));
+        serial.insert("file".into(), Value::Null);
     }
     if let Some(overlay) = &with.overlay {
         let disk = obj

@@ -21,8 +21,10 @@
 //! - **boot**: copy the template's overlay base into `<vmdir>/overlay.raw` ([`disk`]); spawn
 //!   `cloud-hypervisor --api-socket <vmdir>/api.sock` ([`process`]); wait for `vmm.ping`; write
 //!   `vm.json`; `PUT /vm.create` (kernel, initramfs, cmdline, vCPUs and memory from the size
-//!   class, shared memory, rootfs read-only + overlay disks, serial to `<vmdir>/console.log`,
-//!   console off, vsock `{cid, socket: <vmdir>/vsock.sock}`); `PUT /vm.boot`.
+//!   class, shared memory, rootfs read-only + overlay disks, serial to the socket
+//!   `<vmdir>/console.sock` (the driver dials it and drains it into the capped
+//!   `<vmdir>/console.log`, [`crate::console`]; again on attach), console off, vsock
+//!   `{cid, socket: <vmdir>/vsock.sock}`); `PUT /vm.boot`.
 //! - **agent**: [`crate::agent::dial`] on `<vmdir>/vsock.sock` (`CONNECT 2048\n` → `OK …`).
 //! - **snapshot**: `GET /vm.info`; `PUT /vm.pause` unless already paused; `PUT /vm.snapshot
 //!   {destination_url: "file://<dir>"}`; copy the overlay into `<dir>/overlay.raw`; write
@@ -69,6 +71,7 @@ use cloud_hypervisor_client::models::VmState as ChVmState;
 use tracing::Instrument;
 
 use crate::accel::{Accel, AccelPreference, KvmFacts};
+use crate::console::ConsoleDrain;
 use crate::driver::{AfterSnapshot, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId, VmState};
 use crate::lifecycle::{self, VmRecord};
 use crate::record::{self, RecordError, VM_JSON};
@@ -81,8 +84,10 @@ use process::VmmProcess;
 pub const API_SOCKET: &str = "api.sock";
 /// `<vmdir>/vsock.sock`: the hybrid-vsock socket.
 pub const VSOCK_SOCKET: &str = "vsock.sock";
-/// `<vmdir>/console.log`: the guest's serial console.
+/// `<vmdir>/console.log`: the guest's serial console, capped ([`crate::console`]).
 pub const CONSOLE_LOG: &str = "console.log";
+/// `<vmdir>/console.sock`: the serial port's socket (cloud-hypervisor listens, the driver drains).
+pub const CONSOLE_SOCKET: &str = crate::console::CONSOLE_SOCKET;
 /// `<vmdir>/vmm.log`: cloud-hypervisor's own stdout/stderr.
 pub const VMM_LOG: &str = "vmm.log";
 /// `<vmdir>/overlay.raw` (and `<snapshot>/overlay.raw`): the writable overlay disk.
@@ -111,6 +116,8 @@ pub struct CloudHypervisorConfig {
     pub start_timeout: Duration,
     /// Map guest memory shared (`memory.shared`), needed for snapshots and clones.
     pub shared_memory: bool,
+    /// Bytes of serial console each VM keeps on disk ([`crate::console::DEFAULT_CONSOLE_CAP`]).
+    pub console_cap: u64,
 }
 
 impl CloudHypervisorConfig {
@@ -124,6 +131,7 @@ impl CloudHypervisorConfig {
             snapshot_timeout: Duration::from_secs(120),
             start_timeout: Duration::from_secs(10),
             shared_memory: true,
+            console_cap: crate::console::DEFAULT_CONSOLE_CAP,
         }
     }
 }
@@ -135,6 +143,8 @@ pub struct CloudHypervisor {
     binary: PathBuf,
     /// Processes we spawned or adopted, so we reap what we start.
     procs: Mutex<HashMap<VmId, VmmProcess>>,
+    /// The console drains of the VMs we started or adopted.
+    consoles: Mutex<HashMap<VmId, ConsoleDrain>>,
 }
 
 fn now_epoch_secs() -> u64 {
@@ -208,7 +218,7 @@ impl CloudHypervisor {
                 "cloud-hypervisor driver: KVM looks unusable here; boots will fail")
             }
         }
-        Ok(CloudHypervisor { cfg, binary, procs: Mutex::new(HashMap::new()) })
+        Ok(CloudHypervisor { cfg, binary, procs: Mutex::new(HashMap::new()), consoles: Mutex::new(HashMap::new()) })
     }
 
     /// The binary this driver spawns.
@@ -235,6 +245,25 @@ impl CloudHypervisor {
     fn procs(&self) -> std::sync::MutexGuard<'_, HashMap<VmId, VmmProcess>> {
         // A poisoned map only means another task panicked mid-insert; the map is still valid.
         self.procs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn consoles(&self) -> std::sync::MutexGuard<'_, HashMap<VmId, ConsoleDrain>> {
+        // A poisoned map is still consistent (inserts/removes only).
+        self.consoles.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts draining `vm`'s console socket into its capped log, unless a drain runs already.
+    fn drain_console(&self, vm: &Vm) -> Result<(), DriverError> {
+        let mut consoles = self.consoles();
+        if consoles.contains_key(&vm.id) {
+            return Ok(());
+        }
+        let sock = vm.control_socket.with_file_name(CONSOLE_SOCKET);
+        let drain = ConsoleDrain::dial(&sock, &vm.console_log, self.cfg.console_cap).map_err(|e| {
+            DriverError::io(format!("vm {}: opening the console log {}", vm.id, vm.console_log.display()), e)
+        })?;
+        consoles.insert(vm.id.clone(), drain);
+        Ok(())
     }
 
     /// Takes our handle on `vm`'s process, or adopts it by pid + start time.
@@ -332,6 +361,7 @@ impl CloudHypervisor {
     ) -> Result<Vm, DriverError> {
         let done = async {
             steps.await?;
+            self.drain_console(&rec.vm)?;
             rec.running()?;
             rec.store()
         }
@@ -342,6 +372,7 @@ impl CloudHypervisor {
                 Ok(rec.vm)
             }
             Err(e) => {
+                self.consoles().remove(&rec.vm.id);
                 Self::discard(&rec.vm.id, &mut proc).await;
                 if let Err(rm) = Self::remove_dir(&rec.vm.dir) {
                     tracing::warn!(vm = %rec.vm.id, error = %crate::error_chain(&rm), "leaving directory of failed vm");
@@ -359,7 +390,11 @@ impl CloudHypervisor {
         let mut cfg: serde_json::Value = record::read_json(&src_cfg)?;
         config::rewrite_snapshot_config(
             &mut cfg,
-            &CloneRewrite { vsock_socket: vm.vsock_socket.clone(), serial_file: vm.console_log.clone(), overlay },
+            &CloneRewrite {
+                vsock_socket: vm.vsock_socket.clone(),
+                serial_socket: vm.control_socket.with_file_name(CONSOLE_SOCKET),
+                overlay,
+            },
         )
         .map_err(|e| DriverError::Invalid(format!("{}: {e}", src_cfg.display())))?;
         record::write_json_atomic(&rdir.join(SNAPSHOT_CONFIG), &cfg)?;
@@ -402,7 +437,7 @@ impl CloudHypervisor {
             shared_memory: self.cfg.shared_memory,
             rootfs: spec.rootfs.clone(),
             overlay,
-            serial_file: rec.vm.console_log.clone(),
+            serial_socket: rec.vm.control_socket.with_file_name(CONSOLE_SOCKET),
             vsock_cid: vsock_cid(&id),
             vsock_socket: rec.vm.vsock_socket.clone(),
         };
@@ -568,6 +603,7 @@ impl CloudHypervisor {
             self.procs().insert(vm.id.clone(), proc);
             return Err(process_error(&vm.id, e));
         }
+        self.consoles().remove(&vm.id);
         Self::remove_dir(&vm.dir)?;
         tracing::info!("vm shut down");
         Ok(())
@@ -594,6 +630,7 @@ impl CloudHypervisor {
                 });
             }
         }
+        self.consoles().remove(&vm.id);
         Self::remove_dir(&vm.dir)?;
         tracing::info!(vm = %vm.id, pid = vm.pid, "vm killed");
         Ok(())
@@ -657,8 +694,10 @@ impl Driver for CloudHypervisor {
     async fn prune(&self) -> Result<Vec<VmId>, DriverError> {
         let pruned = lifecycle::prune(&self.vms_dir(), Backend::CloudHypervisor, None, lifecycle::PRUNE_GRACE)?;
         let mut procs = self.procs();
+        let mut consoles = self.consoles();
         for id in &pruned {
             procs.remove(id);
+            consoles.remove(id);
         }
         Ok(pruned)
     }
@@ -698,6 +737,7 @@ impl Driver for CloudHypervisor {
             }
         }
         self.procs().entry(id.clone()).or_insert_with(|| VmmProcess::adopt(vm.pid, vm.pid_start_time));
+        self.drain_console(&vm)?;
         tracing::info!(vm = %id, pid = vm.pid, version = %ping.version, "re-attached");
         Ok(vm)
     }

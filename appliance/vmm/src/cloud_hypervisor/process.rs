@@ -252,13 +252,10 @@ impl VmmProcess {
     }
 }
 
-/// The last ~2 KiB of `log`, lossily decoded (empty if unreadable).
+/// The last ~2 KiB of `log`, lossily decoded (empty if unreadable), read by seeking: the log
+/// may hold whatever a guest made cloud-hypervisor print.
 pub fn log_tail(log: &Path) -> String {
-    let Ok(bytes) = std::fs::read(log) else {
-        return String::new();
-    };
-    let start = bytes.len().saturating_sub(2048);
-    String::from_utf8_lossy(&bytes[start..]).trim().to_string()
+    crate::console::tail_string(log, 2048).trim().to_string()
 }
 
 #[cfg(test)]

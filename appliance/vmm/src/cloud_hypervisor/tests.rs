@@ -27,6 +27,7 @@ fn test_config(state: &Path, bin: &Path) -> CloudHypervisorConfig {
         snapshot_timeout: Duration::from_secs(5),
         start_timeout: Duration::from_secs(10),
         shared_memory: true,
+        console_cap: 64 * 1024,
     }
 }
 
@@ -169,7 +170,7 @@ fn every_size_class_maps_to_cpus_and_memory_bytes() {
             shared_memory: false,
             rootfs: None,
             overlay: None,
-            serial_file: "/d/console.log".into(),
+            serial_socket: "/d/console.sock".into(),
             vsock_cid: 3,
             vsock_socket: "/d/vsock.sock".into(),
         };
@@ -307,7 +308,10 @@ async fn restore_clones_into_its_own_paths() {
     let cfg: Value = crate::record::read_json(&rdir.join("config.json")).expect("config");
     let mut want: Value = serde_json::from_str(&fixture("snapshot/config.json")).expect("fixture");
     want["vsock"]["socket"] = json!(vm.vsock_socket.display().to_string());
-    want["serial"]["file"] = json!(vm.console_log.display().to_string());
+    // A parent's file console becomes the clone's own console socket.
+    want["serial"]["file"] = Value::Null;
+    want["serial"]["mode"] = json!("Socket");
+    want["serial"]["socket"] = json!(vm.control_socket.with_file_name("console.sock").display().to_string());
     want["disks"][1]["path"] = json!(vm.dir.join("overlay.raw").display().to_string());
     assert_eq!(cfg, want);
     for f in ["state.json", "memory-ranges"] {
@@ -507,7 +511,7 @@ fn vsock_cids_are_at_least_3_and_stable() {
 fn snapshot_config_rewrite_requires_vsock_and_overlay_disk() {
     let with = config::CloneRewrite {
         vsock_socket: PathBuf::from("/c/vsock.sock"),
-        serial_file: PathBuf::from("/c/console.log"),
+        serial_socket: PathBuf::from("/c/console.sock"),
         overlay: Some(PathBuf::from("/c/overlay.raw")),
     };
     let mut no_vsock = json!({"disks": []});
@@ -515,4 +519,55 @@ fn snapshot_config_rewrite_requires_vsock_and_overlay_disk() {
     let mut no_overlay = json!({"vsock": {"cid": 3, "socket": "/p/v"}, "disks": [{"id": "rootfs", "path": "/r"}]});
     assert!(matches!(config::rewrite_snapshot_config(&mut no_overlay, &with), Err(config::ConfigError::Missing(_))));
     assert_eq!(config::rewrite_snapshot_config(&mut json!([1]), &with), Err(config::ConfigError::NotAnObject));
+}
+
+/// Waits until the console log's tail satisfies `pred`.
+async fn console_until(vm: &Vm, pred: impl Fn(&[u8]) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = crate::console::tail(&vm.console_log, 1 << 20).expect("tail");
+        if pred(&got) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "console log holds {} bytes", got.len());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_console_socket_is_drained_into_a_capped_log_and_again_after_a_restart() {
+    use tokio::io::AsyncWriteExt;
+    let e = env();
+    let vm = e.driver.boot(&spec(e.tmp.path(), "base", SizeClass::Small, false)).await.expect("boot");
+    let on_disk = || {
+        let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        size(&vm.console_log) + size(&crate::console::rotated_path(&vm.console_log))
+    };
+    // The fake cloud-hypervisor's serial socket; the driver dials it (and keeps re-dialling).
+    let listener = tokio::net::UnixListener::bind(vm.control_socket.with_file_name("console.sock")).expect("bind");
+    let (mut serial, _) = listener.accept().await.expect("the driver dials the console");
+    let block = vec![b'z'; 128 * 1024];
+    for _ in 0..32 {
+        serial.write_all(&block).await.expect("flood");
+    }
+    serial.write_all(b"\nlast words\n").await.expect("write");
+    console_until(&vm, |b| b.ends_with(b"\nlast words\n")).await;
+    assert!(on_disk() <= 64 * 1024, "4 MiB of guest output left {} bytes on disk", on_disk());
+
+    // Our process restarted: a second driver re-attaches and drains the socket again.
+    drop(serial);
+    let bin = e.tmp.path().join("cloud-hypervisor");
+    let again = CloudHypervisor::new(test_config(&e.tmp.path().join("state"), &bin)).expect("driver");
+    let mut ping: Value = serde_json::from_str(&fixture("vmm.ping.response.json")).expect("json");
+    ping["pid"] = json!(vm.pid);
+    e.fake.respond("GET /vmm.ping", 200, &ping.to_string());
+    again.attach(&vm.id).await.expect("attach");
+    // The old process's drain is gone with it.
+    e.driver.consoles().remove(&vm.id);
+    let (mut serial, _) = listener.accept().await.expect("the re-attached driver dials the console");
+    serial.write_all(b"after restart\n").await.expect("write");
+    console_until(&vm, |b| b.ends_with(b"\nlast words\nafter restart\n")).await;
+    assert!(on_disk() <= 64 * 1024);
+    again.kill(&vm).await.expect("kill");
+    assert!(again.consoles().is_empty(), "kill stops the drain");
 }

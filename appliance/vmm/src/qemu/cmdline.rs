@@ -13,8 +13,10 @@ pub mod files {
     pub const AGENT_SERIAL: &str = "agent-serial.sock";
     /// Hybrid-vsock bridge socket.
     pub const VSOCK: &str = "vsock.sock";
-    /// Serial console output.
+    /// Serial console log, written by the driver's drain ([`crate::console`]), never by QEMU.
     pub const CONSOLE: &str = "console.log";
+    /// The serial port's socket: QEMU connects to it, the driver listens and drains it.
+    pub const CONSOLE_SOCK: &str = crate::console::CONSOLE_SOCKET;
     /// QEMU pid file.
     pub const PID: &str = "qemu.pid";
     /// Per-VM writable overlay disk.
@@ -87,7 +89,13 @@ pub fn qemu_args(l: &Launch<'_>) -> Vec<String> {
     push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
     push(&["-daemonize", "-pidfile", &p(&d.join(files::PID))]);
     push(&["-qmp", &format!("unix:{},server=on,wait=off", p(&l.sock_dir.join(files::QMP)))]);
-    push(&["-serial", &format!("file:{}", p(&d.join(files::CONSOLE)))]);
+    // The serial port is a socket QEMU dials (and re-dials every second while no one listens,
+    // dropping the output meanwhile); the driver's drain keeps a capped log of it.
+    push(&[
+        "-chardev",
+        &format!("socket,id=serial0,path={},server=off,reconnect=1", p(&l.sock_dir.join(files::CONSOLE_SOCK))),
+    ]);
+    push(&["-serial", "chardev:serial0"]);
     if !l.firmware_only {
         push(&["-kernel", &p(&l.spec.kernel), "-initrd", &p(&l.spec.initrd)]);
         push(&["-append", &kernel_cmdline(l.spec, l.accel, l.tsc_khz)]);
@@ -216,7 +224,7 @@ mod tests {
         assert_eq!(after(&a, "-smp"), ["2"]);
         assert_eq!(after(&a, "-m"), ["1024M"]);
         assert_eq!(after(&a, "-qmp"), ["unix:/s/vms/x/qmp.sock,server=on,wait=off"]);
-        assert_eq!(after(&a, "-serial"), ["file:/s/vms/x/console.log"]);
+        assert_eq!(after(&a, "-serial"), ["chardev:serial0"]);
         assert_eq!(after(&a, "-pidfile"), ["/s/vms/x/qemu.pid"]);
         assert_eq!(
             after(&a, "-append"),
@@ -232,7 +240,14 @@ mod tests {
         assert_eq!(devs[0], "virtio-blk-device,drive=rootfs", "rootfs must be the first disk (/dev/vda)");
         assert_eq!(devs[1], "virtio-blk-device,drive=overlay");
         assert!(devs.contains(&"virtserialport,chardev=agent0,name=org.chrysalis.agent.0"));
-        assert_eq!(after(&a, "-chardev"), ["socket,id=agent0,path=/s/vms/x/agent-serial.sock,server=on,wait=off"]);
+        assert_eq!(
+            after(&a, "-chardev"),
+            [
+                "socket,id=serial0,path=/s/vms/x/console.sock,server=off,reconnect=1",
+                "socket,id=agent0,path=/s/vms/x/agent-serial.sock,server=on,wait=off"
+            ]
+        );
+        assert!(!a.iter().any(|x| x.starts_with("file:")), "QEMU writes no file the guest controls");
         for flag in ["-nodefaults", "-no-user-config", "-nographic", "-daemonize"] {
             assert!(a.iter().any(|x| x == flag), "{flag}");
         }

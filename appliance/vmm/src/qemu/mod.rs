@@ -12,6 +12,10 @@
 //! A clone of a NIC'd VM is restored with its own NIC ([`Driver::restore_with`]); its guest keeps
 //! the parent's MAC/IP until re-addressed (`guest-init net-config`).
 //!
+//! Serial console: QEMU dials `<vmdir>/console.sock`, which the driver listens on and drains
+//! into a size-capped `console.log` ([`crate::console`], [`QemuConfig::console_cap`]); the
+//! listener is bound before QEMU starts and again on [`Driver::attach`].
+//!
 //! Boot and restore share one path ([`QemuDriver`]'s `create`): the `creating` record is written
 //! right after `mkdir`, the QEMU pid (from `-pidfile`, read as soon as the daemonizing parent
 //! returned) right after spawn, `running` at the end ([`crate::lifecycle`]). `list` shows
@@ -32,6 +36,7 @@ use async_trait::async_trait;
 use tracing::Instrument;
 
 use crate::accel::{self, Accel, AccelPreference};
+use crate::console::ConsoleDrain;
 use crate::driver::{
     AfterSnapshot, Backend, BootSpec, Driver, DriverError, NicSpec, RestoreOptions, Snapshot, Vm, VmId, VmState,
 };
@@ -66,6 +71,8 @@ pub struct QemuConfig {
     pub start_paused: bool,
     /// Boot only the microvm firmware, no kernel (process lifecycle tests without images).
     pub firmware_only: bool,
+    /// Bytes of serial console each VM keeps on disk ([`crate::console::DEFAULT_CONSOLE_CAP`]).
+    pub console_cap: u64,
 }
 
 impl QemuConfig {
@@ -80,6 +87,7 @@ impl QemuConfig {
             agent_hello_timeout: Duration::from_secs(120),
             start_paused: false,
             firmware_only: false,
+            console_cap: crate::console::DEFAULT_CONSOLE_CAP,
         }
     }
 }
@@ -90,6 +98,7 @@ pub struct QemuDriver {
     accel: Accel,
     tsc_khz: Option<u64>,
     bridges: Mutex<HashMap<VmId, Bridge>>,
+    consoles: Mutex<HashMap<VmId, ConsoleDrain>>,
 }
 
 /// Removes a half-created VM (kills its processes, deletes its dir) unless disarmed.
@@ -98,6 +107,8 @@ pub struct QemuDriver {
 struct Pending {
     dir: PathBuf,
     pid: Option<(u32, u64)>,
+    /// The console drain, handed to the driver's map on success (dropped, and so stopped, otherwise).
+    console: Option<ConsoleDrain>,
     armed: bool,
 }
 
@@ -144,7 +155,7 @@ impl QemuDriver {
         let accel = accel::resolve(cfg.accel);
         let tsc_khz = cfg.tsc_khz.or_else(|| if accel == Accel::Tcg { cmdline::host_tsc_khz() } else { None });
         tracing::info!(%accel, ?tsc_khz, state_dir = %cfg.state_dir.display(), "qemu driver ready");
-        QemuDriver { cfg, accel, tsc_khz, bridges: Mutex::new(HashMap::new()) }
+        QemuDriver { cfg, accel, tsc_khz, bridges: Mutex::new(HashMap::new()), consoles: Mutex::new(HashMap::new()) }
     }
 
     fn vms_dir(&self) -> PathBuf {
@@ -183,7 +194,7 @@ impl QemuDriver {
     /// Creates the VM directory holding its `creating` record, guarded by [`Pending`].
     fn new_vm_dir(&self, rec: &VmRecord) -> Result<Pending, DriverError> {
         lifecycle::create_vm_dir(rec)?;
-        Ok(Pending { dir: rec.vm.dir.clone(), pid: None, armed: true })
+        Ok(Pending { dir: rec.vm.dir.clone(), pid: None, console: None, armed: true })
     }
 
     fn make_vm(&self, id: &VmId, accel: Accel, spec: &BootSpec, from: Option<PathBuf>) -> Result<Vm, DriverError> {
@@ -233,6 +244,18 @@ impl QemuDriver {
         Ok(())
     }
 
+    /// Listens on the VM's console socket and drains it into its capped log.
+    fn console_drain(&self, vm: &Vm) -> Result<ConsoleDrain, DriverError> {
+        let sock = vm.control_socket.with_file_name(files::CONSOLE_SOCK);
+        ConsoleDrain::listen(&sock, &vm.console_log, self.cfg.console_cap)
+            .map_err(|e| DriverError::io(format!("vm {}: serving the console socket {}", vm.id, sock.display()), e))
+    }
+
+    fn lock_consoles(&self) -> std::sync::MutexGuard<'_, HashMap<VmId, ConsoleDrain>> {
+        // A poisoned map is still consistent (inserts/removes only).
+        self.consoles.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn lock_bridges(&self) -> std::sync::MutexGuard<'_, HashMap<VmId, Bridge>> {
         // A poisoned map is still consistent (inserts/removes only).
         self.bridges.lock().unwrap_or_else(|p| p.into_inner())
@@ -246,9 +269,7 @@ impl QemuDriver {
     }
 
     fn console_tail(dir: &Path) -> String {
-        let s = std::fs::read_to_string(dir.join(files::CONSOLE)).unwrap_or_default();
-        let tail: Vec<&str> = s.lines().rev().take(15).collect();
-        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        crate::console::tail_text(&dir.join(files::CONSOLE), 15)
     }
 
     /// Polls `query-migrate` until completed; `failed`/`cancelled` is an error.
@@ -305,6 +326,9 @@ impl QemuDriver {
         match self.create_inner(&mut rec, origin, &mut pending).await {
             Ok(()) => {
                 pending.armed = false;
+                if let Some(drain) = pending.console.take() {
+                    self.lock_consoles().insert(id.clone(), drain);
+                }
                 let what = if matches!(origin, Origin::Boot(_)) { "vm started" } else { "vm restored" };
                 tracing::info!(accel = %rec.vm.accel, pid = rec.vm.pid, ms = t0.elapsed().as_millis() as u64, "{what}");
                 Ok(rec.vm)
@@ -348,6 +372,8 @@ impl QemuDriver {
             firmware_only: self.cfg.firmware_only,
         });
         tracing::debug!(?args, "starting qemu");
+        // Listening before QEMU starts, so the console is kept from its first byte.
+        pending.console = Some(self.console_drain(&rec.vm)?);
         let netns = rec.vm.spec.nic.as_ref().and_then(|n| n.netns_path());
         let (pid, start_time) =
             process::start_daemonized_in(&self.cfg.qemu, &args, &dir.join(files::PID), netns.as_deref()).await?;
@@ -374,6 +400,7 @@ impl QemuDriver {
     async fn destroy(&self, vm: &Vm) -> Result<(), DriverError> {
         self.check_owned(vm)?;
         self.lock_bridges().remove(&vm.id);
+        self.lock_consoles().remove(&vm.id);
         // The caller's copy may predate the pid being recorded.
         let vm = &lifecycle::freshest(vm);
         let recorded = (vm.pid != 0).then_some((vm.pid, vm.pid_start_time));
@@ -552,8 +579,10 @@ impl Driver for QemuDriver {
     async fn prune(&self) -> Result<Vec<VmId>, DriverError> {
         let pruned = lifecycle::prune(&self.vms_dir(), Backend::Qemu, Some(files::PID), lifecycle::PRUNE_GRACE)?;
         let mut bridges = self.lock_bridges();
+        let mut consoles = self.lock_consoles();
         for id in &pruned {
             bridges.remove(id);
+            consoles.remove(id);
         }
         Ok(pruned)
     }
@@ -580,6 +609,11 @@ impl Driver for QemuDriver {
         tracing::info!(vm = %id, running = status.running, "re-attached");
         if !self.lock_bridges().contains_key(id) {
             self.start_bridge(&vm)?;
+        }
+        // QEMU re-dials its console socket every second until this listener answers.
+        if !self.lock_consoles().contains_key(id) {
+            let drain = self.console_drain(&vm)?;
+            self.lock_consoles().insert(id.clone(), drain);
         }
         Ok(vm)
     }
