@@ -53,6 +53,15 @@
 //!   Pod). Both Pods then share one VM, and deleting either removes it (the other is evicted
 //!   with `VMGone`) — the reason a SandboxTemplate cannot carry `vm.cocoonstack.io/name`. While
 //!   the first Pod is still creating its VM, the second Pod's create fails and is retried.
+//! * **Namespaces** ([`crate::namespaces`]). The adoption above, the start-up map, a fresh
+//!   listing, a clone's snapshot, the `<vm-name>:latest` a delete saves over or drops, and the
+//!   VM an untracked DeletePod would remove are each checked against the Pod's namespace: the
+//!   owner recorded with the VM or snapshot must be that namespace or share a
+//!   `VK_SHARED_NAMESPACES` group with it. A refusal fails the create (Warning
+//!   `NamespaceRefused`, lifecycle `failed`, retried like every create error); on delete the
+//!   VM stays (the Pod goes) and a snapshot that cannot be saved keeps the VM, as a failed save
+//!   does. A name held by another namespace (its VM, or its `<name>:latest`) is refused rather
+//!   than shadowed: names stay unique on the node.
 //! * **State.** Nothing is persisted by the provider: what a restart needs is derived from the
 //!   backend's VM list (durable names, ids, states) and the Pods' annotations (`id`,
 //!   `lifecycle-state`); see [`crate::reconcile`]. Restart cooldowns and probe state start
