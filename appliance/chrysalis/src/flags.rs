@@ -341,6 +341,11 @@ pub enum SnapshotCmd {
         vm_id: String,
         /// Name to store it under, `repo[:tag]`.
         name: String,
+        /// The Kubernetes namespace that owns it: vk-cocoon lets only Pods of this namespace
+        /// (or of one sharing with it through VK_SHARED_NAMESPACES) clone, overwrite or drop it.
+        /// Without it, the snapshot belongs to vk-cocoon's VK_LEGACY_NAMESPACE (default).
+        #[arg(long, value_name = "NAMESPACE")]
+        namespace: Option<String>,
         #[command(flatten)]
         vms: VmStateDir,
     },

@@ -41,7 +41,7 @@ pub fn entries(all: Vec<Entry>, kind: Kind, json: bool) -> anyhow::Result<()> {
         Kind::Image => {
             vec!["REFERENCE", "DIGEST", "SIZE", "ON DISK", "CREATED"].into_iter().map(String::from).collect()
         }
-        Kind::Snapshot => vec!["REFERENCE", "DIGEST", "BASE IMAGE", "SIZE", "ON DISK", "CREATED"]
+        Kind::Snapshot => vec!["REFERENCE", "DIGEST", "BASE IMAGE", "NAMESPACE", "SIZE", "ON DISK", "CREATED"]
             .into_iter()
             .map(String::from)
             .collect(),
@@ -50,6 +50,7 @@ pub fn entries(all: Vec<Entry>, kind: Kind, json: bool) -> anyhow::Result<()> {
         let mut row = vec![e.reference.to_string(), short(&e.digest)];
         if kind == Kind::Snapshot {
             row.push(e.base_image.as_ref().map(short).unwrap_or_default());
+            row.push(e.namespace.clone().unwrap_or_else(|| "-".into()));
         }
         row.extend([human_size(e.size), human_size(e.disk), time(e.created)]);
         table.push(row);

@@ -10,7 +10,7 @@ use crate::output;
 /// Runs a snapshot verb.
 pub fn run(store: &Store, cmd: SnapshotCmd) -> Result<()> {
     match cmd {
-        SnapshotCmd::Save { vm_id, name, vms } => save(store, &vm_id, &name, &vms),
+        SnapshotCmd::Save { vm_id, name, namespace, vms } => save(store, &vm_id, &name, namespace.as_deref(), &vms),
         SnapshotCmd::List(a) => output::entries(store.list()?, Kind::Snapshot, a.json),
         SnapshotCmd::Rm { refs } => crate::image::remove(store, &refs, Kind::Snapshot),
     }
@@ -21,9 +21,14 @@ pub fn run(store: &Store, cmd: SnapshotCmd) -> Result<()> {
 /// The VM is found through its record (`Driver::list`), not `Driver::attach`: attaching would
 /// take over the VM's agent bridge socket from the process that owns the VM. A snapshot needs
 /// only QMP.
-fn save(store: &Store, vm_id: &str, name: &str, vms: &VmStateDir) -> Result<()> {
+/// `namespace` is recorded as the snapshot's owner (see `images::SnapshotManifest::namespace`).
+fn save(store: &Store, vm_id: &str, name: &str, namespace: Option<&str>, vms: &VmStateDir) -> Result<()> {
     let id = VmId::new(vm_id)?;
     let reference = Reference::parse(name)?;
+    if let Some(ns) = namespace.filter(|ns| !images::valid_namespace(ns)) {
+        bail!("--namespace {ns:?} is not a Kubernetes namespace name (1-63 of a-z, 0-9 and '-')");
+    }
+    let namespace = namespace.map(str::to_owned);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting tokio")?;
     let d = rt.block_on(async {
         let mut cfg = vmm::qemu::QemuConfig::from_env();
@@ -47,7 +52,7 @@ fn save(store: &Store, vm_id: &str, name: &str, vms: &VmStateDir) -> Result<()> 
         let store = store.clone();
         let n = reference.to_string();
         let d = tokio::task::spawn_blocking(move || {
-            let r = store.save_snapshot_moving(&n, &snap);
+            let r = store.save_snapshot_moving_for(&n, &snap, namespace.as_deref());
             drop(scratch);
             r
         })

@@ -136,6 +136,8 @@ fn errors_exit_1_with_a_chain() {
     assert!(err.contains("no live QEMU VM no-such-vm"), "{err}");
     let err = fails(chrysalis(&store, &vms, &["snapshot", "save", "Bad_Id", "s:1"]));
     assert!(err.contains("vm id"), "{err}");
+    let err = fails(chrysalis(&store, &vms, &["snapshot", "save", "no-such-vm", "s:1", "--namespace", "Team_A"]));
+    assert!(err.contains("--namespace \"Team_A\" is not a Kubernetes namespace name"), "{err}");
     ok(chrysalis(&store, &vms, &["image", "import", "--dir", a.to_str().expect("utf8"), "--name", "img"]));
     let err = fails(chrysalis(&store, &vms, &["snapshot", "rm", "img"]));
     assert!(err.contains("img is an image, not a snapshot: use `chrysalis image rm`"), "{err}");

@@ -83,13 +83,17 @@ async fn snapshot_save_and_restore_through_the_store() {
 
     // Snapshot it through the CLI (another process: finds the VM by its record, uses QMP only).
     let st = state.to_str().expect("utf8");
-    let out = chrysalis(&store_dir, &["snapshot", "save", vm.id.as_str(), "base-snap:1", "--vm-state-dir", st]);
+    let out = chrysalis(
+        &store_dir,
+        &["snapshot", "save", vm.id.as_str(), "base-snap:1", "--vm-state-dir", st, "--namespace", "team-a"],
+    );
     assert!(out.starts_with("base-snap:1 sha256:"), "{out}");
     driver.wait_agent(&vm, AGENT_TIMEOUT).await.expect("the source runs on after the snapshot");
     let list: Vec<serde_json::Value> =
         serde_json::from_str(&chrysalis(&store_dir, &["snapshot", "list", "--json"])).expect("json");
     assert_eq!(list.len(), 1);
     assert_eq!(list[0]["base_image"], image.digest.to_string(), "the snapshot sits on the booted image");
+    assert_eq!(list[0]["namespace"], "team-a", "--namespace is recorded as the owner");
 
     // Restore a clone from the store.
     let snap = store.resolve_snapshot("base-snap:1").expect("materialise");

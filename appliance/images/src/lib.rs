@@ -34,5 +34,5 @@ pub use error::ImageError;
 pub use gc::GcReport;
 pub use manifest::{ImageManifest, Kind, Manifest, SnapshotManifest};
 pub use reference::{Digest, Reference};
-pub use snapshot::Scratch;
+pub use snapshot::{valid_namespace, Scratch};
 pub use store::{default_root, Entry, ImageSource, Resolved, ResolvedImage, ResolvedSnapshot, Store, MATERIALISED_DIR};

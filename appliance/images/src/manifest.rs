@@ -97,6 +97,14 @@ pub struct SnapshotManifest {
     pub vmm: vmm::Snapshot,
     /// Save time, seconds since the Unix epoch.
     pub created: u64,
+    /// The Kubernetes namespace that owns it (vk-cocoon: the namespace of the Pod whose VM it
+    /// was saved from; only Pods of that namespace, or of one sharing with it, may clone,
+    /// overwrite or delete it). `None`: saved without one (`chrysalis snapshot save` without
+    /// `--namespace`, or before namespaces were recorded); vk-cocoon treats it as
+    /// `VK_LEGACY_NAMESPACE`'s. Omitted from the JSON when `None`, so older manifests keep
+    /// their digests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
 }
 
 /// An image or snapshot manifest.
@@ -116,6 +124,14 @@ impl Manifest {
         match self {
             Manifest::Image(_) => Kind::Image,
             Manifest::Snapshot(_) => Kind::Snapshot,
+        }
+    }
+
+    /// The owning namespace of a snapshot (`None` for an image, or a snapshot saved without one).
+    pub fn namespace(&self) -> Option<&str> {
+        match self {
+            Manifest::Image(_) => None,
+            Manifest::Snapshot(m) => m.namespace.as_deref(),
         }
     }
 

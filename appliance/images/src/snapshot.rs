@@ -54,6 +54,17 @@ impl Scratch {
     }
 }
 
+/// Whether `ns` is a Kubernetes namespace name: an RFC 1123 label (1-63 characters of
+/// `[a-z0-9-]`, starting and ending with a letter or digit).
+pub fn valid_namespace(ns: &str) -> bool {
+    let b = ns.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b.first() != Some(&b'-')
+        && b.last() != Some(&b'-')
+}
+
 /// Removes a file on drop unless disarmed.
 struct RemoveOnDrop(Option<PathBuf>);
 
@@ -105,17 +116,41 @@ impl Store {
 
     /// Stores a copy of the driver snapshot `snap` (its directory stays) under `name`.
     pub fn save_snapshot(&self, name: &str, snap: &vmm::Snapshot) -> Result<Digest, ImageError> {
-        self.save_snapshot_with(name, snap, Ingest::Copy)
+        self.save_snapshot_with(name, snap, Ingest::Copy, None)
     }
 
     /// Like [`Store::save_snapshot`] but moves the files in (cheap for a [`Scratch`] directory
     /// on the store's filesystem); `snap.dir` is consumed.
     pub fn save_snapshot_moving(&self, name: &str, snap: &vmm::Snapshot) -> Result<Digest, ImageError> {
-        self.save_snapshot_with(name, snap, Ingest::Move)
+        self.save_snapshot_with(name, snap, Ingest::Move, None)
     }
 
-    fn save_snapshot_with(&self, name: &str, snap: &vmm::Snapshot, mode: Ingest) -> Result<Digest, ImageError> {
+    /// [`Store::save_snapshot_moving`], recording `namespace` as the snapshot's owner
+    /// ([`SnapshotManifest::namespace`]); it must be a Kubernetes namespace name (a DNS label).
+    pub fn save_snapshot_moving_for(
+        &self,
+        name: &str,
+        snap: &vmm::Snapshot,
+        namespace: Option<&str>,
+    ) -> Result<Digest, ImageError> {
+        self.save_snapshot_with(name, snap, Ingest::Move, namespace)
+    }
+
+    fn save_snapshot_with(
+        &self,
+        name: &str,
+        snap: &vmm::Snapshot,
+        mode: Ingest,
+        namespace: Option<&str>,
+    ) -> Result<Digest, ImageError> {
         let reference = Reference::parse(name)?;
+        if let Some(ns) = namespace {
+            if !valid_namespace(ns) {
+                return Err(ImageError::Invalid(format!(
+                    "namespace {ns:?} is not a Kubernetes namespace name (1-63 of [a-z0-9-], starting and ending with a letter or digit)"
+                )));
+            }
+        }
         let span = tracing::info_span!("snapshot_save", reference = %reference, vm = %snap.source);
         let _e = span.enter();
         let t0 = std::time::Instant::now();
@@ -188,6 +223,7 @@ impl Store {
             overlay: overlay_rel,
             vmm: snap.clone(),
             created: now_secs(),
+            namespace: namespace.map(str::to_owned),
         });
         let d = self.blobs.put_bytes(&m.to_bytes())?;
         self.set_ref(&reference, &d)?;

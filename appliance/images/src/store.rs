@@ -151,6 +151,9 @@ pub struct Entry {
     /// A snapshot's base image manifest.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub base_image: Option<Digest>,
+    /// A snapshot's owning namespace ([`crate::SnapshotManifest::namespace`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
 }
 
 /// The image library rooted at one directory.
@@ -403,7 +406,17 @@ impl Store {
                 Manifest::Snapshot(sm) => Some(sm.base_image.clone()),
                 Manifest::Image(_) => None,
             };
-            out.push(Entry { reference: r, digest: d, kind: m.kind(), size, disk, created: m.created(), base_image });
+            let namespace = m.namespace().map(str::to_owned);
+            out.push(Entry {
+                reference: r,
+                digest: d,
+                kind: m.kind(),
+                size,
+                disk,
+                created: m.created(),
+                base_image,
+                namespace,
+            });
         }
         Ok(out)
     }

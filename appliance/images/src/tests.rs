@@ -202,6 +202,41 @@ fn snapshot_save_and_materialise() {
 }
 
 #[test]
+fn a_snapshot_records_its_owning_namespace_and_old_manifests_have_none() {
+    let f = fixture();
+    let src = source(&f.src, "a", false);
+    f.store.import_image("base", &src).expect("import");
+    let spec = f.store.resolve_image("base").expect("resolve").boot_spec(
+        "base",
+        vmm::SizeClass::Small,
+        vmm::AccelPreference::Tcg,
+    );
+    let owned = fake_snapshot(&f.src.join("s1"), spec.clone(), b"one");
+    let d = f.store.save_snapshot_moving_for("team-a-vm:latest", &owned, Some("team-a")).expect("save");
+    let m = f.store.manifest(&d).expect("manifest");
+    assert_eq!(m.namespace(), Some("team-a"));
+    let e = f.store.list().expect("list").into_iter().find(|e| e.digest == d).expect("entry");
+    assert_eq!(e.namespace.as_deref(), Some("team-a"));
+    // Without one: no `namespace` key at all, so manifests written before it existed (and
+    // their digests) are unchanged, and they read back as `None`.
+    let plain = fake_snapshot(&f.src.join("s2"), spec.clone(), b"two");
+    let d2 = f.store.save_snapshot_moving_for("plain:latest", &plain, None).expect("save");
+    let bytes = std::fs::read(f.store.blob_path(&d2)).expect("manifest blob");
+    assert!(!String::from_utf8_lossy(&bytes).contains("namespace"));
+    assert_eq!(f.store.manifest(&d2).expect("manifest").namespace(), None);
+    // Not a namespace name: refused before anything is stored.
+    for bad in ["", "Team-A", "-a", "a-", "a/b", &"x".repeat(64)] {
+        let s = fake_snapshot(&f.src.join("s3"), spec.clone(), b"three");
+        assert!(
+            matches!(f.store.save_snapshot_moving_for("bad:1", &s, Some(bad)), Err(ImageError::Invalid(_))),
+            "{bad:?}"
+        );
+    }
+    assert!(matches!(f.store.lookup("bad:1"), Err(ImageError::NotFound { .. })));
+    assert!(crate::valid_namespace("default") && crate::valid_namespace("a") && crate::valid_namespace("0-9"));
+}
+
+#[test]
 fn gc_keeps_named_snapshot_bases_and_in_use() {
     let f = fixture();
     f.store.import_image("kept", &source(&f.src, "kept", true)).expect("import");

@@ -99,6 +99,9 @@ boot_timeout_secs = 600
 # enabled = true
 # node_name = "<hostname>-cocoon"
 pool = "default"
+# shared_namespaces = [["golden", "team-a"]]   # namespaces whose pods may use each other's
+#                                                # VMs and snapshots (default: none)
+# legacy_namespace = "default"                 # owner of VMs/snapshots recorded without one
 
 [update]
 health_deadline_secs = 600
@@ -437,11 +440,34 @@ pub struct CocoonConfig {
     pub node_name: Option<String>,
     /// Label `cocoonstack.io/pool`.
     pub pool: String,
+    /// Groups of Kubernetes namespaces whose Pods may adopt, clone and delete each other's VMs
+    /// and snapshots (vk-cocoon's `VK_SHARED_NAMESPACES`). Default: none; each namespace uses
+    /// only its own.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shared_namespaces: Vec<Vec<String>>,
+    /// The owner of VMs and snapshots recorded without a namespace (`VK_LEGACY_NAMESPACE`;
+    /// vk-cocoon's default is `default`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub legacy_namespace: Option<String>,
 }
 
 impl Default for CocoonConfig {
     fn default() -> Self {
-        CocoonConfig { enabled: None, node_name: None, pool: "default".into() }
+        CocoonConfig {
+            enabled: None,
+            node_name: None,
+            pool: "default".into(),
+            shared_namespaces: Vec::new(),
+            legacy_namespace: None,
+        }
+    }
+}
+
+impl CocoonConfig {
+    /// `shared_namespaces` as vk-cocoon's `VK_SHARED_NAMESPACES` (`a,b;c,d`); `None` when empty.
+    pub fn shared_namespaces_env(&self) -> Option<String> {
+        (!self.shared_namespaces.is_empty())
+            .then(|| self.shared_namespaces.iter().map(|g| g.join(",")).collect::<Vec<_>>().join(";"))
     }
 }
 
@@ -1055,6 +1081,16 @@ pub fn valid_label_value(v: &str) -> bool {
             && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.')))
 }
 
+/// A Kubernetes namespace name: an RFC 1123 label (1-63 of `[a-z0-9-]`, alphanumeric at both ends).
+pub fn valid_namespace(v: &str) -> bool {
+    let b = v.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b.first() != Some(&b'-')
+        && b.last() != Some(&b'-')
+}
+
 /// `https://host[:port]` with nothing after the authority.
 fn check_endpoint(e: &str) -> Result<(), String> {
     let Some(rest) = e.strip_prefix("https://") else {
@@ -1292,6 +1328,33 @@ impl Config {
                 format!("{cocoon_name:?} is also vk_sandbox's name"),
                 "give each virtual node its own name",
             );
+        }
+        if vk_cocoon {
+            let mut bad: Vec<String> = Vec::new();
+            for group in &cfg.vk_cocoon.shared_namespaces {
+                let distinct: std::collections::BTreeSet<&String> = group.iter().collect();
+                if distinct.len() < 2 {
+                    bad.push(format!("{group:?} has fewer than two different namespaces"));
+                }
+                bad.extend(
+                    group.iter().filter(|n| !valid_namespace(n)).map(|n| format!("{n:?} is not a namespace name")),
+                );
+            }
+            if !bad.is_empty() {
+                c.fail(
+                    "vk_cocoon.shared_namespaces",
+                    bad.join("; "),
+                    "list groups of at least two namespace names (1-63 of a-z, 0-9 and '-'), \
+                     e.g. [[\"golden\", \"team-a\"]]; pods of one group may use each other's VMs and snapshots",
+                );
+            }
+            if let Some(ns) = cfg.vk_cocoon.legacy_namespace.as_deref().filter(|n| !valid_namespace(n)) {
+                c.fail(
+                    "vk_cocoon.legacy_namespace",
+                    format!("{ns:?} is not a namespace name"),
+                    "name the namespace that owns VMs and snapshots recorded without one (1-63 of a-z, 0-9 and '-')",
+                );
+            }
         }
         if vk_cocoon && !valid_label_value(&cfg.vk_cocoon.pool) {
             c.fail(

@@ -264,6 +264,13 @@ pub fn plan(settings: &Settings, layout: &Layout, secrets: &Secrets) -> Vec<Serv
             ("COCOON_ROOT_DIR".to_string(), layout.state_dir.join(svc.as_str()).display().to_string()),
             ("CHRYSALIS_IMAGES".to_string(), layout.state_dir.join("images").display().to_string()),
         ]);
+        let cocoon = &settings.config.vk_cocoon;
+        if let Some(v) = cocoon.shared_namespaces_env() {
+            env.push(("VK_SHARED_NAMESPACES".to_string(), v));
+        }
+        if let Some(v) = &cocoon.legacy_namespace {
+            env.push(("VK_LEGACY_NAMESPACE".to_string(), v.clone()));
+        }
         out.push(ServiceSpec {
             name: svc,
             program: layout.bin_dir.join(svc.as_str()),
@@ -399,6 +406,22 @@ mod tests {
         assert_eq!(env("VK_NODE_POOL"), Some("gpu"));
         assert_eq!(env("COCOON_ROOT_DIR"), Some("/state/vk-cocoon"));
         assert_eq!(env("CHRYSALIS_IMAGES"), Some("/state/images"));
+        assert_eq!(env("VK_SHARED_NAMESPACES"), None, "no namespace shares by default");
+        assert_eq!(env("VK_LEGACY_NAMESPACE"), None);
+    }
+
+    #[test]
+    fn vk_cocoon_gets_the_namespace_sharing_groups() {
+        let s = settings(&format!(
+            "[cluster]\nendpoint = \"https://a:1\"\nca_cert_hashes = [\"{HASH}\"]\nbootstrap_token_file = \"/boot\"\n\
+             [sandboxd]\napi_token_file = \"/tok\"\n[vk_cocoon]\n\
+             shared_namespaces = [[\"golden\", \"team-a\"], [\"ci\", \"ci-tools\", \"ci-2\"]]\nlegacy_namespace = \"agents\"\n"
+        ));
+        let plan = plan(&s, &layout());
+        let vc = plan.iter().find(|p| p.name == ServiceName::VkCocoon).expect("vk-cocoon");
+        let env = |k: &str| vc.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(env("VK_SHARED_NAMESPACES"), Some("golden,team-a;ci,ci-tools,ci-2"));
+        assert_eq!(env("VK_LEGACY_NAMESPACE"), Some("agents"));
     }
 
     #[test]

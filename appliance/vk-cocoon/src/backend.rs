@@ -12,6 +12,11 @@
 //! * **Names are durable and unique.** `name` (the Pod's `vm.cocoonstack.io/name`) is recorded
 //!   with the VM so that [`VmBackend::list`] reports it after a provider crash; a second VM with
 //!   a name in use is refused ([`BackendError::NameInUse`]).
+//! * **Owners are durable.** The Pod's namespace (`namespace` of [`RunRequest`] /
+//!   [`CloneRequest`], of [`VmBackend::snapshot_save`]) is recorded with the VM and the snapshot
+//!   and reported by [`VmBackend::list`] / [`VmBackend::snapshot_inspect`]; `None` only for
+//!   records written without one (see [`crate::namespaces`]). The backend records; the provider
+//!   decides who may use what.
 //! * **VMs outlive the provider.** Hypervisors run daemonized: a killed (even `kill -9`)
 //!   provider leaves them running, and a new provider finds them with [`VmBackend::list`].
 //! * **Idempotent teardown.** [`VmBackend::remove`], [`VmBackend::snapshot_rm`] and
@@ -130,6 +135,10 @@ pub struct VmInfo {
     pub id: String,
     /// The Pod's `vm.cocoonstack.io/name`, recorded durably with the VM.
     pub name: String,
+    /// The namespace owning the VM (its creating Pod's), recorded durably with it; `None`: a
+    /// record written before namespaces were recorded.
+    #[serde(default)]
+    pub namespace: Option<String>,
     /// The guest's IPv4 address from the VM's network lease, when it has one.
     pub ip: Option<String>,
     pub state: VmState,
@@ -141,6 +150,8 @@ pub struct VmInfo {
 pub struct RunRequest {
     /// `vm.cocoonstack.io/name`.
     pub name: String,
+    /// The Pod's namespace: the VM's owner.
+    pub namespace: String,
     /// An image reference the image library resolves (a catalog name or alias, `repo[:tag]`).
     pub image: String,
     /// Guest vCPUs (≥ 1): the Pod's CPU limit rounded up, else its request. A backend with
@@ -160,12 +171,22 @@ pub struct RunRequest {
 pub struct CloneRequest {
     /// `vm.cocoonstack.io/name`.
     pub name: String,
+    /// The Pod's namespace: the new VM's owner (not the snapshot's, which may differ when
+    /// namespaces share).
+    pub namespace: String,
     /// The snapshot to restore.
     pub snapshot: SnapshotRef,
     /// Network name; `None` = the default network.
     pub network: Option<String>,
     /// Must match the hypervisor that wrote the snapshot, else [`BackendError::Unsupported`].
     pub hypervisor: Hypervisor,
+}
+
+/// A snapshot in the library, as [`VmBackend::snapshot_inspect`] sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    /// The namespace owning it; `None`: saved without one.
+    pub namespace: Option<String>,
 }
 
 /// Why a backend call failed. The provider shows the chain on the Pod, so each variant names
@@ -248,13 +269,14 @@ pub trait VmBackend: Send + Sync + 'static {
     /// lease is *not* released (see [`VmBackend::release_ip`]). An absent VM is success.
     async fn remove(&self, id: &str) -> Result<(), BackendError>;
 
-    /// Saves the running VM's memory and disk state into the library as `snapshot`,
-    /// replacing an existing snapshot of that name atomically (the old one stays until the new
-    /// one is complete). The VM keeps running afterwards.
-    async fn snapshot_save(&self, id: &str, snapshot: &SnapshotRef) -> Result<(), BackendError>;
+    /// Saves the running VM's memory and disk state into the library as `snapshot`, owned by
+    /// `namespace`, replacing an existing snapshot of that name atomically (the old one stays
+    /// until the new one is complete). The VM keeps running afterwards.
+    async fn snapshot_save(&self, id: &str, snapshot: &SnapshotRef, namespace: &str) -> Result<(), BackendError>;
 
-    /// Whether the library holds `snapshot`.
-    async fn snapshot_exists(&self, snapshot: &SnapshotRef) -> Result<bool, BackendError>;
+    /// The snapshot `snapshot` if the library holds one under that name (`Ok(None)`: none, or
+    /// the name is an image's).
+    async fn snapshot_inspect(&self, snapshot: &SnapshotRef) -> Result<Option<SnapshotInfo>, BackendError>;
 
     /// Deletes `snapshot` from the library (its content is garbage-collected when no VM uses
     /// it). An absent snapshot is success.

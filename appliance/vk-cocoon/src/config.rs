@@ -9,6 +9,7 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 
+use crate::namespaces::{NamespacePolicy, VK_LEGACY_NAMESPACE, VK_SHARED_NAMESPACES};
 use crate::quantity::{self, QuantityError};
 
 /// What to do with a VM no Pod on this node references, found at start-up.
@@ -61,6 +62,9 @@ pub struct CocoonConfig {
     pub root_dir: PathBuf,
     /// `VK_LOG_LEVEL` (`info`): a tracing filter (`RUST_LOG` wins when set).
     pub log_level: String,
+    /// `VK_SHARED_NAMESPACES` (none) and `VK_LEGACY_NAMESPACE` (`default`): which namespaces'
+    /// Pods may use which VMs and snapshots ([`crate::namespaces`]).
+    pub namespaces: NamespacePolicy,
     /// Variables that were set but do not apply on this node, with their values.
     pub ignored: Vec<(&'static str, String)>,
 }
@@ -131,6 +135,14 @@ pub fn env_help() -> String {
          VK_VM_CIDR             VM address range (10.88.0.0/24)\n  \
          VK_NETNS               run the bridge, TAPs and VMs in this named netns (unset)\n  \
          VK_BOOT_TIMEOUT        seconds a boot may take until the guest agent answers (300)\n  \
+         VK_SHARED_NAMESPACES   namespaces whose pods may adopt, clone and delete each other's\n                         \
+         VMs and snapshots (unset: none; each namespace sees only its own).\n                         \
+         Groups split by ';', namespaces by ',': golden,team-a;ci,ci-tools\n                         \
+         lets team-a clone golden's snapshots and golden team-a's, and ci and\n                         \
+         ci-tools share; nothing crosses groups\n  \
+         VK_LEGACY_NAMESPACE    owner of VMs and snapshots recorded without a namespace (before\n                         \
+         namespaces were recorded, or chrysalis snapshot save without\n                         \
+         --namespace) (default)\n  \
          VK_LOG_LEVEL           log filter (info); RUST_LOG wins\n  \
          VK_JOIN_TOKEN_FILE     as --join-token-file\n  \
          KUBECONFIG             used without --join-server/--kubeconfig outside a cluster\n\n\
@@ -217,6 +229,10 @@ impl CocoonConfig {
             pods,
         };
         let log_level = non_empty(get, "VK_LOG_LEVEL").unwrap_or_else(|| "info".into());
+        let namespaces = NamespacePolicy::parse(
+            non_empty(get, VK_SHARED_NAMESPACES).as_deref(),
+            non_empty(get, VK_LEGACY_NAMESPACE).as_deref(),
+        )?;
         let ignored = IGNORED
             .iter()
             .filter_map(|(var, _)| get(var).filter(|v| !v.trim().is_empty()).map(|v| (*var, v)))
@@ -239,6 +255,7 @@ impl CocoonConfig {
             overrides,
             root_dir: non_empty(get, "COCOON_ROOT_DIR").map(PathBuf::from).unwrap_or_else(|| "/var/lib/cocoon".into()),
             log_level,
+            namespaces,
             ignored,
         })
     }
@@ -285,6 +302,7 @@ mod tests {
         assert_eq!(c.overrides, CapacityOverrides { pods: 256, ..CapacityOverrides::default() });
         assert_eq!(c.root_dir, PathBuf::from("/var/lib/cocoon"));
         assert_eq!(c.log_level, "info");
+        assert_eq!(c.namespaces, NamespacePolicy::isolated(), "no namespace shares by default");
         assert!(c.ignored.is_empty());
     }
 
@@ -307,6 +325,8 @@ mod tests {
             ("VK_NODE_PODS", "10"),
             ("COCOON_ROOT_DIR", "/srv/cocoon"),
             ("VK_LOG_LEVEL", "debug"),
+            ("VK_SHARED_NAMESPACES", "golden,team-a"),
+            ("VK_LEGACY_NAMESPACE", "agents"),
             ("OCI_REGISTRY", "ghcr.io/x"),
             ("VK_COCOON_BIN", ""),
         ])
@@ -329,6 +349,7 @@ mod tests {
         );
         assert_eq!(c.root_dir, PathBuf::from("/srv/cocoon"));
         assert_eq!(c.log_level, "debug");
+        assert!(c.namespaces.permits("team-a", Some("golden")) && c.namespaces.permits("agents", None));
         assert_eq!(c.ignored, vec![("OCI_REGISTRY", "ghcr.io/x".to_string())], "an empty value is not reported");
         assert_eq!(cfg(&[("VK_ORPHAN_POLICY", "keep")]).unwrap().orphan_policy, OrphanPolicy::Keep);
         assert_eq!(cfg(&[("VK_ORPHAN_POLICY", "destroy")]).unwrap().orphan_policy, OrphanPolicy::Destroy);
@@ -348,6 +369,8 @@ mod tests {
             ("VK_NODE_CPU", "lots"),
             ("VK_NODE_MEM", "8Tb"),
             ("VK_NODE_STORAGE", "0Gi"),
+            ("VK_SHARED_NAMESPACES", "team-a"),
+            ("VK_LEGACY_NAMESPACE", "Not_A_Namespace"),
         ] {
             let e = cfg(&[(var, value)]).unwrap_err();
             assert!(e.to_string().starts_with(&format!("{var}=")), "{var}={value}: {e}");
@@ -364,6 +387,7 @@ mod tests {
             assert!(h.contains(var), "{var}");
         }
         assert!(h.contains("VK_ORPHAN_POLICY") && h.contains("COCOON_ROOT_DIR"));
+        assert!(h.contains("VK_SHARED_NAMESPACES") && h.contains("VK_LEGACY_NAMESPACE") && h.contains("golden,team-a"));
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Pod events the provider records itself (`virtual-node.md` §3.8), besides the runtime's
 //! `Provider*` events. Every Warning here also sets `vm.cocoonstack.io/lifecycle-state=failed`
-//! on the Pod (done by the caller). [`EventSink`] decouples the provider from the API client:
+//! on the Pod (done by the caller), except a `NamespaceRefused` of a DeletePod. [`EventSink`] decouples the provider from the API client:
 //! [`KubeEvents`] writes through `vnode`'s recorder; tests use [`RecordedEvents`].
 
 use std::sync::Mutex;
@@ -17,6 +17,10 @@ pub const POST_CLONE_SUCCEEDED: &str = "PostCloneSucceeded";
 pub const RESUMED_AFTER_RESTART: &str = "ResumedAfterRestart";
 /// Warning: the Pod names another Pod's running VM and adopts it (the seed's constraint).
 pub const VM_NAME_SHARED: &str = "VMNameShared";
+/// Warning: the Pod named a VM or snapshot of another namespace that it may not use
+/// ([`crate::namespaces`]); on CreatePod the create fails (lifecycle `failed`), on DeletePod
+/// the VM or snapshot is left alone.
+pub const NAMESPACE_REFUSED: &str = "NamespaceRefused";
 /// Warning: an adopted VM was stopped and could not be started.
 pub const RESUME_START_FAILED: &str = "ResumeStartFailed";
 /// Warning: `vm.cocoonstack.io/hibernate` asked for something this node cannot do.

@@ -7,7 +7,8 @@
 //! trait every VM operation goes through), [`provider`] ([`CocoonProvider`]: CreatePod,
 //! UpdatePod, DeletePod; the decisions on snapshots, authority and state are documented
 //! there), [`probe`] (readiness), [`watcher`] (VMs that die on their own), [`reconcile`]
-//! (start-up adoption and orphans), [`status`] (pushed Pod status), [`events`],
+//! (start-up adoption and orphans), [`namespaces`] (which Pods may use which VMs and
+//! snapshots), [`status`] (pushed Pod status), [`events`],
 //! [`quantity`], [`test_utils`] ([`test_utils::FakeBackend`]), [`vmm_backend`] (the production
 //! backend: QEMU through `vmm`, the `images` library, `vmnet` networking; its environment and
 //! VM-id scheme are documented there).
@@ -21,6 +22,7 @@ pub mod annotations;
 pub mod backend;
 pub mod config;
 pub mod events;
+pub mod namespaces;
 pub mod node;
 mod probe;
 pub mod provider;
@@ -31,5 +33,5 @@ pub mod test_utils;
 pub mod vmm_backend;
 pub mod watcher;
 
-pub use backend::{BackendError, Hypervisor, SnapshotRef, VmBackend, VmInfo, VmState};
+pub use backend::{BackendError, Hypervisor, SnapshotInfo, SnapshotRef, VmBackend, VmInfo, VmState};
 pub use provider::{BackgroundLoops, CocoonProvider, CocoonProviderError, ProviderConfig};

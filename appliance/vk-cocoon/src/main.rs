@@ -36,6 +36,9 @@ use vnode::session::{terminated, JoinArgs, Session};
         cocoonset.cocoonstack.io/managed \"true\" with mode run + image, or mode clone + a \
         snapshot repo[:tag]) gets a VM of its own. Deleting it saves <vm-name>:latest per \
         cocoonset.cocoonstack.io/snapshot-policy, then removes the VM.\n\n\
+        VM and snapshot names are scoped by namespace: a Pod adopts, clones and deletes only the \
+        VMs and snapshots of its own namespace, unless VK_SHARED_NAMESPACES (below) puts both \
+        namespaces in one sharing group; anything else is refused with Warning NamespaceRefused.\n\n\
         Configured by environment variables (below); the only flags are the cluster join flags. \
         The kubeconfig order is --kubeconfig, the in-cluster service account, then $KUBECONFIG.",
     after_long_help = config::env_help(),
@@ -83,6 +86,8 @@ async fn run(cli: Cli, cfg: CocoonConfig) -> anyhow::Result<()> {
     let mut pcfg = ProviderConfig::new(cfg.node_ip.to_string());
     pcfg.cpu_class = cfg.snapshot_cpu_class.clone();
     pcfg.orphan_policy = cfg.orphan_policy;
+    pcfg.namespaces = cfg.namespaces.clone();
+    tracing::info!(shared = ?cfg.namespaces.groups(), unrecorded_owner = cfg.namespaces.legacy(), "namespace scoping: a pod uses only VMs and snapshots of its own namespace or of one VK_SHARED_NAMESPACES groups with it");
     let provider = Arc::new(CocoonProvider::new(backend, pcfg));
 
     let session = Session::open(&cli.join, &cfg.node_name).await?;
@@ -183,6 +188,8 @@ mod tests {
             "VK_NETNS",
             "VK_VM_CIDR",
             "VK_BRIDGE",
+            "VK_SHARED_NAMESPACES",
+            "VK_LEGACY_NAMESPACE",
         ] {
             assert!(help.contains(s), "{s} missing from --help");
         }

@@ -53,6 +53,15 @@
 //!   Pod). Both Pods then share one VM, and deleting either removes it (the other is evicted
 //!   with `VMGone`) — the reason a SandboxTemplate cannot carry `vm.cocoonstack.io/name`. While
 //!   the first Pod is still creating its VM, the second Pod's create fails and is retried.
+//! * **Namespaces** ([`crate::namespaces`]). The adoption above, the start-up map, a fresh
+//!   listing, a clone's snapshot, the `<vm-name>:latest` a delete saves over or drops, and the
+//!   VM an untracked DeletePod would remove are each checked against the Pod's namespace: the
+//!   owner recorded with the VM or snapshot must be that namespace or share a
+//!   `VK_SHARED_NAMESPACES` group with it. A refusal fails the create (Warning
+//!   `NamespaceRefused`, lifecycle `failed`, retried like every create error); on delete the
+//!   VM stays (the Pod goes) and a snapshot that cannot be saved keeps the VM, as a failed save
+//!   does. A name held by another namespace (its VM, or its `<name>:latest`) is refused rather
+//!   than shadowed: names stay unique on the node.
 //! * **State.** Nothing is persisted by the provider: what a restart needs is derived from the
 //!   backend's VM list (durable names, ids, states) and the Pods' annotations (`id`,
 //!   `lifecycle-state`); see [`crate::reconcile`]. Restart cooldowns and probe state start
@@ -78,6 +87,7 @@ use crate::annotations::{self, AnnotationError, Mode, VmSpec};
 use crate::backend::{BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotRef, VmBackend, VmInfo, VmState};
 use crate::config::OrphanPolicy;
 use crate::events::{self, EventSink, RecordedEvents};
+use crate::namespaces::{NamespacePolicy, Use};
 use crate::status::{self, VmView};
 
 /// Timings and node facts of a [`CocoonProvider`].
@@ -89,6 +99,8 @@ pub struct ProviderConfig {
     pub cpu_class: Option<String>,
     /// `VK_ORPHAN_POLICY`.
     pub orphan_policy: OrphanPolicy,
+    /// `VK_SHARED_NAMESPACES` / `VK_LEGACY_NAMESPACE`: who may use whose VMs and snapshots.
+    pub namespaces: NamespacePolicy,
     /// First pre-Ready probe delay (100 ms), growth factor (1.5) and cap (1 s).
     pub probe_initial: Duration,
     pub probe_factor: f64,
@@ -115,6 +127,7 @@ impl ProviderConfig {
             node_ip: node_ip.into(),
             cpu_class: None,
             orphan_policy: OrphanPolicy::Destroy,
+            namespaces: NamespacePolicy::isolated(),
             probe_initial: Duration::from_millis(100),
             probe_factor: 1.5,
             probe_max: Duration::from_secs(1),
@@ -149,6 +162,15 @@ pub enum CocoonProviderError {
         "pod {key}: pod {other} is still creating VM {name}; retrying (give each pod its own vm.cocoonstack.io/name)"
     )]
     VmNameTaken { key: String, name: String, other: String },
+    /// A Pod tried to use a VM or snapshot of another namespace ([`crate::namespaces`]). The
+    /// owner is not named (it is in the node's log).
+    #[error(
+        "pod {key}: {what} belongs to another namespace; a pod may adopt, clone or delete only the VMs and \
+         snapshots of its own namespace ({namespace}), so this pod may not {verb} it: {fix}",
+        verb = .action.verb(),
+        fix = .action.fix()
+    )]
+    Namespace { key: String, namespace: String, what: String, action: Use },
     #[error("pod {key}: the VMs cannot be listed, so a VM named {name} may exist; not booting a duplicate")]
     List {
         key: String,
@@ -364,6 +386,16 @@ fn uid_of(pod: &Pod) -> String {
     pod.metadata.uid.clone().unwrap_or_default()
 }
 
+/// The Pod's namespace (empty when it has none: such a Pod owns nothing and shares nothing).
+pub(crate) fn namespace_of(pod: &Pod) -> String {
+    pod.metadata.namespace.clone().unwrap_or_default()
+}
+
+/// The namespace part of a key `ns/name`.
+fn key_namespace(key: &str) -> &str {
+    key.split_once('/').map(|(ns, _)| ns).unwrap_or_default()
+}
+
 fn now() -> Time {
     Time(Timestamp::now())
 }
@@ -464,9 +496,24 @@ impl Shared {
             return self.track_unmanaged(&key, pod, spec).await;
         }
         let hypervisor = self.hypervisor_for(&key, &spec)?;
+        self.create_managed(&key, pod, spec, hypervisor).await.map_err(|e| self.refused(pod, e, true))
+    }
+
+    /// Steps 2 and 4 of a managed Pod; every VM and snapshot it touches passes the namespace
+    /// rule ([`crate::namespaces`]) first.
+    async fn create_managed(
+        self: &Arc<Self>,
+        key: &str,
+        pod: &Pod,
+        spec: VmSpec,
+        hypervisor: Hypervisor,
+    ) -> Result<(), CocoonProviderError> {
+        let ns = namespace_of(pod);
         // 2a. The seed's documented constraint: a Pod naming the live VM of another Pod adopts
-        // that VM instead of booting its own (upstream behaviour; shown, not hidden).
-        if let Some((other, vm)) = self.live_vm_named(&key, &spec.vm_name) {
+        // that VM instead of booting its own (upstream behaviour; shown, not hidden) — when
+        // that VM is of its namespace, or of one sharing with it.
+        if let Some((other, vm)) = self.live_vm_named(key, &spec.vm_name) {
+            self.check_namespace(key, &ns, vm.namespace.as_deref(), || format!("VM {}", spec.vm_name), Use::Adopt)?;
             let msg = format!(
                 "VM name {} is already used by pod {other}: this pod adopts VM {} instead of booting its own \
                  (give each Sandbox its own vm.cocoonstack.io/name)",
@@ -474,15 +521,32 @@ impl Shared {
             );
             tracing::warn!(vm = %vm.id, other = %other, "{msg}");
             self.event(pod, true, events::VM_NAME_SHARED, &msg);
-            return self.adopt(&key, pod, spec, hypervisor, vm, false).await;
+            return self.adopt(key, pod, spec, hypervisor, vm, false).await;
         }
         // 2. Adopt a live VM.
-        let _reservation = self.reserve(&key, &spec.vm_name)?;
-        if let Some((vm, from_startup)) = self.find_adoptable(&key, pod, &spec).await? {
-            return self.adopt(&key, pod, spec, hypervisor, vm, from_startup).await;
+        let _reservation = self.reserve(key, &ns, &spec.vm_name)?;
+        if let Some((vm, from_startup)) = self.find_adoptable(key, pod, &spec).await? {
+            return self.adopt(key, pod, spec, hypervisor, vm, from_startup).await;
         }
-        // 4. Boot.
-        self.boot(&key, pod, spec, hypervisor).await
+        // 4. Boot — under a name no other namespace holds through its saved state: the
+        // deletion of this VM saves or drops `<name>:latest`.
+        let own = SnapshotRef::latest(&spec.vm_name);
+        match self.backend.snapshot_inspect(&own).await {
+            Ok(Some(info)) => self.check_namespace(
+                key,
+                &ns,
+                info.namespace.as_deref(),
+                || format!("the name {} (its snapshot {own} exists)", spec.vm_name),
+                Use::Name,
+            )?,
+            Ok(None) => {}
+            Err(source) => {
+                let what = format!("VM {} (looking up snapshot {own})", spec.vm_name);
+                let e = CocoonProviderError::BringUp { key: key.to_owned(), what, source };
+                return Err(self.bring_up_failed(pod, e));
+            }
+        }
+        self.boot(key, pod, spec, hypervisor).await
     }
 
     fn hypervisor_for(&self, key: &str, spec: &VmSpec) -> Result<Hypervisor, CocoonProviderError> {
@@ -515,15 +579,22 @@ impl Shared {
 
     /// Claims `name` for `key`, refusing a name another Pod is still creating (retried with
     /// backoff; once that VM runs, this Pod adopts it).
-    fn reserve(self: &Arc<Self>, key: &str, name: &str) -> Result<Reservation, CocoonProviderError> {
+    /// A name another namespace is creating is refused at once (without naming that Pod).
+    fn reserve(self: &Arc<Self>, key: &str, ns: &str, name: &str) -> Result<Reservation, CocoonProviderError> {
         let mut g = self.lock();
         let other = g
             .entries
             .iter()
             .find(|(k, e)| k.as_str() != key && e.terminal.is_none() && e.spec.managed && e.spec.vm_name == name)
-            .map(|(k, _)| k.clone())
-            .or_else(|| g.reserved.get(name).filter(|k| k.as_str() != key).cloned());
-        if let Some(other) = other {
+            .map(|(k, e)| (k.clone(), e.vm.namespace.clone()))
+            .or_else(|| {
+                g.reserved
+                    .get(name)
+                    .filter(|k| k.as_str() != key)
+                    .map(|k| (k.clone(), Some(key_namespace(k).to_owned())))
+            });
+        if let Some((other, owner)) = other {
+            self.check_namespace(key, ns, owner.as_deref(), || format!("VM {name}"), Use::Name)?;
             return Err(CocoonProviderError::VmNameTaken { key: key.to_owned(), name: name.to_owned(), other });
         }
         g.reserved.insert(name.to_owned(), key.to_owned());
@@ -538,11 +609,18 @@ impl Shared {
         pod: &Pod,
         spec: &VmSpec,
     ) -> Result<Option<(VmInfo, bool)>, CocoonProviderError> {
+        let ns = namespace_of(pod);
         {
             let mut g = self.lock();
-            let by_id = annotations::value(pod, annotations::VM_ID).and_then(|id| g.adoptable.get(id)).cloned();
-            let found = by_id.or_else(|| g.adoptable.values().find(|v| v.name == spec.vm_name).cloned());
-            if let Some(vm) = found {
+            let by_id = annotations::value(pod, annotations::VM_ID)
+                .and_then(|id| g.adoptable.get(id))
+                .map(|v| (v.clone(), format!("VM {}", v.id)));
+            let found = by_id.or_else(|| {
+                g.adoptable.values().find(|v| v.name == spec.vm_name).map(|v| (v.clone(), format!("VM {}", v.name)))
+            });
+            if let Some((vm, what)) = found {
+                // A refused VM stays adoptable for a Pod of its own namespace.
+                self.check_namespace(key, &ns, vm.namespace.as_deref(), || what, Use::Adopt)?;
                 g.adoptable.remove(&vm.id);
                 let restarted = g.restarted.remove(&vm.id);
                 return Ok(Some((vm, restarted)));
@@ -556,7 +634,10 @@ impl Shared {
         let g = self.lock();
         let tracked: BTreeSet<&str> =
             g.entries.values().filter(|e| e.terminal.is_none()).map(|e| e.vm.id.as_str()).collect();
-        Ok(vms.into_iter().find(|v| v.name == spec.vm_name && !tracked.contains(v.id.as_str())).map(|v| (v, false)))
+        let Some(vm) = vms.into_iter().find(|v| v.name == spec.vm_name) else { return Ok(None) };
+        let action = if tracked.contains(vm.id.as_str()) { Use::Name } else { Use::Adopt };
+        self.check_namespace(key, &ns, vm.namespace.as_deref(), || format!("VM {}", spec.vm_name), action)?;
+        Ok((!tracked.contains(vm.id.as_str())).then_some((vm, false)))
     }
 
     async fn adopt(
@@ -629,18 +710,27 @@ impl Shared {
     ) -> Result<(), CocoonProviderError> {
         self.push_pending(pod, Lifecycle::Creating, None);
         let result = match (spec.mode, &spec.snapshot, &spec.image) {
-            (Mode::Clone, Some(snapshot), _) => match self.backend.snapshot_exists(snapshot).await {
-                Ok(true) => self
-                    .backend
-                    .clone_vm(&CloneRequest {
-                        name: spec.vm_name.clone(),
-                        snapshot: snapshot.clone(),
-                        network: spec.network.clone(),
-                        hypervisor,
-                    })
-                    .await
-                    .map_err(|source| (format!("clone of {snapshot}"), source)),
-                Ok(false) => {
+            (Mode::Clone, Some(snapshot), _) => match self.backend.snapshot_inspect(snapshot).await {
+                Ok(Some(info)) => {
+                    self.check_namespace(
+                        key,
+                        &namespace_of(pod),
+                        info.namespace.as_deref(),
+                        || format!("snapshot {snapshot}"),
+                        Use::Clone,
+                    )?;
+                    self.backend
+                        .clone_vm(&CloneRequest {
+                            name: spec.vm_name.clone(),
+                            namespace: namespace_of(pod),
+                            snapshot: snapshot.clone(),
+                            network: spec.network.clone(),
+                            hypervisor,
+                        })
+                        .await
+                        .map_err(|source| (format!("clone of {snapshot}"), source))
+                }
+                Ok(None) => {
                     let e = CocoonProviderError::SnapshotMissing { key: key.to_owned(), snapshot: snapshot.clone() };
                     return Err(self.bring_up_failed(pod, e));
                 }
@@ -651,6 +741,7 @@ impl Shared {
                 self.backend
                     .run(&RunRequest {
                         name: spec.vm_name.clone(),
+                        namespace: namespace_of(pod),
                         image: image.clone(),
                         vcpus,
                         memory_mib,
@@ -684,6 +775,41 @@ impl Shared {
         }
         self.finish(key, gen).await;
         Ok(())
+    }
+
+    /// `Ok` when a Pod of `ns` may use what `recorded` owns; else the refusal (the owner goes
+    /// to the node's log, never into the Pod's message).
+    fn check_namespace(
+        &self,
+        key: &str,
+        ns: &str,
+        recorded: Option<&str>,
+        what: impl FnOnce() -> String,
+        action: Use,
+    ) -> Result<(), CocoonProviderError> {
+        if self.cfg.namespaces.permits(ns, recorded) {
+            return Ok(());
+        }
+        let mut what = what();
+        let owner = self.cfg.namespaces.owner(recorded);
+        tracing::warn!(pod = key, namespace = ns, owner, recorded = recorded.is_some(), %what, action = action.verb(), "refused: another namespace's VM or snapshot (VK_SHARED_NAMESPACES does not let them share)");
+        if recorded.is_none() {
+            what.push_str(" (recorded without a namespace, so it belongs to VK_LEGACY_NAMESPACE's)");
+        }
+        Err(CocoonProviderError::Namespace { key: key.to_owned(), namespace: ns.to_owned(), what, action })
+    }
+
+    /// Warning `NamespaceRefused` for a namespace refusal (+ lifecycle `failed` when `creating`);
+    /// any other error passes through untouched.
+    fn refused(&self, pod: &Pod, e: CocoonProviderError, creating: bool) -> CocoonProviderError {
+        if matches!(e, CocoonProviderError::Namespace { .. }) {
+            let msg = error_chain(&e);
+            self.event(pod, true, events::NAMESPACE_REFUSED, &msg);
+            if creating {
+                self.push_pending(pod, Lifecycle::Failed, Some(&msg));
+            }
+        }
+        e
     }
 
     /// Warning `CreateBringUpFailed` + lifecycle `failed`; returns the error for the caller.
@@ -778,6 +904,7 @@ impl Shared {
         let vm = VmInfo {
             id: pre.id,
             name: spec.vm_name.clone(),
+            namespace: Some(namespace_of(pod)),
             ip: Some(pre.ip),
             state: VmState::Running,
             hypervisor: self.backend.hypervisors().first().copied().unwrap_or(Hypervisor::Qemu),
@@ -882,6 +1009,8 @@ impl Shared {
             Done,
             Tracked(VmInfo, u64),
             Untracked(VmInfo),
+            /// The VM the Pod names is another namespace's: left alone.
+            Refused(CocoonProviderError),
             ReleaseOnly(String),
         }
         let plan = {
@@ -911,11 +1040,20 @@ impl Shared {
                         .or_else(|| g.adoptable.values().find(|v| Some(&v.name) == name.as_ref()))
                         .cloned();
                     match (found, id) {
-                        (Some(vm), _) => {
-                            g.adoptable.remove(&vm.id);
-                            g.restarted.remove(&vm.id);
-                            Plan::Untracked(vm)
-                        }
+                        (Some(vm), _) => match self.check_namespace(
+                            &key,
+                            &namespace_of(pod),
+                            vm.namespace.as_deref(),
+                            || format!("VM {}", vm.id),
+                            Use::Delete,
+                        ) {
+                            Ok(()) => {
+                                g.adoptable.remove(&vm.id);
+                                g.restarted.remove(&vm.id);
+                                Plan::Untracked(vm)
+                            }
+                            Err(e) => Plan::Refused(e),
+                        },
                         (None, Some(id)) if !g.entries.values().any(|e| e.vm.id == id) => {
                             Plan::ReleaseOnly(id.to_owned())
                         }
@@ -934,8 +1072,27 @@ impl Shared {
                 }
                 r
             }
+            Plan::Refused(e) => {
+                // The Pod goes; the VM stays for a Pod of its own namespace (or the orphan policy).
+                let _ = self.refused(pod, e, false);
+                Ok(())
+            }
             Plan::ReleaseOnly(id) => {
-                // The VM is not listed (it was removed before a restart): only the lease may remain.
+                // The VM was not found at start-up (it was removed before a restart): only the
+                // lease may remain — released only when the backend is sure no VM has the id
+                // now (the id comes from the Pod, and a VM of another namespace may have been
+                // created under it since).
+                match self.backend.inspect(&id).await {
+                    Ok(None) => {}
+                    Ok(Some(_)) => {
+                        tracing::info!(vm = %id, "a VM with the pod's id exists now; its lease is not released");
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        tracing::warn!(vm = %id, error = %error_chain(&e), "cannot tell whether the VM exists; its lease is kept");
+                        return Ok(());
+                    }
+                }
                 if let Err(e) = self.backend.release_ip(&id).await {
                     tracing::warn!(vm = %id, error = %error_chain(&e), "releasing the lease of a gone VM failed");
                 }
@@ -964,13 +1121,36 @@ impl Shared {
         };
         let policy = annotations::delete_policy(pod, &vm.name);
         let snapshot = SnapshotRef::latest(&policy.vm_name);
+        let ns = namespace_of(pod);
+        // The snapshot belongs to the VM's owner (a sharing Pod may be deleting it).
+        let owner = self.cfg.namespaces.owner(vm.namespace.as_deref()).to_owned();
         let mut saved = false;
         if policy.save {
+            // Never save over another namespace's snapshot: the VM is kept, and the error says
+            // how to delete it (snapshot-policy never) or share.
+            let existing = self.backend.snapshot_inspect(&snapshot).await.map_err(|source| {
+                unbusy(CocoonProviderError::Snapshot {
+                    key: key.to_owned(),
+                    id: vm.id.clone(),
+                    snapshot: snapshot.clone(),
+                    source: Box::new(source),
+                })
+            })?;
+            if let Some(info) = existing {
+                self.check_namespace(
+                    key,
+                    &ns,
+                    info.namespace.as_deref(),
+                    || format!("snapshot {snapshot}"),
+                    Use::Overwrite,
+                )
+                .map_err(|e| unbusy(self.refused(pod, e, false)))?;
+            }
             let current = self.backend.inspect(&vm.id).await.map_err(|source| {
                 unbusy(CocoonProviderError::Inspect { key: key.to_owned(), id: vm.id.clone(), source })
             })?;
             if current.as_ref().is_some_and(|v| v.state == VmState::Running) {
-                self.backend.snapshot_save(&vm.id, &snapshot).await.map_err(|source| {
+                self.backend.snapshot_save(&vm.id, &snapshot, &owner).await.map_err(|source| {
                     unbusy(CocoonProviderError::Snapshot {
                         key: key.to_owned(),
                         id: vm.id.clone(),
@@ -992,8 +1172,27 @@ impl Shared {
             tracing::warn!(error = %error_chain(&e), "releasing the VM's lease failed (best effort)");
         }
         if !policy.save && !policy.keep {
-            if let Err(e) = self.backend.snapshot_rm(&snapshot).await {
-                tracing::warn!(%snapshot, error = %error_chain(&e), "dropping the VM's snapshot failed (best effort)");
+            // Best effort, and only a snapshot this Pod's namespace may drop.
+            let droppable = match self.backend.snapshot_inspect(&snapshot).await {
+                Ok(Some(info)) => self
+                    .check_namespace(
+                        key,
+                        &ns,
+                        info.namespace.as_deref(),
+                        || format!("snapshot {snapshot}"),
+                        Use::Delete,
+                    )
+                    .is_ok(),
+                Ok(None) => false,
+                Err(e) => {
+                    tracing::warn!(%snapshot, error = %error_chain(&e), "cannot look the VM's snapshot up; it is not dropped");
+                    false
+                }
+            };
+            if droppable {
+                if let Err(e) = self.backend.snapshot_rm(&snapshot).await {
+                    tracing::warn!(%snapshot, error = %error_chain(&e), "dropping the VM's snapshot failed (best effort)");
+                }
             }
         }
         if let Some(gen) = tracked {

@@ -15,6 +15,9 @@ use crate::annotations::*;
 use crate::events::RecordedEvents;
 use crate::test_utils::FakeBackend;
 
+/// The namespace of the test Pods, recorded on the VMs and snapshots they find.
+const NS: Option<&str> = Some("ns");
+
 struct Rig {
     backend: Arc<FakeBackend>,
     provider: CocoonProvider,
@@ -182,13 +185,10 @@ async fn run_uses_the_pod_resources() {
 #[tokio::test(start_paused = true)]
 async fn clone_is_the_default_takes_latest_and_configures_the_network() {
     let mut r = Rig::new();
-    r.backend.add_snapshot(&SnapshotRef::latest("golden"));
+    r.backend.add_snapshot(NS, &SnapshotRef::latest("golden"));
     create(&r, &clone_pod("b", "vm-b", "golden")).await.unwrap();
     let vm = r.vm(&key("b"));
-    assert_eq!(
-        r.backend.calls(),
-        ["snapshot_exists golden:latest", "clone_vm vm-b golden:latest", &format!("configure_network {}", vm.id)]
-    );
+    assert_eq!(r.backend.calls(), ["clone_vm vm-b golden:latest", &format!("configure_network {}", vm.id)]);
     assert_eq!(r.backend.source_of(&vm.id).as_deref(), Some("clone:golden:latest"));
     let last = r.last();
     assert_eq!(ann(&last, LIFECYCLE_STATE).as_deref(), Some("ready"));
@@ -286,7 +286,7 @@ async fn a_failed_listing_fails_the_create_rather_than_boot_a_duplicate() {
 async fn a_live_vm_with_the_name_is_adopted_not_booted() {
     // A VM whose create answer was lost (not in the start-up map): found by a fresh listing.
     let mut r = Rig::new();
-    let vm = r.backend.add_vm("vm-a", VmState::Running);
+    let vm = r.backend.add_vm(NS, "vm-a", VmState::Running);
     create(&r, &run_pod("a", "vm-a", &[])).await.unwrap();
     assert!(r.backend.calls().is_empty(), "no run: {:?}", r.backend.calls());
     assert_eq!(r.vm(&key("a")).id, vm.id);
@@ -297,8 +297,8 @@ async fn a_live_vm_with_the_name_is_adopted_not_booted() {
 #[tokio::test(start_paused = true)]
 async fn adoption_from_the_start_up_map_by_id_then_name() {
     let mut r = Rig::new();
-    let by_id = r.backend.add_vm("old-name", VmState::Running);
-    let by_name = r.backend.add_vm("vm-b", VmState::Running);
+    let by_id = r.backend.add_vm(NS, "old-name", VmState::Running);
+    let by_name = r.backend.add_vm(NS, "vm-b", VmState::Running);
     let a = run_pod("a", "vm-a", &[(VM_ID, &by_id.id), (LIFECYCLE_STATE, "ready")]);
     let b = run_pod("b", "vm-b", &[]);
     let report = r.provider.reconcile_startup(&[a.clone(), b.clone()]).await.unwrap();
@@ -316,7 +316,7 @@ async fn adoption_from_the_start_up_map_by_id_then_name() {
 #[tokio::test(start_paused = true)]
 async fn an_adopted_clone_that_never_got_its_network_gets_it_now() {
     let mut r = Rig::new();
-    let vm = r.backend.add_vm("vm-c", VmState::Running);
+    let vm = r.backend.add_vm(NS, "vm-c", VmState::Running);
     let p = pod("c", &[(VM_NAME, "vm-c"), (MANAGED, "true"), (IMAGE, "golden"), (LIFECYCLE_STATE, "creating")]);
     r.provider.reconcile_startup(std::slice::from_ref(&p)).await.unwrap();
     create(&r, &p).await.unwrap();
@@ -327,13 +327,13 @@ async fn an_adopted_clone_that_never_got_its_network_gets_it_now() {
 #[tokio::test(start_paused = true)]
 async fn a_stopped_vm_is_started_and_a_half_made_one_replaced() {
     let r = Rig::new();
-    let stopped = r.backend.add_vm("vm-s", VmState::Stopped);
+    let stopped = r.backend.add_vm(NS, "vm-s", VmState::Stopped);
     create(&r, &run_pod("s", "vm-s", &[])).await.unwrap();
     assert_eq!(r.backend.calls(), [format!("start {}", stopped.id)]);
     assert_eq!(r.backend.vm(&stopped.id).unwrap().state, VmState::Running);
 
     r.backend.clear_calls();
-    let half = r.backend.add_vm("vm-h", VmState::Creating);
+    let half = r.backend.add_vm(NS, "vm-h", VmState::Creating);
     create(&r, &run_pod("h", "vm-h", &[])).await.unwrap();
     assert_eq!(
         r.backend.calls(),
@@ -345,7 +345,7 @@ async fn a_stopped_vm_is_started_and_a_half_made_one_replaced() {
 #[tokio::test(start_paused = true)]
 async fn a_stopped_vm_that_will_not_start_fails_the_adoption() {
     let mut r = Rig::new();
-    let vm = r.backend.add_vm("vm-s", VmState::Stopped);
+    let vm = r.backend.add_vm(NS, "vm-s", VmState::Stopped);
     let p = run_pod("s", "vm-s", &[]);
     r.provider.reconcile_startup(std::slice::from_ref(&p)).await.unwrap();
     r.backend.fail("start", 1);
@@ -361,7 +361,7 @@ async fn a_stopped_vm_that_will_not_start_fails_the_adoption() {
 #[tokio::test(start_paused = true)]
 async fn post_clone_exhaustion_leaves_a_hint_and_a_failed_lifecycle() {
     let mut r = Rig::new();
-    r.backend.add_snapshot(&SnapshotRef::latest("golden"));
+    r.backend.add_snapshot(NS, &SnapshotRef::latest("golden"));
     r.backend.fail("configure_network", u32::MAX);
     let started = tokio::time::Instant::now();
     create(&r, &clone_pod("b", "vm-b", "golden")).await.unwrap();
@@ -505,7 +505,7 @@ async fn a_failed_remove_keeps_the_entry_and_a_gone_vm_is_fine() {
 #[tokio::test(start_paused = true)]
 async fn policy_never_saves_nothing_and_drops_a_stale_snapshot_unless_kept() {
     let r = Rig::new();
-    r.backend.add_snapshot(&SnapshotRef::latest("vm-a"));
+    r.backend.add_snapshot(NS, &SnapshotRef::latest("vm-a"));
     let a = run_pod("a", "vm-a", &[(SNAPSHOT_POLICY, "never")]);
     create(&r, &a).await.unwrap();
     delete(&r, &a).await.unwrap();
@@ -513,7 +513,7 @@ async fn policy_never_saves_nothing_and_drops_a_stale_snapshot_unless_kept() {
     assert!(r.backend.calls().contains(&"snapshot_rm vm-a:latest".to_string()));
     assert!(r.backend.snapshots().is_empty());
 
-    r.backend.add_snapshot(&SnapshotRef::latest("vm-k"));
+    r.backend.add_snapshot(NS, &SnapshotRef::latest("vm-k"));
     let k = run_pod("k", "vm-k", &[(SNAPSHOT_POLICY, "never"), (KEEP_SNAPSHOT_ON_DELETE, "true")]);
     create(&r, &k).await.unwrap();
     delete(&r, &k).await.unwrap();
@@ -547,7 +547,7 @@ async fn main_only_snapshots_the_main_agent_only() {
 #[tokio::test(start_paused = true)]
 async fn a_stopped_vm_is_removed_without_a_snapshot() {
     let r = Rig::new();
-    r.backend.add_snapshot(&SnapshotRef::latest("vm-a"));
+    r.backend.add_snapshot(NS, &SnapshotRef::latest("vm-a"));
     let a = run_pod("a", "vm-a", &[]);
     create(&r, &a).await.unwrap();
     let id = r.vm(&key("a")).id;
@@ -563,7 +563,7 @@ async fn a_stopped_vm_is_removed_without_a_snapshot() {
 #[tokio::test(start_paused = true)]
 async fn a_delete_after_a_restart_removes_the_vm_found_at_start_up() {
     let r = Rig::new();
-    let vm = r.backend.add_vm("vm-a", VmState::Running);
+    let vm = r.backend.add_vm(NS, "vm-a", VmState::Running);
     let mut a = run_pod("a", "vm-a", &[(VM_ID, &vm.id)]);
     a.metadata.deletion_timestamp =
         Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now()));
@@ -742,11 +742,11 @@ async fn the_spawned_watcher_runs_on_its_period() {
 #[tokio::test(start_paused = true)]
 async fn reconcile_adopts_referenced_vms_and_destroys_orphans() {
     let r = Rig::new();
-    let by_id = r.backend.add_vm("renamed", VmState::Running);
-    let by_name = r.backend.add_vm("vm-b", VmState::Stopped);
-    let orphan = r.backend.add_vm("nobody", VmState::Running);
-    let half = r.backend.add_vm("vm-c", VmState::Creating);
-    let of_failed = r.backend.add_vm("vm-f", VmState::Running);
+    let by_id = r.backend.add_vm(NS, "renamed", VmState::Running);
+    let by_name = r.backend.add_vm(NS, "vm-b", VmState::Stopped);
+    let orphan = r.backend.add_vm(NS, "nobody", VmState::Running);
+    let half = r.backend.add_vm(NS, "vm-c", VmState::Creating);
+    let of_failed = r.backend.add_vm(NS, "vm-f", VmState::Running);
     let mut failed = run_pod("f", "vm-f", &[]);
     failed.status = Some(k8s_openapi::api::core::v1::PodStatus { phase: Some("Failed".into()), ..Default::default() });
     let pods =
@@ -771,7 +771,7 @@ async fn reconcile_adopts_referenced_vms_and_destroys_orphans() {
 async fn orphan_policies_alert_and_keep_leave_the_vm() {
     for policy in [OrphanPolicy::Alert, OrphanPolicy::Keep] {
         let r = Rig::tuned(|c| c.orphan_policy = policy);
-        let orphan = r.backend.add_vm("nobody", VmState::Running);
+        let orphan = r.backend.add_vm(NS, "nobody", VmState::Running);
         let report = r.provider.reconcile_startup(&[]).await.unwrap();
         assert_eq!(report.orphans_left, std::slice::from_ref(&orphan.id), "{policy:?}");
         assert!(r.backend.vm(&orphan.id).is_some(), "{policy:?}");
@@ -782,7 +782,7 @@ async fn orphan_policies_alert_and_keep_leave_the_vm() {
 #[tokio::test(start_paused = true)]
 async fn reconcile_fails_when_the_vms_cannot_be_listed() {
     let r = Rig::new();
-    r.backend.add_vm("nobody", VmState::Running);
+    r.backend.add_vm(NS, "nobody", VmState::Running);
     r.backend.fail("list", 1);
     let e = r.provider.reconcile_startup(&[]).await.unwrap_err();
     assert!(error_chain(&e).contains("cannot be listed"), "{e}");
@@ -810,4 +810,198 @@ async fn a_crashed_provider_leaves_vms_running_and_the_next_one_readopts_them() 
     assert!(phase(&p) == "Running" && ready(&p));
     assert_eq!(p.status.as_ref().unwrap().start_time, api_pod.status.as_ref().unwrap().start_time, "start time kept");
     assert_eq!(second.events.reasons(), [events::RESUMED_AFTER_RESTART]);
+}
+
+// ---------------------------------------------------------------------- namespaces
+
+/// `p` moved to namespace `ns`.
+fn in_ns(mut p: Pod, ns: &str) -> Pod {
+    p.metadata.namespace = Some(ns.into());
+    p
+}
+
+/// A node where `ns` and `team-b` share.
+fn sharing() -> Rig {
+    Rig::tuned(|c| c.namespaces = NamespacePolicy::parse(Some("ns,team-b"), None).unwrap())
+}
+
+/// The refusal is Kubernetes-visible (error, Warning event, lifecycle message), names the rule
+/// and the key that allows sharing, and does not name the other namespace.
+fn assert_refused(r: &mut Rig, e: &str, pod: &str, owner: &str) {
+    assert!(e.contains("belongs to another namespace") && e.contains("VK_SHARED_NAMESPACES"), "{e}");
+    assert!(!e.contains(owner), "the owner {owner} leaks into {e}");
+    let ev =
+        r.events.all().into_iter().rfind(|e| e.reason == events::NAMESPACE_REFUSED).expect("a NamespaceRefused event");
+    assert!(ev.warning && ev.pod == pod && ev.message.contains("VK_SHARED_NAMESPACES"), "{ev:?}");
+    let last = r.last();
+    assert_eq!(phase(&last), "Pending");
+    assert_eq!(ann(&last, LIFECYCLE_STATE).as_deref(), Some("failed"));
+    assert!(ann(&last, LIFECYCLE_MESSAGE).unwrap().contains("own namespace"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pod_cannot_adopt_another_namespaces_live_vm_by_name() {
+    let mut r = Rig::new();
+    create(&r, &run_pod("a", "shared", &[])).await.unwrap();
+    let a = r.vm(&key("a"));
+    r.backend.clear_calls();
+    let b = in_ns(run_pod("b", "shared", &[]), "team-b");
+    let e = create(&r, &b).await.unwrap_err();
+    assert!(e.contains("VM shared belongs to another namespace") && e.contains("may not adopt"), "{e}");
+    assert_refused(&mut r, &e, "team-b/b", "ns/");
+    assert!(r.backend.calls().is_empty(), "nothing booted or touched: {:?}", r.backend.calls());
+    assert!(r.provider.tracked_vm("team-b/b").is_none());
+    assert_eq!(r.backend.vm(&a.id).map(|v| v.state), Some(VmState::Running));
+    // Deleting the refused Pod leaves the other namespace's VM alone.
+    delete(&r, &b).await.unwrap();
+    assert!(r.backend.vm(&a.id).is_some());
+    // Within one namespace the seed's same-name adoption still works.
+    create(&r, &run_pod("c", "shared", &[])).await.unwrap();
+    assert_eq!(r.vm(&key("c")).id, a.id);
+    assert!(r.events.reasons().contains(&events::VM_NAME_SHARED.to_string()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn sharing_namespaces_adopt_each_others_vms_and_others_still_cannot() {
+    let mut r = sharing();
+    create(&r, &run_pod("a", "shared", &[])).await.unwrap();
+    create(&r, &in_ns(run_pod("b", "shared", &[]), "team-b")).await.unwrap();
+    assert_eq!(r.vm(&key("a")).id, r.vm("team-b/b").id, "team-b shares with ns");
+    let e = create(&r, &in_ns(run_pod("c", "shared", &[]), "team-c")).await.unwrap_err();
+    assert_refused(&mut r, &e, "team-c/c", "team-b");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_vm_found_at_start_up_is_adopted_only_by_its_namespace() {
+    let mut r = Rig::new();
+    let vm = r.backend.add_vm(NS, "vm-a", VmState::Running);
+    // An attacker's Pod names the VM by id (annotations are the Pod author's to write) and by name.
+    let by_id = in_ns(run_pod("x", "mine", &[(VM_ID, &vm.id)]), "team-b");
+    let by_name = in_ns(run_pod("y", "vm-a", &[]), "team-b");
+    let owner = run_pod("a", "vm-a", &[(VM_ID, &vm.id)]);
+    let report = r.provider.reconcile_startup(&[by_id.clone(), by_name.clone(), owner.clone()]).await.unwrap();
+    assert_eq!(report.adoptable, std::slice::from_ref(&vm.id));
+    let e = create(&r, &by_id).await.unwrap_err();
+    assert!(e.contains(&format!("VM {} belongs to another namespace", vm.id)), "{e}");
+    assert_refused(&mut r, &e, "team-b/x", "ns/");
+    let e = create(&r, &by_name).await.unwrap_err();
+    assert_refused(&mut r, &e, "team-b/y", "ns/");
+    assert_eq!(r.provider.adoptable().len(), 1, "still waiting for its own pod");
+    assert!(r.backend.calls().is_empty(), "{:?}", r.backend.calls());
+    create(&r, &owner).await.unwrap();
+    assert_eq!(r.vm(&key("a")).id, vm.id);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pod_cannot_delete_another_namespaces_vm_after_a_restart() {
+    let r = Rig::new();
+    let vm = r.backend.add_vm(NS, "vm-a", VmState::Running);
+    let attacker = in_ns(run_pod("x", "vm-a", &[(VM_ID, &vm.id)]), "team-b");
+    r.provider.reconcile_startup(std::slice::from_ref(&attacker)).await.unwrap();
+    delete(&r, &attacker).await.unwrap();
+    assert!(r.backend.calls().is_empty(), "nothing removed, saved or released: {:?}", r.backend.calls());
+    assert_eq!(r.backend.vm(&vm.id).map(|v| v.state), Some(VmState::Running));
+    assert_eq!(r.provider.adoptable().len(), 1);
+    let ev = r.events.all().pop().unwrap();
+    assert_eq!((ev.reason.as_str(), ev.pod.as_str()), (events::NAMESPACE_REFUSED, "team-b/x"));
+    assert!(ev.message.contains("may not delete") && ev.message.contains("VK_SHARED_NAMESPACES"), "{}", ev.message);
+    // Its own namespace's Pod deletes it.
+    delete(&r, &run_pod("a", "vm-a", &[(VM_ID, &vm.id)])).await.unwrap();
+    assert!(r.backend.vm(&vm.id).is_none());
+    assert_eq!(r.backend.snapshot_namespace(&SnapshotRef::latest("vm-a")).as_deref(), Some("ns"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn clones_need_a_snapshot_of_the_pods_namespace_or_a_sharing_one() {
+    let mut r = Rig::new();
+    r.backend.add_snapshot(Some("golden"), &SnapshotRef::latest("golden"));
+    let e = create(&r, &clone_pod("b", "vm-b", "golden")).await.unwrap_err();
+    assert!(e.contains("snapshot golden:latest belongs to another namespace") && e.contains("may not clone"), "{e}");
+    assert_refused(&mut r, &e, "ns/b", "golden namespace");
+    assert!(r.backend.vms().is_empty() && r.backend.calls().is_empty());
+    // Allowed once golden and ns share.
+    let r = Rig::tuned(|c| c.namespaces = NamespacePolicy::parse(Some("golden,ns"), None).unwrap());
+    r.backend.add_snapshot(Some("golden"), &SnapshotRef::latest("golden"));
+    create(&r, &clone_pod("b", "vm-b", "golden")).await.unwrap();
+    let vm = r.vm(&key("b"));
+    assert_eq!(vm.namespace.as_deref(), Some("ns"), "the clone belongs to the pod's namespace");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_name_whose_saved_state_is_another_namespaces_is_refused() {
+    // team-b's delete would save or drop vm-a:latest, which is ns's.
+    let mut r = Rig::new();
+    r.backend.add_snapshot(NS, &SnapshotRef::latest("vm-a"));
+    let e = create(&r, &in_ns(run_pod("b", "vm-a", &[]), "team-b")).await.unwrap_err();
+    assert!(
+        e.contains("the name vm-a (its snapshot vm-a:latest exists)") && e.contains("may not reuse the name"),
+        "{e}"
+    );
+    assert_refused(&mut r, &e, "team-b/b", "ns/");
+    assert!(r.backend.vms().is_empty());
+    // Its own namespace boots under the name.
+    create(&r, &run_pod("a", "vm-a", &[])).await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_delete_never_overwrites_or_drops_another_namespaces_snapshot() {
+    let r = Rig::new();
+    let a = run_pod("a", "vm-a", &[]);
+    create(&r, &a).await.unwrap();
+    let id = r.vm(&key("a")).id;
+    // Meanwhile another namespace's snapshot took the name (e.g. `chrysalis snapshot save --namespace`).
+    r.backend.add_snapshot(Some("team-b"), &SnapshotRef::latest("vm-a"));
+    r.backend.clear_calls();
+    let e = delete(&r, &a).await.unwrap_err();
+    assert!(
+        e.contains("snapshot vm-a:latest belongs to another namespace") && e.contains("snapshot-policy: never"),
+        "{e}"
+    );
+    assert!(r.backend.calls().is_empty(), "{:?}", r.backend.calls());
+    assert!(r.backend.vm(&id).is_some() && r.provider.tracked_vm(&key("a")).is_some(), "the VM is kept");
+    assert_eq!(r.events.reasons().last().map(String::as_str), Some(events::NAMESPACE_REFUSED));
+    // The pod's author switches to `never`: the VM goes, the other namespace's snapshot stays.
+    let never = run_pod("a", "vm-a", &[(SNAPSHOT_POLICY, "never")]);
+    r.provider.update_pod(&never).await.unwrap();
+    delete(&r, &never).await.unwrap();
+    assert!(r.backend.vm(&id).is_none());
+    assert_eq!(r.backend.snapshot_namespace(&SnapshotRef::latest("vm-a")).as_deref(), Some("team-b"));
+    assert!(!r.backend.calls().iter().any(|c| c.starts_with("snapshot_")), "{:?}", r.backend.calls());
+}
+
+#[tokio::test(start_paused = true)]
+async fn snapshots_record_the_vms_owner_even_when_a_sharing_pod_deletes_it() {
+    let r = sharing();
+    create(&r, &run_pod("a", "vm-a", &[])).await.unwrap();
+    let b = in_ns(run_pod("b", "vm-a", &[]), "team-b");
+    create(&r, &b).await.unwrap();
+    assert_eq!(r.vm("team-b/b").namespace.as_deref(), Some("ns"));
+    delete(&r, &b).await.unwrap();
+    assert_eq!(r.backend.snapshot_namespace(&SnapshotRef::latest("vm-a")).as_deref(), Some("ns"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn records_without_a_namespace_belong_to_the_legacy_namespace() {
+    // A VM and a snapshot from before namespaces were recorded.
+    let mut r = Rig::new();
+    let old = r.backend.add_vm(None, "old-vm", VmState::Running);
+    r.backend.add_snapshot(None, &SnapshotRef::latest("old-snap"));
+    let pods = [run_pod("a", "old-vm", &[(VM_ID, &old.id)]), in_ns(run_pod("d", "old-vm", &[]), "default")];
+    // Referenced only by a pod that may not use it, it would still not be destroyed.
+    let report = r.provider.reconcile_startup(&pods[..1]).await.unwrap();
+    assert_eq!(report.adoptable, std::slice::from_ref(&old.id));
+    assert!(report.orphans_destroyed.is_empty());
+    let e = create(&r, &pods[0]).await.unwrap_err();
+    assert!(e.contains("recorded without a namespace") && e.contains("VK_LEGACY_NAMESPACE"), "{e}");
+    assert_refused(&mut r, &e, "ns/a", "default/");
+    let e = create(&r, &clone_pod("c", "vm-c", "old-snap")).await.unwrap_err();
+    assert!(e.contains("recorded without a namespace"), "{e}");
+    // `default` owns them.
+    create(&r, &pods[1]).await.unwrap();
+    assert_eq!(r.vm("default/d").id, old.id);
+    create(&r, &in_ns(clone_pod("c", "vm-c", "old-snap"), "default")).await.unwrap();
+    // VK_LEGACY_NAMESPACE names another owner.
+    let r = Rig::tuned(|c| c.namespaces = NamespacePolicy::parse(None, Some("ns")).unwrap());
+    r.backend.add_snapshot(None, &SnapshotRef::latest("old-snap"));
+    create(&r, &clone_pod("c", "vm-c", "old-snap")).await.unwrap();
 }

@@ -7,7 +7,10 @@
 //! * A VM still `Creating` was left by a crashed create: removed, its lease released.
 //! * A VM referenced by a live (not `Failed`/`Succeeded`) Pod on this node — its
 //!   `vm.cocoonstack.io/id`, else its `vm.cocoonstack.io/name` — becomes *adoptable*: the Pod's
-//!   CreatePod adopts it (by id, then name), its DeletePod removes it.
+//!   CreatePod adopts it (by id, then name), its DeletePod removes it — when the Pod's
+//!   namespace may use the VM ([`crate::namespaces`]). A VM referenced only by Pods of other
+//!   namespaces is kept all the same (logged): those Pods are refused, and the VM waits for a
+//!   Pod of its own namespace; a namespace mismatch is no proof that nobody wants it.
 //! * Every other VM is an orphan, handled per `VK_ORPHAN_POLICY`: `destroy` removes it and
 //!   releases its lease (no snapshot: no Pod says which policy applies), `alert` logs a
 //!   warning, `keep` logs at info. The Pod list must be complete (the caller lists every Pod
@@ -16,7 +19,7 @@
 //! Nothing else is persisted: the backend's list (durable names) plus the Pods' annotations
 //! are the whole state.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Pod;
 
@@ -45,14 +48,16 @@ impl CocoonProvider {
         let shared = &self.0;
         let vms = shared.backend.list().await.map_err(CocoonProviderError::Reconcile)?;
         let live = pods.iter().filter(|p| !vnode::sync::is_finished(p));
-        let mut ids = BTreeSet::new();
-        let mut names = BTreeSet::new();
+        // id / name → the namespaces of the Pods that reference it.
+        let mut ids: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let mut names: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         for p in live {
+            let ns = p.metadata.namespace.clone().unwrap_or_default();
             if let Some(id) = annotations::value(p, annotations::VM_ID) {
-                ids.insert(id.to_owned());
+                ids.entry(id.to_owned()).or_default().insert(ns.clone());
             }
             if let Some(n) = annotations::value(p, annotations::VM_NAME) {
-                names.insert(n.to_owned());
+                names.entry(n.to_owned()).or_default().insert(ns);
             }
         }
         let mut report = ReconcileReport::default();
@@ -77,8 +82,16 @@ impl CocoonProvider {
                 }
                 continue;
             }
-            if ids.contains(&vm.id) || names.contains(&vm.name) {
-                tracing::info!(vm = %vm.id, name = %vm.name, state = ?vm.state, "a pod references this VM; it will be adopted");
+            let referrers: BTreeSet<&String> =
+                ids.get(&vm.id).into_iter().chain(names.get(&vm.name)).flatten().collect();
+            if !referrers.is_empty() {
+                let policy = &shared.cfg.namespaces;
+                if referrers.iter().any(|ns| policy.permits(ns, vm.namespace.as_deref())) {
+                    tracing::info!(vm = %vm.id, name = %vm.name, state = ?vm.state, "a pod references this VM; it will be adopted");
+                } else {
+                    // Kept all the same: a namespace mismatch is no proof the VM is unwanted.
+                    tracing::warn!(vm = %vm.id, name = %vm.name, owner = policy.owner(vm.namespace.as_deref()), referrers = ?referrers, "only pods of other namespaces reference this VM; it is kept, and they will be refused (VK_SHARED_NAMESPACES, VK_LEGACY_NAMESPACE)");
+                }
                 report.adoptable.push(vm.id.clone());
                 let mut g = shared.lock();
                 g.restarted.insert(vm.id.clone());

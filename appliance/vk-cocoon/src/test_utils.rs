@@ -6,7 +6,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard};
 
-use crate::backend::{BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotRef, VmBackend, VmInfo, VmState};
+use crate::backend::{
+    BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotInfo, SnapshotRef, VmBackend, VmInfo, VmState,
+};
 
 /// The failure a [`FakeBackend`] injects.
 #[derive(Debug, thiserror::Error)]
@@ -24,7 +26,8 @@ struct FakeVm {
 #[derive(Debug, Default)]
 struct FakeState {
     vms: BTreeMap<String, FakeVm>,
-    snapshots: BTreeMap<SnapshotRef, String>,
+    /// Snapshot → (the name of the VM it was saved from, its owning namespace).
+    snapshots: BTreeMap<SnapshotRef, (String, Option<String>)>,
     leases: BTreeSet<String>,
     next: u64,
     calls: Vec<String>,
@@ -77,7 +80,7 @@ impl FakeBackend {
         self.lock().no_ip = true;
     }
 
-    /// Every call so far, `op arg…` (probes and listings excluded, they are noisy).
+    /// Every call so far, `op arg…` (probes, listings and inspections excluded: they are reads, and noisy).
     pub fn calls(&self) -> Vec<String> {
         self.lock().calls.clone()
     }
@@ -87,18 +90,19 @@ impl FakeBackend {
         self.lock().calls.clear();
     }
 
-    /// A VM that exists already (as if created by an earlier provider process).
-    pub fn add_vm(&self, name: &str, state: VmState) -> VmInfo {
+    /// A VM that exists already (as if created by an earlier provider process), owned by
+    /// `namespace` (`None`: a record from before namespaces were recorded).
+    pub fn add_vm(&self, namespace: Option<&str>, name: &str, state: VmState) -> VmInfo {
         let mut s = self.lock();
-        let info = Self::new_vm(&mut s, name, Hypervisor::Qemu);
+        let info = Self::new_vm(&mut s, name, namespace, Hypervisor::Qemu);
         let info = VmInfo { state, ..info };
         s.vms.insert(info.id.clone(), FakeVm { info: info.clone(), agent_ok: true, source: "preexisting".into() });
         info
     }
 
-    /// A snapshot in the library.
-    pub fn add_snapshot(&self, snapshot: &SnapshotRef) {
-        self.lock().snapshots.insert(snapshot.clone(), "preexisting".into());
+    /// A snapshot in the library, owned by `namespace` (`None`: saved without one).
+    pub fn add_snapshot(&self, namespace: Option<&str>, snapshot: &SnapshotRef) {
+        self.lock().snapshots.insert(snapshot.clone(), ("preexisting".into(), namespace.map(str::to_owned)));
     }
 
     /// The VM's state changes (e.g. to `Stopped`: the hypervisor died).
@@ -137,7 +141,12 @@ impl FakeBackend {
 
     /// Snapshot → the name of the VM it was saved from.
     pub fn snapshots(&self) -> BTreeMap<SnapshotRef, String> {
-        self.lock().snapshots.clone()
+        self.lock().snapshots.iter().map(|(k, (vm, _))| (k.clone(), vm.clone())).collect()
+    }
+
+    /// The namespace a snapshot records (`None`: absent, or saved without one).
+    pub fn snapshot_namespace(&self, snapshot: &SnapshotRef) -> Option<String> {
+        self.lock().snapshots.get(snapshot).and_then(|(_, ns)| ns.clone())
     }
 
     /// VM ids holding a network lease.
@@ -145,13 +154,14 @@ impl FakeBackend {
         self.lock().leases.clone()
     }
 
-    fn new_vm(s: &mut FakeState, name: &str, hypervisor: Hypervisor) -> VmInfo {
+    fn new_vm(s: &mut FakeState, name: &str, namespace: Option<&str>, hypervisor: Hypervisor) -> VmInfo {
         s.next += 1;
         let n = s.next;
         s.leases.insert(format!("vm-{n}"));
         VmInfo {
             id: format!("vm-{n}"),
             name: name.to_owned(),
+            namespace: namespace.map(str::to_owned),
             ip: (!s.no_ip).then(|| format!("10.88.0.{}", n % 250 + 2)),
             state: VmState::Running,
             hypervisor,
@@ -160,7 +170,7 @@ impl FakeBackend {
 
     /// Logs the call and answers an injected failure, if one is due.
     fn enter(&self, s: &mut FakeState, op: &'static str, arg: &str) -> Result<(), BackendError> {
-        if !matches!(op, "probe_agent" | "list" | "inspect") {
+        if !matches!(op, "probe_agent" | "list" | "inspect" | "snapshot_inspect") {
             s.calls.push(format!("{op} {arg}"));
         }
         if let Some(n) = s.failures.get_mut(op) {
@@ -174,7 +184,13 @@ impl FakeBackend {
         Ok(())
     }
 
-    fn create(&self, name: &str, hypervisor: Hypervisor, source: String) -> Result<VmInfo, BackendError> {
+    fn create(
+        &self,
+        name: &str,
+        namespace: &str,
+        hypervisor: Hypervisor,
+        source: String,
+    ) -> Result<VmInfo, BackendError> {
         let mut s = self.lock();
         if let Some(v) = s.vms.values().find(|v| v.info.name == name) {
             return Err(BackendError::NameInUse { name: name.to_owned(), id: v.info.id.clone() });
@@ -182,7 +198,7 @@ impl FakeBackend {
         if !self.hypervisors.contains(&hypervisor) {
             return Err(BackendError::Unsupported { what: format!("hypervisor {hypervisor}") });
         }
-        let info = Self::new_vm(&mut s, name, hypervisor);
+        let info = Self::new_vm(&mut s, name, Some(namespace), hypervisor);
         s.vms.insert(info.id.clone(), FakeVm { info: info.clone(), agent_ok: true, source });
         Ok(info)
     }
@@ -200,7 +216,7 @@ impl VmBackend for FakeBackend {
             let arg = format!("{} {} {}x{}", req.name, req.image, req.vcpus, req.memory_mib);
             self.enter(&mut s, "run", &arg)?;
         }
-        self.create(&req.name, req.hypervisor, format!("run:{}", req.image))
+        self.create(&req.name, &req.namespace, req.hypervisor, format!("run:{}", req.image))
     }
 
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmInfo, BackendError> {
@@ -211,7 +227,7 @@ impl VmBackend for FakeBackend {
                 return Err(BackendError::NotFound { what: format!("snapshot {}", req.snapshot) });
             }
         }
-        self.create(&req.name, req.hypervisor, format!("clone:{}", req.snapshot))
+        self.create(&req.name, &req.namespace, req.hypervisor, format!("clone:{}", req.snapshot))
     }
 
     async fn configure_network(&self, id: &str) -> Result<(), BackendError> {
@@ -255,7 +271,7 @@ impl VmBackend for FakeBackend {
         Ok(())
     }
 
-    async fn snapshot_save(&self, id: &str, snapshot: &SnapshotRef) -> Result<(), BackendError> {
+    async fn snapshot_save(&self, id: &str, snapshot: &SnapshotRef, namespace: &str) -> Result<(), BackendError> {
         let mut s = self.lock();
         self.enter(&mut s, "snapshot_save", &format!("{id} {snapshot}"))?;
         let name = match s.vms.get(id) {
@@ -263,14 +279,14 @@ impl VmBackend for FakeBackend {
             Some(_) => return Err(BackendError::failed("snapshot_save", id, Injected)),
             None => return Err(BackendError::NotFound { what: format!("VM {id}") }),
         };
-        s.snapshots.insert(snapshot.clone(), name);
+        s.snapshots.insert(snapshot.clone(), (name, Some(namespace.to_owned())));
         Ok(())
     }
 
-    async fn snapshot_exists(&self, snapshot: &SnapshotRef) -> Result<bool, BackendError> {
+    async fn snapshot_inspect(&self, snapshot: &SnapshotRef) -> Result<Option<SnapshotInfo>, BackendError> {
         let mut s = self.lock();
-        self.enter(&mut s, "snapshot_exists", &snapshot.to_string())?;
-        Ok(s.snapshots.contains_key(snapshot))
+        self.enter(&mut s, "snapshot_inspect", &snapshot.to_string())?;
+        Ok(s.snapshots.get(snapshot).map(|(_, ns)| SnapshotInfo { namespace: ns.clone() }))
     }
 
     async fn snapshot_rm(&self, snapshot: &SnapshotRef) -> Result<(), BackendError> {

@@ -21,6 +21,8 @@
 //! between the boot and the record update.
 //!
 //! # Operations
+//! * Owners: the record keeps the creating Pod's namespace, the snapshot manifest the saving
+//!   VM owner's (`images::SnapshotManifest::namespace`); records from before either have none.
 //! * `run`: claim the record (exclusive create: a second VM of the name is
 //!   [`BackendError::NameInUse`]) → resolve the image → lease + TAP → boot with the NIC → wait for
 //!   the agent (`VK_BOOT_TIMEOUT`, default 300 s: TCG is slow). Any failure undoes it all.
@@ -57,7 +59,9 @@ use silkd_client::{AgentConn, ExecOptions};
 use vmm::{AccelPreference, AfterSnapshot, BootSpec, Driver, NicSpec, RestoreOptions, SizeClass, VmId, AGENT_PORT};
 use vmnet::{Ipv4Net, Lease, NetConfig, Network};
 
-use crate::backend::{BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotRef, VmBackend, VmInfo, VmState};
+use crate::backend::{
+    BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotInfo, SnapshotRef, VmBackend, VmInfo, VmState,
+};
 use crate::config::ConfigError;
 
 /// The prefix of every VM id this backend makes.
@@ -244,6 +248,9 @@ enum RecordState {
 struct Record {
     id: String,
     name: String,
+    /// The owning namespace; absent in records written before it was recorded.
+    #[serde(default)]
+    namespace: Option<String>,
     hypervisor: Hypervisor,
     state: RecordState,
     /// The current hypervisor instance.
@@ -455,6 +462,7 @@ impl VmmBackend {
         VmInfo {
             id: rec.id.clone(),
             name: rec.name.clone(),
+            namespace: rec.namespace.clone(),
             ip: leases.get(&rec.id).map(|l| l.ip.to_string()),
             state,
             hypervisor: rec.hypervisor,
@@ -475,6 +483,7 @@ impl VmmBackend {
                 out.push(VmInfo {
                     id: owner.to_owned(),
                     name: String::new(),
+                    namespace: None,
                     ip: leases.get(owner).map(|l| l.ip.to_string()),
                     state: VmState::Creating,
                     hypervisor: Hypervisor::Qemu,
@@ -553,7 +562,14 @@ impl VmmBackend {
         }
     }
 
-    fn claim(&self, id: &str, name: &str, hypervisor: Hypervisor, source: String) -> Result<(), BackendError> {
+    fn claim(
+        &self,
+        id: &str,
+        name: &str,
+        namespace: &str,
+        hypervisor: Hypervisor,
+        source: String,
+    ) -> Result<(), BackendError> {
         if let Some(r) = self.load_record(id)? {
             return Err(BackendError::NameInUse { name: r.name, id: r.id });
         }
@@ -561,6 +577,7 @@ impl VmmBackend {
             &Record {
                 id: id.to_owned(),
                 name: name.to_owned(),
+                namespace: Some(namespace.to_owned()),
                 hypervisor,
                 state: RecordState::Creating,
                 vmm_id: None,
@@ -604,6 +621,7 @@ impl VmmBackend {
         Ok(VmInfo {
             id: id.to_owned(),
             name: req.name.clone(),
+            namespace: Some(req.namespace.clone()),
             ip: Some(lease.ip.to_string()),
             state: VmState::Running,
             hypervisor: req.hypervisor,
@@ -646,6 +664,7 @@ impl VmmBackend {
         Ok(VmInfo {
             id: id.to_owned(),
             name: req.name.clone(),
+            namespace: Some(req.namespace.clone()),
             ip: Some(lease.ip.to_string()),
             state: VmState::Running,
             hypervisor: req.hypervisor,
@@ -675,7 +694,7 @@ impl VmBackend for VmmBackend {
         if let Some(b) = req.storage_bytes {
             tracing::info!(vm = %id, bytes = b, "storage size ignored: the VM's writable layer is the image's");
         }
-        self.claim(&id, &req.name, req.hypervisor, format!("run {}", req.image))?;
+        self.claim(&id, &req.name, &req.namespace, req.hypervisor, format!("run {}", req.image))?;
         let t0 = std::time::Instant::now();
         match tracing::Instrument::instrument(self.run_inner(&id, req, size), span).await {
             Ok(v) => {
@@ -693,7 +712,7 @@ impl VmBackend for VmmBackend {
         let id = vm_id_for(&req.name);
         let span = tracing::info_span!("backend_clone", vm = %id, name = %req.name, snapshot = %req.snapshot);
         self.check_common(req.hypervisor, req.network.as_deref())?;
-        self.claim(&id, &req.name, req.hypervisor, format!("clone {}", req.snapshot))?;
+        self.claim(&id, &req.name, &req.namespace, req.hypervisor, format!("clone {}", req.snapshot))?;
         let t0 = std::time::Instant::now();
         match tracing::Instrument::instrument(self.clone_inner(&id, req), span).await {
             Ok(v) => {
@@ -804,7 +823,7 @@ impl VmBackend for VmmBackend {
         Ok(())
     }
 
-    async fn snapshot_save(&self, id: &str, snapshot: &SnapshotRef) -> Result<(), BackendError> {
+    async fn snapshot_save(&self, id: &str, snapshot: &SnapshotRef, namespace: &str) -> Result<(), BackendError> {
         let vm = self.live_vm(id).await?;
         let target = format!("{snapshot} of VM {id}");
         let scratch = {
@@ -819,9 +838,9 @@ impl VmBackend for VmmBackend {
             .snapshot(&vm, &dir, AfterSnapshot::Resumed)
             .await
             .map_err(|e| failed("snapshotting", target.clone(), e))?;
-        let (store, name) = (self.store.clone(), snapshot.to_string());
+        let (store, name, ns) = (self.store.clone(), snapshot.to_string(), namespace.to_owned());
         let digest = blocking("storing", &target, move || {
-            let r = store.save_snapshot_moving(&name, &snap);
+            let r = store.save_snapshot_moving_for(&name, &snap, Some(&ns));
             drop(scratch);
             r
         })
@@ -831,12 +850,15 @@ impl VmBackend for VmmBackend {
         Ok(())
     }
 
-    async fn snapshot_exists(&self, snapshot: &SnapshotRef) -> Result<bool, BackendError> {
+    async fn snapshot_inspect(&self, snapshot: &SnapshotRef) -> Result<Option<SnapshotInfo>, BackendError> {
         let (store, r) = (self.store.clone(), snapshot.to_string());
         let target = r.clone();
         blocking("looking up", &target, move || match store.lookup(&r) {
-            Ok(d) => store.manifest(&d).map(|m| m.kind() == images::Kind::Snapshot),
-            Err(images::ImageError::NotFound { .. }) => Ok(false),
+            Ok(d) => store.manifest(&d).map(|m| match m {
+                images::Manifest::Snapshot(s) => Some(SnapshotInfo { namespace: s.namespace }),
+                images::Manifest::Image(_) => None,
+            }),
+            Err(images::ImageError::NotFound { .. }) => Ok(None),
             Err(e) => Err(e),
         })
         .await?
@@ -976,6 +998,17 @@ mod tests {
         assert_eq!(owner_of("base-0a1b2c3d"), None, "not ours");
         assert_eq!(owner_of("vc-x-0a1b2c3"), None);
         assert_eq!(owner_of("vc-x-0A1B2C3D"), None);
+    }
+
+    #[test]
+    fn records_keep_their_namespace_and_old_records_read_as_none() {
+        let old = r#"{"id":"vc-a","name":"a","hypervisor":"qemu","state":"created","source":"run x","created_at_epoch_secs":1}"#;
+        let rec: Record = serde_json::from_str(old).unwrap();
+        assert_eq!(rec.namespace, None, "a record from before namespaces were recorded");
+        let mut new = rec.clone();
+        new.namespace = Some("team-a".into());
+        let back: Record = serde_json::from_slice(&serde_json::to_vec(&new).unwrap()).unwrap();
+        assert_eq!(back.namespace.as_deref(), Some("team-a"));
     }
 
     #[test]

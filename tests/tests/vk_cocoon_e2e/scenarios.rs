@@ -44,6 +44,7 @@ pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
         ("provider_kill9_leaves_vms_running_and_the_restart_readopts_them", kill9),
         ("readiness_follows_the_probe_port", readiness),
         ("a_vm_that_dies_is_restarted_then_evicted_when_it_dies_again_or_vanishes", vm_deaths),
+        ("another_namespace_cannot_adopt_clone_or_reuse_the_vm_or_its_snapshot", other_namespace),
     ],
 });
 
@@ -406,5 +407,80 @@ fn vm_deaths(env: &mut Env, ns: &str) -> Outcome {
         p["status"]["phase"] == "Failed" && p["status"]["reason"] == "VMGone"
     })?;
     ensure!(p["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "VMGone", "status {}", p["status"]);
+    Ok(())
+}
+
+fn other_namespace(env: &mut Env, ns: &str) -> Outcome {
+    // A second namespace that does not contain the first one's name (the refusals must not
+    // name the owner, so no message may contain `ns`).
+    let other = format!("x{}", ns.get(1..).unwrap_or_default());
+    env.kubectl_ok(&["create", "namespace", &other])?;
+    let result = cross_namespace(env, ns, &other);
+    let _ = env.kubectl(&["delete", "namespace", &other, "--wait=false"]);
+    result
+}
+
+/// vk-cocoon's namespace rule (`namespaces.rs`), with nothing shared (`VK_SHARED_NAMESPACES`
+/// unset): a Pod of `other` can neither adopt `ns`'s VM by naming it, nor delete it by
+/// deleting itself, nor clone the snapshot its deletion saved, nor boot a VM under its name.
+fn cross_namespace(env: &mut Env, ns: &str, other: &str) -> Outcome {
+    env.apply(ns, &sandbox("owner", run_vm("ns-owned", BASE, "always")))?;
+    let owner = running(env, ns, "owner")?;
+    let (id, _) = vm_of(env, &owner, "ns-owned")?;
+    let pid = env.instances(&id).first().map(|v| v.pid).ok_or("no instance")?;
+    let rec = std::fs::read(env.root.join("cocoon").join(format!("{id}.json"))).map_err(|e| e.to_string())?;
+    let rec: Value = serde_json::from_slice(&rec).map_err(|e| e.to_string())?;
+    ensure!(rec["namespace"] == ns, "the VM record does not name its namespace {ns}: {rec}");
+    let refused = |env: &Env, name: &str, needle: &str| -> Outcome {
+        env.wait_provider_failed(other, name, "Pending", QUICK, &[needle, "own namespace", "VK_SHARED_NAMESPACES"])?;
+        let events = poll("a NamespaceRefused event", QUICK, || {
+            let ev = env.events(other, name)?;
+            Ok(ev.iter().any(|(t, r, _)| t == "Warning" && r == "NamespaceRefused").then_some(ev))
+        })?;
+        ensure!(
+            !events.iter().any(|(_, _, m)| m.contains(ns)),
+            "an event names the owner's namespace {ns}: {events:?}"
+        );
+        env.wait_pod(other, name, "lifecycle-state failed", QUICK, |p| annotation(p, LIFECYCLE) == Some("failed"))?;
+        Ok(())
+    };
+
+    // 1. Naming the live VM does not adopt it (within one namespace it would: same_vm_name).
+    env.apply(other, &pod("intruder", run_vm("ns-owned", BASE, "never"), json!({})))?;
+    refused(env, "intruder", "VM ns-owned belongs to another namespace")?;
+    // 2. Deleting the refused pod leaves the VM alone.
+    env.kubectl_ok(&["delete", "pod", "intruder", "-n", other, "--wait=true", "--timeout=60s"])?;
+    let inst = env.instances(&id);
+    ensure!(inst.len() == 1 && inst[0].pid == pid, "the owner's QEMU {pid} was touched: {inst:?}");
+    let p = ready(env, ns, "owner", QUICK)?;
+    ensure!(annotation(&p, ID) == Some(id.as_str()), "the owner's id changed to {:?}", annotation(&p, ID));
+
+    // 3. The owner's deletion saves ns-owned:latest, recorded as ns's.
+    env.kubectl_ok(&["delete", "sandbox", "owner", "-n", ns, "--wait=true", "--timeout=240s"])?;
+    poll("ns-owned:latest saved as the namespace's and the VM removed", Duration::from_secs(240), || {
+        let store = env.store()?;
+        let owner = match store.lookup("ns-owned:latest") {
+            Ok(d) => store.manifest(&d).map_err(|e| e.to_string())?.namespace().map(str::to_owned),
+            Err(_) => None,
+        };
+        let gone = env.instances(&id).is_empty() && !env.has_record(&id);
+        Ok((owner.as_deref() == Some(ns) && gone).then_some(()))
+    })?;
+
+    // 4. Another namespace cannot clone it, 5. nor boot a VM under its name.
+    let mut clone = run_vm("x-clone", "ns-owned", "never");
+    clone["cocoonset.cocoonstack.io/mode"] = json!("clone");
+    env.apply(other, &pod("cloner", clone, json!({})))?;
+    refused(env, "cloner", "snapshot ns-owned:latest belongs to another namespace")?;
+    env.apply(other, &pod("squatter", run_vm("ns-owned", BASE, "never"), json!({})))?;
+    refused(env, "squatter", "the name ns-owned")?;
+    for vm in ["x-clone", "ns-owned"] {
+        let id = vm_id(vm);
+        ensure!(env.instances(&id).is_empty() && !env.has_record(&id), "a VM {id} was created for another namespace");
+    }
+    let store = env.store()?;
+    let d = store.lookup("ns-owned:latest").map_err(|e| format!("the snapshot is gone: {e}"))?;
+    ensure!(store.manifest(&d).map_err(|e| e.to_string())?.namespace() == Some(ns), "the snapshot changed owner");
+    env.kubectl_ok(&["delete", "pods", "--all", "-n", other, "--wait=true", "--timeout=60s"])?;
     Ok(())
 }

@@ -395,6 +395,22 @@ fn node_names_default_from_the_hostname_and_are_checked() {
     only_issue(load(&f.paths()).unwrap().validate(&env()), "vk_cocoon.node_name");
     f.write("esp/chrysalis/config.toml", &format!("{cluster}[vk_cocoon]\npool = \"-x\"\n"));
     only_issue(load(&f.paths()).unwrap().validate(&env()), "vk_cocoon.pool");
+    for bad in ["[[\"team-a\"]]", "[[\"a\", \"a\"]]", "[[\"a\", \"Team_B\"]]"] {
+        f.write("esp/chrysalis/config.toml", &format!("{cluster}[vk_cocoon]\nshared_namespaces = {bad}\n"));
+        let i = only_issue(load(&f.paths()).unwrap().validate(&env()), "vk_cocoon.shared_namespaces");
+        assert!(i.fix.contains("golden"), "{i}");
+    }
+    f.write("esp/chrysalis/config.toml", &format!("{cluster}[vk_cocoon]\nlegacy_namespace = \"Default\"\n"));
+    only_issue(load(&f.paths()).unwrap().validate(&env()), "vk_cocoon.legacy_namespace");
+    f.write(
+        "esp/chrysalis/config.toml",
+        &format!(
+            "{cluster}[vk_cocoon]\nshared_namespaces = [[\"golden\", \"team-a\"]]\nlegacy_namespace = \"agents\"\n"
+        ),
+    );
+    let s = load(&f.paths()).unwrap().validate(&env()).unwrap();
+    assert_eq!(s.config.vk_cocoon.shared_namespaces_env().as_deref(), Some("golden,team-a"));
+    assert!(valid_namespace("team-a") && !valid_namespace("a.b") && !valid_namespace(&"a".repeat(64)));
     assert!(valid_node_name("edge-1.example") && !valid_node_name("Edge") && !valid_node_name("a..b"));
     assert!(!valid_node_name(&"a".repeat(64)));
 }
