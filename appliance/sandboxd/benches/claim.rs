@@ -132,7 +132,11 @@ async fn claim_latency() -> Result<()> {
     let mut opts = sandboxd::node::NodeOptions::new(dir.path().join("data"), sandboxd::test_utils::fake_catalog());
     let prefill = PHASES * CLAIMS + 10;
     // Fake VMs take no memory: a budget that holds the whole pre-fill.
-    opts.limits.budget = sandboxd::limits::Budget { max_vms: prefill * 2, max_memory_mib: (prefill as u64) * 2 * 512 };
+    opts.limits.budget = sandboxd::limits::Budget {
+        max_vms: prefill * 2,
+        max_memory_mib: (prefill as u64) * 2 * 512,
+        max_disk_mib: sandboxd::limits::UNLIMITED_DISK_MIB,
+    };
     opts.api_token = Some(ROOT.into());
     opts.pools = vec![sandboxd::config::PoolConfig {
         template: "base".into(),

@@ -150,6 +150,15 @@ pub enum ConfigError {
     /// The host memory could not be read to derive the default budget.
     #[error("config keys max_memory_mib / max_vms: reading /proc/meminfo to derive the default budget (set both to skip it)")]
     HostMemory(#[source] std::io::Error),
+    /// The filesystem holding the VMs could not be measured for the default disk budget.
+    #[error("config key max_disk_mib: measuring the filesystem of {} to derive the default disk budget (set max_disk_mib to skip it)", dir.display())]
+    HostDisk {
+        /// The VM state directory.
+        dir: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// One pool as configured (config file, `PUT /v1/pools`, `pools.json`).
@@ -313,6 +322,11 @@ pub struct Config {
     /// `MemTotal` minus an eighth of it, at least 1 GiB kept back).
     #[serde(default)]
     pub max_memory_mib: Option<u64>,
+    /// Disk of those VMs at most, MiB, each counted with the most its writable overlay can
+    /// grow to (the template's overlay image plus qcow2 metadata; 0 for a tmpfs overlay).
+    /// Default: three quarters of the filesystem holding `vm_state_dir`.
+    #[serde(default)]
+    pub max_disk_mib: Option<u64>,
     /// The lease horizon: no renew may move a deadline past `claimed_at` + this (7 days).
     #[serde(default = "default_max_lifetime")]
     pub max_lifetime_secs: u64,
@@ -413,6 +427,9 @@ impl Config {
         if let Some(v) = self.max_memory_mib {
             at_least_one("max_memory_mib", v)?;
         }
+        if let Some(v) = self.max_disk_mib {
+            at_least_one("max_disk_mib", v)?;
+        }
         if self.exec_default_timeout_secs > self.exec_max_timeout_secs {
             return Err(ConfigError::Limit {
                 key: "exec_default_timeout_secs",
@@ -437,12 +454,20 @@ impl Config {
     /// The node budget: the configured limits, the missing ones derived from the host memory
     /// ([`Budget::from_mem_total`]); the configured warm targets must fit it.
     pub fn budget(&self) -> Result<Budget, ConfigError> {
+        let max_disk_mib = match self.max_disk_mib {
+            Some(v) => v,
+            None => {
+                let dir = self.vm_state_dir();
+                limits::default_max_disk_mib(&dir).map_err(|source| ConfigError::HostDisk { dir, source })?
+            }
+        };
         let budget = match (self.max_vms, self.max_memory_mib) {
-            (Some(max_vms), Some(max_memory_mib)) => Budget { max_vms, max_memory_mib },
+            (Some(max_vms), Some(max_memory_mib)) => Budget { max_vms, max_memory_mib, max_disk_mib },
             (vms, mem) => {
                 let derived = Budget::from_mem_total(limits::host_mem_total_mib().map_err(ConfigError::HostMemory)?);
                 let max_memory_mib = mem.unwrap_or(derived.max_memory_mib);
-                Budget { max_vms: vms.unwrap_or_else(|| limits::default_max_vms(max_memory_mib)), max_memory_mib }
+                let max_vms = vms.unwrap_or_else(|| limits::default_max_vms(max_memory_mib));
+                Budget { max_vms, max_memory_mib, max_disk_mib }
             }
         };
         budget.check(&validate_pools(&self.pools)?).map_err(ConfigError::Budget)?;
@@ -641,9 +666,9 @@ mod tests {
 
     #[test]
     fn defaults_of_the_limits() {
-        let c = parse(r#"{"max_vms":10,"max_memory_mib":4096}"#).expect("parse");
+        let c = parse(r#"{"max_vms":10,"max_memory_mib":4096,"max_disk_mib":8192}"#).expect("parse");
         let l = c.limits().expect("limits");
-        assert_eq!(l.budget, Budget { max_vms: 10, max_memory_mib: 4096 });
+        assert_eq!(l.budget, Budget { max_vms: 10, max_memory_mib: 4096, max_disk_mib: 8192 });
         assert_eq!(l.max_lifetime, Duration::from_secs(604_800));
         assert_eq!(l.caps, ClaimCaps { agent_relays: 16, port_relays: 16, execs: 8 });
         assert_eq!(l.exec, ExecTimeouts { default: Duration::from_secs(300), max: Duration::from_secs(3600) });
@@ -652,8 +677,12 @@ mod tests {
         // Derived from the host: whatever it is, both limits are set and consistent.
         let d = Config::default().budget().expect("derived");
         assert!(d.max_vms >= 1 && d.max_vms <= limits::MAX_VMS_CEILING, "{d:?}");
-        let half = parse(r#"{"max_memory_mib":2048}"#).expect("parse").budget().expect("derived vms");
-        assert_eq!(half, Budget { max_vms: 4, max_memory_mib: 2048 });
+        assert!(d.max_disk_mib >= 1 && d.max_disk_mib < limits::UNLIMITED_DISK_MIB, "{d:?}");
+        let e = parse(r#"{"max_disk_mib":0}"#).expect_err("zero").to_string();
+        assert_eq!(e, "config key max_disk_mib: must be at least 1");
+        let half =
+            parse(r#"{"max_memory_mib":2048,"max_disk_mib":8192}"#).expect("parse").budget().expect("derived vms");
+        assert_eq!(half, Budget { max_vms: 4, max_memory_mib: 2048, max_disk_mib: 8192 });
     }
 
     #[test]

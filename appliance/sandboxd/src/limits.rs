@@ -1,9 +1,11 @@
 //! The bounds nobody can talk the node out of.
 //!
-//! - [`Budget`]: how many VMs, and how much memory (each VM counted with its size class's
-//!   memory), warm, refilling and claimed VMs may take together. Defaults come from the host
-//!   ([`Budget::from_mem_total`]: `MemTotal` minus a reserve). The [`Ledger`] counts what the
-//!   node holds; refill reserves from it and stops at the budget.
+//! - [`Budget`]: how many VMs, how much memory (each VM counted with its size class's memory)
+//!   and how much disk (each VM counted with the most its writable overlay can grow to,
+//!   [`vmm::disk::writable_disk_cap`]) warm, refilling and claimed VMs may take together.
+//!   Defaults come from the host ([`Budget::from_mem_total`]: `MemTotal` minus a reserve;
+//!   [`default_max_disk_mib`]: three quarters of the filesystem holding the VMs). The [`Ledger`]
+//!   counts what the node holds; refill reserves from it and stops at the budget.
 //! - the lease horizon (`max_lifetime_secs`): a lease never runs past `claimed_at` + horizon;
 //! - [`ClaimCaps`]: concurrent `/agent` relays, `/ports` relays and `/exec` calls per claim,
 //!   held by [`ClaimSlots`] guards that free their slot when dropped (the relay ended);
@@ -26,6 +28,11 @@ pub const SMALLEST_VM_MIB: u64 = 512;
 pub const MAX_VMS_CEILING: usize = 1024;
 /// The least memory kept back for the host (kernel, sandboxd, the other services).
 pub const RESERVE_MIN_MIB: u64 = 1024;
+/// `max_disk_mib` when no disk budget applies (tests, benches).
+pub const UNLIMITED_DISK_MIB: u64 = u64::MAX;
+/// The share of the VM filesystem the default disk budget takes, in quarters: the rest is
+/// for images, golden snapshots, journals and logs on the same partition.
+const DISK_QUARTERS: u64 = 3;
 
 /// What warm + refilling + claimed VMs may take together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +41,8 @@ pub struct Budget {
     pub max_vms: usize,
     /// Memory at most, in MiB (the sum of the VMs' size-class memory).
     pub max_memory_mib: u64,
+    /// Disk at most, in MiB (the sum of the VMs' worst-case overlay sizes).
+    pub max_disk_mib: u64,
 }
 
 /// Why a set of pool targets cannot fit the budget.
@@ -72,7 +81,7 @@ impl Budget {
     pub fn from_mem_total(mem_total_mib: u64) -> Budget {
         let reserve = (mem_total_mib / 8).max(RESERVE_MIN_MIB);
         let max_memory_mib = mem_total_mib.saturating_sub(reserve);
-        Budget { max_vms: default_max_vms(max_memory_mib), max_memory_mib }
+        Budget { max_vms: default_max_vms(max_memory_mib), max_memory_mib, max_disk_mib: UNLIMITED_DISK_MIB }
     }
 
     /// Checks warm targets against the budget (both limits; the VM count first).
@@ -106,6 +115,18 @@ pub fn mib(size: SizeClass) -> u64 {
     size.memory_mib()
 }
 
+/// The default `max_disk_mib`: three quarters of the size of the filesystem holding `dir`
+/// (the VM state directory, or the nearest ancestor that exists yet).
+pub fn default_max_disk_mib(dir: &std::path::Path) -> std::io::Result<u64> {
+    let mut at = dir;
+    while !at.exists() {
+        at = at.parent().unwrap_or(std::path::Path::new("/"));
+    }
+    let st = rustix::fs::statvfs(at).map_err(std::io::Error::from)?;
+    let total = st.f_blocks.saturating_mul(st.f_frsize);
+    Ok(vmm::disk::mib_ceil(total) / 4 * DISK_QUARTERS)
+}
+
 /// `MemTotal` of `/proc/meminfo`, in MiB.
 pub fn host_mem_total_mib() -> std::io::Result<u64> {
     let text = std::fs::read_to_string("/proc/meminfo")?;
@@ -125,14 +146,46 @@ pub struct Usage {
     pub vms: usize,
     /// Their memory, MiB.
     pub memory_mib: u64,
+    /// Their worst-case disk, MiB.
+    pub disk_mib: u64,
+}
+
+/// What one VM is counted with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Cost {
+    /// Its size class's memory, MiB.
+    memory_mib: u64,
+    /// The most its writable overlay can take, MiB.
+    disk_mib: u64,
+}
+
+impl Cost {
+    /// A VM of `size` whose overlay can take at most `disk_mib`.
+    fn new(size: SizeClass, disk_mib: u64) -> Cost {
+        Cost { memory_mib: mib(size), disk_mib }
+    }
+}
+
+impl Usage {
+    fn add(&mut self, c: Cost, n: usize) {
+        self.vms = self.vms.saturating_add(n);
+        self.memory_mib = self.memory_mib.saturating_add(c.memory_mib.saturating_mul(n as u64));
+        self.disk_mib = self.disk_mib.saturating_add(c.disk_mib.saturating_mul(n as u64));
+    }
+
+    fn sub(&mut self, c: Cost) {
+        self.vms = self.vms.saturating_sub(1);
+        self.memory_mib = self.memory_mib.saturating_sub(c.memory_mib);
+        self.disk_mib = self.disk_mib.saturating_sub(c.disk_mib);
+    }
 }
 
 #[derive(Debug, Default)]
 struct LedgerState {
-    /// VMs the node holds (warm or claimed), with their memory.
-    held: HashMap<VmId, u64>,
-    /// Refill and golden slots in flight: (count, MiB).
-    pending: (usize, u64),
+    /// VMs the node holds (warm or claimed), with what they are counted with.
+    held: HashMap<VmId, Cost>,
+    /// Refill and golden slots in flight.
+    pending: usize,
     used: Usage,
 }
 
@@ -171,67 +224,74 @@ impl Ledger {
     }
 
     /// Counts a VM the node holds (a claim re-adopted after a restart). Idempotent per id.
-    pub fn hold(&self, vm: &VmId, size: SizeClass) {
+    pub fn hold(&self, vm: &VmId, size: SizeClass, disk_mib: u64) {
+        let cost = Cost::new(size, disk_mib);
         let mut s = self.lock();
-        if s.held.insert(vm.clone(), mib(size)).is_none() {
-            s.used.vms += 1;
-            s.used.memory_mib += mib(size);
+        if s.held.insert(vm.clone(), cost).is_none() {
+            s.used.add(cost, 1);
         }
     }
 
     /// Stops counting a VM (destroyed, or found gone). Unknown ids are ignored.
     pub fn forget(&self, vm: &VmId) {
         let mut s = self.lock();
-        if let Some(m) = s.held.remove(vm) {
-            s.used.vms -= 1;
-            s.used.memory_mib -= m;
+        if let Some(c) = s.held.remove(vm) {
+            s.used.sub(c);
         }
     }
 
-    /// Reserves up to `want` VMs of `size`; returns the reservations granted (fewer when the
-    /// budget is reached) and, when short, why.
-    pub fn reserve(self: &Arc<Self>, want: usize, size: SizeClass) -> (Vec<Reservation>, Option<String>) {
-        let m = mib(size);
+    /// Reserves up to `want` VMs of `size` whose overlays can take `disk_mib` each; returns the
+    /// reservations granted (fewer when the budget is reached) and, when short, why.
+    pub fn reserve(
+        self: &Arc<Self>,
+        want: usize,
+        size: SizeClass,
+        disk_mib: u64,
+    ) -> (Vec<Reservation>, Option<String>) {
+        let cost = Cost::new(size, disk_mib);
+        let b = self.budget;
         let mut s = self.lock();
-        let by_vms = self.budget.max_vms.saturating_sub(s.used.vms);
-        let by_mem = usize::try_from(self.budget.max_memory_mib.saturating_sub(s.used.memory_mib) / m.max(1))
-            .unwrap_or(usize::MAX);
-        let n = want.min(by_vms).min(by_mem);
-        s.used.vms += n;
-        s.used.memory_mib += m * n as u64;
-        s.pending.0 += n;
-        s.pending.1 += m * n as u64;
+        let fit = |max: u64, used: u64, each: u64| match each {
+            0 => usize::MAX,
+            each => usize::try_from(max.saturating_sub(used) / each).unwrap_or(usize::MAX),
+        };
+        let by_vms = b.max_vms.saturating_sub(s.used.vms);
+        let by_mem = fit(b.max_memory_mib, s.used.memory_mib, cost.memory_mib.max(1));
+        let by_disk = fit(b.max_disk_mib, s.used.disk_mib, cost.disk_mib);
+        let n = want.min(by_vms).min(by_mem).min(by_disk);
+        s.used.add(cost, n);
+        s.pending += n;
         let short = (n < want).then(|| {
             let mut limits = Vec::new();
             if by_vms == n {
-                limits.push(format!("max_vms = {}", self.budget.max_vms));
+                limits.push(format!("max_vms = {}", b.max_vms));
             }
             if by_mem == n {
-                limits.push(format!("max_memory_mib = {}", self.budget.max_memory_mib));
+                limits.push(format!("max_memory_mib = {}", b.max_memory_mib));
+            }
+            if by_disk == n {
+                limits.push(format!("max_disk_mib = {}", b.max_disk_mib));
             }
             let limit = limits.join(", ");
             format!(
-                "node budget reached ({limit}): {} VMs / {} MiB held or booting, a {size} VM needs {m} MiB",
-                s.used.vms, s.used.memory_mib
+                "node budget reached ({limit}): {} VMs / {} MiB memory / {} MiB disk held or booting, a {size} VM \
+                 needs {} MiB memory and {} MiB disk",
+                s.used.vms, s.used.memory_mib, s.used.disk_mib, cost.memory_mib, cost.disk_mib
             )
         });
         drop(s);
-        let r = (0..n).map(|_| Reservation { ledger: Arc::clone(self), mib: m, open: true }).collect();
+        let r = (0..n).map(|_| Reservation { ledger: Arc::clone(self), cost, open: true }).collect();
         (r, short)
     }
 
-    fn end_pending(&self, m: u64, admit: Option<&VmId>) {
+    fn end_pending(&self, cost: Cost, admit: Option<&VmId>) {
         let mut s = self.lock();
-        s.pending.0 = s.pending.0.saturating_sub(1);
-        s.pending.1 = s.pending.1.saturating_sub(m);
+        s.pending = s.pending.saturating_sub(1);
         match admit {
             Some(vm) if !s.held.contains_key(vm) => {
-                s.held.insert(vm.clone(), m);
+                s.held.insert(vm.clone(), cost);
             }
-            _ => {
-                s.used.vms = s.used.vms.saturating_sub(1);
-                s.used.memory_mib = s.used.memory_mib.saturating_sub(m);
-            }
+            _ => s.used.sub(cost),
         }
     }
 }
@@ -240,7 +300,7 @@ impl Ledger {
 #[derive(Debug)]
 pub struct Reservation {
     ledger: Arc<Ledger>,
-    mib: u64,
+    cost: Cost,
     open: bool,
 }
 
@@ -248,14 +308,14 @@ impl Reservation {
     /// The slot made `vm` and it joined a pool: the ledger now holds that VM instead.
     pub fn admit(mut self, vm: &VmId) {
         self.open = false;
-        self.ledger.end_pending(self.mib, Some(vm));
+        self.ledger.end_pending(self.cost, Some(vm));
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if self.open {
-            self.ledger.end_pending(self.mib, None);
+            self.ledger.end_pending(self.cost, None);
         }
     }
 }
@@ -472,18 +532,27 @@ mod tests {
         assert_eq!(parse_mem_total("MemTotal:       24683568 kB\nMemFree: 1 kB\n"), Some(24105));
         assert_eq!(parse_mem_total("nothing"), None);
         // 24 GiB: an eighth is kept back.
-        assert_eq!(Budget::from_mem_total(24576), Budget { max_vms: 42, max_memory_mib: 21504 });
+        assert_eq!(
+            Budget::from_mem_total(24576),
+            Budget { max_vms: 42, max_memory_mib: 21504, max_disk_mib: UNLIMITED_DISK_MIB }
+        );
         // 4 GiB: the 1 GiB floor.
-        assert_eq!(Budget::from_mem_total(4096), Budget { max_vms: 6, max_memory_mib: 3072 });
+        assert_eq!(
+            Budget::from_mem_total(4096),
+            Budget { max_vms: 6, max_memory_mib: 3072, max_disk_mib: UNLIMITED_DISK_MIB }
+        );
         // Tiny hosts still allow one VM in the count (the memory limit decides).
-        assert_eq!(Budget::from_mem_total(512), Budget { max_vms: 1, max_memory_mib: 0 });
+        assert_eq!(
+            Budget::from_mem_total(512),
+            Budget { max_vms: 1, max_memory_mib: 0, max_disk_mib: UNLIMITED_DISK_MIB }
+        );
         // Huge hosts: the VM ceiling.
         assert_eq!(Budget::from_mem_total(4 << 20).max_vms, MAX_VMS_CEILING);
     }
 
     #[test]
     fn check_names_the_limit_and_the_numbers() {
-        let b = Budget { max_vms: 10, max_memory_mib: 4096 };
+        let b = Budget { max_vms: 10, max_memory_mib: 4096, max_disk_mib: UNLIMITED_DISK_MIB };
         assert_eq!(b.check(&[(key("small"), 4), (key("medium"), 2)]), Ok(()));
         let e = b.check(&[(key("small"), 100_000)]).expect_err("vms");
         assert_eq!(e, BudgetError::Vms { vms: 100_000, max_vms: 10 });
@@ -496,29 +565,64 @@ mod tests {
 
     #[test]
     fn ledger_reserves_up_to_the_budget_and_frees() {
-        let l = Ledger::new(Budget { max_vms: 3, max_memory_mib: 2048 });
-        let (a, short) = l.reserve(2, SizeClass::Small);
+        let l = Ledger::new(Budget { max_vms: 3, max_memory_mib: 2048, max_disk_mib: UNLIMITED_DISK_MIB });
+        let (a, short) = l.reserve(2, SizeClass::Small, 0);
         assert_eq!((a.len(), short), (2, None));
         // 1 GiB left: one medium, no more.
-        let (b, short) = l.reserve(2, SizeClass::Medium);
+        let (b, short) = l.reserve(2, SizeClass::Medium, 0);
         assert_eq!(b.len(), 1);
         assert!(short.as_deref().is_some_and(|s| s.contains("max_memory_mib = 2048")), "{short:?}");
-        assert_eq!(l.usage(), Usage { vms: 3, memory_mib: 2048 });
-        let (c, short) = l.reserve(1, SizeClass::Small);
+        assert_eq!(l.usage(), Usage { vms: 3, memory_mib: 2048, disk_mib: 0 });
+        let (c, short) = l.reserve(1, SizeClass::Small, 0);
         assert!(c.is_empty() && short.as_deref().is_some_and(|s| s.contains("max_vms = 3")), "{short:?}");
         // A reservation admitted holds its VM until it is forgotten; a dropped one frees at once.
         let vm = VmId::new("sbx-1").expect("id");
         let mut a = a.into_iter();
         a.next().expect("r").admit(&vm);
         drop(a);
-        assert_eq!(l.usage(), Usage { vms: 2, memory_mib: 1536 });
+        assert_eq!(l.usage(), Usage { vms: 2, memory_mib: 1536, disk_mib: 0 });
         drop(b);
         l.forget(&vm);
         l.forget(&vm);
         assert_eq!(l.usage(), Usage::default());
-        l.hold(&vm, SizeClass::Large);
-        l.hold(&vm, SizeClass::Large);
-        assert_eq!(l.usage(), Usage { vms: 1, memory_mib: 4096 });
+        l.hold(&vm, SizeClass::Large, 10);
+        l.hold(&vm, SizeClass::Large, 10);
+        assert_eq!(l.usage(), Usage { vms: 1, memory_mib: 4096, disk_mib: 10 });
+    }
+
+    #[test]
+    fn ledger_stops_at_the_disk_budget_and_names_it() {
+        let l = Ledger::new(Budget { max_vms: 100, max_memory_mib: 1 << 20, max_disk_mib: 1000 });
+        // 300 MiB overlays: three fit in 1000 MiB, the fourth does not.
+        let (a, short) = l.reserve(5, SizeClass::Small, 300);
+        assert_eq!(a.len(), 3);
+        let short = short.expect("short");
+        assert!(short.contains("max_disk_mib = 1000") && !short.contains("max_vms"), "{short}");
+        assert!(short.contains("900 MiB disk held") && short.contains("300 MiB disk"), "{short}");
+        assert_eq!(l.usage().disk_mib, 900);
+        // A template without an overlay costs no disk: only the other limits apply.
+        let (b, short) = l.reserve(2, SizeClass::Small, 0);
+        assert_eq!((b.len(), short), (2, None));
+        // A VM re-held after a restart counts its disk; forgetting it gives the disk back.
+        let vm = VmId::new("sbx-9").expect("id");
+        drop(a);
+        l.hold(&vm, SizeClass::Small, 600);
+        assert_eq!(l.usage().disk_mib, 600);
+        let (c, _) = l.reserve(2, SizeClass::Small, 300);
+        assert_eq!(c.len(), 1);
+        drop(c);
+        l.forget(&vm);
+        assert_eq!(l.usage().disk_mib, 0);
+    }
+
+    #[test]
+    fn the_default_disk_budget_is_three_quarters_of_the_filesystem() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let st = rustix::fs::statvfs(dir.path()).expect("statvfs");
+        let total_mib = (st.f_blocks * st.f_frsize) >> 20;
+        // A directory that does not exist yet is measured at its nearest existing ancestor.
+        let got = default_max_disk_mib(&dir.path().join("vms/not/yet")).expect("budget");
+        assert!(got <= total_mib * 3 / 4 + 1 && got + 2 >= total_mib * 3 / 4, "{got} of {total_mib}");
     }
 
     #[test]

@@ -27,7 +27,8 @@ use sandboxd::{Node, NodeOptions};
 ///
 /// `tls_cert_file` + `tls_key_file` make `listen` serve TLS (ALPN http/1.1); `local_listen`
 /// adds a plain-HTTP loopback listener for local clients. Limits: `max_vms` /
-/// `max_memory_mib` (the node budget, derived from the host memory by default),
+/// `max_memory_mib` / `max_disk_mib` (the node budget, derived from the host's memory and the
+/// VM filesystem's size by default; each VM's disk counts as its overlay's worst case),
 /// `max_lifetime_secs` (lease horizon, 7 days), per-claim caps on relays and execs, exec
 /// timeouts, `max_connections`, header/body/relay-idle timeouts.
 #[derive(Debug, Parser)]
@@ -157,6 +158,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         local_listen = ?cfg.local_listen,
         max_vms = budget.max_vms,
         max_memory_mib = budget.max_memory_mib,
+        max_disk_mib = budget.max_disk_mib,
         data_dir = %cfg.data_dir.display(),
         "sandboxd listening"
     );

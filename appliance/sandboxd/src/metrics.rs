@@ -192,6 +192,8 @@ impl Metrics {
             ("budget_max_memory_mib", "The node budget: max_memory_mib.", budget.max_memory_mib),
             ("budget_vms", "VMs held or booting (warm + refilling + claimed).", used.vms as u64),
             ("budget_memory_mib", "Their memory, MiB.", used.memory_mib),
+            ("budget_max_disk_mib", "The node budget: max_disk_mib.", budget.max_disk_mib),
+            ("budget_disk_mib", "Their writable disks at most (worst case), MiB.", used.disk_mib),
             ("http_connections_open", "Open HTTP connections.", conns.open.load(Ordering::Relaxed) as u64),
         ] {
             let _ = writeln!(o, "# HELP sandboxd_{name} {help}\n# TYPE sandboxd_{name} gauge\nsandboxd_{name} {v}");

@@ -138,7 +138,7 @@ impl NodeOptions {
     }
 
     /// The budget of [`NodeOptions::new`]: 64 VMs, 32 GiB.
-    pub const TEST_BUDGET: Budget = Budget { max_vms: 64, max_memory_mib: 32 * 1024 };
+    pub const TEST_BUDGET: Budget = Budget { max_vms: 64, max_memory_mib: 32 * 1024, max_disk_mib: 1 << 20 };
 }
 
 /// Errors starting a node.
@@ -228,10 +228,28 @@ pub struct BudgetInfo {
     pub max_vms: usize,
     /// `max_memory_mib`.
     pub max_memory_mib: u64,
+    /// `max_disk_mib`.
+    pub max_disk_mib: u64,
     /// VMs held or booting.
     pub vms: usize,
     /// Their memory, MiB.
     pub memory_mib: u64,
+    /// Their writable disks at most, MiB.
+    pub disk_mib: u64,
+}
+
+/// The most host disk a VM of `template` can fill (its overlay's worst case), MiB, as the
+/// ledger counts it. A template that is not in the catalog or whose overlay image cannot be
+/// read counts 0: no VM of it can boot either.
+pub(crate) fn disk_mib(catalog: &Catalog, template: &str) -> u64 {
+    let Ok((_, t)) = catalog.resolve(template) else { return 0 };
+    match &t.overlay_base {
+        Some(base) => vmm::disk::overlay_cap(base).map(vmm::disk::mib_ceil).unwrap_or_else(|e| {
+            tracing::warn!(template, overlay = %base.display(), error = %e, "cannot size the template's overlay image");
+            0
+        }),
+        None => 0,
+    }
 }
 
 /// What a reconcile did.
@@ -300,7 +318,7 @@ impl Node {
         clean_staging(&goldens_dir(&opts.data_dir));
         let ledger = Ledger::new(opts.limits.budget);
         for rec in &loaded.claims {
-            ledger.hold(&rec.vm, rec.key.size());
+            ledger.hold(&rec.vm, rec.key.size(), disk_mib(&opts.catalog, rec.key.template()));
         }
         let node = Arc::new(Node {
             driver,
@@ -664,8 +682,10 @@ impl Node {
             budget: BudgetInfo {
                 max_vms: budget.max_vms,
                 max_memory_mib: budget.max_memory_mib,
+                max_disk_mib: budget.max_disk_mib,
                 vms: used.vms,
                 memory_mib: used.memory_mib,
+                disk_mib: used.disk_mib,
             },
         }
     }

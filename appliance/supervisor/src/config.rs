@@ -76,6 +76,7 @@ listen = "0.0.0.0:7777"
 # advertise_addr = "10.0.0.5:7777"  # host:port clients use for sandbox calls
 # max_vms = 64                      # node budget (default: sandboxd derives it from memory)
 # max_memory_mib = 65536
+# max_disk_mib = 200000             # VMs' writable disks, worst case (default: 3/4 of the state partition)
 # max_lifetime_secs = 604800        # longest lease across renewals (default 7 days)
 refill_concurrency = 0              # 0 = sandboxd picks (2/3 of the CPUs)
 boot_timeout_secs = 600
@@ -367,6 +368,9 @@ pub struct SandboxdConfig {
     /// Node budget: guest memory at most (default: sandboxd's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_memory_mib: Option<u64>,
+    /// Node budget: the VMs' writable disks at most, worst case (default: sandboxd's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_disk_mib: Option<u64>,
     /// Longest lease horizon across renewals (default: sandboxd's, 7 days).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_lifetime_secs: Option<u64>,
@@ -394,6 +398,7 @@ impl Default for SandboxdConfig {
             tls_key_file: None,
             max_vms: None,
             max_memory_mib: None,
+            max_disk_mib: None,
             max_lifetime_secs: None,
             advertise_addr: None,
             refill_concurrency: 0,
@@ -1173,6 +1178,7 @@ impl Config {
         for (key, v) in [
             ("max_vms", sb.max_vms),
             ("max_memory_mib", sb.max_memory_mib),
+            ("max_disk_mib", sb.max_disk_mib),
             ("max_lifetime_secs", sb.max_lifetime_secs),
         ] {
             if v == Some(0) {

@@ -182,9 +182,12 @@ pub fn sandboxd_config(settings: &Settings, layout: &Layout, secrets: &Secrets) 
     if let Some(a) = &sb.advertise_addr {
         v["advertise_addr"] = serde_json::json!(a);
     }
-    for (k, val) in
-        [("max_vms", sb.max_vms), ("max_memory_mib", sb.max_memory_mib), ("max_lifetime_secs", sb.max_lifetime_secs)]
-    {
+    for (k, val) in [
+        ("max_vms", sb.max_vms),
+        ("max_memory_mib", sb.max_memory_mib),
+        ("max_disk_mib", sb.max_disk_mib),
+        ("max_lifetime_secs", sb.max_lifetime_secs),
+    ] {
         if let Some(n) = val {
             v[k] = serde_json::json!(n);
         }
@@ -355,7 +358,7 @@ mod tests {
     #[test]
     fn tls_and_budget_reach_sandboxd_and_vk_sandbox() {
         let s = settings(&format!(
-            "[sandboxd]\nmax_vms = 8\nmax_memory_mib = 4096\nmax_lifetime_secs = 3600\n[cluster]\nendpoint = \"https://a:1\"\n\
+            "[sandboxd]\nmax_vms = 8\nmax_memory_mib = 4096\nmax_disk_mib = 9000\nmax_lifetime_secs = 3600\n[cluster]\nendpoint = \"https://a:1\"\n\
              ca_cert_hashes = [\"{HASH}\"]\nbootstrap_token_file = \"/boot\"\n"
         ));
         let cert = crate::secrets::CertFiles {
@@ -370,6 +373,7 @@ mod tests {
         assert_eq!(j["tls_key_file"], "/state/tls/key.pem");
         assert_eq!(j["api_token_file"], "/state/secrets/sandboxd-token");
         assert_eq!((j["max_vms"].as_u64(), j["max_memory_mib"].as_u64()), (Some(8), Some(4096)));
+        assert_eq!(j["max_disk_mib"].as_u64(), Some(9000));
         assert_eq!(j["max_lifetime_secs"], 3600);
         let plan = super::plan(&s, &layout(), &secrets);
         let vs = &plan[1];

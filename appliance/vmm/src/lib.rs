@@ -14,6 +14,7 @@ pub mod agent;
 pub mod catalog;
 pub mod cloud_hypervisor;
 pub mod console;
+pub mod disk;
 pub mod driver;
 pub mod lifecycle;
 pub mod qemu;

@@ -98,6 +98,7 @@ pub fn step(node: &Arc<Node>, pool: &Arc<Pool>) {
         return;
     }
     let now = Instant::now();
+    let disk = crate::node::disk_mib(&node.catalog, pool.key.template());
     let plan = {
         let mut s = pool.lock();
         if s.retired || s.backoff_until.is_some_and(|t| now < t) {
@@ -115,7 +116,7 @@ pub fn step(node: &Arc<Node>, pool: &Arc<Pool>) {
         if node.clone_enabled && s.golden.is_none() && s.golden_building {
             return;
         }
-        let (granted, short) = node.ledger.reserve(if golden_first { 1 } else { deficit }, pool.key.size());
+        let (granted, short) = node.ledger.reserve(if golden_first { 1 } else { deficit }, pool.key.size(), disk);
         if let Some(why) = &short {
             inc(&node.metrics.refill_budget_blocked);
             if s.budget_blocked.as_deref() != Some(why.as_str()) {

@@ -175,7 +175,7 @@ async fn auth_on_every_route() {
 #[tokio::test]
 async fn put_pools_over_the_budget_is_refused_and_nothing_is_persisted() {
     let h = start_with(&[("base", 2)], Some(ROOT), |o| {
-        o.limits.budget = Budget { max_vms: 4, max_memory_mib: 4096 };
+        o.limits.budget = Budget { max_vms: 4, max_memory_mib: 4096, max_disk_mib: 1 << 20 };
     })
     .await;
     wait_warm(&h.node, "base", 2).await;
@@ -210,7 +210,7 @@ async fn put_pools_over_the_budget_is_refused_and_nothing_is_persisted() {
 #[tokio::test]
 async fn refill_stops_at_the_budget() {
     let h = start_with(&[("base", 2), ("rt", 2)], None, |o| {
-        o.limits.budget = Budget { max_vms: 3, max_memory_mib: 8192 };
+        o.limits.budget = Budget { max_vms: 3, max_memory_mib: 8192, max_disk_mib: 1 << 20 };
     })
     .await;
     let (stop, most) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
@@ -247,6 +247,41 @@ async fn refill_stops_at_the_budget() {
     stop.store(true, Ordering::Relaxed);
     watcher.await.expect("watcher");
     assert!(most.load(Ordering::Relaxed) <= 3, "{} VMs were alive at once", most.load(Ordering::Relaxed));
+}
+
+/// Each VM counts the most its writable overlay can grow to against `max_disk_mib`: refill
+/// stops there, says which limit, and `/v1/info` and `/metrics` show the disk held.
+#[tokio::test]
+async fn refill_stops_at_the_disk_budget() {
+    let images = tempfile::tempdir().expect("tempdir");
+    let base = images.path().join("overlay.ext4");
+    std::fs::File::create(&base).expect("create").set_len(100 << 20).expect("len");
+    let each = vmm::disk::mib_ceil(vmm::disk::cap_for_virtual_size(100 << 20));
+    let h = start_with(&[("base", 5)], None, |o| {
+        o.catalog.templates.get_mut("base").expect("base").overlay_base = Some(base.clone());
+        // Room for two overlays and a half: two VMs, never a third.
+        o.limits.budget = Budget { max_vms: 64, max_memory_mib: 1 << 20, max_disk_mib: each * 5 / 2 };
+    })
+    .await;
+    wait_for("2 warm VMs and at_capacity", || warm(&h.node, "base") == 2 && h.node.info().at_capacity).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(h.driver.live().len(), 2, "booted past the disk budget");
+    let info = h.node.info();
+    let reason = info.at_capacity_reason.clone().expect("reason");
+    assert!(reason.contains(&format!("max_disk_mib = {}", each * 5 / 2)), "{reason}");
+    assert_eq!(info.budget.disk_mib, 2 * each, "{info:?}");
+    let (_, m) = h.call("GET", "/metrics", None, None).await;
+    let m = m.as_str().expect("text").to_string();
+    assert!(m.contains(&format!("sandboxd_budget_disk_mib {}", 2 * each)), "{m}");
+    // A claim keeps its VM's disk counted; its release frees the room and refill resumes.
+    let c = h.claim(json!({"template": "base"})).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(h.driver.live().len(), 2, "refilled past the disk budget");
+    let path = format!("/v1/sandboxes/{}/release", c["id"].as_str().expect("id"));
+    let (s, _) = h.call("POST", &path, c["token"].as_str(), None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    wait_for("refill after the release", || warm(&h.node, "base") == 2).await;
+    assert_eq!(h.driver.live().len(), 2);
 }
 
 /// A claim-and-renew loop stops at the lease horizon, with a 409 naming it.

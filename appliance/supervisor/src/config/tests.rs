@@ -463,12 +463,14 @@ fn tls_names_and_budgets() {
     check("[supervisor]\ntls_names = [\"box1.example.com\", \"10.0.0.5\", \"::1\", \"*.edge.example\"]\n").unwrap();
     only_issue(check("[supervisor]\ntls_names = [\"ok\", \"not a name\"]\n"), "supervisor.tls_names[1]");
     only_issue(check("[supervisor]\ntls_names = [\"-bad.example\"]\n"), "supervisor.tls_names[0]");
-    for k in ["max_vms", "max_memory_mib", "max_lifetime_secs"] {
+    for k in ["max_vms", "max_memory_mib", "max_disk_mib", "max_lifetime_secs"] {
         only_issue(check(&format!("[sandboxd]\n{k} = 0\n")), &format!("sandboxd.{k}"));
     }
-    let s = check("[sandboxd]\nmax_vms = 4\nmax_memory_mib = 8192\nmax_lifetime_secs = 3600\n").unwrap();
+    let s = check("[sandboxd]\nmax_vms = 4\nmax_memory_mib = 8192\nmax_disk_mib = 9000\nmax_lifetime_secs = 3600\n")
+        .unwrap();
+    let sb = &s.config.sandboxd;
     assert_eq!(
-        (s.config.sandboxd.max_vms, s.config.sandboxd.max_memory_mib, s.config.sandboxd.max_lifetime_secs),
-        (Some(4), Some(8192), Some(3600))
+        (sb.max_vms, sb.max_memory_mib, sb.max_disk_mib, sb.max_lifetime_secs),
+        (Some(4), Some(8192), Some(9000), Some(3600))
     );
 }
