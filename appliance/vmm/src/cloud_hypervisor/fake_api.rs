@@ -133,8 +133,8 @@ impl FakeApi {
         let script = format!(
             "#!/bin/sh\n\
              [ \"$1\" = --api-socket ] && [ -n \"$2\" ] || {{ echo \"usage: $0 --api-socket PATH\" >&2; exit 2; }}\n\
-             ln -s '{sock}' \"$2\" || exit 3\n\
              echo \"fake cloud-hypervisor listening on $2\"\n\
+             ln -s '{sock}' \"$2\" || exit 3\n\
              while [ ! -e '{exit}' ] && [ -e \"$2\" ]; do sleep 0.02; done\n\
              exit 0\n",
             sock = self.socket.display(),
