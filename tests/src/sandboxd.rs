@@ -218,6 +218,11 @@ impl Harness {
         });
     }
 
+    /// sandboxd's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// `kill -9` sandboxd (VMs keep running: they are daemonized QEMUs).
     pub fn kill9(&mut self) {
         let mut c = self.child.take().expect("sandboxd runs");
