@@ -100,6 +100,46 @@ pub fn qemu_processes_under(dir: &Path) -> Vec<u32> {
         .collect()
 }
 
+/// Checks from the host that `vm`'s QEMU runs jailed (`vmm::jail`): as the VM user (all four
+/// uids), with no capabilities (`CapEff`, `CapPrm`, `CapBnd` 0), seccomp filtering
+/// (`Seccomp: 2`), `NoNewPrivs: 1`, and in a cgroup leaf named after the VM with the limits of
+/// its size class. Where the jail is off (`CHRYSALIS_JAIL=0`, not root) only the seccomp
+/// sandbox is checked, and that is said on stderr.
+pub fn assert_jailed(vm: &Vm) -> Result<()> {
+    let j =
+        vmm::jail::inspect::process_jail(vm.pid).with_context(|| format!("vm {}: pid {} is gone", vm.id, vm.pid))?;
+    anyhow::ensure!(j.seccomp == 2, "vm {}: QEMU's seccomp sandbox is off: {j:?}", vm.id);
+    let Some(jail) = vmm::jail::JailSettings::from_env().resolve()? else {
+        eprintln!("vm {}: the jail is off here (CHRYSALIS_JAIL=0 or not root): only seccomp checked", vm.id);
+        return Ok(());
+    };
+    anyhow::ensure!(
+        j.uids == [jail.uid; 4],
+        "vm {}: QEMU runs as {:?}, not {} ({})",
+        vm.id,
+        j.uids,
+        jail.user,
+        jail.uid
+    );
+    anyhow::ensure!((j.cap_eff, j.cap_prm, j.cap_bnd) == (0, 0, 0), "vm {}: QEMU holds capabilities: {j:?}", vm.id);
+    anyhow::ensure!(j.no_new_privs, "vm {}: NoNewPrivs is 0", vm.id);
+    let want = vmm::jail::Limits::for_vm(vm.spec.size, vm.accel);
+    anyhow::ensure!(
+        j.limits == Some(want),
+        "vm {}: cgroup limits {:?} in {:?}, want {want:?}",
+        vm.id,
+        j.limits,
+        j.cgroups
+    );
+    anyhow::ensure!(
+        !j.cgroups.is_empty() && j.cgroups.iter().all(|d| d.ends_with(vm.id.as_str())),
+        "vm {}: not in its own cgroup leaf: {:?}",
+        vm.id,
+        j.cgroups
+    );
+    Ok(())
+}
+
 /// A scratch state directory for one test's VMs.
 pub fn state_dir() -> Result<tempfile::TempDir> {
     let base = PathBuf::from(std::env::var_os("CHRYSALIS_TEST_STATE").unwrap_or_else(|| "/tmp".into()));

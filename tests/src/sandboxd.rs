@@ -43,10 +43,25 @@ pub fn qemu_pids(path: &str) -> Vec<u32> {
     crate::qemu_processes_under(Path::new(path))
 }
 
+/// How long [`http`] waits for a response.
+pub const HTTP_WAIT: Duration = Duration::from_secs(120);
+
 /// One HTTP/1.1 request (`Connection: close`); returns status and the body as JSON (or a string).
 pub fn http(addr: &str, method: &str, path: &str, token: Option<&str>, body: Option<&Value>) -> (u16, Value) {
+    http_waiting(addr, method, path, token, body, HTTP_WAIT)
+}
+
+/// [`http`], waiting up to `wait` for the response (an exec with a long timeout).
+pub fn http_waiting(
+    addr: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&Value>,
+    wait: Duration,
+) -> (u16, Value) {
     let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connecting to sandboxd at {addr}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(120))).expect("timeout");
+    s.set_read_timeout(Some(wait)).expect("timeout");
     let body = body.map(Value::to_string).unwrap_or_default();
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     if let Some(t) = token {
@@ -243,6 +258,18 @@ impl Harness {
 
     pub fn call(&self, method: &str, path: &str, token: Option<&str>, body: Option<Value>) -> (u16, Value) {
         http(&self.addr, method, path, token, body.as_ref())
+    }
+
+    /// [`Harness::call`], waiting up to `wait` for the response.
+    pub fn call_waiting(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+        wait: Duration,
+    ) -> (u16, Value) {
+        http_waiting(&self.addr, method, path, token, body.as_ref(), wait)
     }
 
     pub fn root(&self, method: &str, path: &str, body: Option<Value>) -> Value {

@@ -10,7 +10,7 @@ use rand::RngCore;
 use silkd_client::ExecOptions;
 use std::io::Read;
 use std::time::Duration;
-use test_infra::{agent, boot, catalog, init_tracing, qemu, qemu_processes_under, state_dir};
+use test_infra::{agent, assert_jailed, boot, catalog, init_tracing, qemu, qemu_processes_under, state_dir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use vmm::{AfterSnapshot, SizeClass, VmId};
 use wire::{Bytes64, Request, Response};
@@ -32,6 +32,7 @@ async fn base_boot_exec_files_pull_snapshot_clone_shutdown() -> Result<()> {
     let parent = boot(&driver, &catalog, "base", SizeClass::Small).await?;
     eprintln!("base ready after {:?} ({:?})", parent.ready_after, parent.vm.accel);
     let vm = parent.vm;
+    assert_jailed(&vm)?;
 
     // The 10 MiB read-back below is past the default 8 MiB output cap.
     let mut conn = agent(&driver, &vm).await?.with_output_cap(16 << 20);
@@ -82,6 +83,7 @@ async fn base_boot_exec_files_pull_snapshot_clone_shutdown() -> Result<()> {
     let snapshot = driver.snapshot(&vm, &snap_dir, AfterSnapshot::Resumed).await.context("snapshot")?;
     let clone = driver.restore(&snapshot, &VmId::generate("clone")).await.context("restore")?;
     driver.wait_agent(&clone, Duration::from_secs(60)).await.context("clone agent")?;
+    assert_jailed(&clone)?;
     let mut cconn = agent(&driver, &clone).await?;
     assert_eq!(exec_ok(&mut cconn, &["cat", "/root/marker"]).await?, "from-parent\n");
     // The clone is its own VM: a write there does not reach the parent.
@@ -89,6 +91,19 @@ async fn base_boot_exec_files_pull_snapshot_clone_shutdown() -> Result<()> {
     let mut conn = agent(&driver, &vm).await?;
     assert_eq!(exec_ok(&mut conn, &["cat", "/root/marker"]).await?, "from-parent\n");
     drop((conn, cconn));
+
+    // The driver's process "restarts": both QEMUs run on (their own session), and a new
+    // driver re-attaches (QMP, console, agent bridge) from the records.
+    drop(driver);
+    let driver = qemu(state.path())?;
+    for v in [&vm, &clone] {
+        let again = driver.attach(&v.id).await.context("re-attach")?;
+        assert_eq!(&again, v);
+        assert_jailed(&again)?;
+    }
+    let mut conn = agent(&driver, &vm).await?;
+    assert_eq!(exec_ok(&mut conn, &["cat", "/root/marker"]).await?, "from-parent\n");
+    drop(conn);
 
     // Shutdown leaves no QEMU process behind.
     driver.shutdown(&clone, Duration::from_secs(10)).await?;

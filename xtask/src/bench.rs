@@ -86,7 +86,14 @@ async fn run_async(args: &BenchArgs) -> Result<Vec<Figure>> {
     let driver = test_infra::qemu(&state_dir)?;
     let catalog = test_infra::catalog()?;
     let mut figures = Vec::new();
-    let result = measure(&driver, &catalog, args, &state_dir, &mut figures).await;
+    let mut result = measure(&driver, &catalog, args, &state_dir, &mut figures).await;
+    if result.is_ok() {
+        // Issue #13: what the jail costs (boot and clone with it on and off; a cgroup leaf).
+        result = crate::bench_jail::jail_overhead(&mut figures, &state_dir, args.boots).await;
+        if let Err(e) = crate::bench_jail::cgroup_memory(&mut figures) {
+            eprintln!("bench: no cgroup memory figure: {e:#}");
+        }
+    }
     for vm in driver.list().await.unwrap_or_default() {
         let _ = driver.kill(&vm).await;
     }

@@ -103,7 +103,7 @@ pub fn run(args: &BundleArgs) -> Result<()> {
 /// either check is removed.
 fn make(inputs: &Inputs, key: &SigningKey, out: &Path) -> Result<Manifest> {
     let manifest = bundle::create(&inputs.root, &inputs.kernel, &inputs.fields, key, out)
-        .map_err(|e| anyhow::anyhow!(update::chain(&e)))
+        .map_err(|e| anyhow::anyhow!(foundation::error_chain(&e)))
         .with_context(|| format!("making {}", out.display()))?;
     let checked = (|| -> Result<()> {
         let signer = TrustedKeys::from_keys(
@@ -111,20 +111,20 @@ fn make(inputs: &Inputs, key: &SigningKey, out: &Path) -> Result<Manifest> {
             vec![TrustedKey { name: "signing key".into(), key: key.verifying_key() }],
         );
         verify(out, &signer, &manifest.compatible)
-            .map_err(|e| anyhow::anyhow!(update::chain(&e)))
+            .map_err(|e| anyhow::anyhow!(foundation::error_chain(&e)))
             .with_context(|| format!("verifying the new bundle {}", out.display()))?;
         if let Some(dir) = &inputs.image_keys {
-            let trusted = TrustedKeys::load(dir).map_err(|e| anyhow::anyhow!(update::chain(&e)))?;
-            verify(out, &trusted, &manifest.compatible).map_err(|e| anyhow::anyhow!(update::chain(&e))).with_context(
-                || {
+            let trusted = TrustedKeys::load(dir).map_err(|e| anyhow::anyhow!(foundation::error_chain(&e)))?;
+            verify(out, &trusted, &manifest.compatible)
+                .map_err(|e| anyhow::anyhow!(foundation::error_chain(&e)))
+                .with_context(|| {
                     format!(
                         "the image this bundle carries does not trust its signing key (its keys: {}): boxes built \
                          from the same keys would refuse it; sign with a key whose .pub was passed to \
                          `cargo xtask image --update-keys` (or --dev-keys on both)",
                         dir.display()
                     )
-                },
-            )?;
+                })?;
         }
         Ok(())
     })();

@@ -268,7 +268,8 @@ pub struct VmRunArgs {
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Which benchmarks: `vm` (boot, clone, agent RPC, fs_pull, QEMU RSS), `sandboxd`
+    /// Which benchmarks: `vm` (boot, clone, agent RPC, fs_pull, QEMU RSS, boot and clone with the
+    /// jail on and off, a VM cgroup leaf's kernel memory), `sandboxd`
     /// (claim latency, claims/s, refill rate, sandboxd RSS), `vnode` (Sandbox → Pod Running
     /// through the real control plane and the vk-sandbox node; a burst of Sandboxes), `cocoon`
     /// (a Pod bound to the vk-cocoon node → Running, `run` and `clone`), `appliance` (the host

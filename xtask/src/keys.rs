@@ -103,7 +103,7 @@ pub fn public_keys(keys: &UpdateKeys) -> Result<Vec<PublicKeyFile>> {
 /// image build needs public keys only, and signing keys belong off build machines.
 pub fn public_keys_in(dir: &Path) -> Result<Vec<PublicKeyFile>> {
     let trusted = update::keys::TrustedKeys::load(dir)
-        .map_err(|e| anyhow::anyhow!(update::chain(&e)))
+        .map_err(|e| anyhow::anyhow!(foundation::error_chain(&e)))
         .with_context(|| format!("--update-keys {}", dir.display()))?;
     let mut secrets = Vec::new();
     let mut names = Vec::new();
@@ -147,9 +147,9 @@ pub fn signing_key(source: &SigningKeySource) -> Result<SigningKey> {
     match source {
         SigningKeySource::Dev => dev_signing_key_in(&keys_dir()),
         SigningKeySource::File(path) => {
-            update::keys::load_signing_key(path).map_err(|e| anyhow::anyhow!(update::chain(&e))).with_context(|| {
-                format!("--key {} (make one with `cargo xtask keygen --out {}`)", path.display(), path.display())
-            })
+            update::keys::load_signing_key(path).map_err(|e| anyhow::anyhow!(foundation::error_chain(&e))).with_context(
+                || format!("--key {} (make one with `cargo xtask keygen --out {}`)", path.display(), path.display()),
+            )
         }
     }
 }
@@ -162,9 +162,10 @@ pub fn dev_signing_key_in(dir: &Path) -> Result<SigningKey> {
     foundation::private_dir(dir).with_context(|| format!("creating {}", dir.display()))?;
     let _lock = crate::paths::lock_file(&dir.join(".lock"))?;
     let key = if secret.exists() {
-        update::keys::load_signing_key(&secret).map_err(|e| anyhow::anyhow!(update::chain(&e)))?
+        update::keys::load_signing_key(&secret).map_err(|e| anyhow::anyhow!(foundation::error_chain(&e)))?
     } else {
-        let key = update::keys::generate_signing_key(&secret).map_err(|e| anyhow::anyhow!(update::chain(&e)))?;
+        let key =
+            update::keys::generate_signing_key(&secret).map_err(|e| anyhow::anyhow!(foundation::error_chain(&e)))?;
         eprintln!("keys: generated the dev update-signing key {} (+ .pub)", secret.display());
         key
     };
@@ -173,7 +174,7 @@ pub fn dev_signing_key_in(dir: &Path) -> Result<SigningKey> {
         Ok(have) if have.trim() == want.trim() => {}
         Ok(_) => bail!("{} does not match {}: delete both to regenerate", public.display(), secret.display()),
         Err(_) => update::keys::write_public_key(&public, &key.verifying_key())
-            .map_err(|e| anyhow::anyhow!(update::chain(&e)))?,
+            .map_err(|e| anyhow::anyhow!(foundation::error_chain(&e)))?,
     }
     Ok(key)
 }
@@ -181,7 +182,7 @@ pub fn dev_signing_key_in(dir: &Path) -> Result<SigningKey> {
 /// `cargo xtask keygen --out FILE`: a new signing key pair (FILE 0600 in a 0700 directory,
 /// FILE.pub 0644). Never replaces an existing file.
 pub fn keygen(out: &Path) -> Result<()> {
-    let key = update::keys::generate_signing_key(out).map_err(|e| anyhow::anyhow!(update::chain(&e)))?;
+    let key = update::keys::generate_signing_key(out).map_err(|e| anyhow::anyhow!(foundation::error_chain(&e)))?;
     let public = update::keys::public_key_path(out);
     eprintln!(
         "keygen: signing key {} (0600: keep it on the signing host, or in an HSM, never on build machines)\n\

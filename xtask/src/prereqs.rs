@@ -21,6 +21,8 @@ pub const APT_PACKAGES: &[&str] = &[
     "zstd",
     "xz-utils",
     "iproute2",
+    // vmnet's packet filter (nft -f -) and its netns tests
+    "nftables",
     // the test control plane's PKI cross-check
     "openssl",
     // the host image (cargo xtask image / run / flash) and its QEMU machine
@@ -38,7 +40,29 @@ pub const RUST_TARGETS: &[&str] = &["x86_64-unknown-linux-musl"];
 
 pub fn ensure_all() -> Result<()> {
     ensure_apt(APT_PACKAGES)?;
+    ensure_vm_user()?;
     ensure_rust_targets()
+}
+
+/// The unprivileged user QEMU and cloud-hypervisor run as (`vmm::jail`'s default;
+/// `CHRYSALIS_VM_USER`).
+pub const VM_USER: &str = vmm::jail::DEFAULT_USER;
+
+/// Creates [`VM_USER`] as a system user (no home, no shell) when it is missing.
+pub fn ensure_vm_user() -> Result<()> {
+    let exists = Command::new("id").arg("-u").arg(VM_USER).output().map(|o| o.status.success()).unwrap_or(false);
+    if exists {
+        return Ok(());
+    }
+    eprintln!("xtask: creating the system user {VM_USER} (the microVMs' hypervisors run as it)");
+    let status = Command::new("useradd")
+        .args(["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", VM_USER])
+        .status()
+        .context("running useradd")?;
+    if !status.success() {
+        bail!("useradd --system {VM_USER} failed ({status}): run it as root");
+    }
+    Ok(())
 }
 
 fn installed(pkg: &str) -> bool {

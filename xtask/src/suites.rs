@@ -65,6 +65,14 @@ impl Tally {
         }
     }
 
+    /// Moves `n` tests that passed by returning early (they said why, `foundation::testing::skip`)
+    /// from passed to skipped.
+    pub fn count_runtime_skips(&mut self, n: u64) {
+        let n = n.min(self.passed);
+        self.passed -= n;
+        self.skipped += n;
+    }
+
     pub fn merge(&mut self, other: Tally) {
         self.passed += other.passed;
         self.failed += other.failed;

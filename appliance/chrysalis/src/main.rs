@@ -5,6 +5,8 @@
 //! Errors print as one chain (`chrysalis: a: b: c`) and exit with status 1; logs go to stderr
 //! (`RUST_LOG`, default `warn`; `run` logs at `info`, JSON unless stderr is a terminal).
 
+#![forbid(unsafe_code)]
+
 mod appliance;
 mod flags;
 mod image;

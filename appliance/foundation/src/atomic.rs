@@ -47,20 +47,41 @@ fn tmp_sibling(path: &Path) -> PathBuf {
 /// The parent directory must exist.
 pub fn write_atomic(path: &Path, contents: &[u8], mode: FileMode) -> io::Result<()> {
     let tmp = tmp_sibling(path);
-    let result = (|| {
-        let mut f = OpenOptions::new().write(true).create_new(true).mode(mode.0).open(&tmp)?;
-        f.set_permissions(fs::Permissions::from_mode(mode.0))?;
-        f.write_all(contents)?;
-        f.sync_all()?;
-        drop(f);
-        fs::rename(&tmp, path)?;
-        sync_dir(parent(path))
-    })();
+    let result =
+        write_tmp(&tmp, contents, mode).and_then(|()| fs::rename(&tmp, path)).and_then(|()| sync_dir(parent(path)));
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
     result
 }
+
+/// Like [`write_atomic`], but only if `path` does not exist yet: an existing file is left as it
+/// is and the error is [`io::ErrorKind::AlreadyExists`]. Two racing writers: one wins, the
+/// other gets `AlreadyExists`; a reader never sees a partial file.
+pub fn write_new(path: &Path, contents: &[u8], mode: FileMode) -> io::Result<()> {
+    let tmp = tmp_sibling(path);
+    // link(2) never replaces its target: the exclusive step.
+    let result = write_tmp(&tmp, contents, mode).and_then(|()| fs::hard_link(&tmp, path));
+    let _ = fs::remove_file(&tmp);
+    result.and_then(|()| sync_dir(parent(path)))
+}
+
+/// Creates `tmp` (which must not exist) with `mode`, writes `contents` and fsyncs it.
+fn write_tmp(tmp: &Path, contents: &[u8], mode: FileMode) -> io::Result<()> {
+    let mut f = OpenOptions::new().write(true).create_new(true).mode(mode.0).open(tmp)?;
+    // The umask can only have removed bits from `mode`; this puts them back. A filesystem
+    // that cannot represent modes (vfat: `EPERM`) keeps its own, never looser than asked
+    // for a secret since the file was born `mode & !umask`.
+    match f.set_permissions(fs::Permissions::from_mode(mode.0)) {
+        Err(e) if e.raw_os_error() == Some(EPERM) => {}
+        r => r?,
+    }
+    f.write_all(contents)?;
+    f.sync_all()
+}
+
+/// `EPERM`: this crate links no libc.
+const EPERM: i32 = 1;
 
 /// Writes a secret: mode 0600, in a directory made 0700 if it is missing or looser.
 pub fn write_secret(path: &Path, contents: &[u8]) -> io::Result<()> {
@@ -140,6 +161,18 @@ mod tests {
         let fresh = dir.path().join("x/y/key");
         write_secret(&fresh, b"k").expect("write into missing dirs");
         assert_eq!(mode_of(fresh.parent().expect("parent")), 0o700);
+    }
+
+    #[test]
+    fn write_new_never_replaces() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("rec.json");
+        write_new(&p, b"first", PUBLIC_FILE).expect("first");
+        let e = write_new(&p, b"second", PUBLIC_FILE).expect_err("exists");
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
+        assert_eq!(fs::read(&p).expect("read"), b"first");
+        assert_eq!(mode_of(&p), 0o644);
+        assert_eq!(fs::read_dir(dir.path()).expect("ls").count(), 1, "no temp left");
     }
 
     #[test]

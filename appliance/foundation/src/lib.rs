@@ -4,7 +4,10 @@
 //! - [`atomic`]: replace a file crash-safely (temp file born with its final mode, fsync, rename,
 //!   directory fsync). Secrets are born 0600: there is no window in which they are readable.
 //! - [`private_dir`]: create (or tighten) a directory to 0700, the home of every secret.
+//! - [`error_chain`]: an error and its `source()` chain on one line, `a: b: c`.
 //! - [`token`]: read a bearer-token file under the one rule (owner-only, 32+ characters).
+//! - `testing` (feature `testing`, dev-dependencies only): how a test that cannot run here
+//!   says so and is counted as skipped.
 //!
 //! Functions here return plain [`std::io::Error`]s; callers wrap them with the path and the
 //! step in their own module error.
@@ -12,7 +15,11 @@
 #![forbid(unsafe_code)]
 
 pub mod atomic;
+mod error_chain;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod token;
 
-pub use atomic::{private_dir, write_atomic, write_secret, FileMode, PRIVATE_DIR, PUBLIC_FILE, SECRET_FILE};
+pub use atomic::{private_dir, write_atomic, write_new, write_secret, FileMode, PRIVATE_DIR, PUBLIC_FILE, SECRET_FILE};
+pub use error_chain::error_chain;
 pub use token::{read_token_file, TokenFileError, MIN_TOKEN_LEN};

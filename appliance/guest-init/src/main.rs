@@ -23,18 +23,6 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use supervisor::Service;
 
-/// Formats an error with its whole `source()` chain.
-pub(crate) fn chain(err: &dyn std::error::Error) -> String {
-    let mut out = err.to_string();
-    let mut cur = err.source();
-    while let Some(e) = cur {
-        out.push_str(": ");
-        out.push_str(&e.to_string());
-        cur = e.source();
-    }
-    out
-}
-
 /// The silkd binary shipped in the initramfs.
 const INITRAMFS_SILKD: &str = "/sbin/silkd";
 
@@ -44,12 +32,9 @@ const INSTALLED_SELF: &str = "/.chrysalis/guest-init";
 /// Copies the running binary to [`INSTALLED_SELF`] (through `/proc/self/exe`, which still
 /// reaches the initramfs file after the switch to an image root).
 fn install_self() -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(mounts::CHRYSALIS_DIR)?;
-    let tmp = format!("{INSTALLED_SELF}.tmp");
-    std::fs::copy("/proc/self/exe", &tmp)?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
-    std::fs::rename(&tmp, INSTALLED_SELF)
+    let exe = std::fs::read("/proc/self/exe")?;
+    foundation::write_atomic(Path::new(INSTALLED_SELF), &exe, foundation::FileMode(0o755))
 }
 
 /// `guest-init net-config <ip/prefix> <gw> <mac>`: configures eth0; returns the exit code.
@@ -72,7 +57,7 @@ fn net_config(args: &[String]) -> i32 {
             0
         }
         Err(e) => {
-            eprintln!("guest-init net-config: {}", chain(&e));
+            eprintln!("guest-init net-config: {}", foundation::error_chain(&e));
             1
         }
     }
@@ -96,7 +81,7 @@ fn ensure_console() {
 /// Runs the boot sequence; returns the services to supervise.
 fn setup() -> Vec<Service> {
     if let Err(e) = mounts::mount_early() {
-        say!("ERROR: {}", chain(&e));
+        say!("ERROR: {}", foundation::error_chain(&e));
     }
     ensure_console();
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_else(|e| {
@@ -118,7 +103,7 @@ fn setup() -> Vec<Service> {
         let silkd = Path::new(INITRAMFS_SILKD);
         let silkd = silkd.is_file().then_some(silkd);
         if let Err(e) = mounts::switch_to_image_root(rootfs, &cfg.overlay, silkd) {
-            say!("FATAL: cannot set up the image root: {}", chain(&e));
+            say!("FATAL: cannot set up the image root: {}", foundation::error_chain(&e));
             if cfg.debug_shell {
                 services.push(debug_shell());
             }
@@ -128,7 +113,7 @@ fn setup() -> Vec<Service> {
     }
     match mounts::mount_late() {
         Ok(()) => say!("mounted /dev/pts /dev/shm /tmp /run"),
-        Err(e) => say!("ERROR: {}", chain(&e)),
+        Err(e) => say!("ERROR: {}", foundation::error_chain(&e)),
     }
     mounts::ensure_dirs();
     match nix::unistd::sethostname(&cfg.hostname) {
@@ -137,7 +122,7 @@ fn setup() -> Vec<Service> {
     }
     match net::link_up("lo") {
         Ok(()) => say!("lo up"),
-        Err(e) => say!("ERROR: {}", chain(&e)),
+        Err(e) => say!("ERROR: {}", foundation::error_chain(&e)),
     }
     if let Some(netcfg) = &cfg.net {
         match net::configure(net::ETH0, netcfg) {
@@ -148,7 +133,7 @@ fn setup() -> Vec<Service> {
                 netcfg.prefix,
                 netcfg.gateway.map(|g| g.to_string()).unwrap_or_else(|| "none".into())
             ),
-            Err(e) => say!("ERROR: {}", chain(&e)),
+            Err(e) => say!("ERROR: {}", foundation::error_chain(&e)),
         }
     }
     if let Err(e) = install_self() {
@@ -189,7 +174,7 @@ fn main() {
         match supervisor::block_signals() {
             Ok(set) => break set,
             Err(e) => {
-                say!("ERROR: {}; retrying", chain(&e));
+                say!("ERROR: {}; retrying", foundation::error_chain(&e));
                 std::thread::sleep(std::time::Duration::from_secs(1));
             }
         }

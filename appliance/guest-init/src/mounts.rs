@@ -129,7 +129,7 @@ fn mount_rw(overlay: &Overlay) -> Result<&'static str, MountError> {
         let res = wait_for_device(dev).and_then(|()| do_mount(dev, RW, "ext4", MsFlags::MS_NOATIME, None));
         match res {
             Ok(()) => return Ok("ext4"),
-            Err(e) => say!("WARNING: overlay disk unusable ({}), falling back to tmpfs", crate::chain(&e)),
+            Err(e) => say!("WARNING: overlay disk unusable ({}), falling back to tmpfs", foundation::error_chain(&e)),
         }
     }
     do_mount("tmpfs", RW, "tmpfs", MsFlags::empty(), Some("mode=0755"))?;

@@ -17,6 +17,8 @@
 //! nothing a name, a named snapshot's base image or an `in_use` digest reaches, and nothing an
 //! unfinished write holds (`.gc.lock`).
 
+#![forbid(unsafe_code)]
+
 mod blobs;
 pub mod error;
 mod gc;

@@ -2,7 +2,6 @@
 //! fsync, rename, fsync of the directory). Readers need no lock; writers hold `.lock`.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -30,18 +29,9 @@ impl Refs {
 
     /// Replaces the file atomically.
     pub(crate) fn store(&self, path: &Path) -> Result<(), ImageError> {
-        let dir = path.parent().unwrap_or(Path::new("."));
         // A map of validated strings always serialises.
         let bytes = serde_json::to_vec_pretty(self).unwrap_or_default();
-        let mut tmp = tempfile::Builder::new()
-            .prefix(".refs.json.")
-            .tempfile_in(dir)
-            .map_err(ImageError::io("creating a temp file in", dir))?;
-        tmp.write_all(&bytes).and_then(|_| tmp.as_file().sync_all()).map_err(ImageError::io("writing", tmp.path()))?;
-        tmp.persist(path).map_err(|e| ImageError::io("replacing", path)(e.error))?;
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
+        // tempfile's files were born 0600: keep that.
+        foundation::write_atomic(path, &bytes, foundation::SECRET_FILE).map_err(ImageError::io("replacing", path))
     }
 }

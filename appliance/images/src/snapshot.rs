@@ -2,7 +2,7 @@
 //! and materialising one back into a directory the driver restores from.
 //!
 //! What the QEMU driver's snapshot directory holds (`vmm::qemu`): `state` (the migration
-//! stream, read by `exec:cat` on restore), `overlay.qcow2` (a copy of the VM's writable disk:
+//! stream, opened by the driver and handed to QEMU on restore), `overlay.qcow2` (a copy of the VM's writable disk:
 //! a qcow2 whose backing file is the image's `overlay_base`, raw) and `snapshot.json` (the
 //! [`vmm::Snapshot`] record with absolute paths). Restore only reads the directory: it creates
 //! the clone's own overlay in the clone's VM directory with the snapshot's overlay as backing

@@ -87,6 +87,7 @@ impl ResolvedImage {
             size,
             accel,
             nic: None,
+            rng: true,
         }
     }
 }

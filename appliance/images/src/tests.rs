@@ -66,6 +66,7 @@ fn spec_of(src: &ImageSource) -> vmm::BootSpec {
         size: vmm::SizeClass::Small,
         accel: vmm::AccelPreference::Tcg,
         nic: None,
+        rng: true,
     }
 }
 

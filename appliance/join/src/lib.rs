@@ -2,6 +2,8 @@
 //! cluster CA (`discovery`), then the kubelet TLS bootstrap of a `system:node:<name>` client
 //! certificate (`bootstrap`). See `shared/spec/appliance.md` §2.1–§2.3.
 
+#![forbid(unsafe_code)]
+
 pub mod bootstrap;
 pub mod discovery;
 pub mod http;

@@ -39,8 +39,11 @@ pub enum ClaimError {
     /// Neither a configured pool nor a catalog template.
     #[error("unknown template {0:?}")]
     UnknownTemplate(String),
-    /// The egress lane is not available here.
-    #[error("egress lane is not available on this node")]
+    /// `net: egress` on a node without an uplink for VMs.
+    #[error(
+        "net egress is not available on this node: its config has no network.uplink (the interface VM egress \
+         leaves by); ask for net none, or set network.uplink in the sandboxd config"
+    )]
     Egress,
     /// An advanced feature the request asks for.
     #[error("{0} is not implemented on this node")]

@@ -5,7 +5,8 @@
 //!  "tls_cert_file": "/etc/sandboxd/tls/cert.pem", "tls_key_file": "/etc/sandboxd/tls/key.pem",
 //!  "advertise_addr": "10.0.0.5:7777", "pools": [{"template": "base", "net": "none", "size": "small", "warm": 4}],
 //!  "refill_concurrency": 0, "sync_claims": false, "boot_timeout_secs": 90, "clone": true,
-//!  "max_vms": 40, "max_memory_mib": 20480, "max_lifetime_secs": 604800}
+//!  "max_vms": 40, "max_memory_mib": 20480, "max_lifetime_secs": 604800,
+//!  "network": {"uplink": "eno1", "bridge": "chrysalis1", "cidr": "10.89.0.0/24", "refuse": []}}
 //! ```
 //!
 //! Unknown keys are refused; every error names the key, where it was set and the fix (parse,
@@ -16,6 +17,8 @@
 //! - `tls_cert_file` and `tls_key_file` come together;
 //! - the budget (`max_vms`, `max_memory_mib`, derived from the host when absent) must hold the
 //!   configured warm targets.
+//! - `net: egress` (a pool here, in `PUT /v1/pools` or in a claim) needs the `network` section
+//!   with an `uplink` ([`NetworkConfig`]); sandboxes never get a host service allow-list.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -95,11 +98,23 @@ pub enum ConfigError {
         /// The key.
         key: String,
     },
-    /// A pool asks for a lane this node cannot provide.
-    #[error("config key pools[{index}].net: the egress lane is not available on this node")]
+    /// A pool asks for `net: egress` on a node without `network.uplink`.
+    #[error(
+        "config key pools[{index}].net: egress needs network.uplink (the interface VM egress leaves by, \
+         e.g. \"eth0\"); set it, or use net \"none\" for this pool"
+    )]
     Egress {
         /// Index in `pools`.
         index: usize,
+    },
+    /// The `network` section is unusable.
+    #[error("config key network: {problem}")]
+    Network {
+        /// What is wrong, and the fix.
+        problem: String,
+        /// The cause.
+        #[source]
+        source: vmnet::VmnetError,
     },
     /// The token file could not be read, is empty, too short or readable by others.
     #[error("config key api_token_file: {path}: {reason}")]
@@ -206,12 +221,13 @@ impl PoolConfig {
     }
 }
 
-/// Validates a pool list: keys parse, no duplicates, no egress. Returns `(key, target)` pairs.
-pub fn validate_pools(pools: &[PoolConfig]) -> Result<Vec<(PoolKey, usize)>, ConfigError> {
+/// Validates a pool list: keys parse, no duplicates, egress only when the node has an uplink
+/// (`egress`). Returns `(key, target)` pairs.
+pub fn validate_pools(pools: &[PoolConfig], egress: bool) -> Result<Vec<(PoolKey, usize)>, ConfigError> {
     let mut out: Vec<(PoolKey, usize)> = Vec::with_capacity(pools.len());
     for (index, p) in pools.iter().enumerate() {
         let key = p.key().map_err(|source| ConfigError::Pool { index, source })?;
-        if key.net() == crate::pool::Net::Egress {
+        if key.net() == crate::pool::Net::Egress && !egress {
             return Err(ConfigError::Egress { index });
         }
         if out.iter().any(|(k, _)| *k == key) {
@@ -220,6 +236,85 @@ pub fn validate_pools(pools: &[PoolConfig]) -> Result<Vec<(PoolKey, usize)>, Con
         out.push((key, p.target()));
     }
     Ok(out)
+}
+
+/// The default bridge of sandboxd's VMs (vk-cocoon's is `chrysalis0`).
+pub const DEFAULT_NET_BRIDGE: &str = vmnet::config::SANDBOXD_BRIDGE;
+/// The default address range of sandboxd's VMs.
+pub const DEFAULT_NET_CIDR: &str = vmnet::config::SANDBOXD_CIDR;
+/// The name of sandboxd's nft tables (`bridge chrysalis_sbx`, `inet chrysalis_sbx`).
+pub const NET_TABLE: &str = vmnet::config::SANDBOXD_TABLE;
+/// The prefix of sandboxd's TAP names (vk-cocoon's are `ct-*`).
+pub const NET_TAP_PREFIX: &str = vmnet::config::SANDBOXD_TAP_PREFIX;
+
+fn default_net_bridge() -> String {
+    DEFAULT_NET_BRIDGE.to_string()
+}
+
+fn default_net_cidr() -> vmnet::Ipv4Net {
+    // A constant that parses.
+    #[allow(clippy::unwrap_used)]
+    DEFAULT_NET_CIDR.parse().unwrap()
+}
+
+/// The `network` section: per-VM networking for `net: egress` pools (through [`vmnet`]).
+///
+/// Only VMs of `egress` pools get a NIC: each its own TAP on `bridge`, its own lease from
+/// `cidr`, isolated from every other VM, no host service reachable (sandboxes get no
+/// allow-list), and a route out only through `uplink`, masqueraded, with private, shared,
+/// link-local (169.254.169.254 included), loopback, multicast and reserved destinations, the
+/// host's own addresses and `refuse` dropped. `none` pools have no NIC at all.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// The bridge of sandboxd's VMs (default [`DEFAULT_NET_BRIDGE`]; must differ from
+    /// vk-cocoon's `chrysalis0`).
+    #[serde(default = "default_net_bridge")]
+    pub bridge: String,
+    /// The VM address range (default [`DEFAULT_NET_CIDR`]); its first host is the gateway.
+    #[serde(default = "default_net_cidr")]
+    pub cidr: vmnet::Ipv4Net,
+    /// The interface egress leaves by (masqueraded behind its address). No default: without
+    /// it, no pool or claim may ask for `net: egress`.
+    #[serde(default)]
+    pub uplink: Option<String>,
+    /// Destinations refused on top of the built-in private and link-local set (`a.b.c.d/len`).
+    #[serde(default)]
+    pub refuse: Vec<String>,
+    /// A named network namespace holding the bridge and the TAPs (tests); default: sandboxd's own.
+    #[serde(default)]
+    pub netns: Option<String>,
+}
+
+impl NetworkConfig {
+    /// The vmnet configuration: [`NET_TABLE`], [`NET_TAP_PREFIX`], no host service allowed,
+    /// leases in `<data_dir>/network/leases.json` (0600).
+    pub fn net_config(&self, data_dir: &Path) -> Result<vmnet::NetConfig, ConfigError> {
+        let bad = |problem: String| move |source| ConfigError::Network { problem, source };
+        let refuse = vmnet::filter::parse_refuse(&self.refuse.join(",")).map_err(|e| {
+            bad(format!("refuse {:?}: list IPv4 networks like \"203.0.113.0/24\"", self.refuse))(e.into())
+        })?;
+        let filter = vmnet::FilterPolicy { host_allow: Vec::new(), uplink: self.uplink.clone(), refuse };
+        let cfg = vmnet::NetConfig {
+            bridge: self.bridge.clone(),
+            netns: self.netns.clone(),
+            filter,
+            table: NET_TABLE.to_string(),
+            tap_prefix: NET_TAP_PREFIX.to_string(),
+            ..vmnet::NetConfig::new(self.cidr, data_dir.join("network").join("leases.json"))
+        };
+        cfg.validate().map_err(bad(
+            "fix bridge (an interface name), cidr (a /30 or larger, no host bits), uplink (an interface name) \
+             or netns (a name under /run/netns)"
+                .into(),
+        ))?;
+        if cfg.cidr != self.cidr {
+            return Err(bad(format!("cidr {} has host bits set; use {}", self.cidr, cfg.cidr))(
+                vmnet::VmnetError::Config("host bits set".into()),
+            ));
+        }
+        Ok(cfg)
+    }
 }
 
 fn default_listen() -> SocketAddr {
@@ -296,6 +391,9 @@ pub struct Config {
     /// Warm pools (`pools.json` from `PUT /v1/pools` overrides these).
     #[serde(default)]
     pub pools: Vec<PoolConfig>,
+    /// Per-VM networking for `net: egress` pools ([`NetworkConfig`]); absent: no VM has a NIC.
+    #[serde(default)]
+    pub network: Option<NetworkConfig>,
     /// Concurrent refills; 0 = NumCPU×2/3 clamped to [1, 256].
     #[serde(default)]
     pub refill_concurrency: usize,
@@ -387,9 +485,20 @@ impl Config {
         if has_listen {
             c.listen_source = ListenSource::File(path.to_path_buf());
         }
-        validate_pools(&c.pools)?;
+        validate_pools(&c.pools, c.egress())?;
         c.check_static()?;
+        c.net_config()?;
         Ok(c)
+    }
+
+    /// Whether `net: egress` is available: a `network` section with an `uplink`.
+    pub fn egress(&self) -> bool {
+        self.network.as_ref().is_some_and(|n| n.uplink.is_some())
+    }
+
+    /// The vmnet configuration of the `network` section, if any.
+    pub fn net_config(&self) -> Result<Option<vmnet::NetConfig>, ConfigError> {
+        self.network.as_ref().map(|n| n.net_config(&self.data_dir)).transpose()
     }
 
     /// The checks that need no file or host access: TLS pairing, `local_listen`, limit ranges.
@@ -470,7 +579,7 @@ impl Config {
                 Budget { max_vms, max_memory_mib, max_disk_mib }
             }
         };
-        budget.check(&validate_pools(&self.pools)?).map_err(ConfigError::Budget)?;
+        budget.check(&validate_pools(&self.pools, self.egress())?).map_err(ConfigError::Budget)?;
         Ok(budget)
     }
 
@@ -573,10 +682,51 @@ mod tests {
         assert!(matches!(e, ConfigError::DuplicatePool { index: 1, .. }), "{e:?}");
         let e = parse(r#"{"pools":[{"template":"base","net":"egress"}]}"#).expect_err("egress");
         assert!(matches!(e, ConfigError::Egress { index: 0 }), "{e:?}");
+        assert!(e.to_string().contains("network.uplink"), "names the key and the fix: {e}");
+        let e = parse(r#"{"network":{},"pools":[{"template":"base","net":"egress"}]}"#).expect_err("no uplink");
+        assert!(matches!(e, ConfigError::Egress { index: 0 }), "{e:?}");
         let c = parse(r#"{"pools":[{"template":"base"},{"template":"rt","warm":0},{"template":"x","warm_max":3}]}"#)
             .expect("ok");
         let targets: Vec<usize> = c.pools.iter().map(PoolConfig::target).collect();
         assert_eq!(targets, vec![4, 0, 0]);
+    }
+
+    #[test]
+    fn network_section() {
+        let c = parse(r#"{"data_dir":"/d","network":{"uplink":"eth0"},"pools":[{"template":"base","net":"egress"}]}"#)
+            .expect("egress with an uplink");
+        assert!(c.egress());
+        let n = c.net_config().expect("valid").expect("some");
+        assert_eq!(n.bridge, DEFAULT_NET_BRIDGE);
+        assert_eq!(n.cidr.to_string(), DEFAULT_NET_CIDR);
+        assert_eq!(n.table, NET_TABLE);
+        assert_eq!(n.tap_prefix, NET_TAP_PREFIX);
+        assert_eq!(n.filter.uplink.as_deref(), Some("eth0"));
+        assert!(n.filter.host_allow.is_empty(), "no host service is ever allowed from a sandbox");
+        assert_eq!(n.leases_path, PathBuf::from("/d/network/leases.json"));
+        assert_eq!(n.netns, None);
+        let c = parse(r#"{"network":{"bridge":"br9","cidr":"10.5.0.0/16","refuse":["8.8.4.0/24"],"netns":"t1"}}"#)
+            .expect("full section");
+        assert!(!c.egress(), "no uplink, no egress");
+        let n = c.net_config().expect("valid").expect("some");
+        assert_eq!(n.filter.refuse, vec!["8.8.4.0/24".parse().expect("net")]);
+        assert_eq!(n.netns.as_deref(), Some("t1"));
+        assert_eq!(parse("{}").expect("none").net_config().expect("ok"), None);
+        for (bad, needle) in [
+            (r#"{"network":{"bridge":"a bridge"}}"#, "bridge"),
+            (r#"{"network":{"cidr":"10.5.0.0/31"}}"#, "cidr"),
+            (r#"{"network":{"cidr":"10.5.0.9/24"}}"#, "host bits"),
+            (r#"{"network":{"refuse":["nope"]}}"#, "refuse"),
+            (r#"{"network":{"uplink":"sb-x"}}"#, "uplink"),
+            (r#"{"network":{"netns":"../x"}}"#, "netns"),
+        ] {
+            let e = parse(bad).expect_err(bad);
+            assert!(matches!(e, ConfigError::Network { .. }), "{bad}: {e:?}");
+            let chain = vmm::error_chain(&e);
+            assert!(chain.contains("config key network") && chain.contains(needle), "{bad}: {chain}");
+        }
+        let e = parse(r#"{"network":{"mtu":1}}"#).expect_err("unknown key");
+        assert!(matches!(e, ConfigError::Parse { .. }), "{e:?}");
     }
 
     fn secret(dir: &Path, name: &str, contents: &str, mode: u32) -> PathBuf {

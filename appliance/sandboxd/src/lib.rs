@@ -12,7 +12,10 @@
 //! - [`node`]: the controller every handler calls (claim, release, renew, drain, reconcile);
 //! - [`http`]: the axum router, auth, relays (`/agent`, `/ports`) and `/exec`;
 //! - [`metrics`]: counters for `/metrics`;
-//! - [`test_utils`]: a fake driver whose VMs run an in-process silkd stand-in.
+//! - `test_utils` (`cfg(test)` or feature `test-utils`, never in release builds): a fake driver
+//!   whose VMs run an in-process silkd stand-in.
+
+#![forbid(unsafe_code)]
 
 pub mod claims;
 pub mod config;
@@ -22,6 +25,7 @@ pub mod limits;
 pub mod metrics;
 pub mod node;
 pub mod pool;
+#[cfg(any(test, feature = "test-utils"))]
 pub mod test_utils;
 
 pub use config::Config;

@@ -1,5 +1,7 @@
 //! `sandboxd`: flags → config → [`sandboxd::Node`] → HTTP server. Everything else is the library.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -31,6 +33,14 @@ use sandboxd::{Node, NodeOptions};
 /// VM filesystem's size by default; each VM's disk counts as its overlay's worst case),
 /// `max_lifetime_secs` (lease horizon, 7 days), per-claim caps on relays and execs, exec
 /// timeouts, `max_connections`, header/body/relay-idle timeouts.
+///
+/// Network: a `net: none` VM has no NIC. `net: egress` (per pool and per claim) needs the
+/// config's `network` section with an `uplink` (`{"network": {"uplink": "eno1"}}`; optional
+/// `bridge` (chrysalis1), `cidr` (10.89.0.0/24), `refuse`, `netns`); each egress VM then gets
+/// its own isolated TAP and address, reaches no host service and no other VM, and goes out of
+/// the uplink only, masqueraded, never to private, link-local (169.254.169.254), loopback,
+/// multicast or reserved addresses nor to the host's own. Without an uplink an egress pool is a
+/// config error and an egress claim answers 409, both naming `network.uplink`.
 #[derive(Debug, Parser)]
 #[command(name = "sandboxd", version)]
 struct Args {

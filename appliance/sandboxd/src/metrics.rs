@@ -33,6 +33,8 @@ pub struct Metrics {
     pub goldens_built: AtomicU64,
     /// Golden builds that failed.
     pub golden_failures: AtomicU64,
+    /// Clones destroyed because their guest RNG could not be reseeded.
+    pub clone_reseed_failures: AtomicU64,
     /// VMs destroyed.
     pub vms_destroyed: AtomicU64,
     /// VM destroys that failed.
@@ -57,6 +59,8 @@ pub struct Metrics {
     pub body_timeouts: AtomicU64,
     /// Requests refused for a missing or wrong token (401).
     pub auth_failures: AtomicU64,
+    /// Network operations of egress VMs (lease, TAP, guest re-addressing, release) that failed.
+    pub network_failures: AtomicU64,
 }
 
 /// Bumps a counter.
@@ -109,6 +113,16 @@ impl Metrics {
             "golden_builds_total",
             "Golden snapshot builds by result.",
             &[("{result=\"ok\"}", get(&self.goldens_built)), ("{result=\"failed\"}", get(&self.golden_failures))],
+        );
+        counter(
+            "clone_reseed_failures_total",
+            "Clones destroyed because their guest RNG could not be reseeded (the slot cold-boots instead).",
+            &[("", get(&self.clone_reseed_failures))],
+        );
+        counter(
+            "network_failures_total",
+            "Network operations of egress VMs (lease, TAP, guest re-addressing, release) that failed.",
+            &[("", get(&self.network_failures))],
         );
         counter(
             "vm_destroys_total",

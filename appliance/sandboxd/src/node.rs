@@ -94,6 +94,9 @@ pub struct NodeOptions {
     pub timing: Timing,
     /// Budget, lease horizon, per-claim caps, exec timeouts, HTTP limits.
     pub limits: Limits,
+    /// Per-VM networking of `net: egress` pools (the config's `network` section); `None`: no
+    /// VM gets a NIC and egress is refused.
+    pub network: Option<vmnet::NetConfig>,
 }
 
 impl NodeOptions {
@@ -117,6 +120,7 @@ impl NodeOptions {
             catalog,
             timing: Timing { cold_probe: Duration::from_secs(c.boot_timeout_secs.max(1)), ..Timing::default() },
             limits: c.limits()?,
+            network: c.net_config()?,
         })
     }
 
@@ -134,6 +138,7 @@ impl NodeOptions {
             catalog,
             timing: Timing::default(),
             limits: Limits::with_budget(Self::TEST_BUDGET),
+            network: None,
         }
     }
 
@@ -150,6 +155,9 @@ pub enum NodeError {
     /// The pool list (config or `pools.json`) is invalid.
     #[error("pool list")]
     Pools(#[from] ConfigError),
+    /// The VM network (bridge, packet filter) could not be set up.
+    #[error("setting up the VM network (config key network)")]
+    Network(#[source] vmnet::VmnetError),
 }
 
 /// Errors of `PUT /v1/pools`.
@@ -261,6 +269,8 @@ pub struct ReconcileReport {
     pub dropped: usize,
     /// Unowned `sbx-` VMs destroyed.
     pub destroyed: usize,
+    /// Network leases (and TAPs) of VMs that no longer exist, released.
+    pub leases_released: usize,
 }
 
 /// One sandboxd node.
@@ -285,6 +295,8 @@ pub struct Node {
     pub(crate) refill_sem: Arc<Semaphore>,
     /// Counters for `/metrics`.
     pub metrics: Metrics,
+    /// The VM network of egress pools (bridge, leases, TAPs, packet filter).
+    pub(crate) net: Option<vmnet::Network>,
     cancel: CancellationToken,
 }
 
@@ -309,7 +321,20 @@ impl Node {
             Some(p) => p,
             None => opts.pools.clone(),
         };
-        let pools = config::validate_pools(&pool_list)?;
+        let egress = opts.network.as_ref().is_some_and(|n| n.filter.uplink.is_some());
+        let pools = config::validate_pools(&pool_list, egress)?;
+        let net = match &opts.network {
+            Some(cfg) => {
+                // The lease file is born 0600 (vmnet); its directory is ours alone too.
+                if let Some(dir) = cfg.leases_path.parent() {
+                    foundation::private_dir(dir).map_err(|source| {
+                        NodeError::Network(vmnet::VmnetError::Io { what: "creating", path: dir.to_path_buf(), source })
+                    })?;
+                }
+                Some(vmnet::Network::ensure(cfg).await.map_err(NodeError::Network)?)
+            }
+            None => None,
+        };
         if let Err(e) = opts.limits.budget.check(&pools) {
             // The config's own pools were checked at load; pools.json (an earlier PUT) may
             // predate a smaller budget. Refill stops at the budget either way.
@@ -339,6 +364,7 @@ impl Node {
             reconciled: AtomicBool::new(false),
             refill_sem: Arc::new(Semaphore::new(opts.refill_concurrency.max(1))),
             metrics: Metrics::default(),
+            net,
             cancel: CancellationToken::new(),
         });
         for (key, target) in pools {
@@ -388,6 +414,16 @@ impl Node {
     /// Open `/agent` relays, `/ports` relays and `/exec` calls of claim `id`.
     pub fn open_uses(&self, id: &str) -> [usize; 3] {
         self.slots.open(id)
+    }
+
+    /// Whether `net: egress` is available (a network with an uplink).
+    pub fn egress(&self) -> bool {
+        self.net.as_ref().is_some_and(|n| n.config().filter.uplink.is_some())
+    }
+
+    /// The VM network, if configured.
+    pub fn network(&self) -> Option<&vmnet::Network> {
+        self.net.as_ref()
     }
 
     /// Whether the node is draining.
@@ -492,7 +528,7 @@ impl Node {
     }
 
     fn claim_inner(&self, req: ClaimRequest) -> Result<Grant, ClaimError> {
-        if req.key.net() == Net::Egress {
+        if req.key.net() == Net::Egress && !self.egress() {
             return Err(ClaimError::Egress);
         }
         if self.draining() {
@@ -639,10 +675,14 @@ impl Node {
 
     /// Destroys a VM (kill), counting the outcome. Once it is gone it leaves the budget (a
     /// failed kill keeps it counted: it may still run) and pools waiting on the budget are woken.
+    /// A VM with a NIC gives its TAP and lease back once it is gone.
     pub async fn destroy(&self, vm: &Vm) {
         match self.driver.kill(vm).await {
             Ok(()) => {
                 inc(&self.metrics.vms_destroyed);
+                if let Some(nic) = &vm.spec.nic {
+                    self.release_nic(&vm.id, &nic.tap).await;
+                }
                 self.ledger.forget(&vm.id);
                 for p in self.pools() {
                     if p.lock().budget_blocked.is_some() {
@@ -655,6 +695,73 @@ impl Node {
                 tracing::warn!(vm = %vm.id, error = %vmm::error_chain(&e), "destroying VM failed; it stays counted against the budget");
             }
         }
+    }
+
+    /// Deletes TAP `tap` and releases the lease holding it (best effort: logged and counted).
+    /// Only for a VM whose hypervisor is gone, or that never started.
+    pub(crate) async fn release_nic(&self, vm: &VmId, tap: &str) {
+        let Some(net) = &self.net else { return };
+        let span = tracing::info_span!("release_nic", vm = %vm, tap);
+        async {
+            if let Err(e) = net.delete_tap(tap).await {
+                inc(&self.metrics.network_failures);
+                tracing::warn!(error = %vmm::error_chain(&e), "deleting the TAP failed");
+            }
+            let key = match net.leases() {
+                Ok(all) => all.into_iter().find(|(_, l)| l.tap == tap).map(|(k, _)| k),
+                Err(e) => {
+                    inc(&self.metrics.network_failures);
+                    tracing::warn!(error = %vmm::error_chain(&e), "reading the leases failed; the lease stays until the next start");
+                    return;
+                }
+            };
+            if let Some(key) = key {
+                match net.release(&key) {
+                    Ok(_) => tracing::debug!(lease = %key, "lease released"),
+                    Err(e) => {
+                        inc(&self.metrics.network_failures);
+                        tracing::warn!(lease = %key, error = %vmm::error_chain(&e), "releasing the lease failed");
+                    }
+                }
+            }
+        }
+        .instrument(span)
+        .await;
+    }
+
+    /// Releases every lease (and deletes its TAP) that no listed VM holds: leftovers of VMs
+    /// destroyed or half-made while sandboxd was down. A lease whose TAP a listed VM names
+    /// (alive, creating, or one whose kill failed) is kept.
+    async fn sweep_leases(&self, live: &HashMap<VmId, Vm>) -> usize {
+        let Some(net) = &self.net else { return 0 };
+        let held: HashSet<&str> = live.values().filter_map(|v| v.spec.nic.as_ref()).map(|n| n.tap.as_str()).collect();
+        let leases = match net.leases() {
+            Ok(l) => l,
+            Err(e) => {
+                inc(&self.metrics.network_failures);
+                tracing::warn!(error = %vmm::error_chain(&e), "reading the leases failed; none released");
+                return 0;
+            }
+        };
+        let mut released = 0;
+        for (key, lease) in leases {
+            if held.contains(lease.tap.as_str()) {
+                continue;
+            }
+            tracing::info!(lease = %key, tap = %lease.tap, ip = %lease.ip, "releasing the lease of a VM that is gone");
+            if let Err(e) = net.delete_tap(&lease.tap).await {
+                inc(&self.metrics.network_failures);
+                tracing::warn!(lease = %key, error = %vmm::error_chain(&e), "deleting a stale TAP failed");
+            }
+            match net.release(&key) {
+                Ok(_) => released += 1,
+                Err(e) => {
+                    inc(&self.metrics.network_failures);
+                    tracing::warn!(lease = %key, error = %vmm::error_chain(&e), "releasing a stale lease failed");
+                }
+            }
+        }
+        released
     }
 
     async fn destroy_all(&self, vms: Vec<Vm>) {
@@ -725,7 +832,7 @@ impl Node {
     /// Replaces the pool list (`PUT /v1/pools`): omitted pools are drained and removed, targets
     /// updated, new pools started; the list is persisted in `pools.json`.
     pub async fn put_pools(self: &Arc<Self>, list: Vec<PoolConfig>) -> Result<Info, PoolsError> {
-        let wanted = config::validate_pools(&list).map_err(PoolsError::Invalid)?;
+        let wanted = config::validate_pools(&list, self.egress()).map_err(PoolsError::Invalid)?;
         self.limits.budget.check(&wanted).map_err(PoolsError::OverBudget)?;
         for p in &list {
             if p.idle_hibernate_seconds.is_some()
@@ -885,6 +992,8 @@ impl Node {
                     report.destroyed += 1;
                 }
             }
+            // Destroyed VMs gave their leases back; leases of VMs gone while we were down go now.
+            report.leases_released = self.sweep_leases(&live).await;
             // Half-created VMs are listed (state `creating`) and were destroyed above when
             // unowned; records of VMs that died on their own are removed here.
             if let Err(e) = self.driver.prune().await {
@@ -898,6 +1007,7 @@ impl Node {
                 adopted = report.adopted,
                 dropped = report.dropped,
                 destroyed = report.destroyed,
+                leases_released = report.leases_released,
                 "reconciled"
             );
             Ok(report)

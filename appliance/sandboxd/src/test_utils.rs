@@ -70,6 +70,8 @@ struct State {
 pub struct Procs {
     next: AtomicU32,
     running: Mutex<HashMap<u32, Arc<Notify>>>,
+    /// `reseed` requests answered.
+    pub reseeds: std::sync::atomic::AtomicU64,
 }
 
 impl Procs {
@@ -168,6 +170,11 @@ impl FakeDriver {
         }
     }
 
+    /// `reseed` requests the fake guest `id` answered.
+    pub fn reseeds(&self, id: &VmId) -> u64 {
+        self.procs_of(id).reseeds.load(Ordering::Relaxed)
+    }
+
     /// Processes still running in every fake guest (exec children not yet exited or killed).
     pub fn running_procs(&self) -> usize {
         lock(&self.procs).values().map(|p| lock(&p.running).len()).sum()
@@ -190,6 +197,22 @@ pub fn fake_spec(name: &str) -> BootSpec {
         size: vmm::SizeClass::Small,
         accel: vmm::AccelPreference::Tcg,
         nic: None,
+        rng: true,
+    }
+}
+
+/// Timings for tests over the fake driver: ticks of 20 ms, probes of a second, retries of
+/// a fraction of one.
+pub fn fast_timing() -> crate::node::Timing {
+    crate::node::Timing {
+        tick: Duration::from_millis(20),
+        reap: Duration::from_millis(100),
+        clone_probe: Duration::from_secs(1),
+        cold_probe: Duration::from_secs(1),
+        golden_retry: Duration::from_millis(200),
+        reconcile_retry: Duration::from_millis(50),
+        park: Duration::from_millis(200),
+        relay_drain: Duration::from_secs(1),
     }
 }
 
@@ -309,6 +332,22 @@ impl Driver for FakeDriver {
         Ok(vm)
     }
 
+    /// Like the QEMU driver: a clone has a NIC iff its snapshot's VM had one, recorded in the
+    /// clone's spec.
+    async fn restore_with(
+        &self,
+        snapshot: &Snapshot,
+        id: &VmId,
+        opts: &vmm::RestoreOptions,
+    ) -> Result<Vm, DriverError> {
+        if snapshot.spec.nic.is_some() != opts.nic.is_some() {
+            return Err(DriverError::Invalid("a clone has a NIC iff its snapshot's VM had one".into()));
+        }
+        let mut snap = snapshot.clone();
+        snap.spec.nic = opts.nic.clone();
+        self.restore(&snap, id).await
+    }
+
     async fn shutdown(&self, vm: &Vm, _timeout: Duration) -> Result<(), DriverError> {
         self.kill(vm).await
     }
@@ -389,6 +428,10 @@ pub async fn fake_silkd<S: AsyncRead + AsyncWrite + Unpin>(s: S, procs: Arc<Proc
                 }
             }
             Ok(Request::PortForward { port }) => port_forward(&mut io, port).await,
+            Ok(Request::Reseed { data }) if (1..=wire::RESEED_MAX_BYTES).contains(&data.0.len()) => {
+                procs.reseeds.fetch_add(1, Ordering::Relaxed);
+                io.send(Response::Done).await
+            }
             Ok(r) if r.is_continuation() => true,
             Ok(r) => io.send(Response::error(ErrorKind::Unimplemented, format!("{} (fake silkd)", r.op()))).await,
         };
@@ -411,6 +454,12 @@ async fn exec<S: AsyncRead + AsyncWrite + Unpin>(io: &mut Io<S>, procs: &Procs, 
             io.send(Response::Started { pid }).await
                 && io.send(out(&format!("{}\n", argv[1..].join(" ")))).await
                 && io.send(Response::Exit { code: 0 }).await
+        }
+        // The clone re-addressing of egress VMs.
+        "/.chrysalis/guest-init" if argv.get(1).map(String::as_str) == Some("net-config") && argv.len() == 5 => {
+            let (pid, _) = procs.spawn();
+            procs.exited(pid);
+            io.send(Response::Started { pid }).await && io.send(Response::Exit { code: 0 }).await
         }
         "fail" => {
             let (pid, _) = procs.spawn();

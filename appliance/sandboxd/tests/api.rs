@@ -8,7 +8,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use sandboxd::config::PoolConfig;
-use sandboxd::node::{Node, NodeOptions, Timing};
+use sandboxd::node::{Node, NodeOptions};
 use sandboxd::test_utils::{fake_catalog, FakeDriver};
 use serde_json::{json, Value};
 use tempfile::TempDir;
@@ -30,25 +30,12 @@ fn pool(template: &str, warm: usize) -> PoolConfig {
     serde_json::from_value(json!({"template": template, "warm": warm})).expect("pool config")
 }
 
-fn fast() -> Timing {
-    Timing {
-        tick: Duration::from_millis(20),
-        reap: Duration::from_millis(100),
-        clone_probe: Duration::from_secs(1),
-        cold_probe: Duration::from_secs(1),
-        golden_retry: Duration::from_millis(200),
-        reconcile_retry: Duration::from_millis(50),
-        park: Duration::from_millis(200),
-        relay_drain: Duration::from_secs(1),
-    }
-}
-
 fn opts(dir: &TempDir, pools: &[(&str, usize)], token: Option<&str>) -> NodeOptions {
     let mut o = NodeOptions::new(dir.path().join("data"), fake_catalog());
     o.pools = pools.iter().map(|(t, w)| pool(t, *w)).collect();
     o.api_token = token.map(str::to_string);
     o.advertise_addr = "10.0.0.1:7777".into();
-    o.timing = fast();
+    o.timing = sandboxd::test_utils::fast_timing();
     o
 }
 
@@ -590,6 +577,10 @@ async fn refill_clones_from_a_golden_and_falls_back_to_cold_boots() {
     assert!(h.driver.live().iter().all(|id| id.as_str().starts_with("sbx-")));
     // The golden builder is gone after its snapshot.
     assert!(!h.driver.live().iter().any(|id| id.as_str().starts_with("sbx-gb-")));
+    // Every clone was reseeded once before it was pooled.
+    for id in h.driver.live() {
+        assert_eq!(h.driver.reseeds(&id), 1, "{id} reseeded once");
+    }
 
     // Clones fail: cold boots keep the pool full, and the golden is eventually dropped.
     h.driver.set_fail(|f| f.restore = true);
@@ -604,6 +595,25 @@ async fn refill_clones_from_a_golden_and_falls_back_to_cold_boots() {
     let (node2, _) = h.restart(&[("base", 3)]).await;
     wait_warm(&node2, "base", 3).await;
     assert!(node2.info().pools[0].golden);
+}
+
+#[tokio::test]
+async fn a_clone_that_cannot_be_reseeded_is_destroyed_and_the_slot_cold_boots() {
+    let h = start(&[("base", 2)], None).await;
+    wait_warm(&h.node, "base", 2).await;
+    // The guest agent stops answering dials: clones restore and answer `info`, but cannot be
+    // reseeded, so none of them may enter the pool.
+    h.driver.set_fail(|f| f.connect = true);
+    let before = h.driver.calls();
+    h.claim(json!({"template": "base"})).await;
+    wait_warm(&h.node, "base", 2).await;
+    let after = h.driver.calls();
+    assert!(after.restores > before.restores, "a clone was tried: {after:?}");
+    assert!(after.boots > before.boots, "the slot cold-booted instead: {after:?}");
+    let (_, metrics) = h.call("GET", "/metrics", None, None).await;
+    let metrics = metrics.as_str().unwrap_or_default().to_string();
+    let line = metrics.lines().find(|l| l.starts_with("sandboxd_clone_reseed_failures_total")).unwrap_or_default();
+    assert!(!line.ends_with(" 0") && !line.is_empty(), "{line:?}");
 }
 
 #[tokio::test]

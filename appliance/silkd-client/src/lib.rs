@@ -13,10 +13,16 @@
 //! connection is mid-RPC: drop it (silkd kills a foreground child once its output can no
 //! longer be sent).
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use wire::codec::{decode_response, encode_request, FrameSplitter};
-use wire::{Bytes64, DecodeError, EncodeError, ErrorKind, Request, Response};
+pub use wire::ErrorKind;
+use wire::{Bytes64, DecodeError, EncodeError, Request, Response};
+
+/// Bytes of host randomness sent to each clone (512 bits, twice the CRNG key).
+pub const HOST_RESEED_BYTES: usize = 64;
 
 /// What went wrong talking to silkd.
 #[derive(Debug, thiserror::Error)]
@@ -300,6 +306,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
                 other => return Err(unexpected("data", &other)),
             }
         }
+    }
+
+    /// `reseed`: mixes `data` into the guest kernel's entropy pool and forces a CRNG reseed
+    /// (at most [`wire::RESEED_MAX_BYTES`] bytes).
+    pub async fn reseed(&mut self, data: &[u8]) -> Result<(), ClientError> {
+        self.send(&Request::Reseed { data: Bytes64(data.to_vec()) }).await?;
+        self.expect_done().await
+    }
+
+    /// Reseeds the guest with [`HOST_RESEED_BYTES`] fresh bytes from the host's CSPRNG: what
+    /// the host does to every clone of a snapshot before handing it out.
+    pub async fn reseed_from_host(&mut self) -> Result<(), ClientError> {
+        let mut data = [0u8; HOST_RESEED_BYTES];
+        rand::RngCore::fill_bytes(&mut rand::rng(), &mut data);
+        self.reseed(&data).await
     }
 
     /// Waits for `done`.

@@ -95,21 +95,11 @@ where
 {
     match serve(stream, sigterm_init).await {
         Ok(Outcome::PowerOff) => tracing::info!(transport, "signalled PID 1 to power off"),
-        Err(e @ ControlError::Signal(_)) => tracing::error!(transport, error = %chain(&e), "power-off failed"),
-        Err(e) => tracing::warn!(transport, error = %chain(&e), "control stream rejected"),
+        Err(e @ ControlError::Signal(_)) => {
+            tracing::error!(transport, error = %foundation::error_chain(&e), "power-off failed")
+        }
+        Err(e) => tracing::warn!(transport, error = %foundation::error_chain(&e), "control stream rejected"),
     }
-}
-
-/// `e: cause: cause…`, for logs.
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        out.push_str(": ");
-        out.push_str(&c.to_string());
-        cur = c.source();
-    }
-    out
 }
 
 /// Reads one `\n`-terminated line of at most [`MAX_LINE`] bytes, one byte at a time.

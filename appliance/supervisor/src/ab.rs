@@ -59,7 +59,7 @@ impl AbUpdates {
                 Some(ab)
             }
             Err(e) => {
-                tracing::error!(error = %update::chain(&e), "booted from a slot but the image description is unreadable: updates disabled");
+                tracing::error!(error = %foundation::error_chain(&e), "booted from a slot but the image description is unreadable: updates disabled");
                 None
             }
         }
@@ -74,7 +74,7 @@ impl AbUpdates {
                 security_version = self.updater.config().security_version,
                 "security floor: bundles below it are refused"
             ),
-            Err(e) => tracing::error!(error = %update::chain(&e), "security floor: reconciling failed"),
+            Err(e) => tracing::error!(error = %foundation::error_chain(&e), "security floor: reconciling failed"),
         }
     }
 
@@ -111,7 +111,7 @@ impl AbUpdates {
 }
 
 fn internal(e: UpdaterError) -> UpdateError {
-    UpdateError::Internal { message: update::chain(&e), source: Some(Box::new(e)) }
+    UpdateError::Internal { message: foundation::error_chain(&e), source: Some(Box::new(e)) }
 }
 
 /// The API's error for an updater error: refusals are the caller's (409 / 422), the rest 500.
@@ -129,8 +129,8 @@ fn api_error(e: UpdaterError) -> UpdateError {
         | "nothing-to-roll-back-to"
         | "other-not-good"
         | "other-kernel-missing"
-        | "below-security-floor" => UpdateError::Conflict(update::chain(&e)),
-        _ if e.is_refusal() => UpdateError::BadBundle(update::chain(&e)),
+        | "below-security-floor" => UpdateError::Conflict(foundation::error_chain(&e)),
+        _ if e.is_refusal() => UpdateError::BadBundle(foundation::error_chain(&e)),
         _ => internal(e),
     }
 }
@@ -189,7 +189,7 @@ impl UpdateControl for AbUpdates {
                 security_version: None,
                 security_floor: None,
                 progress: None,
-                message: Some(format!("reading the update state: {}", update::chain(&e))),
+                message: Some(format!("reading the update state: {}", foundation::error_chain(&e))),
                 detail: serde_json::Value::Null,
             },
         }
@@ -224,7 +224,7 @@ impl UpdateControl for AbUpdates {
             Ok(s) if s.trial_in_progress => {}
             Ok(_) => return GateVerdict::Continue,
             Err(e) => {
-                tracing::warn!(error = %update::chain(&e), "update gate: cannot read the slot state");
+                tracing::warn!(error = %foundation::error_chain(&e), "update gate: cannot read the slot state");
                 return GateVerdict::Continue;
             }
         }
@@ -251,7 +251,7 @@ impl UpdateControl for AbUpdates {
             }
             Ok(_) => GateVerdict::Continue,
             Err(e) => {
-                tracing::error!(error = %update::chain(&e), "update gate: acting on {decision:?} failed; retrying");
+                tracing::error!(error = %foundation::error_chain(&e), "update gate: acting on {decision:?} failed; retrying");
                 GateVerdict::Continue
             }
         }

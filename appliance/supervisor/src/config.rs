@@ -81,10 +81,16 @@ listen = "0.0.0.0:7777"
 refill_concurrency = 0              # 0 = sandboxd picks (2/3 of the CPUs)
 boot_timeout_secs = 600
 # catalog = "/usr/share/chrysalis/vm-images/catalog.json"
+# vm_uplink = "eno1"                # the interface net = "egress" VMs leave by, NAT (default:
+#                                   #   none, and no pool or claim may ask for egress)
+# vm_refuse = ["203.0.113.0/24"]    # refused to egress on top of private, link-local and
+#                                   #   metadata addresses
+# vm_bridge = "chrysalis1"          # sandboxd's VM bridge (default chrysalis1; not vk-cocoon's chrysalis0)
+# vm_cidr = "10.89.0.0/24"          # sandboxd's VM range (default; must not overlap vk-cocoon's 10.88.0.0/24)
 # [[sandboxd.pools]]
 # template = "base"
 # size = "small"
-# net = "none"
+# net = "none"                      # or "egress" (needs vm_uplink)
 # warm = 1
 
 # [cluster]                          # absent: sandboxd alone
@@ -103,6 +109,12 @@ pool = "default"
 # shared_namespaces = [["golden", "team-a"]]   # namespaces whose pods may use each other's
 #                                                # VMs and snapshots (default: none)
 # legacy_namespace = "default"                 # owner of VMs/snapshots recorded without one
+# vm_host_allow = ["udp/53"]                   # host services VMs may reach at their gateway
+#                                                # (default: none)
+# vm_uplink = "eno1"                           # the interface egress VMs leave by, NAT
+#                                                # (default: none, no VM has a route out)
+# vm_refuse = ["203.0.113.0/24"]               # refused to egress on top of private,
+#                                                # link-local and metadata addresses
 
 [update]
 health_deadline_secs = 600
@@ -386,6 +398,56 @@ pub struct SandboxdConfig {
     pub catalog: Option<PathBuf>,
     /// Warm pools.
     pub pools: Vec<PoolConfig>,
+    /// The interface `net = "egress"` VMs leave by, masqueraded (sandboxd's `network.uplink`).
+    /// Default: none, so no pool or claim may ask for egress.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vm_uplink: Option<String>,
+    /// IPv4 networks egress may not reach on top of the private, link-local (metadata),
+    /// loopback and multicast ranges (sandboxd's `network.refuse`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub vm_refuse: Vec<String>,
+    /// The bridge of sandboxd's VMs (`network.bridge`; default [`SANDBOXD_VM_BRIDGE`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vm_bridge: Option<String>,
+    /// The range of sandboxd's VMs (`network.cidr`; default [`SANDBOXD_VM_CIDR`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vm_cidr: Option<String>,
+}
+
+impl SandboxdConfig {
+    /// Whether any `vm_*` key is set (then sandboxd gets a `network` section).
+    pub fn network_configured(&self) -> bool {
+        self.vm_uplink.is_some() || !self.vm_refuse.is_empty() || self.vm_bridge.is_some() || self.vm_cidr.is_some()
+    }
+}
+
+/// sandboxd's default VM bridge (the one constant sandboxd uses too).
+pub const SANDBOXD_VM_BRIDGE: &str = vmnet::config::SANDBOXD_BRIDGE;
+/// sandboxd's default VM range.
+pub const SANDBOXD_VM_CIDR: &str = vmnet::config::SANDBOXD_CIDR;
+/// The prefix of sandboxd's TAP names: no uplink may use it.
+pub const SANDBOXD_TAP_PREFIX: &str = vmnet::config::SANDBOXD_TAP_PREFIX;
+/// vk-cocoon's VM bridge: its `VK_BRIDGE` default, which the supervisor never overrides.
+pub const VK_COCOON_VM_BRIDGE: &str = vmnet::config::DEFAULT_BRIDGE;
+/// vk-cocoon's VM range: its `VK_VM_CIDR` default, which the supervisor never overrides.
+pub const VK_COCOON_VM_CIDR: &str = vmnet::config::DEFAULT_CIDR;
+
+/// sandboxd's `network` section as rendered into its JSON config (the schema of
+/// `sandboxd::config::NetworkConfig`), from the validated `[sandboxd] vm_*` keys. Bridge and
+/// range are always written out, so what the supervisor checked against vk-cocoon's is what
+/// sandboxd uses.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SandboxdNetwork {
+    /// `vm_bridge`.
+    pub bridge: String,
+    /// `vm_cidr` (no host bits, a /30 or larger).
+    pub cidr: vmnet::Ipv4Net,
+    /// `vm_uplink`; `None`: no egress.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uplink: Option<String>,
+    /// `vm_refuse`, as written.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub refuse: Vec<String>,
 }
 
 impl Default for SandboxdConfig {
@@ -405,6 +467,10 @@ impl Default for SandboxdConfig {
             boot_timeout_secs: 600,
             catalog: None,
             pools: Vec::new(),
+            vm_uplink: None,
+            vm_refuse: Vec::new(),
+            vm_bridge: None,
+            vm_cidr: None,
         }
     }
 }
@@ -454,6 +520,18 @@ pub struct CocoonConfig {
     /// vk-cocoon's default is `default`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub legacy_namespace: Option<String>,
+    /// Host services VMs may reach at their gateway, `tcp/PORT` / `udp/PORT`
+    /// (`VK_NET_HOST_ALLOW`). Default: none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub vm_host_allow: Vec<String>,
+    /// The interface VMs with egress leave by, masqueraded (`VK_NET_UPLINK`). Default: none, so
+    /// no VM has a route out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vm_uplink: Option<String>,
+    /// IPv4 networks egress may not reach on top of the private, link-local (metadata),
+    /// loopback and multicast ranges (`VK_NET_REFUSE`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub vm_refuse: Vec<String>,
 }
 
 impl Default for CocoonConfig {
@@ -464,6 +542,9 @@ impl Default for CocoonConfig {
             pool: "default".into(),
             shared_namespaces: Vec::new(),
             legacy_namespace: None,
+            vm_host_allow: Vec::new(),
+            vm_uplink: None,
+            vm_refuse: Vec::new(),
         }
     }
 }
@@ -889,6 +970,8 @@ pub struct Settings {
     pub vk_sandbox: bool,
     /// Whether vk-cocoon runs.
     pub vk_cocoon: bool,
+    /// sandboxd's `network` section, when any `[sandboxd] vm_*` key is set.
+    pub sandboxd_network: Option<SandboxdNetwork>,
     /// What was read.
     pub sources: Vec<SourceReport>,
 }
@@ -939,6 +1022,114 @@ impl Check<'_> {
             problem: problem.into(),
             fix: fix.into(),
         });
+    }
+
+    /// Checks the `[sandboxd] vm_*` keys; the `network` section when any is set (and all are valid).
+    fn sandboxd_network(&mut self, sb: &SandboxdConfig) -> Option<SandboxdNetwork> {
+        let mut ok = true;
+        if let Some(up) = &sb.vm_uplink {
+            let policy = vmnet::FilterPolicy { uplink: Some(up.clone()), ..Default::default() };
+            let problem = match policy.validate() {
+                Err(e) => Some(e.to_string()),
+                Ok(()) if up.starts_with(SANDBOXD_TAP_PREFIX) => {
+                    Some(format!("{up:?} starts with {SANDBOXD_TAP_PREFIX:?}, the prefix of sandboxd's own VM ports"))
+                }
+                Ok(()) => None,
+            };
+            if let Some(problem) = problem {
+                ok = false;
+                self.fail(
+                    "sandboxd.vm_uplink",
+                    problem,
+                    "name the network interface egress VMs leave by (e.g. \"eno1\"), or remove the key (no sandbox has a route out)",
+                );
+            }
+        }
+        if let Err(e) = vmnet::filter::parse_refuse(&sb.vm_refuse.join(",")) {
+            ok = false;
+            self.fail(
+                "sandboxd.vm_refuse",
+                e.to_string(),
+                "list IPv4 networks as \"a.b.c.d/len\" (or single addresses), e.g. [\"203.0.113.0/24\"]",
+            );
+        }
+        let bridge = sb.vm_bridge.clone().unwrap_or_else(|| SANDBOXD_VM_BRIDGE.to_string());
+        if !vmnet::config::valid_ifname(&bridge) {
+            ok = false;
+            self.fail(
+                "sandboxd.vm_bridge",
+                format!("{bridge:?} is not an interface name (1-15 characters, no '/', ':', ',', quotes or spaces)"),
+                format!(
+                    "name the bridge of sandboxd's VMs, e.g. {SANDBOXD_VM_BRIDGE:?}, or remove the key (that default)"
+                ),
+            );
+        }
+        let cidr_text = sb.vm_cidr.as_deref().unwrap_or(SANDBOXD_VM_CIDR);
+        let fix = format!(
+            "give an IPv4 range a.b.c.d/len with no host bits, a /30 or larger, e.g. {SANDBOXD_VM_CIDR:?} \
+             (its first host is the gateway), or remove the key (that default)"
+        );
+        let cidr = match cidr_text.parse::<vmnet::Ipv4Net>() {
+            Err(_) => {
+                self.fail("sandboxd.vm_cidr", format!("{cidr_text:?} is not an IPv4 range"), fix);
+                None
+            }
+            Ok(n) if n != n.trunc() => {
+                self.fail("sandboxd.vm_cidr", format!("{n} has host bits set (did you mean {}?)", n.trunc()), fix);
+                None
+            }
+            Ok(n) if n.prefix_len() > 30 => {
+                self.fail(
+                    "sandboxd.vm_cidr",
+                    format!("{n} is too small: a gateway and at least one VM need a /30 or larger"),
+                    fix,
+                );
+                None
+            }
+            Ok(n) => Some(n),
+        };
+        let cidr = cidr?;
+        (ok && sb.network_configured()).then(|| SandboxdNetwork {
+            bridge,
+            cidr,
+            uplink: sb.vm_uplink.clone(),
+            refuse: sb.vm_refuse.clone(),
+        })
+    }
+
+    /// sandboxd's bridge and range must not be vk-cocoon's (both run on this box).
+    fn apart_from_vk_cocoon(&mut self, net: &SandboxdNetwork) {
+        if net.bridge == VK_COCOON_VM_BRIDGE {
+            self.fail(
+                "sandboxd.vm_bridge",
+                format!(
+                    "{:?} is vk-cocoon's VM bridge, and vk_cocoon.enabled is true: the two networks would share \
+                     one bridge",
+                    net.bridge
+                ),
+                format!(
+                    "give sandboxd its own bridge, e.g. {SANDBOXD_VM_BRIDGE:?} (or remove sandboxd.vm_bridge), \
+                     or set vk_cocoon.enabled = false"
+                ),
+            );
+        }
+        // A constant that parses.
+        #[allow(clippy::unwrap_used)]
+        let theirs: vmnet::Ipv4Net = VK_COCOON_VM_CIDR.parse().unwrap();
+        if net.cidr.contains(&theirs.network()) || theirs.contains(&net.cidr.network()) {
+            self.fail(
+                "sandboxd.vm_cidr",
+                format!(
+                    "{} overlaps {theirs}, vk-cocoon's VM range, and vk_cocoon.enabled is true: addresses would \
+                     collide",
+                    net.cidr
+                ),
+                format!(
+                    "give sandboxd a range apart from {theirs}, e.g. {SANDBOXD_VM_CIDR:?} (or remove sandboxd.vm_cidr), \
+                     or set vk_cocoon.enabled = false"
+                ),
+            );
+        }
     }
 
     fn addr(&mut self, key: &str, v: &str, example: &str) -> Option<SocketAddr> {
@@ -1226,10 +1417,15 @@ impl Config {
             }
             match p.net.as_str() {
                 "none" => {}
-                "egress" => {
-                    c.fail(&k("net"), "the egress lane is not available on this appliance", "use net = \"none\"")
+                "egress" if sb.vm_uplink.is_some() => {}
+                "egress" => c.fail(
+                    &k("net"),
+                    "egress needs sandboxd.vm_uplink (the interface VM egress leaves by), which is not set",
+                    "set sandboxd.vm_uplink (e.g. \"eno1\") or use net = \"none\"",
+                ),
+                other => {
+                    c.fail(&k("net"), format!("{other:?} is not a network lane"), "use net = \"none\" or \"egress\"")
                 }
-                other => c.fail(&k("net"), format!("{other:?} is not a network lane"), "use net = \"none\""),
             }
             let key = (p.template.as_str(), p.size.as_str(), p.net.as_str());
             if seen.contains(&key) {
@@ -1241,6 +1437,7 @@ impl Config {
             }
             seen.push(key);
         }
+        let sandboxd_network = c.sandboxd_network(sb);
 
         // [cluster]
         if let Some(cl) = &cfg.cluster {
@@ -1354,6 +1551,31 @@ impl Config {
                      e.g. [[\"golden\", \"team-a\"]]; pods of one group may use each other's VMs and snapshots",
                 );
             }
+            let allow = cfg.vk_cocoon.vm_host_allow.join(",");
+            if let Err(e) = vmnet::filter::parse_host_allow(&allow) {
+                c.fail(
+                    "vk_cocoon.vm_host_allow",
+                    e.to_string(),
+                    "list host services as \"tcp/PORT\" or \"udp/PORT\", e.g. [\"udp/53\"], or leave it empty (VMs reach no host service)",
+                );
+            }
+            if let Some(up) = &cfg.vk_cocoon.vm_uplink {
+                let policy = vmnet::FilterPolicy { uplink: Some(up.clone()), ..Default::default() };
+                if let Err(e) = policy.validate() {
+                    c.fail(
+                        "vk_cocoon.vm_uplink",
+                        e.to_string(),
+                        "name the network interface egress VMs leave by (e.g. \"eno1\"), or remove the key (no VM has a route out)",
+                    );
+                }
+            }
+            if let Err(e) = vmnet::filter::parse_refuse(&cfg.vk_cocoon.vm_refuse.join(",")) {
+                c.fail(
+                    "vk_cocoon.vm_refuse",
+                    e.to_string(),
+                    "list IPv4 networks as \"a.b.c.d/len\" (or single addresses), e.g. [\"203.0.113.0/24\"]",
+                );
+            }
             if let Some(ns) = cfg.vk_cocoon.legacy_namespace.as_deref().filter(|n| !valid_namespace(n)) {
                 c.fail(
                     "vk_cocoon.legacy_namespace",
@@ -1361,6 +1583,9 @@ impl Config {
                     "name the namespace that owns VMs and snapshots recorded without one (1-63 of a-z, 0-9 and '-')",
                 );
             }
+        }
+        if let Some(net) = sandboxd_network.as_ref().filter(|_| vk_cocoon && cfg.sandboxd.enabled) {
+            c.apart_from_vk_cocoon(net);
         }
         if vk_cocoon && !valid_label_value(&cfg.vk_cocoon.pool) {
             c.fail(
@@ -1387,6 +1612,7 @@ impl Config {
                 sandboxd_listen,
                 vk_sandbox,
                 vk_cocoon,
+                sandboxd_network,
                 sources: Vec::new(),
             }),
             _ => Err(ConfigError::Invalid(c.issues)),

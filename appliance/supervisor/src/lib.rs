@@ -34,6 +34,8 @@
 //!   VMs (daemonized QEMU, re-parented to us) are only ever reaped once dead.
 //! * Only the main loop starts, stops or reaps processes.
 
+#![forbid(unsafe_code)]
+
 pub mod ab;
 pub mod api;
 pub mod client;

@@ -3,7 +3,7 @@
 //!
 //! | service | program | configured by |
 //! |---|---|---|
-//! | `sandboxd` | `<bin>/sandboxd --config <run>/sandboxd.json` | a JSON config generated here (`data_dir = <state>/sandboxd`, catalog, pools, budget, the root token file, the TLS pair when it serves TLS) |
+//! | `sandboxd` | `<bin>/sandboxd --config <run>/sandboxd.json` | a JSON config generated here (`data_dir = <state>/sandboxd`, catalog, pools, budget, the root token file, the TLS pair when it serves TLS, `network` from the `vm_*` keys when any is set) |
 //! | `vk-sandbox` | `<bin>/vk-sandbox` | flags: node name, sandboxd URL (`https://` with `--sandboxd-ca-file` = sandboxd's certificate when it serves TLS) and root token file, `--state-path <state>/vk-sandbox/claims.json`, join flags |
 //! | `vk-cocoon` | `<bin>/vk-cocoon` | join flags; env `VK_NODE_NAME`, `VK_NODE_POOL`, `COCOON_ROOT_DIR=<state>/vk-cocoon`, `CHRYSALIS_IMAGES=<state>/images` |
 //!
@@ -161,7 +161,8 @@ pub fn local_addr(listen: SocketAddr) -> SocketAddr {
 }
 
 /// sandboxd's generated config (the schema of `sandboxd::config::Config`): always a root token
-/// (configured or minted), the TLS pair when it serves TLS, the budget keys when set.
+/// (configured or minted), the TLS pair when it serves TLS, the budget keys when set, the
+/// `network` section ([`crate::config::SandboxdNetwork`]) when a `[sandboxd] vm_*` key is set.
 pub fn sandboxd_config(settings: &Settings, layout: &Layout, secrets: &Secrets) -> serde_json::Value {
     let sb = &settings.config.sandboxd;
     let mut v = serde_json::json!({
@@ -191,6 +192,9 @@ pub fn sandboxd_config(settings: &Settings, layout: &Layout, secrets: &Secrets) 
         if let Some(n) = val {
             v[k] = serde_json::json!(n);
         }
+    }
+    if let Some(net) = &settings.sandboxd_network {
+        v["network"] = serde_json::json!(net);
     }
     v
 }
@@ -274,6 +278,15 @@ pub fn plan(settings: &Settings, layout: &Layout, secrets: &Secrets) -> Vec<Serv
         if let Some(v) = &cocoon.legacy_namespace {
             env.push(("VK_LEGACY_NAMESPACE".to_string(), v.clone()));
         }
+        if !cocoon.vm_host_allow.is_empty() {
+            env.push(("VK_NET_HOST_ALLOW".to_string(), cocoon.vm_host_allow.join(",")));
+        }
+        if let Some(v) = &cocoon.vm_uplink {
+            env.push(("VK_NET_UPLINK".to_string(), v.clone()));
+        }
+        if !cocoon.vm_refuse.is_empty() {
+            env.push(("VK_NET_REFUSE".to_string(), cocoon.vm_refuse.join(",")));
+        }
         out.push(ServiceSpec {
             name: svc,
             program: layout.bin_dir.join(svc.as_str()),
@@ -339,6 +352,28 @@ mod tests {
         assert_eq!(json["listen"], "0.0.0.0:7777");
         assert_eq!(json["api_token_file"], "/state/secrets/sandboxd-token", "sandboxd always gets a token");
         assert!(json.get("tls_cert_file").is_none() && json.get("max_vms").is_none());
+        assert!(json.get("network").is_none(), "no vm_* key: sandboxd VMs have no network");
+    }
+
+    #[test]
+    fn sandboxd_json_carries_the_vm_network() {
+        let s = settings(
+            "[sandboxd]\nvm_uplink = \"eno1\"\nvm_refuse = [\"203.0.113.0/24\", \"198.51.100.7\"]\n\
+             [[sandboxd.pools]]\ntemplate = \"rt\"\nnet = \"egress\"\nwarm = 2\n",
+        );
+        let j = sandboxd_config(&s, &layout(), &plain());
+        assert_eq!(
+            j["network"],
+            serde_json::json!({"bridge": "chrysalis1", "cidr": "10.89.0.0/24", "uplink": "eno1",
+                               "refuse": ["203.0.113.0/24", "198.51.100.7"]})
+        );
+        assert_eq!(j["pools"][0]["net"], "egress");
+        let s = settings("[sandboxd]\nvm_bridge = \"sbx0\"\nvm_cidr = \"10.90.0.0/16\"\n");
+        let j = sandboxd_config(&s, &layout(), &plain());
+        assert_eq!(j["network"], serde_json::json!({"bridge": "sbx0", "cidr": "10.90.0.0/16"}));
+        let plan = plan(&s, &layout());
+        let written: serde_json::Value = serde_json::from_slice(&plan[0].files[0].contents).unwrap();
+        assert_eq!(written["network"], j["network"]);
     }
 
     #[test]
@@ -412,6 +447,24 @@ mod tests {
         assert_eq!(env("CHRYSALIS_IMAGES"), Some("/state/images"));
         assert_eq!(env("VK_SHARED_NAMESPACES"), None, "no namespace shares by default");
         assert_eq!(env("VK_LEGACY_NAMESPACE"), None);
+        for k in ["VK_NET_HOST_ALLOW", "VK_NET_UPLINK", "VK_NET_REFUSE"] {
+            assert_eq!(env(k), None, "{k}: VMs reach nothing by default");
+        }
+    }
+
+    #[test]
+    fn vk_cocoon_gets_the_vm_network_filter() {
+        let s = settings(&format!(
+            "[cluster]\nendpoint = \"https://a:1\"\nca_cert_hashes = [\"{HASH}\"]\nbootstrap_token_file = \"/boot\"\n\
+             [sandboxd]\napi_token_file = \"/tok\"\n[vk_cocoon]\n\
+             vm_host_allow = [\"udp/53\", \"tcp/8053\"]\nvm_uplink = \"eno1\"\nvm_refuse = [\"203.0.113.0/24\", \"198.51.100.7\"]\n"
+        ));
+        let plan = plan(&s, &layout());
+        let vc = plan.iter().find(|p| p.name == ServiceName::VkCocoon).expect("vk-cocoon");
+        let env = |k: &str| vc.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(env("VK_NET_HOST_ALLOW"), Some("udp/53,tcp/8053"));
+        assert_eq!(env("VK_NET_UPLINK"), Some("eno1"));
+        assert_eq!(env("VK_NET_REFUSE"), Some("203.0.113.0/24,198.51.100.7"));
     }
 
     #[test]

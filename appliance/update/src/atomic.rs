@@ -1,5 +1,6 @@
 //! Crash-safe file replacement: write a sibling temporary file, fsync it, rename it over the
-//! target, fsync the directory.
+//! target, fsync the directory ([`foundation::write_atomic`] for whole files; [`tmp_path`] and
+//! [`rename`] for the files streamed into place).
 //!
 //! Used for boot entries and kernels on the ESP (vfat) and for the update records on the state
 //! partition (ext4). On vfat, Linux's `rename(2)` over an existing file is fine, and an
@@ -9,8 +10,8 @@
 //! The functions return plain [`std::io::Error`]s; every caller wraps them with the path and
 //! the step in its own module error.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
+use std::fs::{self, File};
+use std::io;
 use std::path::{Path, PathBuf};
 
 /// The temporary sibling of `path` (`<name>.tmp`). Never ends in `.conf`, so systemd-boot
@@ -21,15 +22,9 @@ pub(crate) fn tmp_path(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
-/// Replaces `path` with `bytes` atomically and durably.
+/// Replaces `path` with `bytes` atomically and durably (mode 0644; on vfat the mount decides).
 pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let tmp = tmp_path(path);
-    {
-        let mut file = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-    }
-    rename(&tmp, path)
+    foundation::write_atomic(path, bytes, foundation::PUBLIC_FILE)
 }
 
 /// Renames `from` to `to` (replacing `to`) and fsyncs the destination directory.
@@ -79,7 +74,8 @@ mod tests {
         write_file(&path, b"one").expect("write");
         write_file(&path, b"two").expect("rewrite");
         assert_eq!(fs::read(&path).expect("read"), b"two");
-        assert!(!tmp_path(&path).exists());
+        let names: Vec<_> = fs::read_dir(dir.path()).expect("ls").map(|e| e.expect("entry").file_name()).collect();
+        assert_eq!(names, ["x.conf"], "no temp file left");
         assert_eq!(tmp_path(&path).file_name().and_then(|n| n.to_str()), Some("x.conf.tmp"));
         assert!(remove(&path).expect("remove"));
         assert!(!remove(&path).expect("remove again"));

@@ -418,7 +418,11 @@ impl Esp {
         for item in listing {
             let item = item.map_err(|source| EntriesError::Io { path: dir.clone(), what: "listing", source })?;
             let Some(file_name) = item.file_name().to_str().map(str::to_string) else { continue };
-            let base = file_name.strip_suffix(".tmp").unwrap_or(&file_name);
+            // Temporary files: `<name>.tmp` (streamed) and `.<name>.<random>.tmp` (whole files).
+            let base = match file_name.strip_suffix(".tmp") {
+                Some(t) => t.strip_prefix('.').and_then(|t| t.rsplit_once('.')).map_or(t, |(name, _)| name),
+                None => &file_name,
+            };
             if EntryName::parse(base).is_some_and(|n| n.slot == slot) && self.remove(&file_name)? {
                 removed.push(file_name);
             }
@@ -757,6 +761,7 @@ mod tests {
         esp.write(&EntryName::armed(Slot::B), &BootEntry::for_slot(Slot::B, "0.2.0", 2, "chrysalis.slot=b"))
             .expect("write b");
         fs::write(esp.entries_dir().join("chrysalis-b+0-1.conf.tmp"), "junk").expect("tmp");
+        fs::write(esp.entries_dir().join(".chrysalis-b+0-1.conf.0a1b2c.tmp"), "junk").expect("tmp");
         fs::write(esp.entries_dir().join(".hidden.conf"), "title x\nlinux /x\n").expect("hidden");
         let entries = esp.slot_entries().expect("list");
         assert_eq!(entries.len(), 2);
@@ -776,7 +781,7 @@ mod tests {
         assert_eq!(esp.boot_order().expect("order"), ["chrysalis-a.conf", "chrysalis-b+0-1.conf"]);
         let mut removed = esp.remove_slot(Slot::B).expect("remove b");
         removed.sort();
-        assert_eq!(removed, ["chrysalis-b+0-1.conf", "chrysalis-b+0-1.conf.tmp"]);
+        assert_eq!(removed, [".chrysalis-b+0-1.conf.0a1b2c.tmp", "chrysalis-b+0-1.conf", "chrysalis-b+0-1.conf.tmp"]);
         let names: Vec<String> = esp.list().expect("list").into_iter().map(|f| f.file_name).collect();
         assert_eq!(names, ["chrysalis-a.conf"]);
     }

@@ -22,6 +22,8 @@
 //! floor; the fallback slot is never written while the running slot is unconfirmed; the boot
 //! entry is always the last write, so a power cut at any point leaves the running slot booting.
 
+#![forbid(unsafe_code)]
+
 pub mod apply;
 pub mod bundle;
 pub mod cmdline;
@@ -41,4 +43,4 @@ pub use cmdline::slot_cmdline;
 pub use gate::{decide, Decision, GateInput, HealthSnapshot, NodeHealth, OfflinePolicy, PoolHealth};
 pub use slots::Slot;
 pub use state::Status;
-pub use updater::{chain, since_boot, GateOutcome, ImageInfo, Updater, UpdaterConfig, UpdaterError};
+pub use updater::{since_boot, GateOutcome, ImageInfo, Updater, UpdaterConfig, UpdaterError};

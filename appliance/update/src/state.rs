@@ -292,7 +292,7 @@ pub fn status(
         security_floor: match records.floor() {
             Ok(recorded) => recorded.floor(),
             Err(e) => {
-                tracing::warn!(error = %crate::chain(&e), "status: the security floor is unreadable");
+                tracing::warn!(error = %foundation::error_chain(&e), "status: the security floor is unreadable");
                 None
             }
         },

@@ -251,7 +251,7 @@ impl Updater {
 
     fn record(&self, attempt: LastAttempt) {
         if let Err(e) = self.records().record(&attempt) {
-            tracing::warn!(error = %chain(&e), "could not write the update record");
+            tracing::warn!(error = %foundation::error_chain(&e), "could not write the update record");
         }
     }
 
@@ -351,7 +351,7 @@ impl Updater {
                 attempt.message = format!("armed {} (reboot to try it)", report.entry);
             }
             Err(e) => {
-                let message = chain(e);
+                let message = foundation::error_chain(e);
                 tracing::warn!(error = %message, "update refused or failed");
                 progress.send_modify(|p| {
                     p.phase = Phase::Failed;
@@ -381,7 +381,7 @@ impl Updater {
             // caught up at the next start or apply (the slot is committed either way).
             let running = RunningSlot { committed: true, ..this.running(&boot).map_err(StateError::from)? };
             if let Err(e) = this.records().raise_floor(&running, FloorReason::Commit) {
-                tracing::error!(error = %chain(&e), "could not raise the security floor after the commit");
+                tracing::error!(error = %foundation::error_chain(&e), "could not raise the security floor after the commit");
             }
             if !done.already {
                 let mut attempt =
@@ -411,7 +411,7 @@ impl Updater {
             attempt.version = boot.version.clone();
             attempt.generation = boot.generation;
             if let Err(e) = &result {
-                attempt.message = format!("{reason}; marking bad failed: {}", chain(e));
+                attempt.message = format!("{reason}; marking bad failed: {}", foundation::error_chain(e));
             }
             this.record(attempt);
             Ok(result?)
@@ -437,7 +437,7 @@ impl Updater {
                     attempt.generation = Some(done.generation);
                     attempt.message = format!("{} boots next (generation {})", done.entry, done.generation);
                 }
-                Err(e) => attempt.message = chain(e),
+                Err(e) => attempt.message = foundation::error_chain(e),
             }
             this.record(attempt);
             Ok(result?)
@@ -472,18 +472,6 @@ pub fn since_boot() -> std::io::Result<Duration> {
         .and_then(|s| s.parse::<f64>().ok())
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "unreadable /proc/uptime"))?;
     Ok(Duration::from_secs_f64(secs.max(0.0)))
-}
-
-/// An error and its sources, `: `-separated (for records and logs).
-pub fn chain(error: &dyn std::error::Error) -> String {
-    let mut out = error.to_string();
-    let mut source = error.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 async fn run_blocking<T, F>(f: F) -> Result<T, UpdaterError>

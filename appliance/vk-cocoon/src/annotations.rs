@@ -29,7 +29,8 @@ pub const IMAGE: &str = "cocoonset.cocoonstack.io/image";
 pub const OS: &str = "cocoonset.cocoonstack.io/os";
 /// Writable disk size, a quantity.
 pub const STORAGE: &str = "cocoonset.cocoonstack.io/storage";
-/// Network name.
+/// Network name: absent or `default` = no route out; `egress` = outbound through the node's
+/// uplink (NAT, private and link-local destinations refused; the node needs `VK_NET_UPLINK`).
 pub const NETWORK: &str = "cocoonset.cocoonstack.io/network";
 /// `always` (default) | `main-only` | `never`.
 pub const SNAPSHOT_POLICY: &str = "cocoonset.cocoonstack.io/snapshot-policy";
@@ -53,6 +54,9 @@ pub const BACKEND: &str = "vm.cocoonstack.io/backend";
 pub const PROBE_PORT: &str = "vm.cocoonstack.io/probe-port";
 /// `"true"`: DeletePod leaves the VM's snapshots in the library.
 pub const KEEP_SNAPSHOT_ON_DELETE: &str = "vm.cocoonstack.io/keep-snapshot-on-delete";
+/// A shared network group: VMs of Pods of the same namespace carrying the same group may talk
+/// to each other; without it a VM talks to no other VM. `[a-z0-9-]`, 1-63 characters.
+pub const SHARED_NETWORK: &str = "vm.cocoonstack.io/shared-network";
 /// Hibernation request (not supported on this node).
 pub const HIBERNATE: &str = "vm.cocoonstack.io/hibernate";
 /// Refused: VM sources this node does not implement.
@@ -113,6 +117,8 @@ pub struct VmSpec {
     pub snapshot: Option<SnapshotRef>,
     pub storage_bytes: Option<u64>,
     pub network: Option<String>,
+    /// `vm.cocoonstack.io/shared-network` (scoped by the Pod's namespace by the provider).
+    pub shared_network: Option<String>,
     pub snapshot_policy: SnapshotPolicy,
     pub probe_port: Option<u16>,
     /// `None` = the host's default hypervisor.
@@ -149,6 +155,8 @@ pub enum AnnotationError {
     BadSnapshotPolicy(String),
     #[error("annotation {PROBE_PORT}={0:?}: expected a TCP port 1-65535")]
     BadProbePort(String),
+    #[error("annotation {SHARED_NETWORK}={0:?}: expected a group name of 1-63 characters a-z, 0-9 and '-'")]
+    BadSharedNetwork(String),
     #[error("annotation {BACKEND}={0:?}: expected cloud-hypervisor or qemu")]
     BadBackend(String),
     /// A valid request this node cannot serve.
@@ -219,6 +227,13 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, AnnotationError> {
             _ => return Err(AnnotationError::BadProbePort(p.to_owned())),
         },
     };
+    let shared_network = match value(pod, SHARED_NETWORK) {
+        None => None,
+        Some(g) if g.len() <= 63 && g.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') => {
+            Some(g.to_owned())
+        }
+        Some(g) => return Err(AnnotationError::BadSharedNetwork(g.to_owned())),
+    };
     let storage_bytes = match value(pod, STORAGE) {
         None => None,
         Some(s) => {
@@ -270,6 +285,7 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, AnnotationError> {
         snapshot,
         storage_bytes,
         network: value(pod, NETWORK).map(str::to_owned),
+        shared_network,
         snapshot_policy,
         probe_port,
         hypervisor,
@@ -477,6 +493,15 @@ mod tests {
             (None, None, SnapshotPolicy::Always, None, None)
         );
         assert!(!d.keep_snapshot_on_delete && !d.hibernate);
+        assert_eq!(d.shared_network, None);
+        assert_eq!(parse(&managed(&[(SHARED_NETWORK, "team-1")])).unwrap().shared_network.as_deref(), Some("team-1"));
+        for bad in ["Team", "a/b", "a b", &"x".repeat(64)] {
+            assert_eq!(
+                parse(&managed(&[(SHARED_NETWORK, bad)])).unwrap_err(),
+                AnnotationError::BadSharedNetwork(bad.to_string()),
+                "{bad}"
+            );
+        }
         assert!(!parse(&managed(&[(KEEP_SNAPSHOT_ON_DELETE, "yes")])).unwrap().keep_snapshot_on_delete);
         assert_eq!(
             parse(&managed(&[(BACKEND, "cloud-hypervisor")])).unwrap().hypervisor,

@@ -2,7 +2,7 @@
 //! spawns a hypervisor, touches an image or a TAP device itself; it calls this trait.
 //!
 //! The production implementation (over `vmm` drivers, the `images` library and `vmnet`) is
-//! [`crate::vmm_backend::VmmBackend`], outside the provider logic; [`crate::test_utils::FakeBackend`] is the in-memory
+//! [`crate::vmm_backend::VmmBackend`], outside the provider logic; `test_utils::FakeBackend` is the in-memory
 //! double the unit tests use.
 //!
 //! # Contract every implementation keeps
@@ -163,6 +163,8 @@ pub struct RunRequest {
     pub storage_bytes: Option<u64>,
     /// Network name (`cocoonset.cocoonstack.io/network`); `None` = the default network.
     pub network: Option<String>,
+    /// The shared network group (`vm.cocoonstack.io/shared-network`), scoped by `namespace`.
+    pub shared_network: Option<String>,
     pub hypervisor: Hypervisor,
 }
 
@@ -178,6 +180,8 @@ pub struct CloneRequest {
     pub snapshot: SnapshotRef,
     /// Network name; `None` = the default network.
     pub network: Option<String>,
+    /// The shared network group, scoped by `namespace`.
+    pub shared_network: Option<String>,
     /// Must match the hypervisor that wrote the snapshot, else [`BackendError::Unsupported`].
     pub hypervisor: Hypervisor,
 }

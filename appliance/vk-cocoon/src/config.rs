@@ -8,6 +8,7 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::namespaces::{NamespacePolicy, VK_LEGACY_NAMESPACE, VK_SHARED_NAMESPACES};
 use crate::quantity::{self, QuantityError};
@@ -65,6 +66,9 @@ pub struct CocoonConfig {
     /// `VK_SHARED_NAMESPACES` (none) and `VK_LEGACY_NAMESPACE` (`default`): which namespaces'
     /// Pods may use which VMs and snapshots ([`crate::namespaces`]).
     pub namespaces: NamespacePolicy,
+    /// `VK_RESTART_COOLDOWN` (30 s): a VM that stops again this soon after the watcher
+    /// restarted it is removed and its Pod fails `RestartCooldown`.
+    pub restart_cooldown: Duration,
     /// Variables that were set but do not apply on this node, with their values.
     pub ignored: Vec<(&'static str, String)>,
 }
@@ -81,6 +85,9 @@ pub enum ConfigError {
         #[source]
         source: QuantityError,
     },
+    /// A VM network filter variable (`VK_NET_*`); `why` is the filter's own message.
+    #[error("{var}={value:?}: {why}")]
+    Net { var: &'static str, value: String, why: String },
     #[error("VK_NODE_IP is not set and this host has no non-loopback IPv4 address: set VK_NODE_IP")]
     NoNodeIp,
 }
@@ -135,6 +142,14 @@ pub fn env_help() -> String {
          VK_VM_CIDR             VM address range (10.88.0.0/24)\n  \
          VK_NETNS               run the bridge, TAPs and VMs in this named netns (unset)\n  \
          VK_BOOT_TIMEOUT        seconds a boot may take until the guest agent answers (300)\n  \
+         VK_RESTART_COOLDOWN    seconds after a restart within which a VM that stops again is\n                         \
+         removed and its pod fails RestartCooldown (30)\n  \
+         VK_NET_HOST_ALLOW      host services VMs may reach at their gateway, tcp/PORT,udp/PORT\n                         \
+         (unset: none; VMs reach no host service)\n  \
+         VK_NET_UPLINK          interface a VM with cocoonset.cocoonstack.io/network=egress\n                         \
+         leaves by, masqueraded (unset: no VM has a route out)\n  \
+         VK_NET_REFUSE          IPv4 networks egress may not reach, on top of the private,\n                         \
+         link-local (169.254.169.254), loopback and multicast ranges\n  \
          VK_SHARED_NAMESPACES   namespaces whose pods may adopt, clone and delete each other's\n                         \
          VMs and snapshots (unset: none; each namespace sees only its own).\n                         \
          Groups split by ';', namespaces by ',': golden,team-a;ci,ci-tools\n                         \
@@ -233,6 +248,13 @@ impl CocoonConfig {
             non_empty(get, VK_SHARED_NAMESPACES).as_deref(),
             non_empty(get, VK_LEGACY_NAMESPACE).as_deref(),
         )?;
+        let restart_cooldown = match non_empty(get, "VK_RESTART_COOLDOWN") {
+            None => Duration::from_secs(30),
+            Some(v) => match v.parse::<u64>() {
+                Ok(n) if n > 0 => Duration::from_secs(n),
+                _ => return Err(invalid("VK_RESTART_COOLDOWN", &v, "expected a positive number of seconds")),
+            },
+        };
         let ignored = IGNORED
             .iter()
             .filter_map(|(var, _)| get(var).filter(|v| !v.trim().is_empty()).map(|v| (*var, v)))
@@ -256,6 +278,7 @@ impl CocoonConfig {
             root_dir: non_empty(get, "COCOON_ROOT_DIR").map(PathBuf::from).unwrap_or_else(|| "/var/lib/cocoon".into()),
             log_level,
             namespaces,
+            restart_cooldown,
             ignored,
         })
     }
@@ -353,6 +376,8 @@ mod tests {
         assert_eq!(c.ignored, vec![("OCI_REGISTRY", "ghcr.io/x".to_string())], "an empty value is not reported");
         assert_eq!(cfg(&[("VK_ORPHAN_POLICY", "keep")]).unwrap().orphan_policy, OrphanPolicy::Keep);
         assert_eq!(cfg(&[("VK_ORPHAN_POLICY", "destroy")]).unwrap().orphan_policy, OrphanPolicy::Destroy);
+        assert_eq!(cfg(&[]).unwrap().restart_cooldown, Duration::from_secs(30));
+        assert_eq!(cfg(&[("VK_RESTART_COOLDOWN", "90")]).unwrap().restart_cooldown, Duration::from_secs(90));
     }
 
     #[test]
@@ -371,6 +396,8 @@ mod tests {
             ("VK_NODE_STORAGE", "0Gi"),
             ("VK_SHARED_NAMESPACES", "team-a"),
             ("VK_LEGACY_NAMESPACE", "Not_A_Namespace"),
+            ("VK_RESTART_COOLDOWN", "0"),
+            ("VK_RESTART_COOLDOWN", "soon"),
         ] {
             let e = cfg(&[(var, value)]).unwrap_err();
             assert!(e.to_string().starts_with(&format!("{var}=")), "{var}={value}: {e}");

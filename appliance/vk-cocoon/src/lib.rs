@@ -9,7 +9,7 @@
 //! there), [`probe`] (readiness), [`watcher`] (VMs that die on their own), [`reconcile`]
 //! (start-up adoption and orphans), [`namespaces`] (which Pods may use which VMs and
 //! snapshots), [`status`] (pushed Pod status), [`events`],
-//! [`quantity`], [`test_utils`] ([`test_utils::FakeBackend`]), [`vmm_backend`] (the production
+//! [`quantity`], `test_utils` (`FakeBackend`; `cfg(test)` or feature `test-utils`), [`vmm_backend`] (the production
 //! backend: QEMU through `vmm`, the `images` library, `vmnet` networking; its environment and
 //! VM-id scheme are documented there).
 //!
@@ -17,6 +17,8 @@
 //! (only through [`VmBackend`]); a failed VM listing is never read as empty; nothing is
 //! persisted by the provider — a restart derives its state from the backend's VM list and the
 //! Pods' annotations.
+
+#![forbid(unsafe_code)]
 
 pub mod annotations;
 pub mod backend;
@@ -29,6 +31,7 @@ pub mod provider;
 pub mod quantity;
 pub mod reconcile;
 pub mod status;
+#[cfg(any(test, feature = "test-utils"))]
 pub mod test_utils;
 pub mod vmm_backend;
 pub mod watcher;

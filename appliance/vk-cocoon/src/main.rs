@@ -10,6 +10,8 @@
 //! fresh client after each certificate renewal). A stop — or a crash — leaves every VM running;
 //! the next start adopts them. Errors print as one chain and exit 1.
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +41,11 @@ use vnode::session::{terminated, JoinArgs, Session};
         VM and snapshot names are scoped by namespace: a Pod adopts, clones and deletes only the \
         VMs and snapshots of its own namespace, unless VK_SHARED_NAMESPACES (below) puts both \
         namespaces in one sharing group; anything else is refused with Warning NamespaceRefused.\n\n\
+        A VM reaches nothing but itself by default: no other VM, no host service, no route out. \
+        vm.cocoonstack.io/shared-network=<group> lets the VMs of one namespace with the same group \
+        talk; cocoonset.cocoonstack.io/network=egress gives a route out through VK_NET_UPLINK \
+        (NAT; private, link-local and metadata addresses refused); VK_NET_HOST_ALLOW opens host \
+        services at the gateway.\n\n\
         Configured by environment variables (below); the only flags are the cluster join flags. \
         The kubeconfig order is --kubeconfig, the in-cluster service account, then $KUBECONFIG.",
     after_long_help = config::env_help(),
@@ -51,7 +58,8 @@ struct Cli {
 
 /// The VM backend: QEMU microVMs through `vmm`, the image library and the VM network
 /// ([`VmmBackend`]), configured by `COCOON_ROOT_DIR`, `CHRYSALIS_IMAGES`, `VK_BRIDGE`,
-/// `VK_VM_CIDR`, `VK_NETNS` and `VK_BOOT_TIMEOUT` (see [`vk_cocoon::vmm_backend`]).
+/// `VK_VM_CIDR`, `VK_NETNS`, `VK_BOOT_TIMEOUT` and the filter's `VK_NET_HOST_ALLOW`,
+/// `VK_NET_UPLINK`, `VK_NET_REFUSE` (see [`vk_cocoon::vmm_backend`]).
 async fn open_backend(cfg: &CocoonConfig) -> anyhow::Result<Arc<dyn VmBackend>> {
     let bcfg = BackendConfig::from_env(&cfg.root_dir)?;
     let backend = VmmBackend::open(&bcfg)
@@ -87,6 +95,7 @@ async fn run(cli: Cli, cfg: CocoonConfig) -> anyhow::Result<()> {
     pcfg.cpu_class = cfg.snapshot_cpu_class.clone();
     pcfg.orphan_policy = cfg.orphan_policy;
     pcfg.namespaces = cfg.namespaces.clone();
+    pcfg.restart_cooldown = cfg.restart_cooldown;
     tracing::info!(shared = ?cfg.namespaces.groups(), unrecorded_owner = cfg.namespaces.legacy(), "namespace scoping: a pod uses only VMs and snapshots of its own namespace or of one VK_SHARED_NAMESPACES groups with it");
     let provider = Arc::new(CocoonProvider::new(backend, pcfg));
 
@@ -190,6 +199,10 @@ mod tests {
             "VK_BRIDGE",
             "VK_SHARED_NAMESPACES",
             "VK_LEGACY_NAMESPACE",
+            "VK_NET_HOST_ALLOW",
+            "VK_NET_UPLINK",
+            "VK_NET_REFUSE",
+            "shared-network",
         ] {
             assert!(help.contains(s), "{s} missing from --help");
         }

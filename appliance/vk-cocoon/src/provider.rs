@@ -725,6 +725,7 @@ impl Shared {
                             namespace: namespace_of(pod),
                             snapshot: snapshot.clone(),
                             network: spec.network.clone(),
+                            shared_network: spec.shared_network.clone(),
                             hypervisor,
                         })
                         .await
@@ -747,6 +748,7 @@ impl Shared {
                         memory_mib,
                         storage_bytes: spec.storage_bytes,
                         network: spec.network.clone(),
+                        shared_network: spec.shared_network.clone(),
                         hypervisor,
                     })
                     .await

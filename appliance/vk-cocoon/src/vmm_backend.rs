@@ -8,6 +8,17 @@
 //! * `VK_BRIDGE` (`chrysalis0`), `VK_VM_CIDR` (`10.88.0.0/24`, the gateway is its first host,
 //!   assigned to the bridge), `VK_NETNS` (optional: a named netns `/run/netns/<name>` holding the
 //!   bridge, the TAPs and every QEMU; the tests use one so that no VM packet leaves it).
+//! * The VM packet filter (`vmnet::filter`, installed by `Network::ensure`): `VK_NET_HOST_ALLOW`
+//!   (`tcp/PORT,udp/PORT`: the host services VMs may reach at their gateway; default none),
+//!   `VK_NET_UPLINK` (the interface egress leaves by, masqueraded; default none: no VM has a
+//!   route out), `VK_NET_REFUSE` (IPv4 networks refused to egress on top of the private,
+//!   link-local, metadata, loopback and multicast ranges).
+//!
+//! # Network policy of a VM
+//! The Pod's `cocoonset.cocoonstack.io/network` = `egress` gives the VM a route out (refused
+//! without `VK_NET_UPLINK`); `vm.cocoonstack.io/shared-network` = `<group>` puts it in the group
+//! `<namespace>/<group>`, whose VMs may talk to each other. Both are kept in the VM's lease, so
+//! a `start` and a restart of vk-cocoon keep them.
 //!
 //! # Identity
 //! A VM's id (the Pod's `vm.cocoonstack.io/id`) is derived from its name ([`vm_id_for`]):
@@ -44,7 +55,7 @@
 //!
 //! # Limits
 //! `hypervisors()` is `[qemu]`: the cloud-hypervisor driver has no NIC support (and needs KVM),
-//! so a Pod asking for it is refused by the provider. `network` other than the default, and
+//! so a Pod asking for it is refused by the provider. `network` other than `default`/`egress`, and
 //! sizes beyond the largest class, are refused ([`BackendError::Unsupported`]); `storage` is
 //! ignored (a VM's writable layer is the image's overlay size).
 
@@ -57,7 +68,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 use silkd_client::{AgentConn, ExecOptions};
 use vmm::{AccelPreference, AfterSnapshot, BootSpec, Driver, NicSpec, RestoreOptions, SizeClass, VmId, AGENT_PORT};
-use vmnet::{Ipv4Net, Lease, NetConfig, Network};
+use vmnet::{FilterPolicy, Ipv4Net, Lease, NetConfig, Network, VmPolicy};
 
 use crate::backend::{
     BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotInfo, SnapshotRef, VmBackend, VmInfo, VmState,
@@ -127,6 +138,8 @@ pub struct BackendConfig {
     pub netns: Option<String>,
     /// `VK_BOOT_TIMEOUT` (seconds, default 300): how long `run`/`start` wait for the agent.
     pub boot_timeout: Duration,
+    /// `VK_NET_HOST_ALLOW`, `VK_NET_UPLINK`, `VK_NET_REFUSE`: what VMs may reach.
+    pub filter: FilterPolicy,
 }
 
 impl BackendConfig {
@@ -139,8 +152,7 @@ impl BackendConfig {
             why,
         };
         let cidr = match val("VK_VM_CIDR") {
-            None => Ipv4Net::new(std::net::Ipv4Addr::new(10, 88, 0, 0), 24)
-                .map_err(|_| bad("VK_VM_CIDR", "", "internal"))?,
+            None => vmnet::config::DEFAULT_CIDR.parse().map_err(|_| bad("VK_VM_CIDR", "", "internal"))?,
             Some(v) => {
                 let c: Ipv4Net = v.parse().map_err(|_| bad("VK_VM_CIDR", &v, "is not an IPv4 range a.b.c.d/len"))?;
                 if c != c.trunc() {
@@ -169,7 +181,24 @@ impl BackendConfig {
                 _ => return Err(bad("VK_BOOT_TIMEOUT", &v, "expected a positive number of seconds")),
             },
         };
+        let net = |var: &'static str, value: &str, e: vmnet::FilterError| ConfigError::Net {
+            var,
+            value: value.to_owned(),
+            why: e.to_string(),
+        };
+        let mut filter = FilterPolicy::default();
+        if let Some(v) = val("VK_NET_HOST_ALLOW") {
+            filter.host_allow = vmnet::filter::parse_host_allow(&v).map_err(|e| net("VK_NET_HOST_ALLOW", &v, e))?;
+        }
+        if let Some(v) = val("VK_NET_UPLINK") {
+            filter.uplink = Some(v.clone());
+            filter.validate().map_err(|e| net("VK_NET_UPLINK", &v, e))?;
+        }
+        if let Some(v) = val("VK_NET_REFUSE") {
+            filter.refuse = vmnet::filter::parse_refuse(&v).map_err(|e| net("VK_NET_REFUSE", &v, e))?;
+        }
         Ok(BackendConfig {
+            filter,
             root_dir: root_dir.to_path_buf(),
             images_dir: val("CHRYSALIS_IMAGES").map(PathBuf::from).unwrap_or_else(|| root_dir.join("images")),
             bridge,
@@ -226,6 +255,32 @@ pub fn owner_of(vmm_id: &str) -> Option<&str> {
         && suffix.len() == 8
         && suffix.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
     .then_some(owner)
+}
+
+/// A VM's network policy (see the module doc): egress for `network: egress` (refused without an
+/// uplink), the shared group `<namespace>/<shared>`.
+pub fn vm_policy(
+    network: Option<&str>,
+    namespace: &str,
+    shared: Option<&str>,
+    has_uplink: bool,
+) -> Result<VmPolicy, BackendError> {
+    let egress = match network {
+        None | Some("default") => false,
+        Some("egress") if has_uplink => true,
+        Some("egress") => {
+            return Err(BackendError::Unsupported {
+                what: "network \"egress\": this node has no uplink for VMs (set [vk_cocoon] vm_uplink, VK_NET_UPLINK)"
+                    .to_owned(),
+            })
+        }
+        Some(n) => {
+            return Err(BackendError::Unsupported {
+                what: format!("network {n:?}: this node has the networks default (no route out) and egress"),
+            })
+        }
+    };
+    Ok(VmPolicy { group: shared.map(|g| format!("{namespace}/{g}")), egress })
 }
 
 /// The smallest size class holding `vcpus` and `memory_mib`.
@@ -346,6 +401,7 @@ impl VmmBackend {
         let ncfg = NetConfig {
             bridge: cfg.bridge.clone(),
             netns: cfg.netns.clone(),
+            filter: cfg.filter.clone(),
             ..NetConfig::new(cfg.cidr, cfg.leases_path())
         };
         if let Some(dir) = cfg.leases_path().parent() {
@@ -397,12 +453,13 @@ impl VmmBackend {
     fn write_record(&self, rec: &Record, exclusive: bool) -> Result<(), BackendError> {
         let path = self.record_path(&rec.id);
         let op = "writing the VM record";
-        let tmp = self.records.join(format!(".{}.{}.tmp", rec.id, std::process::id()));
         let bytes = serde_json::to_vec_pretty(rec)
             .map_err(|source| failed(op, rec.id.clone(), VmmBackendError::Record { path: path.clone(), source }))?;
-        std::fs::write(&tmp, bytes).map_err(|e| failed(op, rec.id.clone(), io("writing", &tmp)(e)))?;
-        let r = if exclusive { std::fs::hard_link(&tmp, &path) } else { std::fs::rename(&tmp, &path) };
-        let _ = std::fs::remove_file(&tmp);
+        let r = if exclusive {
+            foundation::write_new(&path, &bytes, foundation::PUBLIC_FILE)
+        } else {
+            foundation::write_atomic(&path, &bytes, foundation::PUBLIC_FILE)
+        };
         match r {
             Ok(()) => Ok(()),
             Err(e) if exclusive && e.kind() == std::io::ErrorKind::AlreadyExists => {
@@ -511,9 +568,14 @@ impl VmmBackend {
         Ok(vm)
     }
 
-    /// Takes a lease and its TAP for `id`.
-    async fn network_for(&self, id: &str) -> Result<Lease, BackendError> {
-        let lease = self.net.allocate(id).map_err(|e| failed("leasing an address for", id.to_owned(), e))?;
+    /// Takes a lease and its TAP for `id`, with `policy` (`None`: the lease's own, for a VM
+    /// that already has one).
+    async fn network_for(&self, id: &str, policy: Option<&VmPolicy>) -> Result<Lease, BackendError> {
+        let lease = match policy {
+            Some(p) => self.net.allocate_with(id, p),
+            None => self.net.allocate(id),
+        }
+        .map_err(|e| failed("leasing an address for", id.to_owned(), e))?;
         self.net.create_tap(&lease).await.map_err(|e| failed("creating the TAP of", id.to_owned(), e))?;
         Ok(lease)
     }
@@ -548,18 +610,49 @@ impl VmmBackend {
         Ok(())
     }
 
-    fn check_common(&self, hypervisor: Hypervisor, network: Option<&str>) -> Result<(), BackendError> {
+    /// Gives a fresh clone its own kernel RNG state (host randomness + a forced CRNG reseed),
+    /// before it is handed out: every clone of a snapshot resumes with the same state. A
+    /// snapshot whose agent predates `reseed` is cloned with a warning (re-save it to fix);
+    /// any other failure fails the clone.
+    async fn reseed(&self, id: &str, vm: &vmm::Vm) -> Result<(), BackendError> {
+        let op = "reseeding the guest RNG of";
+        let exchange = async {
+            // The restored guest's agent may take a moment to accept dials again.
+            self.driver.wait_agent(vm, AGENT_CALL).await.map_err(|e| failed(op, id.to_owned(), e))?;
+            let stream = self.driver.connect(vm, AGENT_PORT).await.map_err(|e| failed(op, id.to_owned(), e))?;
+            match AgentConn::new(stream).reseed_from_host().await {
+                Ok(()) => Ok(()),
+                Err(silkd_client::ClientError::Agent { kind: silkd_client::ErrorKind::Unimplemented, .. }) => {
+                    tracing::warn!(
+                        vm = id,
+                        "the snapshot's guest agent predates reseed: this clone keeps the snapshot's RNG state \
+                         (save the snapshot again with this node's images to fix)"
+                    );
+                    Ok(())
+                }
+                Err(e) => Err(failed(op, id.to_owned(), VmmBackendError::Agent(e))),
+            }
+        };
+        tokio::time::timeout(AGENT_CALL, exchange)
+            .await
+            .map_err(|_| failed(op, id.to_owned(), VmmBackendError::Timeout { what: "reseed", after: AGENT_CALL }))?
+    }
+
+    /// Checks the hypervisor and the network, and returns the VM's network policy: egress for
+    /// `network: egress` (when the node has an uplink), the group `<namespace>/<shared>`.
+    fn check_common(
+        &self,
+        hypervisor: Hypervisor,
+        network: Option<&str>,
+        namespace: &str,
+        shared: Option<&str>,
+    ) -> Result<VmPolicy, BackendError> {
         if !self.hypervisors().contains(&hypervisor) {
             return Err(BackendError::Unsupported {
                 what: format!("hypervisor {hypervisor} is not available on this node (it runs qemu)"),
             });
         }
-        match network {
-            None | Some("default") => Ok(()),
-            Some(n) => Err(BackendError::Unsupported {
-                what: format!("network {n:?}: this node has one VM network (default)"),
-            }),
-        }
+        vm_policy(network, namespace, shared, self.net.config().filter.uplink.is_some())
     }
 
     fn claim(
@@ -601,13 +694,19 @@ impl VmmBackend {
         Ok(rec)
     }
 
-    async fn run_inner(&self, id: &str, req: &RunRequest, size: SizeClass) -> Result<VmInfo, BackendError> {
+    async fn run_inner(
+        &self,
+        id: &str,
+        req: &RunRequest,
+        size: SizeClass,
+        policy: &VmPolicy,
+    ) -> Result<VmInfo, BackendError> {
         let image = {
             let (store, name) = (self.store.clone(), req.image.clone());
             blocking("resolving", &req.image, move || store.resolve_image(&name)).await?
         }
         .map_err(|e| image_error("resolving", &format!("image {}", req.image), e))?;
-        let lease = self.network_for(id).await?;
+        let lease = self.network_for(id, Some(policy)).await?;
         let mut spec = image.boot_spec(id, size, AccelPreference::Auto);
         spec.nic = Some(self.nic(&lease));
         let vm =
@@ -628,7 +727,7 @@ impl VmmBackend {
         })
     }
 
-    async fn clone_inner(&self, id: &str, req: &CloneRequest) -> Result<VmInfo, BackendError> {
+    async fn clone_inner(&self, id: &str, req: &CloneRequest, policy: &VmPolicy) -> Result<VmInfo, BackendError> {
         let r = req.snapshot.to_string();
         let snap = {
             let (store, name) = (self.store.clone(), r.clone());
@@ -648,7 +747,7 @@ impl VmmBackend {
                 what: format!("snapshot {r} has no network interface, so a clone of it could not be reached"),
             });
         }
-        let lease = self.network_for(id).await?;
+        let lease = self.network_for(id, Some(policy)).await?;
         let opts = RestoreOptions { nic: Some(self.nic(&lease)) };
         let vmm_id = VmId::generate(id);
         let vm = self
@@ -657,6 +756,10 @@ impl VmmBackend {
             .await
             .map_err(|e| failed("restoring", format!("VM {id} from snapshot {r}"), e))?;
         self.lock_attached().insert(vm.id.clone());
+        if let Err(e) = self.reseed(id, &vm).await {
+            let _ = self.driver.kill(&vm).await;
+            return Err(e);
+        }
         if let Err(e) = self.complete(id, &vm) {
             let _ = self.driver.kill(&vm).await;
             return Err(e);
@@ -681,7 +784,8 @@ impl VmBackend for VmmBackend {
     async fn run(&self, req: &RunRequest) -> Result<VmInfo, BackendError> {
         let id = vm_id_for(&req.name);
         let span = tracing::info_span!("backend_run", vm = %id, name = %req.name, image = %req.image);
-        self.check_common(req.hypervisor, req.network.as_deref())?;
+        let policy =
+            self.check_common(req.hypervisor, req.network.as_deref(), &req.namespace, req.shared_network.as_deref())?;
         let size = size_for(req.vcpus, req.memory_mib).ok_or_else(|| BackendError::Unsupported {
             what: format!(
                 "{} vCPUs / {} MiB: the largest VM size here is {} vCPUs / {} MiB",
@@ -696,7 +800,7 @@ impl VmBackend for VmmBackend {
         }
         self.claim(&id, &req.name, &req.namespace, req.hypervisor, format!("run {}", req.image))?;
         let t0 = std::time::Instant::now();
-        match tracing::Instrument::instrument(self.run_inner(&id, req, size), span).await {
+        match tracing::Instrument::instrument(self.run_inner(&id, req, size, &policy), span).await {
             Ok(v) => {
                 tracing::info!(vm = %id, ip = ?v.ip, size = %size, ms = t0.elapsed().as_millis() as u64, "VM booted, agent up");
                 Ok(v)
@@ -711,10 +815,11 @@ impl VmBackend for VmmBackend {
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmInfo, BackendError> {
         let id = vm_id_for(&req.name);
         let span = tracing::info_span!("backend_clone", vm = %id, name = %req.name, snapshot = %req.snapshot);
-        self.check_common(req.hypervisor, req.network.as_deref())?;
+        let policy =
+            self.check_common(req.hypervisor, req.network.as_deref(), &req.namespace, req.shared_network.as_deref())?;
         self.claim(&id, &req.name, &req.namespace, req.hypervisor, format!("clone {}", req.snapshot))?;
         let t0 = std::time::Instant::now();
-        match tracing::Instrument::instrument(self.clone_inner(&id, req), span).await {
+        match tracing::Instrument::instrument(self.clone_inner(&id, req, &policy), span).await {
             Ok(v) => {
                 tracing::info!(vm = %id, ip = ?v.ip, ms = t0.elapsed().as_millis() as u64, "VM restored");
                 Ok(v)
@@ -786,7 +891,7 @@ impl VmBackend for VmmBackend {
         let mut spec = rec.spec.clone().ok_or_else(|| {
             failed("starting", id.to_owned(), VmmBackendError::Invalid("the record has no boot spec".into()))
         })?;
-        let lease = self.network_for(id).await?;
+        let lease = self.network_for(id, None).await?;
         spec.name = id.to_owned();
         spec.nic = Some(self.nic(&lease));
         if let Err(e) = self.driver.prune().await {
@@ -1021,6 +1126,17 @@ mod tests {
     }
 
     #[test]
+    fn network_policy() {
+        assert_eq!(vm_policy(None, "ns", None, false).unwrap(), VmPolicy::default(), "no group, no egress");
+        assert_eq!(vm_policy(Some("default"), "ns", None, true).unwrap(), VmPolicy::default());
+        let p = vm_policy(Some("egress"), "team-a", Some("g1"), true).unwrap();
+        assert_eq!(p, VmPolicy { group: Some("team-a/g1".into()), egress: true }, "the group is scoped by namespace");
+        let e = vm_policy(Some("egress"), "ns", None, false).unwrap_err();
+        assert!(matches!(&e, BackendError::Unsupported { what } if what.contains("VK_NET_UPLINK")), "{e}");
+        assert!(matches!(vm_policy(Some("lan"), "ns", None, true), Err(BackendError::Unsupported { .. })));
+    }
+
+    #[test]
     fn config_from_env() {
         let none = |_: &str| None;
         let c = BackendConfig::from_lookup(&none, Path::new("/r")).unwrap();
@@ -1030,6 +1146,7 @@ mod tests {
         assert_eq!(c.netns, None);
         assert_eq!(c.leases_path(), PathBuf::from("/r/net/leases.json"));
         assert_eq!(c.boot_timeout, Duration::from_secs(300));
+        assert_eq!(c.filter, FilterPolicy::default(), "VMs reach nothing by default");
         let env = |k: &str| {
             match k {
                 "VK_BRIDGE" => Some("br-t"),
@@ -1037,6 +1154,9 @@ mod tests {
                 "VK_NETNS" => Some("vkc-e2e-1"),
                 "CHRYSALIS_IMAGES" => Some("/lib/img"),
                 "VK_BOOT_TIMEOUT" => Some("60"),
+                "VK_NET_HOST_ALLOW" => Some("udp/53,tcp/8053"),
+                "VK_NET_UPLINK" => Some("eno1"),
+                "VK_NET_REFUSE" => Some("203.0.113.0/24"),
                 _ => None,
             }
             .map(String::from)
@@ -1048,7 +1168,14 @@ mod tests {
         );
         assert_eq!(c.images_dir, PathBuf::from("/lib/img"));
         assert_eq!(c.boot_timeout, Duration::from_secs(60));
+        assert_eq!(
+            c.filter,
+            FilterPolicy::parse(Some("tcp/8053,udp/53"), Some("eno1"), Some("203.0.113.0/24")).unwrap()
+        );
         for (var, value) in [
+            ("VK_NET_HOST_ALLOW", "53"),
+            ("VK_NET_UPLINK", "a/b"),
+            ("VK_NET_REFUSE", "example.com"),
             ("VK_VM_CIDR", "10.88.0.1/24"),
             ("VK_VM_CIDR", "10.88.0.0/31"),
             ("VK_VM_CIDR", "nope"),

@@ -8,6 +8,8 @@
 //! Architecture invariant: no VM is released on ambiguity — only on a positive owner verdict
 //! or a listing that confirms absence.
 
+#![forbid(unsafe_code)]
+
 pub mod annotations;
 pub mod authority;
 pub mod provider;

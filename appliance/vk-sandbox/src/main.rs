@@ -9,6 +9,8 @@
 //! rotation deadline and the runtime restarted with a fresh client. Shutdown leaves every
 //! claim and VM in place. Errors print as one chain and exit 1.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

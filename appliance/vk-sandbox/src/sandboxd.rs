@@ -539,6 +539,23 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn net_egress_passes_through_and_sandboxds_refusal_is_shown() {
+        let fake = FakeSandboxd::start(None).await;
+        let c = SandboxdClient::new(&fake.url(), None).unwrap();
+        let egress = ClaimSpec { net: "egress".into(), ..spec("rt") };
+        c.claim(&egress, "ns/e").await.unwrap();
+        assert_eq!(fake.last_claim_body().unwrap()["net"], "egress", "the lane goes to sandboxd as asked");
+        // A node without an uplink refuses it; the provider shows sandboxd's words (key and fix).
+        fake.set_claim_mode(ClaimMode::Fail(409, "net egress is not available on this node: set network.uplink"));
+        match c.claim(&egress, "ns/e").await {
+            Err(e @ SandboxdError::Status { status: 409, .. }) => {
+                assert!(e.to_string().contains("network.uplink"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
     async fn release_takes_the_claim_token_and_404_is_success() {
         let fake = FakeSandboxd::start(Some("node-secret")).await;
         let c = SandboxdClient::new(&fake.url(), Some("node-secret".into())).unwrap();

@@ -12,6 +12,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::driver::AgentInfo;
+use crate::peer::{ConnectError, PeerCheck};
 
 pub use wire::CONTROL_PORT;
 
@@ -32,6 +33,10 @@ pub enum DialError {
         #[source]
         source: std::io::Error,
     },
+    /// The vsock socket is not served by the VM's hypervisor (a link, or another process's
+    /// socket in its place): nothing was sent.
+    #[error("refusing the vsock socket")]
+    Peer(#[source] crate::peer::PeerError),
     /// Reading or writing the stream failed.
     #[error("i/o on the agent stream")]
     Io(#[from] std::io::Error),
@@ -49,10 +54,19 @@ pub enum DialError {
     Timeout(Duration),
 }
 
-/// Connects to `uds` and performs the `CONNECT <port>` handshake.
+/// Connects to `uds` and performs the `CONNECT <port>` handshake (no peer check: QEMU's
+/// socket, served by the driver's own bridge; see [`dial_checked`]).
 pub async fn dial(uds: &Path, port: u32) -> Result<UnixStream, DialError> {
-    let mut s =
-        UnixStream::connect(uds).await.map_err(|source| DialError::Connect { path: uds.to_path_buf(), source })?;
+    dial_checked(uds, port, None).await
+}
+
+/// [`dial`], with `check`: a symbolic link at `uds` or a peer other than the VM's hypervisor
+/// is [`DialError::Peer`] ([`crate::peer::connect`]), before anything is written.
+pub async fn dial_checked(uds: &Path, port: u32, check: Option<&PeerCheck>) -> Result<UnixStream, DialError> {
+    let mut s = crate::peer::connect(uds, check).await.map_err(|e| match e {
+        ConnectError::Io { socket, source } => DialError::Connect { path: socket, source },
+        ConnectError::Peer(p) => DialError::Peer(p),
+    })?;
     handshake(&mut s, port).await?;
     Ok(s)
 }
@@ -103,10 +117,10 @@ pub fn control_budget(timeout: Duration) -> Duration {
 /// Asks the guest to power off over its control port: dial [`CONTROL_PORT`] on `uds`, send
 /// `POWEROFF\n`, expect `OK\n`. `Ok` means the guest acknowledged; the caller then waits for the
 /// hypervisor to exit. The whole exchange is bounded by `within`; the stream is closed on
-/// return, which tells silkd the `OK` arrived.
-pub async fn request_poweroff(uds: &Path, within: Duration) -> Result<(), DialError> {
+/// return, which tells silkd the `OK` arrived. `check` as for [`dial_checked`].
+pub async fn request_poweroff(uds: &Path, within: Duration, check: Option<&PeerCheck>) -> Result<(), DialError> {
     let exchange = async {
-        let mut s = dial(uds, CONTROL_PORT).await?;
+        let mut s = dial_checked(uds, CONTROL_PORT, check).await?;
         poweroff_exchange(&mut s).await
     };
     tokio::time::timeout(within, exchange).await.map_err(|_| DialError::Timeout(within))?
@@ -242,19 +256,22 @@ mod tests {
                 assert!(rest.is_empty());
             }
         });
-        request_poweroff(&sock, Duration::from_secs(5)).await.expect("acknowledged");
-        assert!(matches!(request_poweroff(&sock, Duration::from_secs(5)).await, Err(DialError::BadReply(_))));
+        request_poweroff(&sock, Duration::from_secs(5), None).await.expect("acknowledged");
+        assert!(matches!(request_poweroff(&sock, Duration::from_secs(5), None).await, Err(DialError::BadReply(_))));
         server.await.expect("server");
 
         // Missing socket: fails at once. Silent guest: bounded by the timeout.
         let t0 = std::time::Instant::now();
         assert!(matches!(
-            request_poweroff(&dir.path().join("none.sock"), Duration::from_secs(5)).await,
+            request_poweroff(&dir.path().join("none.sock"), Duration::from_secs(5), None).await,
             Err(DialError::Connect { .. })
         ));
         assert!(t0.elapsed() < Duration::from_secs(1));
         let silent = dir.path().join("silent.sock");
         let _l = tokio::net::UnixListener::bind(&silent).expect("bind");
-        assert!(matches!(request_poweroff(&silent, Duration::from_millis(200)).await, Err(DialError::Timeout(_))));
+        assert!(matches!(
+            request_poweroff(&silent, Duration::from_millis(200), None).await,
+            Err(DialError::Timeout(_))
+        ));
     }
 }

@@ -40,6 +40,8 @@ use tokio::io::AsyncReadExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::task::JoinHandle;
 
+use crate::peer::{ConnectError, PeerCheck};
+
 /// Default cap on a VM's retained console, in bytes (both files together): 1 MiB — a full
 /// boot log many times over, and at most 1 GiB on a node running a thousand VMs.
 pub const DEFAULT_CONSOLE_CAP: u64 = 1 << 20;
@@ -61,6 +63,10 @@ const CHUNK: usize = 64 * 1024;
 
 /// How long [`ConsoleDrain::dial`] waits between attempts.
 const REDIAL: Duration = Duration::from_millis(500);
+
+/// How long [`ConsoleDrain::dial`] waits after refusing a socket served by someone else (each
+/// refusal is logged).
+pub const REFUSED_REDIAL: Duration = Duration::from_secs(5);
 
 /// The previous segment of the log at `path`: `<path>.1`.
 pub fn rotated_path(path: &Path) -> PathBuf {
@@ -134,8 +140,11 @@ impl CappedLog {
     }
 }
 
+/// Opens `path` for appending, creating it 0600 (the guest's output is nobody else's to read;
+/// the VM user may search a cloud-hypervisor VM's directory).
 fn append(path: &Path) -> io::Result<File> {
-    OpenOptions::new().create(true).append(true).open(path)
+    use std::os::unix::fs::OpenOptionsExt;
+    OpenOptions::new().create(true).append(true).mode(0o600).open(path)
 }
 
 /// Shrinks the file at `path` (if any) to its last `max` bytes.
@@ -149,9 +158,7 @@ fn keep_tail(path: &Path, max: u64) -> io::Result<()> {
         return Ok(());
     }
     let tail = read_tail(path, usize::try_from(max).unwrap_or(usize::MAX))?;
-    let tmp = path.with_extension("trim");
-    std::fs::write(&tmp, tail)?;
-    std::fs::rename(&tmp, path)
+    foundation::write_atomic(path, &tail, foundation::SECRET_FILE)
 }
 
 /// The last `max` bytes of one file (fewer if it is shorter; empty if it is missing).
@@ -226,10 +233,12 @@ impl ConsoleDrain {
 
     /// Dials `socket` — cloud-hypervisor's console socket — and drains it into the log at
     /// `log`, dialling again whenever the connection ends or cannot be made, until dropped.
-    /// Must run inside a tokio runtime.
-    pub fn dial(socket: &Path, log: &Path, cap: u64) -> io::Result<Self> {
+    /// With `check`, every connection refuses a symbolic link and a peer other than the VM's
+    /// hypervisor ([`crate::peer::connect`], which logs it); a refused socket is dialled
+    /// again only after [`REFUSED_REDIAL`]. Must run inside a tokio runtime.
+    pub fn dial(socket: &Path, log: &Path, cap: u64, check: Option<PeerCheck>) -> io::Result<Self> {
         let log = CappedLog::open(log, cap)?;
-        Ok(ConsoleDrain { task: tokio::spawn(redial(socket.to_path_buf(), log)) })
+        Ok(ConsoleDrain { task: tokio::spawn(redial(socket.to_path_buf(), log, check)) })
     }
 }
 
@@ -274,17 +283,24 @@ async fn serve(listener: UnixListener, mut log: CappedLog) {
     }
 }
 
-async fn redial(socket: PathBuf, mut log: CappedLog) {
+async fn redial(socket: PathBuf, mut log: CappedLog, check: Option<PeerCheck>) {
     let mut buf = vec![0u8; CHUNK];
     let mut failed = false;
     loop {
-        if let Ok(mut s) = UnixStream::connect(&socket).await {
-            while let Ok(n) = s.read(&mut buf).await {
-                if n == 0 {
-                    break;
+        match crate::peer::connect(&socket, check.as_ref()).await {
+            Ok(mut s) => {
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    sink(&mut log, &buf[..n], &mut failed);
                 }
-                sink(&mut log, &buf[..n], &mut failed);
             }
+            Err(ConnectError::Peer(_)) => {
+                tokio::time::sleep(REFUSED_REDIAL).await;
+                continue;
+            }
+            Err(ConnectError::Io { .. }) => {}
         }
         tokio::time::sleep(REDIAL).await;
     }
@@ -430,7 +446,7 @@ mod tests {
         let (sock, path) = (dir.path().join(CONSOLE_SOCKET), dir.path().join("console.log"));
         let cap = 32 * 1024;
         // The drain starts before the fake cloud-hypervisor listens: it keeps dialling.
-        let _drain = ConsoleDrain::dial(&sock, &path, cap).expect("dial");
+        let _drain = ConsoleDrain::dial(&sock, &path, cap, None).expect("dial");
         tokio::time::sleep(Duration::from_millis(50)).await;
         let listener = UnixListener::bind(&sock).expect("bind");
         let (mut ch, _) = listener.accept().await.expect("accept");

@@ -72,6 +72,7 @@ mod tests {
             size: crate::SizeClass::Small,
             accel: Default::default(),
             nic: None,
+            rng: true,
         };
         assert_eq!(writable_disk_cap(&spec).expect("cap"), 0);
         spec.overlay_base = Some(base);

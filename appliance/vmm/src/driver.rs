@@ -155,7 +155,15 @@ pub struct BootSpec {
     /// A network interface (virtio-net on a host TAP), if the VM gets one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nic: Option<NicSpec>,
+    /// A `virtio-rng` device fed from the host's kernel RNG (rate-limited to
+    /// [`RNG_BYTES_PER_SEC`]). Specs recorded before it existed read `false`, so their VMs and
+    /// snapshots keep the device layout they were started with.
+    #[serde(default)]
+    pub rng: bool,
 }
+
+/// The most bytes per second a VM's `virtio-rng` draws from the host.
+pub const RNG_BYTES_PER_SEC: u32 = 64 * 1024;
 
 /// One virtio-net NIC backed by a persistent host TAP (made by the `vmnet` crate), plus the
 /// guest's address, passed on the kernel command line as `chrysalis.ip=<ip_cidr>
@@ -250,6 +258,7 @@ impl BootSpec {
             size,
             accel: AccelPreference::from_env(),
             nic: None,
+            rng: true,
         })
     }
 }
@@ -416,6 +425,17 @@ pub enum DriverError {
         #[source]
         source: DialError,
     },
+    /// A socket of the VM (API, console, vsock) is not served by the VM's hypervisor — a
+    /// symbolic link, or another process's socket in its place ([`crate::peer`]). Nothing was
+    /// sent to it.
+    #[error("vm {vm}: refusing its socket")]
+    Peer {
+        /// The VM.
+        vm: VmId,
+        /// The socket, who should and who did answer.
+        #[source]
+        source: crate::peer::PeerError,
+    },
     /// The guest agent answered something we did not expect.
     #[error("vm {vm}: agent protocol: {message}")]
     AgentProtocol {
@@ -427,6 +447,9 @@ pub enum DriverError {
     /// Reading or writing a `vm.json` / `snapshot.json` failed.
     #[error("state record")]
     Record(#[from] RecordError),
+    /// The hypervisor's jail (user, cgroup, descriptors) could not be prepared.
+    #[error("preparing the VM's jail")]
+    Jail(#[from] crate::jail::JailError),
     /// The spec or snapshot cannot be used by this driver.
     #[error("invalid: {0}")]
     Invalid(String),
@@ -656,6 +679,7 @@ mod tests {
         let old = r#"{"name":"base","kernel":"/k","initrd":"/i","rootfs":null,"overlay_base":null,"cmdline":"","size":"small"}"#;
         let spec: BootSpec = serde_json::from_str(old).expect("old spec parses");
         assert_eq!(spec.nic, None);
+        assert!(!spec.rng, "a spec recorded before virtio-rng existed has none");
         let json = serde_json::to_value(&spec).expect("ser");
         assert!(json.get("nic").is_none(), "no nic key without a NIC: {json}");
         let with = BootSpec { nic: Some(nic()), ..spec };

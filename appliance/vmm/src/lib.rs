@@ -4,10 +4,11 @@
 //! - [`qemu`]: QEMU `-M microvm` over QMP, guest agent over virtio-serial + `agent-mux`;
 //! - [`cloud_hypervisor`]: cloud-hypervisor over its REST API, guest agent over hybrid vsock;
 //! - [`agent`]: the one hybrid-vsock dialler every driver uses;
+//! - [`peer`]: dialling a VM's socket by path, checking its peer's credentials (`SO_PEERCRED`);
 //! - [`console`]: the serial console, drained into a size-capped log; tails read by seeking;
 //! - [`catalog`], [`size`], [`accel`], [`record`]: templates, size classes, KVM/TCG probe, `vm.json`;
-//! - [`lifecycle`]: the `creating` → `running` record that keeps every started hypervisor findable;
-//! - [`test_utils`]: an in-memory [`test_utils::FakeDriver`] with settable failures.
+//! - [`jail`]: the unprivileged user, cgroup leaf, session and descriptors every hypervisor runs with;
+//! - [`lifecycle`]: the `creating` → `running` record that keeps every started hypervisor findable.
 
 pub mod accel;
 pub mod agent;
@@ -16,12 +17,13 @@ pub mod cloud_hypervisor;
 pub mod console;
 pub mod disk;
 pub mod driver;
+pub mod jail;
 pub mod lifecycle;
+pub mod peer;
 pub mod qemu;
 pub mod record;
 pub mod size;
 pub mod sockdir;
-pub mod test_utils;
 
 pub use accel::{Accel, AccelPreference};
 pub use agent::CONTROL_PORT;
@@ -32,19 +34,6 @@ pub use driver::{
 };
 pub use size::SizeClass;
 
-/// Formats an error with its `source()` chain as `a: b: c` (a cause whose text the message
-/// already ends with is not repeated). The workspace's one formatter above the providers
-/// (`vnode` has its own: it links no VMM code).
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let m = c.to_string();
-        if !s.ends_with(&m) {
-            s.push_str(": ");
-            s.push_str(&m);
-        }
-        cur = c.source();
-    }
-    s
-}
+/// The workspace's one error-chain formatter (`a: b: c`), re-exported for the many callers
+/// that name it `vmm::error_chain`.
+pub use foundation::error_chain;

@@ -21,6 +21,7 @@
 //! restarted owner sees every VM whose hypervisor may still run — `creating` ones included — and
 //! can kill them (`Driver::kill` works without a recorded pid: [`vm_processes`]).
 
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
@@ -165,7 +166,12 @@ pub fn create_vm_dir(rec: &VmRecord) -> Result<(), DriverError> {
     }
     let staging = parent.join(format!("{STAGING_PREFIX}{}.{}", rec.vm.id, std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
-    std::fs::create_dir(&staging).map_err(|e| DriverError::io(format!("creating {}", staging.display()), e))?;
+    // 0700: the VM user (shared by every VM) reaches nothing in it; the driver hands the
+    // hypervisor descriptors instead.
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&staging)
+        .map_err(|e| DriverError::io(format!("creating {}", staging.display()), e))?;
     let stored = record::write_json_atomic(&staging.join(VM_JSON), rec).map_err(DriverError::from).and_then(|()| {
         std::fs::rename(&staging, dir).map_err(|e| match e.raw_os_error() {
             Some(libc::EEXIST) | Some(libc::ENOTEMPTY) => {
@@ -393,6 +399,7 @@ mod tests {
                 size: SizeClass::Small,
                 accel: AccelPreference::Auto,
                 nic: None,
+                rng: true,
             },
             restored_from: None,
             created_at_epoch_secs: 1,

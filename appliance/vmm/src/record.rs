@@ -1,7 +1,6 @@
 //! On-disk VM state: `<state_dir>/vms/<id>/vm.json` (one record per VM, written atomically)
 //! and the pid + start-time liveness check that defeats pid reuse.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
@@ -53,20 +52,7 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<(), Rec
     let io = |what, source| RecordError::Io { what, path: path.to_path_buf(), source };
     let bytes =
         serde_json::to_vec_pretty(value).map_err(|source| RecordError::Parse { path: path.to_path_buf(), source })?;
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("record");
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    let mut f = std::fs::File::create(&tmp).map_err(|e| io("creating temp for", e))?;
-    f.write_all(&bytes).and_then(|_| f.sync_all()).map_err(|e| io("writing", e))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        io("renaming into", e)
-    })?;
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(())
+    foundation::write_atomic(path, &bytes, foundation::PUBLIC_FILE).map_err(|e| io("writing", e))
 }
 
 /// Reads a JSON record.

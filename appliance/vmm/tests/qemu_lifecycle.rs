@@ -43,6 +43,7 @@ fn spec() -> BootSpec {
         size: SizeClass::Small,
         accel: AccelPreference::Auto,
         nic: None,
+        rng: true,
     }
 }
 
@@ -77,11 +78,13 @@ async fn qemu_process_lifecycle() {
 
     let vm = d.boot(&spec()).await.expect("boot firmware-only VM");
     assert!(vmm::record::is_alive(vm.pid, vm.pid_start_time));
+    assert_jailed(vm.pid, SizeClass::Small);
     assert!(vm.dir.join("vm.json").is_file());
     assert!(vm.vsock_socket.exists(), "vsock bridge socket is served");
     assert_eq!(d.list().await.expect("list"), vec![vm.clone()]);
 
-    // Our process "restarts": a new driver re-attaches from vm.json.
+    // Our process "restarts": a new driver re-attaches from vm.json (QEMU is not our
+    // daemonized grandchild any more but a child in its own session: it outlives the driver).
     drop(d);
     let d = QemuDriver::new(config(&state));
     let again = d.attach(&vm.id).await.expect("attach");
@@ -98,6 +101,8 @@ async fn qemu_process_lifecycle() {
     assert_eq!(clone.restored_from.as_deref(), Some(snapdir.as_path()));
     assert_eq!(d.list().await.expect("list").len(), 2);
     assert_eq!(qemu_pids_mentioning(&needle).len(), 2);
+    assert_jailed(clone.pid, SizeClass::Small);
+    let clone_cgroups = vmm::jail::inspect::process_jail(clone.pid).expect("clone status").cgroups;
 
     d.kill(&vm).await.expect("kill");
     assert!(!vmm::record::is_alive(vm.pid, vm.pid_start_time));
@@ -109,6 +114,34 @@ async fn qemu_process_lifecycle() {
     assert!(!vmm::record::is_alive(clone.pid, clone.pid_start_time));
     assert!(d.list().await.expect("list").is_empty());
     assert!(qemu_pids_mentioning(&needle).is_empty(), "no QEMU outlives shutdown/kill");
+    if jail_expected() {
+        for dir in clone_cgroups {
+            assert!(!dir.exists(), "the VM's cgroup leaf {} is removed with it", dir.display());
+        }
+    }
+}
+
+/// Whether the driver jails QEMU here: root, the VM user exists, `CHRYSALIS_JAIL` not `0`.
+fn jail_expected() -> bool {
+    vmm::jail::JailSettings::from_env().resolve().is_ok_and(|j| j.is_some())
+}
+
+/// QEMU runs as the VM user, with no capabilities, seccomp filtering, no new privileges, in a
+/// cgroup leaf with its size class's limits (TCG here).
+fn assert_jailed(pid: u32, size: SizeClass) {
+    let Ok(Some(jail)) = vmm::jail::JailSettings::from_env().resolve() else {
+        eprintln!("the jail is off here (not root, no VM user, or CHRYSALIS_JAIL=0): only the sandbox is checked");
+        let j = vmm::jail::inspect::process_jail(pid).expect("status");
+        assert_eq!(j.seccomp, 2, "QEMU's seccomp sandbox is on");
+        return;
+    };
+    let j = vmm::jail::inspect::process_jail(pid).expect("status");
+    assert_eq!(j.uids, [jail.uid; 4], "QEMU runs as {}", jail.user);
+    assert_eq!((j.cap_eff, j.cap_prm, j.cap_bnd), (0, 0, 0), "no capabilities");
+    assert_eq!(j.seccomp, 2, "QEMU's seccomp sandbox is on");
+    assert!(j.no_new_privs, "NoNewPrivs");
+    assert_eq!(j.limits, Some(vmm::jail::Limits::for_vm(size, vmm::Accel::Tcg)), "cgroup limits of {:?}", j.cgroups);
+    assert!(j.cgroups.iter().all(|d| d.ends_with(d.file_name().expect("leaf"))), "{:?}", j.cgroups);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -133,7 +166,8 @@ async fn failed_boots_leave_nothing_behind() {
     s.kernel = junk.clone();
     s.initrd = junk;
     match d.boot(&s).await {
-        Err(DriverError::Spawn { detail, .. }) => assert!(!detail.is_empty()),
+        // QEMU's own words reach the error (its output drained into the capped qemu.log).
+        Err(DriverError::Spawn { detail, .. }) => assert!(detail.contains("qemu"), "{detail}"),
         other => panic!("expected a QEMU start failure, got {other:?}"),
     }
     assert!(dirs_under(&state.join("vms")).is_empty(), "failed boot removed its dir");
@@ -231,7 +265,13 @@ fn wait_for_record(owner: &mut Child, vm_dir: &Path, ready: impl Fn(&VmRecord) -
                 return rec;
             }
         }
-        assert!(Instant::now() < deadline, "{} never reached the expected state", vm_dir.display());
+        assert!(
+            Instant::now() < deadline,
+            "{} never reached the expected state: {:?}; processes naming it: {:?}",
+            vm_dir.display(),
+            VmRecord::load(vm_dir).ok().flatten().map(|r| (r.vm.state, r.vm.pid)),
+            pids_mentioning(&vm_dir.display().to_string())
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -260,13 +300,6 @@ fn sigkill(mut owner: Child) {
     owner.wait().expect("reap the owner");
 }
 
-/// Lets the `cat` of an incoming migration blocked on the FIFO `fifo` finish (EOF).
-fn release_fifo_readers(fifo: &Path) {
-    use std::os::unix::fs::OpenOptionsExt;
-    // Succeeds only while a reader waits; dropping the writer gives it EOF.
-    let _ = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(fifo);
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[cfg_attr(not(feature = "qemu-tests"), ignore = "boots QEMU: run through `cargo xtask test`")]
 async fn owner_killed_mid_create_leaves_a_listed_killable_vm() {
@@ -277,27 +310,27 @@ async fn owner_killed_mid_create_leaves_a_listed_killable_vm() {
     let needle = format!("{}/", vms.display());
     let _reaper = Reaper(tmp.path().display().to_string());
 
-    // 1. Owner killed between QEMU daemonizing and the pid being recorded: a wrapper whose
-    //    parent process only returns once QEMU is gone keeps the owner inside the spawn.
+    // 1. Owner killed while QEMU sets up (pid recorded, QMP not answering yet): a wrapper
+    //    starts QEMU and stops it as soon as it has exec'ed (long before its QMP greets), so
+    //    the owner waits for QMP until it is killed.
     let wrapper = tmp.path().join("slow-hypervisor");
     std::fs::write(
         &wrapper,
-        "#!/bin/sh\nqemu-system-x86_64 \"$@\" || exit $?\n\
-         prev=; for a in \"$@\"; do [ \"$prev\" = -pidfile ] && pf=$a; prev=$a; done\n\
-         while kill -0 \"$(cat \"$pf\" 2>/dev/null)\" 2>/dev/null; do sleep 0.05; done\n",
+        "#!/bin/sh\nqemu-system-x86_64 \"$@\" &\nq=$!\n\
+         until readlink /proc/$q/exe | grep -q qemu; do :; done\nkill -STOP $q\nwait\n",
     )
     .expect("write wrapper");
     std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
     let mut owner = spawn_owner(&format!("boot\t{}\t{}", state.display(), wrapper.display()));
     let dir = only_vm_dir(&mut owner, &vms);
-    // Wait until QEMU has daemonized (its pid file names a live process and the foreground
-    // QEMU exited): the owner now only waits for the wrapper.
+    // Wait until the pid (the wrapper's) is recorded and QEMU runs (stopped): the owner now
+    // waits for QMP.
     let rec = wait_for_record(&mut owner, &dir, |r| {
         r.vm.state == VmState::Creating
+            && r.vm.pid != 0
             && vmm::lifecycle::pidfile_process(&r.vm.dir, "qemu.pid").is_some()
             && qemu_pids_mentioning(&needle).len() == 1
     });
-    assert_eq!(rec.vm.pid, 0, "the owner is still waiting for the daemonizing parent");
     sigkill(owner);
     assert_eq!(qemu_pids_mentioning(&needle).len(), 1, "QEMU outlives its owner");
 
@@ -305,7 +338,7 @@ async fn owner_killed_mid_create_leaves_a_listed_killable_vm() {
     let listed = d.list().await.expect("list");
     assert_eq!(listed.len(), 1, "the half-created VM is listed: {listed:?}");
     let vm = &listed[0];
-    assert_eq!((vm.state, vm.pid, &vm.dir), (VmState::Creating, 0, &dir));
+    assert_eq!((vm.state, vm.pid, &vm.dir), (VmState::Creating, rec.vm.pid, &dir));
     assert!(matches!(d.attach(&vm.id).await, Err(DriverError::Invalid(_))), "a creating VM is not attachable");
     assert!(d.prune().await.expect("prune").is_empty(), "prune never removes a VM whose QEMU runs");
     assert!(dir.is_dir());
@@ -323,6 +356,9 @@ async fn owner_killed_mid_create_leaves_a_listed_killable_vm() {
     std::fs::remove_file(&fifo).expect("rm state");
     let st = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
     assert!(st.success());
+    // A writer that never writes: QEMU's read of the stream blocks (the driver opens it itself).
+    let mut silent_writer =
+        Some(std::fs::OpenOptions::new().read(true).write(true).open(&fifo).expect("hold the FIFO open"));
 
     // 2a. In-process: dropping the restore future mid-migration cleans up at once.
     let snap = Snapshot::load(&snapdir).expect("snapshot.json");
@@ -330,7 +366,6 @@ async fn owner_killed_mid_create_leaves_a_listed_killable_vm() {
     assert!(r.is_err(), "restore from a silent FIFO cannot finish: {r:?}");
     assert!(!vms.join("dropped").exists(), "the dropped restore removed its dir");
     assert!(qemu_pids_mentioning(&needle).is_empty(), "the dropped restore killed its QEMU");
-    release_fifo_readers(&fifo);
 
     // 2b. Another process owns the restore and is SIGKILLed.
     let mut owner = spawn_owner(&format!("restore\t{}\t{}\torphan-clone", state.display(), snapdir.display()));
@@ -348,7 +383,7 @@ async fn owner_killed_mid_create_leaves_a_listed_killable_vm() {
     d.shutdown(&listed[0], Duration::from_secs(30)).await.expect("shutdown a creating VM");
     assert!(!vmm::record::is_alive(rec.vm.pid, rec.vm.pid_start_time));
     assert!(!dir.exists());
-    release_fifo_readers(&fifo);
+    silent_writer.take();
     assert!(pids_mentioning(&needle).is_empty(), "nothing survives: {:?}", pids_mentioning(&needle));
 
     // 3. A running VM whose QEMU died behind our back: omitted by list, removed by prune.
@@ -356,7 +391,12 @@ async fn owner_killed_mid_create_leaves_a_listed_killable_vm() {
     assert!(vmm::qemu::process::kill_and_wait(vm.pid, vm.pid_start_time, Duration::from_secs(10)).await);
     assert!(d.list().await.expect("list").is_empty(), "a dead record is not listed");
     assert!(vm.dir.is_dir(), "list does not delete");
+    let cgroups =
+        vmm::jail::JailSettings::from_env().resolve().ok().flatten().map(|j| j.cgroups.leaf_of(vm.id.as_str()));
     assert_eq!(d.prune().await.expect("prune"), vec![vm.id.clone()]);
+    for dir in cgroups.iter().flat_map(|l| l.dirs()) {
+        assert!(!dir.exists(), "prune removes the dead VM's cgroup leaf {}", dir.display());
+    }
     assert!(dirs_under(&vms).is_empty());
     assert!(qemu_pids_mentioning(&needle).is_empty());
 }

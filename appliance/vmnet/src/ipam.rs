@@ -13,13 +13,14 @@
 //! released address is reused only after the rest of the range was used: stale neighbour entries
 //! of a departed VM rarely meet its successor. The network address, the gateway (first host) and
 //! the broadcast address are never leased. The MAC (`02:` + 5 bytes, locally administered,
-//! unicast) and the TAP name (`ct-` + 12 hex = 15 chars, the Linux limit) derive from a SHA-256 of
+//! unicast) and the TAP name (the network's `tap_prefix`, default `ct-`, + 12 hex ≤ 15 chars, the
+//! Linux limit) derive from a SHA-256 of
 //! the VM id; on a (astronomically unlikely) clash with another lease a counter is mixed in.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::Ipv4Addr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -101,6 +102,22 @@ pub struct Lease {
     pub mac: Mac,
     /// The host TAP device QEMU opens (`ct-<12 hex>`).
     pub tap: String,
+    /// The shared network group (e.g. `<namespace>/<group>`): VMs of one group may talk to each
+    /// other; `None` (the default): this VM talks to no other VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// Whether this VM may reach the outside through the node's uplink (default: no).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub egress: bool,
+}
+
+/// What a VM may reach beyond its own lease (see [`crate::filter`]). Default: nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmPolicy {
+    /// The shared network group, if any.
+    pub group: Option<String>,
+    /// Outbound through the uplink.
+    pub egress: bool,
 }
 
 impl Lease {
@@ -115,8 +132,14 @@ pub fn valid_vm_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic())
 }
 
-/// The MAC and TAP name of `vm_id` (`salt` 0 normally; > 0 only to escape a clash).
+/// The MAC and TAP name (prefix [`TAP_PREFIX`]) of `vm_id` (`salt` 0 normally; > 0 only to
+/// escape a clash).
 pub fn derive(vm_id: &str, salt: u32) -> (Mac, String) {
+    derive_with(TAP_PREFIX, vm_id, salt)
+}
+
+/// [`derive`] with the TAP name prefix of a network ([`NetConfig::tap_prefix`]).
+pub fn derive_with(tap_prefix: &str, vm_id: &str, salt: u32) -> (Mac, String) {
     let mut h = Sha256::new();
     h.update(vm_id.as_bytes());
     if salt > 0 {
@@ -125,7 +148,7 @@ pub fn derive(vm_id: &str, salt: u32) -> (Mac, String) {
     }
     let d = h.finalize();
     let mac = Mac([0x02, d[0], d[1], d[2], d[3], d[4]]);
-    let tap = format!("{TAP_PREFIX}{}", hex::encode(&d[5..11]));
+    let tap = format!("{tap_prefix}{}", hex::encode(&d[5..11]));
     (mac, tap)
 }
 
@@ -183,15 +206,27 @@ impl LeaseTable {
             .ok_or(VmnetError::Exhausted { cidr: cfg.cidr, leased: self.leases.len() })?;
         let ip = Ipv4Addr::from(ip);
         let (mac, tap) = (0u32..)
-            .map(|salt| derive(vm_id, salt))
+            .map(|salt| derive_with(&cfg.tap_prefix, vm_id, salt))
             .find(|(mac, tap)| !self.leases.values().any(|l| l.mac == *mac || l.tap == *tap))
             // The leases are finitely many, so some salt is free.
-            .unwrap_or_else(|| derive(vm_id, 0));
-        let lease = Lease { ip, mac, tap };
+            .unwrap_or_else(|| derive_with(&cfg.tap_prefix, vm_id, 0));
+        let lease = Lease { ip, mac, tap, group: None, egress: false };
         self.leases.insert(vm_id.to_string(), lease.clone());
         self.last = Some(ip);
         self.cidr = Some(cfg.cidr);
         Ok((lease, true))
+    }
+
+    /// Sets the policy of `vm_id`'s lease; returns whether it changed (`false` without a lease).
+    pub fn set_policy(&mut self, vm_id: &str, policy: &VmPolicy) -> bool {
+        match self.leases.get_mut(vm_id) {
+            Some(l) if l.group != policy.group || l.egress != policy.egress => {
+                l.group = policy.group.clone();
+                l.egress = policy.egress;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Removes the lease of `vm_id`, returning it.
@@ -254,29 +289,11 @@ impl LeaseStore {
     }
 
     fn write(&self, table: &LeaseTable) -> Result<(), VmnetError> {
-        let dir = self.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let name = self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
         let mut body = serde_json::to_vec_pretty(table)
             .map_err(|source| VmnetError::LeaseFile { path: self.path.clone(), source })?;
         body.push(b'\n');
-        let res = (|| {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(|e| VmnetError::io("creating", &tmp, e))?;
-            f.write_all(&body).map_err(|e| VmnetError::io("writing", &tmp, e))?;
-            f.sync_all().map_err(|e| VmnetError::io("syncing", &tmp, e))?;
-            std::fs::rename(&tmp, &self.path).map_err(|e| VmnetError::io("renaming a temp file to", &self.path, e))?;
-            File::open(dir).and_then(|d| d.sync_all()).map_err(|e| VmnetError::io("syncing", dir, e))
-        })();
-        if res.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        res
+        foundation::write_atomic(&self.path, &body, foundation::SECRET_FILE)
+            .map_err(|e| VmnetError::io("writing", &self.path, e))
     }
 
     /// Reads the table under a shared lock.
@@ -459,5 +476,26 @@ mod tests {
         all.dedup();
         assert_eq!(all.len(), 40);
         assert_eq!(LeaseStore::new(&c.leases_path).load().expect("load").leases.len(), 40);
+    }
+
+    #[test]
+    fn policy_is_kept_and_old_leases_read_as_isolated() {
+        let d = tempfile::tempdir().expect("tmp");
+        let (c, store) = (cfg("10.88.0.0/24", d.path()), LeaseStore::new(d.path().join("net/leases.json")));
+        let a = alloc(&store, &c, "a").expect("a");
+        assert_eq!((a.group.as_deref(), a.egress), (None, false));
+        let p = VmPolicy { group: Some("ns/g".into()), egress: true };
+        assert!(store.update(|t| Ok((t.set_policy("a", &p), true))).expect("set"));
+        assert!(!store.update(|t| Ok((t.set_policy("a", &p), false))).expect("same"));
+        assert!(!store.update(|t| Ok((t.set_policy("nobody", &p), false))).expect("none"));
+        // A re-allocation keeps the policy.
+        let again = alloc(&store, &c, "a").expect("again");
+        assert_eq!((again.group.as_deref(), again.egress), (Some("ns/g"), true));
+        let old: Lease =
+            serde_json::from_str(r#"{"ip":"10.88.0.2","mac":"02:00:00:00:00:02","tap":"ct-000000000002"}"#)
+                .expect("old");
+        assert_eq!((old.group, old.egress), (None, false));
+        let json = serde_json::to_string(&Lease { group: None, egress: false, ..again }).expect("ser");
+        assert!(!json.contains("group") && !json.contains("egress"), "{json}");
     }
 }

@@ -6,6 +6,8 @@
 //!   in a JSON file written atomically under an advisory lock;
 //! - [`netns`]: run code inside a named network namespace (`/run/netns/<name>`) on a dedicated thread;
 //! - [`link`]: the bridge and link operations over rtnetlink;
+//! - [`filter`]: the nftables tables `bridge chrysalis` and `inet chrysalis` (anti-spoofing,
+//!   VM↔VM, VM→host, egress with NAT), rendered from the leases;
 //! - [`tap`]: persistent TAP devices (`TUNSETIFF` + `TUNSETPERSIST` on `/dev/net/tun`);
 //! - [`network`]: [`Network`], the API the provider calls.
 //!
@@ -15,6 +17,7 @@
 //! inside the same netns.
 
 pub mod config;
+pub mod filter;
 pub mod ipam;
 pub mod link;
 pub mod netns;
@@ -24,7 +27,8 @@ pub mod tap;
 use std::path::PathBuf;
 
 pub use config::NetConfig;
-pub use ipam::{Lease, Mac};
+pub use filter::{FilterError, FilterPolicy};
+pub use ipam::{Lease, Mac, VmPolicy};
 pub use ipnet::Ipv4Net;
 pub use network::Network;
 
@@ -99,6 +103,9 @@ pub enum VmnetError {
         #[source]
         source: std::io::Error,
     },
+    /// The packet filter's configuration is unusable, or `nft` refused it.
+    #[error("VM packet filter")]
+    Filter(#[from] FilterError),
     /// The worker thread of a namespaced operation could not run it to the end.
     #[error("namespace worker: {0}")]
     Worker(String),

@@ -141,14 +141,21 @@ pub async fn ensure_bridge(h: &Handle, name: &str, addr: Ipv4Addr, prefix_len: u
 }
 
 /// Enslaves `port` to the bridge with index `bridge` (if it is not already), turns MAC learning
-/// off on that bridge port and pins `mac` to it with a static FDB entry (`bridge fdb replace
+/// off on that bridge port, sets its `isolated` flag (an isolated port never exchanges frames
+/// with another isolated port), and pins `mac` to it with a static FDB entry (`bridge fdb replace
 /// <mac> dev <port> master static`), then brings it up.
 ///
 /// Why no learning: a clone resumes with its parent's MAC until it is re-addressed; a frame it
 /// sends meanwhile would move the parent's MAC to the clone's port in a learning bridge and cut
 /// the parent off until it transmits again. With every VM MAC pinned, a port never takes over
 /// another VM's traffic; frames to unknown MACs are still flooded.
-pub async fn attach_pinned_up(h: &Handle, port: &str, bridge: u32, mac: [u8; 6]) -> Result<(), VmnetError> {
+pub async fn attach_pinned_up(
+    h: &Handle,
+    port: &str,
+    bridge: u32,
+    mac: [u8; 6],
+    isolated: bool,
+) -> Result<(), VmnetError> {
     let link = get(h, port).await?.ok_or_else(|| VmnetError::Config(format!("link {port} does not exist")))?;
     if link.controller != Some(bridge) {
         h.link()
@@ -158,10 +165,10 @@ pub async fn attach_pinned_up(h: &Handle, port: &str, bridge: u32, mac: [u8; 6])
             .map_err(nl(format!("attaching {port} to the bridge")))?;
     }
     h.link()
-        .set_port(LinkBridgePort::new(link.index).learning(false).build())
+        .set_port(LinkBridgePort::new(link.index).learning(false).isolated(isolated).build())
         .execute()
         .await
-        .map_err(nl(format!("turning learning off on bridge port {port}")))?;
+        .map_err(nl(format!("turning learning off (isolated {isolated}) on bridge port {port}")))?;
     h.neighbours()
         .add_bridge(link.index, &mac)
         .state(NeighbourState::Noarp)

@@ -8,6 +8,11 @@
 //!
 //! Lease methods are synchronous (a small file under a `flock`); link methods are async and run
 //! on a dedicated thread inside [`NetConfig::netns`].
+//!
+//! The packet filter ([`crate::filter`]) follows the lease table: [`Network::ensure`] re-creates
+//! both tables from it, and every change of a port or a lease ([`Network::attach_port`],
+//! [`Network::create_tap`], [`Network::release`], [`Network::sync_filter`]) refills the sets
+//! from it, under the lease file's lock, so concurrent writers never lose each other's entries.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -15,14 +20,26 @@ use std::net::Ipv4Addr;
 use tracing::Instrument;
 
 use crate::config::{valid_ifname, NetConfig};
-use crate::ipam::{Lease, LeaseStore, Mac};
+use crate::filter::{self, FilterError};
+use crate::ipam::{Lease, LeaseStore, Mac, VmPolicy};
 use crate::{link, netns, tap, VmnetError, GUEST_INIT};
+
+/// The bridge-netfilter switches that, when on, also run bridged IPv4/IPv6/ARP through the
+/// `inet`/`arp` hooks (a kernel with `br_netfilter`; the appliance's has none).
+const BR_NETFILTER_SYSCTLS: [&str; 3] = [
+    "net/bridge/bridge-nf-call-iptables",
+    "net/bridge/bridge-nf-call-ip6tables",
+    "net/bridge/bridge-nf-call-arptables",
+];
 
 /// VM networking of one bridge and address range.
 #[derive(Debug, Clone)]
 pub struct Network {
     cfg: NetConfig,
     store: LeaseStore,
+    /// The filter tables were installed by [`Network::ensure`]: lease and port changes refill
+    /// their sets. A [`Network::new`] touches no filter (lease bookkeeping only).
+    filtered: bool,
 }
 
 impl Network {
@@ -30,22 +47,26 @@ impl Network {
     pub fn new(cfg: NetConfig) -> Result<Self, VmnetError> {
         cfg.validate()?;
         let store = LeaseStore::new(cfg.leases_path.clone());
-        Ok(Network { cfg, store })
+        Ok(Network { cfg, store, filtered: false })
     }
 
-    /// [`Network::new`] + creates the bridge if missing, with the gateway address, up (inside
-    /// `cfg.netns` when set). Idempotent.
+    /// [`Network::new`] + creates the bridge if missing, with the gateway address, up, and
+    /// re-creates the packet filter's two tables from the lease table in one transaction (inside
+    /// `cfg.netns` when set). With an uplink, IPv4 forwarding is turned on. Idempotent.
     pub async fn ensure(cfg: &NetConfig) -> Result<Self, VmnetError> {
-        let net = Network::new(cfg.clone())?;
+        let mut net = Network::new(cfg.clone())?;
+        net.filtered = true;
         let (bridge, gw, prefix) = (cfg.bridge.clone(), cfg.gateway(), cfg.prefix_len());
         let span = tracing::info_span!("vmnet_ensure", bridge = %bridge, netns = ?cfg.netns);
+        let (store, c) = (net.store.clone(), cfg.clone());
         netns::run_in(cfg.netns.as_deref(), move || async move {
             let h = link::connect()?;
-            link::ensure_bridge(&h, &bridge, gw, prefix).await.map(drop)
+            link::ensure_bridge(&h, &bridge, gw, prefix).await?;
+            install_filter(&c, &store)
         })
         .instrument(span)
         .await?;
-        tracing::debug!(bridge = %cfg.bridge, gateway = %gw, "bridge ready");
+        tracing::info!(bridge = %cfg.bridge, gateway = %gw, host_allow = ?cfg.filter.host_allow, uplink = ?cfg.filter.uplink, "bridge and VM packet filter ready");
         Ok(net)
     }
 
@@ -66,17 +87,51 @@ impl Network {
         Ok(lease)
     }
 
-    /// Drops the lease of `vm_id`; returns it (`None` if it had none).
+    /// The lease of `vm_id` (allocated if it has none) with `policy` (its shared group, its
+    /// egress). Egress on a network without an uplink is refused. The filter follows at the next
+    /// [`Network::create_tap`] / [`Network::attach_port`] / [`Network::sync_filter`].
+    pub fn allocate_with(&self, vm_id: &str, policy: &VmPolicy) -> Result<Lease, VmnetError> {
+        if policy.egress && self.cfg.filter.uplink.is_none() {
+            return Err(FilterError::NoUplink { vm: vm_id.to_owned() }.into());
+        }
+        if let Some(g) = &policy.group {
+            if !filter::valid_group(g) {
+                return Err(FilterError::Group(g.clone()).into());
+            }
+        }
+        let lease = self.store.update(|t| {
+            let (_, allocated) = t.allocate(&self.cfg, vm_id)?;
+            let changed = t.set_policy(vm_id, policy);
+            let lease = t.leases.get(vm_id).cloned().ok_or_else(|| VmnetError::Worker("lease vanished".into()))?;
+            Ok((lease, allocated || changed))
+        })?;
+        tracing::debug!(vm = vm_id, ip = %lease.ip, group = ?lease.group, egress = lease.egress, "lease");
+        Ok(lease)
+    }
+
+    /// Drops the lease of `vm_id` and its filter entries; returns it (`None` if it had none).
     pub fn release(&self, vm_id: &str) -> Result<Option<Lease>, VmnetError> {
         let old = self.store.update(|t| {
             let old = t.release(vm_id);
             let dirty = old.is_some();
             Ok((old, dirty))
         })?;
-        if let Some(l) = &old {
+        if let Some(l) = old.as_ref().filter(|_| self.filtered) {
             tracing::debug!(vm = vm_id, ip = %l.ip, "lease released");
+            let (store, table) = (self.store.clone(), self.cfg.table.clone());
+            netns::run_in_blocking(self.cfg.netns.as_deref(), move || async move { sync_elements(&store, &table) })?;
         }
         Ok(old)
+    }
+
+    /// Refills the filter's sets from the lease table (one transaction); nothing for a network
+    /// made by [`Network::new`].
+    pub async fn sync_filter(&self) -> Result<(), VmnetError> {
+        if !self.filtered {
+            return Ok(());
+        }
+        let (store, table) = (self.store.clone(), self.cfg.table.clone());
+        netns::run_in(self.cfg.netns.as_deref(), move || async move { sync_elements(&store, &table) }).await
     }
 
     /// The lease of `vm_id`, if any.
@@ -111,26 +166,46 @@ impl Network {
         ]
     }
 
-    /// Creates the persistent TAP of `lease` (if missing), enslaves it to the bridge with learning
-    /// off and the lease's MAC pinned to it ([`link::attach_pinned_up`]), and brings it up, inside
-    /// the netns. The bridge must exist ([`Network::ensure`]). Idempotent while no QEMU holds it.
+    /// Creates the persistent TAP of `lease` (if missing) and attaches it ([`Network::attach_port`]),
+    /// inside the netns. The bridge must exist ([`Network::ensure`]). Idempotent while no QEMU
+    /// holds it.
     pub async fn create_tap(&self, lease: &Lease) -> Result<(), VmnetError> {
+        self.port_up(lease, true).await?;
+        tracing::debug!(tap = %lease.tap, bridge = %self.cfg.bridge, "tap ready");
+        Ok(())
+    }
+
+    /// Refills the filter's sets (so the port is bound to `lease`'s MAC and IP before it carries
+    /// a frame), then enslaves the existing link named `lease.tap` to the bridge with learning
+    /// off, the lease's MAC pinned to it, `isolated` unless the lease has a shared group
+    /// ([`link::attach_pinned_up`]), and brings it up, inside the netns. The TAP of
+    /// [`Network::create_tap`], or a veth standing in for one in tests.
+    pub async fn attach_port(&self, lease: &Lease) -> Result<(), VmnetError> {
+        self.port_up(lease, false).await
+    }
+
+    async fn port_up(&self, lease: &Lease, make_tap: bool) -> Result<(), VmnetError> {
         let (name, bridge, mac) = (lease.tap.clone(), self.cfg.bridge.clone(), lease.mac.0);
         if !valid_ifname(&name) {
             return Err(VmnetError::Config(format!("tap name {name:?} is not a valid interface name")));
         }
+        let isolated = lease.group.is_none();
+        let (store, filtered, table) = (self.store.clone(), self.filtered, self.cfg.table.clone());
         netns::run_in(self.cfg.netns.as_deref(), move || async move {
             let h = link::connect()?;
             let br = link::get(&h, &bridge)
                 .await?
                 .filter(|l| l.kind.as_deref() == Some("bridge"))
                 .ok_or_else(|| VmnetError::Config(format!("bridge {bridge} is missing: call Network::ensure first")))?;
-            tap::create_persistent(&name)?;
-            link::attach_pinned_up(&h, &name, br.index, mac).await
+            if make_tap {
+                tap::create_persistent(&name)?;
+            }
+            if filtered {
+                sync_elements(&store, &table)?;
+            }
+            link::attach_pinned_up(&h, &name, br.index, mac, isolated).await
         })
-        .await?;
-        tracing::debug!(tap = %lease.tap, bridge = %self.cfg.bridge, "tap ready");
-        Ok(())
+        .await
     }
 
     /// Deletes TAP `name` (inside the netns); `Ok(false)` if it did not exist. Refuses to delete
@@ -148,6 +223,45 @@ impl Network {
         tracing::debug!(tap = name, deleted, "tap removed");
         Ok(deleted)
     }
+}
+
+/// Re-creates both filter tables from the lease table (under its lock), in the calling thread's
+/// namespace. Turns IPv4 forwarding on when there is an uplink, and bridge netfilter off inside
+/// a namespace of our own (warns about it in the host's: it would run bridged VM↔VM traffic
+/// through the `inet` forward hook, where shared groups are not known).
+fn install_filter(cfg: &NetConfig, store: &LeaseStore) -> Result<(), VmnetError> {
+    for key in BR_NETFILTER_SYSCTLS {
+        let path = format!("/proc/sys/{key}");
+        match std::fs::read_to_string(&path).map(|v| v.trim() == "1") {
+            Ok(true) if cfg.netns.is_some() => {
+                filter::sysctl_set(key, "0");
+            }
+            Ok(true) => tracing::warn!(sysctl = key, "bridge netfilter is on: VMs of a shared group may not reach each other (the appliance kernel has no br_netfilter)"),
+            _ => {}
+        }
+    }
+    if cfg.filter.uplink.is_some() {
+        if let Some(old) = filter::sysctl_set("net/ipv4/ip_forward", "1") {
+            if old != "1" {
+                tracing::info!("IPv4 forwarding turned on for VM egress");
+            }
+        }
+    }
+    store.update(|t| {
+        let leases: Vec<&Lease> = t.leases.values().collect();
+        let script = filter::render_tables(cfg, &leases);
+        filter::apply("VM filter tables", &script)?;
+        Ok(((), false))
+    })
+}
+
+/// Refills the sets of the filter tables named `table` from the lease table, under its lock.
+fn sync_elements(store: &LeaseStore, table: &str) -> Result<(), VmnetError> {
+    store.update(|t| {
+        let leases: Vec<&Lease> = t.leases.values().collect();
+        filter::apply("VM filter sets", &filter::render_elements(table, &leases))?;
+        Ok(((), false))
+    })
 }
 
 #[cfg(test)]

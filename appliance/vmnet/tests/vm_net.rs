@@ -7,7 +7,9 @@
 //! - `base_vm_and_its_clone_serve_tcp_on_their_own_ips`: boots the `base` template with a NIC,
 //!   serves TCP in the guest (busybox `nc -ll`), connects to it from inside the netns; snapshots,
 //!   restores a clone with a new TAP, re-addresses it with `guest-init net-config` through the
-//!   agent, and reaches both VMs on their own addresses.
+//!   agent, and reaches both VMs on their own addresses; with the packet filter on (every
+//!   `Network::ensure` installs it), the guests resolve their gateway but reach no host service
+//!   and not each other.
 //!
 //! Run: `cargo xtask vm-image --all` once, then `cargo test -p vmnet --features vm-tests --test vm_net`
 //! (as root). Without the feature these tests are reported as ignored, with the reason.
@@ -123,6 +125,7 @@ async fn qemu_joins_the_netns_and_opens_the_taps() {
         size: SizeClass::Small,
         accel: AccelPreference::Auto,
         nic: Some(nic(&net, &pl)),
+        rng: true,
     };
     let vm = driver.boot(&spec).await.expect("boot with a NIC");
     let ns_inode = std::fs::metadata(vmnet::netns::netns_path(&ns.name)).expect("netns file").ino();
@@ -291,8 +294,18 @@ async fn base_vm_and_its_clone_serve_tcp_on_their_own_ips() {
     assert_eq!(got.trim(), "hello-from-clone", "the clone answers on its new address");
     let got = tcp_from_netns(&ns.name, pl.ip, 8080, Duration::from_secs(60)).await.expect("tcp from the netns");
     assert_eq!(got.trim(), "hello-from-parent", "the parent still answers on its own");
-    // The guests reach the gateway (the bridge) too.
-    sh(&driver, &clone, "ping -c 1 -W 5 10.88.0.1 >/dev/null").await;
+    // The gateway is the host: the filter lets ARP for it through (the guest learns its MAC)
+    // but no host service by default, not even an ICMP echo.
+    let ping = sh(&driver, &clone, "ping -c 1 -W 3 10.88.0.1 >/dev/null 2>&1 && echo reached || echo dropped").await;
+    assert_eq!(ping.trim(), "dropped", "VM → host is closed by default");
+    let arp = sh(&driver, &clone, "cat /proc/net/arp").await;
+    assert!(
+        arp.lines().any(|l| l.starts_with("10.88.0.1 ") && l.contains("0x2")),
+        "the clone resolved its gateway: {arp}"
+    );
+    // The parent reaches neither the clone (no shared group) nor anything outside.
+    let out = sh(&driver, &vm, &format!("nc -w 3 {} 8080 </dev/null || echo refused", cl.ip)).await;
+    assert!(!out.contains("hello-from-clone"), "VM → VM is closed by default: {out}");
 
     driver.shutdown(&clone, Duration::from_secs(10)).await.expect("shutdown clone");
     driver.shutdown(&vm, Duration::from_secs(10)).await.expect("shutdown parent");

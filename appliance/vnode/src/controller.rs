@@ -16,12 +16,13 @@
 //! all API pods and all provider pods are enqueued again, so a deletion missed while the watch
 //! was down still reaches the provider.
 
-use crate::error::{chain, is_conflict, is_not_found};
+use crate::error::{is_conflict, is_not_found};
 use crate::events::{self, Recorder};
 use crate::provider::{PodKey, Provider, ProviderError};
 use crate::queue::{Retry, WorkQueue};
 use crate::status::{self, lookup, PushAction, Pushes};
 use crate::sync::{decide, failure_phase, Action};
+use foundation::error_chain as chain;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};

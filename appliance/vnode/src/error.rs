@@ -49,21 +49,6 @@ pub(crate) fn is_conflict(e: &kube::Error) -> bool {
     api_code(e) == Some(409)
 }
 
-/// `e`'s message and every cause not already contained in it, joined by `": "`.
-pub(crate) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let s = c.to_string();
-        if !s.is_empty() && !text.contains(&s) {
-            text.push_str(": ");
-            text.push_str(&s);
-        }
-        cause = c.source();
-    }
-    text
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,9 +60,9 @@ mod tests {
     #[test]
     fn chain_appends_causes_once() {
         let e = Outer(std::io::Error::other("disk on fire"));
-        assert_eq!(chain(&e), "outer: disk on fire");
+        assert_eq!(foundation::error_chain(&e), "outer: disk on fire");
         let p = crate::ProviderError::new(std::io::Error::other("no capacity"));
-        assert_eq!(chain(&p), "no capacity", "the wrapper's own text already is its cause");
+        assert_eq!(foundation::error_chain(&p), "no capacity", "the wrapper's own text already is its cause");
     }
 
     #[test]

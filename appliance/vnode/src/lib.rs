@@ -13,6 +13,8 @@
 //! [`session`] (a provider binary's join flags, API client and renewal-restart loop);
 //! [`pod_status`] (the Pod status shapes providers push, pure).
 
+#![forbid(unsafe_code)]
+
 pub mod auth;
 pub mod config;
 mod controller;

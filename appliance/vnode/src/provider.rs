@@ -54,17 +54,8 @@ impl ProviderError {
 #[error("{0}")]
 struct ReportedError(String);
 
-/// `e: cause: cause…` on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+/// `e: cause: cause…` on one line: the workspace's one formatter, re-exported for providers.
+pub use foundation::error_chain;
 
 /// Where a provider pushes Pod status changes (a deep copy of the Pod with the new `status`,
 /// and annotations the provider writes back). Nothing polls the provider: every change it

@@ -266,7 +266,7 @@ impl Session {
                 Ok(Some(new)) => return new,
                 Ok(None) => continue,
                 Err(e) => {
-                    tracing::warn!(error = %crate::error::chain(&e), "renewing the node certificate failed; retrying in 1 min");
+                    tracing::warn!(error = %foundation::error_chain(&e), "renewing the node certificate failed; retrying in 1 min");
                     tokio::time::sleep(Duration::from_secs(60)).await;
                 }
             }

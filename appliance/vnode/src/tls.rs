@@ -67,7 +67,7 @@ pub fn server_config(
                 return Ok((config, CertSource::Files));
             }
             Err(e) => {
-                let e = crate::error::chain(&e);
+                let e = foundation::error_chain(&e);
                 warn!(error = %e, "kubelet endpoint: the configured certificate is unusable; using a self-signed one");
                 e
             }

@@ -11,13 +11,15 @@
 //! - [`Bytes64`]: binary payloads, standard padded base64, only ever under `data`.
 //! - [`codec`]: frame splitting, decoding and encoding under [`codec::MAX_FRAME`].
 
+#![forbid(unsafe_code)]
+
 pub mod codec;
 mod request;
 mod response;
 mod types;
 
 pub use codec::{DecodeError, EncodeError, FrameSplitter, MAX_FRAME};
-pub use request::Request;
+pub use request::{Request, RESEED_MAX_BYTES};
 pub use response::Response;
 pub use types::{
     Bytes64, DirEntry, ErrorKind, EventKind, FileInfo, FileKind, GitBranchAction, GitFileStatus, ProcInfo, ProcState,

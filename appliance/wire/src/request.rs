@@ -192,7 +192,18 @@ pub enum Request {
     LspStop {
         server_id: String,
     },
+    /// Chrysalis extension: mix `data` (host-provided randomness, at most
+    /// [`RESEED_MAX_BYTES`]) into the guest kernel's entropy pool and force a CRNG reseed.
+    /// The host sends it to every clone of a snapshot before handing it out, so clones never
+    /// share RNG state. `done`, or `error` (`bad_request` when `data` is empty or too long).
+    Reseed {
+        #[serde(default)]
+        data: Bytes64,
+    },
 }
+
+/// The most bytes one `reseed` carries (the kernel's pool is 256 bytes).
+pub const RESEED_MAX_BYTES: usize = 256;
 
 fn default_cols() -> u16 {
     80
@@ -244,6 +255,7 @@ impl Request {
             Self::LspStart { .. } => "lsp_start",
             Self::LspRequest { .. } => "lsp_request",
             Self::LspStop { .. } => "lsp_stop",
+            Self::Reseed { .. } => "reseed",
         }
     }
 
@@ -254,7 +266,7 @@ impl Request {
     }
 
     /// Every op name of the protocol, in declaration order.
-    pub const OPS: [&'static str; 38] = [
+    pub const OPS: [&'static str; 39] = [
         "info",
         "exec",
         "stdin",
@@ -293,5 +305,6 @@ impl Request {
         "lsp_start",
         "lsp_request",
         "lsp_stop",
+        "reseed",
     ];
 }

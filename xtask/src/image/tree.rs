@@ -4,6 +4,7 @@
 //! version only rewrites the version files ([`stamp_version`]) and re-packs the root.
 
 use super::board::{Board, HostOs};
+use crate::prereqs::VM_USER;
 use crate::vm_image::catalog::{BuiltCatalog, BuiltTemplate};
 use crate::vm_image::rootfs::{self, Debootstrap};
 use anyhow::{bail, Context, Result};
@@ -216,6 +217,7 @@ fn build(root: &Path, tarball: &Path, overlay: &Path, inputs: &TreeInputs<'_>) -
         Command::new("cp").arg("-a").arg("--no-preserve=ownership").arg(overlay.join(".")).arg(root),
         "adding rootfs/overlay",
     )?;
+    add_vm_user(root)?;
     // Mount points on the read-only root (the ESP; the rest live on tmpfs /var and /run).
     for dir in MOUNT_POINTS {
         fs::create_dir_all(root.join(dir))?;
@@ -233,6 +235,38 @@ fn build(root: &Path, tarball: &Path, overlay: &Path, inputs: &TreeInputs<'_>) -
         fs::write(keys.join(&key.name), &key.text)?;
     }
     install_vm_images(root, inputs)?;
+    Ok(())
+}
+
+/// The uid and gid of [`VM_USER`] (every microVM's hypervisor runs as it, `vmm::jail`) in
+/// the host image.
+pub const VM_UID: u32 = 990;
+
+/// Adds [`VM_USER`] to the tree's `/etc/passwd`, `/etc/group` and `/etc/shadow` (locked, no
+/// shell, no home) unless it is there already.
+fn add_vm_user(root: &Path) -> Result<()> {
+    let lines = [
+        ("etc/passwd", format!("{VM_USER}:x:{VM_UID}:{VM_UID}:Chrysalis microVMs:/nonexistent:/usr/sbin/nologin")),
+        ("etc/group", format!("{VM_USER}:x:{VM_UID}:")),
+        ("etc/shadow", format!("{VM_USER}:!:1::::::")),
+    ];
+    for (file, line) in lines {
+        let path = root.join(file);
+        let mut text = match fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && file == "etc/shadow" => continue,
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
+        if text.lines().any(|l| l.split(':').next() == Some(VM_USER)) {
+            continue;
+        }
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&line);
+        text.push('\n');
+        fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(())
 }
 
@@ -341,4 +375,24 @@ fn run(cmd: &mut Command, what: &str) -> Result<()> {
         bail!("{what} failed ({status}): {cmd:?}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_vm_user_is_added_once() {
+        let root = tempfile::tempdir().expect("tempdir");
+        fs::create_dir_all(root.path().join("etc")).expect("etc");
+        fs::write(root.path().join("etc/passwd"), "root:x:0:0:root:/root:/bin/bash\n").expect("passwd");
+        fs::write(root.path().join("etc/group"), "root:x:0:").expect("group");
+        add_vm_user(root.path()).expect("add");
+        add_vm_user(root.path()).expect("again");
+        let passwd = fs::read_to_string(root.path().join("etc/passwd")).expect("read");
+        assert_eq!(passwd.matches("chrysalis-vm:").count(), 1, "{passwd}");
+        assert!(passwd.contains("chrysalis-vm:x:990:990:"), "{passwd}");
+        let group = fs::read_to_string(root.path().join("etc/group")).expect("read");
+        assert_eq!(group, "root:x:0:\nchrysalis-vm:x:990:\n");
+    }
 }

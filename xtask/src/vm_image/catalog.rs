@@ -128,10 +128,8 @@ pub fn register(catalog_json: &Path, sources: &Sources, name: &str, built: Built
         .collect();
     let dir = catalog_json.parent().context("catalog path has no parent")?;
     fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".catalog.json.{}", std::process::id()));
-    fs::write(&tmp, serde_json::to_vec_pretty(&catalog)?).with_context(|| format!("writing {}", tmp.display()))?;
-    fs::rename(&tmp, catalog_json).with_context(|| format!("replacing {}", catalog_json.display()))?;
-    Ok(())
+    foundation::write_atomic(catalog_json, &serde_json::to_vec_pretty(&catalog)?, foundation::PUBLIC_FILE)
+        .with_context(|| format!("replacing {}", catalog_json.display()))
 }
 
 #[cfg(test)]

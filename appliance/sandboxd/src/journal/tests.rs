@@ -158,9 +158,21 @@ fn background_compaction_keeps_every_mutation_under_concurrent_commits() {
     std::thread::scope(|s| {
         let writers: Vec<_> = (0..2)
             .map(|w| {
-                let (j, t) = (&j, &t);
+                let (j, t, compactions) = (&j, &t, &compactions);
                 s.spawn(move || {
                     for i in 0..400 {
+                        // Let the compactor catch up at two points, so compactions happen while
+                        // commits are still coming (a loaded machine may otherwise finish the
+                        // writers first).
+                        if i == 130 || i == 260 {
+                            let want = if i == 130 { 1 } else { 2 };
+                            let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+                            while compactions.load(std::sync::atomic::Ordering::Relaxed) < want
+                                && std::time::Instant::now() < until
+                            {
+                                std::thread::yield_now();
+                            }
+                        }
                         let id = format!("sb_{w}_{i:04}");
                         let g = grant(t, &id, i);
                         j.commit_claims(g, t).expect("grant");

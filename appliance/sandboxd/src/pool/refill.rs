@@ -7,9 +7,20 @@
 //!   `sbx-gb-<hash>`, waits for silkd, snapshots it into `goldens/<hash>.staging-*`, destroys it and
 //!   renames the staging dir to `goldens/<hash>`. A failure retries after 30 s; meanwhile slots
 //!   cold-boot;
-//! - clone: `restore` from the golden, probe silkd (5 s); three clone failures in a row drop the
-//!   golden (it is rebuilt); a failed clone falls back to a cold boot in the same slot;
+//! - clone: `restore` from the golden, probe silkd (5 s), then reseed the guest kernel RNG with
+//!   fresh host randomness (silkd `reseed`), since every clone resumes with the golden's RNG
+//!   state; a clone that cannot be reseeded is destroyed, never pooled. Three clone failures in
+//!   a row drop the golden (it is rebuilt); a failed clone falls back to a cold boot in the same
+//!   slot;
 //! - cold: boot from the catalog template, probe silkd (`boot_timeout_secs`).
+//!
+//! Network (`net: egress` pools only; `none` pools get no NIC): every VM of the pool (the golden
+//! builder, each clone, each cold boot) first gets its own lease (egress on, no shared group:
+//! isolated) and TAP on the node's [`vmnet::Network`], booted with that NIC (the kernel command
+//! line addresses it); a clone is restored with its own NIC (`restore_with`) and re-addressed
+//! through silkd (`guest-init net-config`, before the reseed: the golden's MAC and address are
+//! dropped by the port filter until then). [`Node::destroy`] deletes the TAP and releases the
+//! lease; a VM that never started gives them back at once.
 //!
 //! A VM enters the pool only after silkd answers `info`. Failures back off (see
 //! [`super::PoolState::failed`]); a template missing from the catalog parks the pool and reports it.
@@ -24,7 +35,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tracing::Instrument as _;
-use vmm::{AfterSnapshot, BootSpec, Snapshot, Vm, VmId};
+use vmm::{AfterSnapshot, BootSpec, NicSpec, RestoreOptions, Snapshot, Vm, VmId};
 
 use super::Pool;
 use crate::limits::Reservation;
@@ -33,6 +44,9 @@ use crate::node::{goldens_dir, Node};
 
 /// Clone failures in a row after which the golden is dropped and rebuilt.
 const CLONE_FAILURES_TO_REBUILD: u32 = 3;
+
+/// The most output of `guest-init net-config` kept (it prints a line or two).
+const NET_CONFIG_OUTPUT_CAP: usize = 64 * 1024;
 
 /// Why a slot failed.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +68,44 @@ pub enum RefillError {
         /// The cause.
         #[source]
         source: vmm::DriverError,
+    },
+    /// The clone's guest RNG could not be reseeded (the clone is destroyed, never pooled).
+    #[error("reseeding the clone's guest RNG")]
+    Reseed {
+        /// The cause.
+        #[source]
+        source: silkd_client::ClientError,
+    },
+    /// An egress pool on a node without a network (cannot happen after config validation).
+    #[error("the pool asks for net egress, but this node has no network section")]
+    NoNetwork,
+    /// Leasing an address, making the TAP, or reading the lease failed.
+    #[error("{what}")]
+    Network {
+        /// What we were doing.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: vmnet::VmnetError,
+    },
+    /// The clone could not be re-addressed through silkd.
+    #[error("re-addressing the clone's network ({argv})")]
+    NetConfig {
+        /// The command run in the guest.
+        argv: String,
+        /// The cause.
+        #[source]
+        source: silkd_client::ClientError,
+    },
+    /// `guest-init net-config` failed in the guest.
+    #[error("re-addressing the clone's network: {argv} exited {code}: {stderr}")]
+    NetConfigExit {
+        /// The command run in the guest.
+        argv: String,
+        /// Its exit code.
+        code: i32,
+        /// What it said (trimmed).
+        stderr: String,
     },
     /// Moving the golden into place failed.
     #[error("{what} {path}")]
@@ -260,19 +312,142 @@ async fn probe(node: &Node, vm: Vm, budget: std::time::Duration) -> Result<Vm, R
     }
 }
 
+/// The lease (egress, isolated) and TAP of a new VM of an egress pool, keyed `key`, and its
+/// NIC; `None` for a `none` pool.
+async fn nic_for(node: &Node, pool: &Pool, key: &VmId) -> Result<Option<(vmnet::Lease, NicSpec)>, RefillError> {
+    if pool.key.net() != crate::pool::Net::Egress {
+        return Ok(None);
+    }
+    let net = node.net.as_ref().ok_or(RefillError::NoNetwork)?;
+    let policy = vmnet::VmPolicy { group: None, egress: true };
+    let lease = net.allocate_with(key.as_str(), &policy).map_err(|source| {
+        inc(&node.metrics.network_failures);
+        RefillError::Network { what: "leasing an address", source }
+    })?;
+    if let Err(source) = net.create_tap(&lease).await {
+        inc(&node.metrics.network_failures);
+        node.release_nic(key, &lease.tap).await;
+        return Err(RefillError::Network { what: "creating the TAP", source });
+    }
+    tracing::debug!(vm = %key, ip = %lease.ip, tap = %lease.tap, "NIC ready");
+    let nic = NicSpec {
+        tap: lease.tap.clone(),
+        mac: lease.mac.to_string(),
+        netns: net.config().netns.clone(),
+        ip_cidr: net.ip_cidr(&lease),
+        gateway: net.gateway().to_string(),
+    };
+    Ok(Some((lease, nic)))
+}
+
+/// Gives back the NIC of a VM that never started.
+async fn unstarted(node: &Node, key: &VmId, nic: Option<&(vmnet::Lease, NicSpec)>) {
+    if let Some((lease, _)) = nic {
+        node.release_nic(key, &lease.tap).await;
+    }
+}
+
 async fn clone_one(node: &Node, pool: &Pool, golden: &Snapshot) -> Result<Vm, RefillError> {
     let id = VmId::generate(&vm_prefix(pool));
-    let vm = node
-        .driver
-        .restore(golden, &id)
-        .await
-        .map_err(|source| RefillError::Driver { what: "cloning the golden", source })?;
-    probe(node, vm, node.timing.clone_probe).await
+    let nic = nic_for(node, pool, &id).await?;
+    let opts = RestoreOptions { nic: nic.as_ref().map(|(_, n)| n.clone()) };
+    let vm = match node.driver.restore_with(golden, &id, &opts).await {
+        Ok(vm) => vm,
+        Err(source) => {
+            unstarted(node, &id, nic.as_ref()).await;
+            return Err(RefillError::Driver { what: "cloning the golden", source });
+        }
+    };
+    let vm = probe(node, vm, node.timing.clone_probe).await?;
+    if let Some((lease, _)) = &nic {
+        if let Err(e) = readdress(node, &vm, lease).await {
+            inc(&node.metrics.network_failures);
+            node.destroy(&vm).await;
+            return Err(e);
+        }
+    }
+    match reseed(node, &vm).await {
+        Ok(()) => Ok(vm),
+        Err(e) => {
+            inc(&node.metrics.clone_reseed_failures);
+            node.destroy(&vm).await;
+            Err(e)
+        }
+    }
+}
+
+/// Re-addresses a clone's `eth0` to its own lease (the snapshot carries the golden's MAC and
+/// address): `guest-init net-config` through silkd, within the clone probe's budget.
+async fn readdress(node: &Node, vm: &Vm, lease: &vmnet::Lease) -> Result<(), RefillError> {
+    let net = node.net.as_ref().ok_or(RefillError::NoNetwork)?;
+    let argv = net.net_config_argv(lease);
+    let shown = argv.join(" ");
+    let args: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let work = async {
+        let stream = node
+            .driver
+            .connect(vm, vmm::AGENT_PORT)
+            .await
+            .map_err(|source| RefillError::Driver { what: "dialling silkd to re-address the clone", source })?;
+        silkd_client::AgentConn::new(stream)
+            .with_output_cap(NET_CONFIG_OUTPUT_CAP)
+            .exec(&args, silkd_client::ExecOptions::default(), b"")
+            .await
+            .map_err(|source| RefillError::NetConfig { argv: shown.clone(), source })
+    };
+    let out = match tokio::time::timeout(node.timing.clone_probe, work).await {
+        Ok(r) => r?,
+        Err(_) => {
+            return Err(RefillError::NetConfig {
+                argv: shown,
+                source: silkd_client::ClientError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer")),
+            })
+        }
+    };
+    if out.code != 0 {
+        let stderr: String = String::from_utf8_lossy(&out.stderr).trim().chars().take(512).collect();
+        return Err(RefillError::NetConfigExit { argv: shown, code: out.code, stderr });
+    }
+    tracing::debug!(vm = %vm.id, ip = %lease.ip, "clone re-addressed");
+    Ok(())
+}
+
+/// Gives a fresh clone its own RNG state: host randomness into the guest pool and a forced
+/// CRNG reseed, within the clone probe's budget.
+async fn reseed(node: &Node, vm: &Vm) -> Result<(), RefillError> {
+    let work = async {
+        let stream = node
+            .driver
+            .connect(vm, vmm::AGENT_PORT)
+            .await
+            .map_err(|source| RefillError::Driver { what: "dialling silkd to reseed", source })?;
+        silkd_client::AgentConn::new(stream).reseed_from_host().await.map_err(|source| RefillError::Reseed { source })
+    };
+    match tokio::time::timeout(node.timing.clone_probe, work).await {
+        Ok(r) => r,
+        Err(_) => Err(RefillError::Reseed {
+            source: silkd_client::ClientError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer")),
+        }),
+    }
+}
+
+/// Boots `spec`, with a NIC of its own for an egress pool (given back if the boot fails).
+async fn boot_with_nic(node: &Node, pool: &Pool, mut spec: BootSpec, what: &'static str) -> Result<Vm, RefillError> {
+    let key = VmId::generate(&spec.name);
+    let nic = nic_for(node, pool, &key).await?;
+    spec.nic = nic.as_ref().map(|(_, n)| n.clone());
+    match node.driver.boot(&spec).await {
+        Ok(vm) => Ok(vm),
+        Err(source) => {
+            unstarted(node, &key, nic.as_ref()).await;
+            Err(RefillError::Driver { what, source })
+        }
+    }
 }
 
 async fn cold_one(node: &Node, pool: &Pool) -> Result<Vm, RefillError> {
     let spec = spec_for(node, pool, vm_prefix(pool))?;
-    let vm = node.driver.boot(&spec).await.map_err(|source| RefillError::Driver { what: "cold boot", source })?;
+    let vm = boot_with_nic(node, pool, spec, "cold boot").await?;
     probe(node, vm, node.timing.cold_probe).await
 }
 
@@ -314,8 +489,7 @@ async fn build_golden(node: Arc<Node>, pool: Arc<Pool>, reservation: Reservation
 
 async fn golden_inner(node: &Node, pool: &Pool) -> Result<Snapshot, RefillError> {
     let spec = spec_for(node, pool, format!("sbx-gb-{}", pool.hash))?;
-    let vm =
-        node.driver.boot(&spec).await.map_err(|source| RefillError::Driver { what: "booting the golden", source })?;
+    let vm = boot_with_nic(node, pool, spec, "booting the golden").await?;
     let vm = probe(node, vm, node.timing.cold_probe).await?;
     let goldens = goldens_dir(node.journal.dir());
     let staging = goldens.join(format!("{}.staging-{:016x}", pool.hash, rand::random::<u64>()));

@@ -1,6 +1,7 @@
 //! One module per op family. Each op is `async fn(&mut Rpc, …) -> Result<(), OpError>`;
 //! [`dispatch`] routes a request to its op.
 
+pub mod entropy;
 pub mod exec;
 pub mod fs;
 pub mod port;
@@ -49,6 +50,7 @@ pub async fn dispatch(rpc: &mut Rpc, agent: &Arc<Agent>, req: Request) -> Result
         Request::PtyOpen { cols, rows, cwd, env, user } => pty::pty_open(rpc, agent, cols, rows, cwd, env, user).await,
         Request::PtyResize { pid, cols, rows } => pty::pty_resize(rpc, agent, pid, cols, rows).await,
         Request::PortForward { port } => port::port_forward(rpc, port).await,
+        Request::Reseed { data } => entropy::reseed(rpc, data.0).await,
         other @ (Request::GitClone { .. }
         | Request::GitAdd { .. }
         | Request::GitPush { .. }

@@ -341,7 +341,10 @@ fn pool_rules() {
     assert!(i.fix.contains("base"), "{i}");
     only_issue(check("[[sandboxd.pools]]\ntemplate = \"base\"\nsize = \"huge\"\n"), "sandboxd.pools[0].size");
     let i = only_issue(check("[[sandboxd.pools]]\ntemplate = \"base\"\nnet = \"egress\"\n"), "sandboxd.pools[0].net");
-    assert!(i.problem.contains("egress"), "{i}");
+    assert!(i.problem.contains("sandboxd.vm_uplink") && i.fix.contains("sandboxd.vm_uplink"), "{i}");
+    let s =
+        check("[sandboxd]\nvm_uplink = \"eno1\"\n[[sandboxd.pools]]\ntemplate = \"base\"\nnet = \"egress\"\n").unwrap();
+    assert_eq!(s.config.sandboxd.pools[0].net, "egress");
     only_issue(check("[[sandboxd.pools]]\ntemplate = \"base\"\nnet = \"wifi\"\n"), "sandboxd.pools[0].net");
     only_issue(
         check("[[sandboxd.pools]]\ntemplate = \"base\"\n[[sandboxd.pools]]\ntemplate = \"base\"\nsize = \"small\"\n"),
@@ -352,6 +355,58 @@ fn pool_rules() {
         check("[[sandboxd.pools]]\ntemplate = \"base\"\n[[sandboxd.pools]]\ntemplate = \"base\"\nsize = \"large\"\n")
             .unwrap();
     assert_eq!(s.config.sandboxd.pools[1].size, "large");
+}
+
+#[test]
+fn sandboxd_vm_network_keys() {
+    // None set: no network section.
+    assert_eq!(check("").unwrap().sandboxd_network, None);
+    // Set: the section, with sandboxd's bridge and range unless given.
+    let s = check("[sandboxd]\nvm_uplink = \"eno1\"\nvm_refuse = [\"203.0.113.0/24\", \"198.51.100.7\"]\n").unwrap();
+    let n = s.sandboxd_network.unwrap();
+    assert_eq!((n.bridge.as_str(), n.cidr.to_string()), (SANDBOXD_VM_BRIDGE, SANDBOXD_VM_CIDR.to_string()));
+    assert_eq!(n.uplink.as_deref(), Some("eno1"));
+    assert_eq!(n.refuse, ["203.0.113.0/24", "198.51.100.7"]);
+    let n = check("[sandboxd]\nvm_bridge = \"sbx0\"\nvm_cidr = \"10.90.0.0/16\"\n").unwrap().sandboxd_network.unwrap();
+    assert_eq!((n.bridge.as_str(), n.cidr.to_string(), n.uplink), ("sbx0", "10.90.0.0/16".to_string(), None));
+
+    for (key, bad, problem, fix) in [
+        ("vm_uplink", "\"a/b\"", "a/b", "interface"),
+        ("vm_uplink", "\"\"", "", "interface"),
+        ("vm_uplink", "\"sb-x\"", "sb-", "interface"),
+        ("vm_refuse", "[\"example.com\"]", "example.com", "a.b.c.d/len"),
+        ("vm_bridge", "\"a-bridge-name-too-long\"", "not an interface name", "chrysalis1"),
+        ("vm_cidr", "\"10.89.0.0\"", "not an IPv4 range", "10.89.0.0/24"),
+        ("vm_cidr", "\"10.89.0.5/24\"", "did you mean 10.89.0.0/24", "no host bits"),
+        ("vm_cidr", "\"10.89.0.0/31\"", "too small", "/30 or larger"),
+    ] {
+        let i = only_issue(check(&format!("[sandboxd]\n{key} = {bad}\n")), &format!("sandboxd.{key}"));
+        assert!(i.problem.contains(problem) && i.fix.contains(fix), "{key} = {bad}: {i}");
+    }
+
+    // Apart from vk-cocoon's chrysalis0 / 10.88.0.0/24 when it runs.
+    let f = Fixture::new();
+    let cluster = f.cluster("esp/chrysalis");
+    let with = |sandboxd: &str, rest: &str| {
+        f.write("esp/chrysalis/config.toml", &format!("{cluster}[sandboxd]\n{sandboxd}{rest}"));
+        load(&f.paths()).unwrap().validate(&env())
+    };
+    let i = only_issue(with("vm_bridge = \"chrysalis0\"\n", ""), "sandboxd.vm_bridge");
+    assert!(i.problem.contains("vk_cocoon.enabled") && i.fix.contains("vk_cocoon.enabled = false"), "{i}");
+    assert!(i.fix.contains("chrysalis1"), "{i}");
+    for cidr in ["10.88.0.0/24", "10.88.0.128/25", "10.0.0.0/8"] {
+        let i = only_issue(with(&format!("vm_cidr = \"{cidr}\"\n"), ""), "sandboxd.vm_cidr");
+        assert!(i.problem.contains("10.88.0.0/24") && i.problem.contains("vk_cocoon.enabled"), "{i}");
+        assert!(i.fix.contains("vk_cocoon.enabled = false"), "{i}");
+    }
+    let v = issues(with("vm_bridge = \"chrysalis0\"\nvm_cidr = \"10.88.0.0/16\"\n", ""));
+    let keys: Vec<&str> = v.iter().map(|i| i.key.as_str()).collect();
+    assert_eq!(keys, ["sandboxd.vm_bridge", "sandboxd.vm_cidr"]);
+    // The defaults and a neighbouring range are apart; without vk-cocoon anything goes.
+    let s = with("vm_uplink = \"eno1\"\n", "").unwrap();
+    assert!(s.vk_cocoon && s.sandboxd_network.is_some());
+    with("vm_cidr = \"10.88.1.0/24\"\n", "").unwrap();
+    with("vm_bridge = \"chrysalis0\"\nvm_cidr = \"10.88.0.0/24\"\n", "[vk_cocoon]\nenabled = false\n").unwrap();
 }
 
 #[test]
@@ -410,6 +465,24 @@ fn node_names_default_from_the_hostname_and_are_checked() {
     );
     let s = load(&f.paths()).unwrap().validate(&env()).unwrap();
     assert_eq!(s.config.vk_cocoon.shared_namespaces_env().as_deref(), Some("golden,team-a"));
+    for (key, bad, fix) in [
+        ("vm_host_allow", "[\"53\"]", "tcp/PORT"),
+        ("vm_host_allow", "[\"tcp/0\"]", "tcp/PORT"),
+        ("vm_uplink", "\"a/b\"", "interface"),
+        ("vm_refuse", "[\"example.com\"]", "a.b.c.d/len"),
+    ] {
+        f.write("esp/chrysalis/config.toml", &format!("{cluster}[vk_cocoon]\n{key} = {bad}\n"));
+        let i = only_issue(load(&f.paths()).unwrap().validate(&env()), &format!("vk_cocoon.{key}"));
+        assert!(i.fix.contains(fix), "{i}");
+    }
+    f.write(
+        "esp/chrysalis/config.toml",
+        &format!(
+            "{cluster}[vk_cocoon]\nvm_host_allow = [\"udp/53\"]\nvm_uplink = \"eno1\"\nvm_refuse = [\"203.0.113.0/24\"]\n"
+        ),
+    );
+    let s = load(&f.paths()).unwrap().validate(&env()).unwrap();
+    assert_eq!(s.config.vk_cocoon.vm_uplink.as_deref(), Some("eno1"));
     assert!(valid_namespace("team-a") && !valid_namespace("a.b") && !valid_namespace(&"a".repeat(64)));
     assert!(valid_node_name("edge-1.example") && !valid_node_name("Edge") && !valid_node_name("a..b"));
     assert!(!valid_node_name(&"a".repeat(64)));

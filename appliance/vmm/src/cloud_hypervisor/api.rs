@@ -5,13 +5,24 @@
 //! non-2xx answer becomes [`ApiError::Status`] carrying the HTTP status and the raw body.
 //! cloud-hypervisor answers errors with a JSON array of messages, outermost first
 //! (`["Error from API","The VM could not boot", …]`); [`ApiError::messages`] decodes it.
+//!
+//! Connections go through [`PeerConnector`]: with a [`PeerCheck`] every connection is made by
+//! [`crate::peer::connect`] (no symbolic link followed, the peer's credentials checked), and a
+//! socket not served by the VM's cloud-hypervisor fails the call with [`ApiError::Peer`].
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use cloud_hypervisor_client::apis::{DefaultApi, Error as ClientError};
+use cloud_hypervisor_client::apis::configuration::Configuration;
+use cloud_hypervisor_client::apis::{DefaultApi, DefaultApiClient, Error as ClientError};
 use cloud_hypervisor_client::models::{RestoreConfig, VmConfig, VmInfo, VmSnapshotConfig, VmmPingResponse};
-use cloud_hypervisor_client::{socket_based_api_client, SocketBasedApiClient};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+use crate::peer::{ConnectError, PeerCheck, PeerError};
 
 /// Errors of one REST call.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +46,16 @@ pub enum ApiError {
         #[source]
         source: ClientError,
     },
+    /// The API socket is not served by the VM's cloud-hypervisor (a link, or another
+    /// process's socket put in its place): nothing was sent.
+    #[error("{endpoint} refused: the API socket is not the VM's cloud-hypervisor's")]
+    Peer {
+        /// The endpoint.
+        endpoint: &'static str,
+        /// The socket, who should and who did answer.
+        #[source]
+        source: PeerError,
+    },
     /// No answer within the deadline.
     #[error("{endpoint} did not answer within {after:?}")]
     Timeout {
@@ -51,6 +72,7 @@ impl ApiError {
         match self {
             ApiError::Status { endpoint, .. }
             | ApiError::Transport { endpoint, .. }
+            | ApiError::Peer { endpoint, .. }
             | ApiError::Timeout { endpoint, .. } => endpoint,
         }
     }
@@ -101,10 +123,34 @@ pub mod endpoint {
     pub const SHUTDOWN_VMM: &str = "PUT /vmm.shutdown";
 }
 
+/// The hyper connector of an [`ApiClient`]: connects to its one socket with
+/// [`crate::peer::connect`] (whatever the request URI says), checking the peer if it has a
+/// [`PeerCheck`].
+#[derive(Debug, Clone)]
+pub struct PeerConnector {
+    socket: Arc<PathBuf>,
+    check: Option<Arc<PeerCheck>>,
+}
+
+impl tower_service::Service<hyper::Uri> for PeerConnector {
+    type Response = TokioIo<tokio::net::UnixStream>;
+    type Error = ConnectError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send + 'static>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: hyper::Uri) -> Self::Future {
+        let (socket, check) = (self.socket.clone(), self.check.clone());
+        Box::pin(async move { crate::peer::connect(&socket, check.as_deref()).await.map(TokioIo::new) })
+    }
+}
+
 /// A client for one API socket. Cheap to create; connections are made per call (hyper pool).
 pub struct ApiClient {
     socket: PathBuf,
-    inner: SocketBasedApiClient,
+    inner: DefaultApiClient<PeerConnector>,
     timeout: Duration,
 }
 
@@ -115,9 +161,15 @@ impl std::fmt::Debug for ApiClient {
 }
 
 impl ApiClient {
-    /// A client for the API socket at `socket`; each call fails after `timeout`.
-    pub fn new(socket: &Path, timeout: Duration) -> Self {
-        ApiClient { socket: socket.to_path_buf(), inner: socket_based_api_client(socket), timeout }
+    /// A client for the API socket at `socket`; each call fails after `timeout`. With `check`,
+    /// each connection refuses a symbolic link at `socket` and a peer other than
+    /// `check.expected` ([`ApiError::Peer`]); the driver always passes one.
+    pub fn new(socket: &Path, timeout: Duration, check: Option<PeerCheck>) -> Self {
+        let connector = PeerConnector { socket: Arc::new(socket.to_path_buf()), check: check.map(Arc::new) };
+        let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(connector);
+        // The connector ignores the URI's authority; the path prefix is the API's.
+        let config = Configuration { base_path: "http://localhost/api/v1".into(), user_agent: None, client };
+        ApiClient { socket: socket.to_path_buf(), inner: DefaultApiClient::new(Arc::new(config)), timeout }
     }
 
     /// The API socket path.
@@ -135,6 +187,10 @@ impl ApiClient {
             Err(_) => Err(ApiError::Timeout { endpoint, after: self.timeout }),
             Ok(Ok(v)) => Ok(v),
             Ok(Err(ClientError::Api(e))) => Err(ApiError::Status { endpoint, status: e.code.as_u16(), body: e.body }),
+            Ok(Err(ClientError::HyperClient(e))) => match crate::peer::find_in(&e) {
+                Some(source) => Err(ApiError::Peer { endpoint, source }),
+                None => Err(ApiError::Transport { endpoint, source: ClientError::HyperClient(e) }),
+            },
             Ok(Err(source)) => Err(ApiError::Transport { endpoint, source }),
         }
     }

@@ -8,8 +8,8 @@
 use std::path::{Path, PathBuf};
 
 use cloud_hypervisor_client::models::{
-    ConsoleConfig, ConsoleMode, CpusConfig, DiskConfig, ImageType, MemoryConfig, PayloadConfig, SerialConfig, VmConfig,
-    VsockConfig,
+    ConsoleConfig, ConsoleMode, CpusConfig, DiskConfig, ImageType, MemoryConfig, PayloadConfig, RngConfig,
+    SerialConfig, VmConfig, VsockConfig,
 };
 use serde_json::Value;
 
@@ -55,7 +55,12 @@ pub struct VmPlan {
     pub vsock_cid: u32,
     /// Hybrid-vsock Unix socket cloud-hypervisor listens on.
     pub vsock_socket: PathBuf,
+    /// A `virtio-rng` device fed from the host's `/dev/urandom`.
+    pub rng: bool,
 }
+
+/// The host source of a VM's `virtio-rng` device.
+pub const RNG_SOURCE: &str = "/dev/urandom";
 
 fn path_str(p: &Path) -> String {
     p.display().to_string()
@@ -104,6 +109,7 @@ impl VmPlan {
             }),
             console: Some(ConsoleConfig::new(ConsoleMode::Off)),
             vsock: Some(VsockConfig::new(i64::from(self.vsock_cid), path_str(&self.vsock_socket))),
+            rng: self.rng.then(|| RngConfig::new(RNG_SOURCE.into())),
             ..VmConfig::new(payload)
         }
     }

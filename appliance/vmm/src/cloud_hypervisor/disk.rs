@@ -42,10 +42,39 @@ pub enum CloneKind {
 pub fn clone_file(from: &Path, to: &Path) -> Result<CloneKind, DiskError> {
     let err = |source: std::io::Error| DiskError::Copy { from: from.to_path_buf(), to: to.to_path_buf(), source };
     let src = File::open(from).map_err(err)?;
+    clone_open(&src, from, to)
+}
+
+/// [`clone_file`] from a file in a directory the VM user can write (a running VM's overlay):
+/// `from` is opened with `O_NOFOLLOW` and must be a regular file with one link owned by one
+/// of `owners`, so a compromised hypervisor cannot make the driver copy a file of root's
+/// (by a symbolic or hard link) into a place the VM user can read.
+pub fn clone_file_nofollow(from: &Path, to: &Path, owners: &[u32]) -> Result<CloneKind, DiskError> {
+    use std::os::unix::fs::MetadataExt;
+    let err = |source: std::io::Error| DiskError::Copy { from: from.to_path_buf(), to: to.to_path_buf(), source };
+    let src =
+        OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(from).map_err(err)?;
+    let m = src.metadata().map_err(err)?;
+    if !m.is_file() || m.nlink() != 1 || !owners.contains(&m.uid()) {
+        return Err(err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "not a regular file with one link owned by uid {owners:?} (uid {}, {} links, mode {:o})",
+                m.uid(),
+                m.nlink(),
+                m.mode()
+            ),
+        )));
+    }
+    clone_open(&src, from, to)
+}
+
+fn clone_open(src: &File, from: &Path, to: &Path) -> Result<CloneKind, DiskError> {
+    let err = |source: std::io::Error| DiskError::Copy { from: from.to_path_buf(), to: to.to_path_buf(), source };
     let dst = OpenOptions::new().write(true).create_new(true).mode(0o600).open(to).map_err(err)?;
-    let result = match rustix::fs::ioctl_ficlone(&dst, &src) {
+    let result = match rustix::fs::ioctl_ficlone(&dst, src) {
         Ok(()) => Ok(CloneKind::Reflink),
-        Err(_) => sparse_copy(&src, &dst).map(|()| CloneKind::SparseCopy),
+        Err(_) => sparse_copy(src, &dst).map(|()| CloneKind::SparseCopy),
     };
     match result {
         Ok(kind) => Ok(kind),
@@ -133,5 +162,28 @@ mod tests {
         let e = clone_file(&missing, &dir.path().join("o2.raw")).expect_err("missing source");
         assert!(e.to_string().contains("missing.raw"), "{e}");
         assert!(!dir.path().join("o2.raw").exists());
+    }
+
+    #[test]
+    fn nofollow_copies_only_single_link_files_of_the_given_owners() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let me = rustix::process::geteuid().as_raw();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, b"root's").expect("write");
+        let overlay = dir.path().join("overlay.raw");
+        std::fs::write(&overlay, b"guest disk").expect("write");
+        clone_file_nofollow(&overlay, &dir.path().join("a.raw"), &[me]).expect("a plain file");
+        assert_eq!(std::fs::read(dir.path().join("a.raw")).expect("read"), b"guest disk");
+
+        let link = dir.path().join("link.raw");
+        std::os::unix::fs::symlink(&secret, &link).expect("symlink");
+        assert!(clone_file_nofollow(&link, &dir.path().join("b.raw"), &[me]).is_err(), "a symbolic link");
+        let hard = dir.path().join("hard.raw");
+        std::fs::hard_link(&secret, &hard).expect("hard link");
+        assert!(clone_file_nofollow(&hard, &dir.path().join("c.raw"), &[me]).is_err(), "a hard link");
+        assert!(clone_file_nofollow(&overlay, &dir.path().join("d.raw"), &[me + 1]).is_err(), "another owner");
+        for f in ["b.raw", "c.raw", "d.raw"] {
+            assert!(!dir.path().join(f).exists(), "{f} was written");
+        }
     }
 }

@@ -12,22 +12,100 @@
 //!   see the README there);
 //! - the driver itself runs against a fake API server (`fake_api.rs`, test-only) on a Unix
 //!   socket that records every request and answers with recorded response shapes, and against a
-//!   fake `cloud-hypervisor` shell script that links its `--api-socket` to that server — so
-//!   process spawning, readiness, error mapping, teardown and re-attach are exercised for real;
+//!   fake `cloud-hypervisor` shell script that serves its `--api-socket` (and `console.sock`,
+//!   `vsock.sock`) itself by relaying to that server and to the test — so process spawning,
+//!   readiness, the peer check, error mapping, teardown and re-attach are exercised for real;
 //! - a missing binary is tested to give the typed [`ProcessError::BinaryNotFound`].
+//!
+//! # Jail
+//!
+//! Whenever the jail resolves ([`JailSettings::resolve`]: root, the VM user exists,
+//! `CHRYSALIS_JAIL` not `0`), cloud-hypervisor runs as the VM user (`chrysalis-vm`, no
+//! supplementary groups) with no capabilities, `PR_SET_NO_NEW_PRIVS`, its own seccomp filters
+//! (`--seccomp true`, never `false`), a session of its own, the VM's cgroup leaf with the
+//! limits of its size class, and the NIC's network namespace — the same [`SpawnPlan`] as
+//! QEMU's. Unlike QEMU it still opens its files **by path** (no descriptor passing yet), so
+//! what it opens is laid out for that user:
+//!
+//! | path | owner | mode | who writes it |
+//! |------|-------|------|---------------|
+//! | `<vmdir>/` | root, group VM | 0710 | the driver; the VM user may only pass through |
+//! | `<vmdir>/vm.json`, `console.log`(`.1`), `vmm.log`(`.1`) | root | 0600 (`vm.json` 0644) | the driver only |
+//! | `<vmdir>/jail/` | VM user | 0700 | cloud-hypervisor: `api.sock`, `vsock.sock`, `console.sock` |
+//! | `<vmdir>/jail/overlay.raw` | VM user | 0600 | the guest (read-write disk) |
+//! | `<vmdir>/restore/` (a clone) | root, group VM | 0750; `config.json` 0640 | the driver; links into the snapshot |
+//! | `<snapshot>/` taken by [`Driver::snapshot`] | root, group VM | 0750; CH's files 0640, `overlay.raw` and `snapshot.json` root's | see below |
+//!
+//! - **Root's files stay in root's directory.** The VM user can replace anything in a
+//!   directory it owns, so nothing the driver later reads or writes (`vm.json`, whose pid the
+//!   driver signals; the logs) lives in `jail/`. The driver writes into `jail/` only before
+//!   handing it over (the overlay copy, then `chown` of the file, then of the directory, each
+//!   through an `O_NOFOLLOW` descriptor), and reads from it once: the snapshot's copy of the
+//!   overlay, opened `O_NOFOLLOW` and refused unless a regular file with one link owned by the
+//!   VM user ([`disk::clone_file_nofollow`]) — no link can make root copy its own files out.
+//!   Teardown is `remove_dir_all`, which does not follow links.
+//! - **Snapshots.** cloud-hypervisor writes `config.json`, `state.json` and `memory-ranges` as
+//!   the VM user, so the destination directory is handed to the VM user (0700) just for
+//!   `vm.snapshot` and taken back whatever happened ([`Jail::take_back_dir`]): the directory
+//!   becomes root's (group VM, 0750) first, then each regular single-link file of the VM
+//!   user's becomes root's, group VM, 0640 — readable by the VM user for clones, writable by
+//!   nobody but root. A symbolic link, a hard link, a directory or a foreign file there fails
+//!   the snapshot ([`crate::jail::JailError::Unexpected`]) untouched. Only then does the
+//!   driver write `overlay.raw` and `snapshot.json` there.
+//! - **Read-only inputs** (kernel, initrd, rootfs, the snapshot files a clone links to) are
+//!   not copied or changed: the VM user must be able to read them, which is checked (mode
+//!   bits of the file and every directory above it; ACLs not consulted) before anything is
+//!   spawned, failing with [`crate::jail::JailError::Unreachable`] naming the path and the
+//!   directory in the way. The state directory's ancestors must be searchable by the VM user
+//!   too. `/dev/kvm` and `/dev/net/tun` must be usable by it (the usual udev mode 0666).
+//! - **The TAP** of a [`BootSpec::nic`]: before the spawn the driver (root) attaches to the
+//!   persistent TAP in its netns and sets its owner and group to the VM user's
+//!   ([`crate::jail::set_owner`]), so the unprivileged process, started inside the NIC's
+//!   netns, may attach to it by name. (The `vm.create` body carries no `net` device yet: the
+//!   TAP and netns are prepared, the NIC itself is still to be wired; a clone never takes
+//!   its parent's NIC.)
+//! - **Its own output** goes through a pipe into the capped `vmm.log`
+//!   ([`crate::jail::output`], 64 KiB), never a file it holds.
+//! - **Its sockets are checked, not trusted.** The driver connects as root to `api.sock`,
+//!   `console.sock` and `vsock.sock` in `jail/`, which the VM user may replace — by a link to,
+//!   or a hard link or rename of, another process's socket (another service's API, another
+//!   VM's console). Every connection to them goes through [`crate::peer::connect`]: the path
+//!   is opened `O_PATH | O_NOFOLLOW` and a symbolic link refused, the connection made through
+//!   that descriptor, and then the peer's `SO_PEERCRED` must be the VM's recorded
+//!   cloud-hypervisor pid (the VM user's uid where no pid is recorded yet, jail on). A Unix
+//!   socket cannot be opened `O_NOFOLLOW`, so this check after connecting is the guarantee.
+//!   A mismatch is [`DriverError::Peer`] (naming the socket, the expected and the found pid
+//!   and uid; through [`api::ApiError::Peer`], [`crate::agent::DialError::Peer`] or
+//!   [`ProcessError::ApiPeer`], which fails a start at once), logged with the VM's id, and
+//!   nothing is sent; the console drain drops such a connection and dials again only after
+//!   [`crate::console::REFUSED_REDIAL`]. (QEMU's sockets are bound by the driver in root's
+//!   directories and passed as descriptors: nobody else can replace them, and their peer is
+//!   the driver, so QEMU dials unchecked.)
+//!
+//! What remains open: every VM shares the one VM user, so a compromised cloud-hypervisor can
+//! reach other VMs' `jail/` directories (their sockets too: the peer check keeps the *driver*
+//! from talking to the wrong process, not one VM's process from connecting to another's
+//! sockets) and every snapshot readable by the VM group. Passing the sockets to
+//! cloud-hypervisor as descriptors would take them out of `jail/` altogether. There is no
+//! cloud-hypervisor binary here: the jail is tested with a fake `cloud-hypervisor` script
+//! that runs in it and serves its sockets itself (a Perl relay it `exec`s, so the pid that
+//! listens is the one spawned: `fake_api.rs`).
 //!
 //! # Lifecycle
 //!
-//! - **boot**: copy the template's overlay base into `<vmdir>/overlay.raw` ([`disk`]); spawn
-//!   `cloud-hypervisor --api-socket <vmdir>/api.sock` ([`process`]); wait for `vmm.ping`; write
+//! - **boot**: copy the template's overlay base into `<vmdir>/jail/overlay.raw` ([`disk`]);
+//!   hand `jail/` to the VM user; spawn `cloud-hypervisor --api-socket <vmdir>/jail/api.sock`
+//!   ([`process`]); wait for `vmm.ping`; write
 //!   `vm.json`; `PUT /vm.create` (kernel, initramfs, cmdline, vCPUs and memory from the size
 //!   class, shared memory, rootfs read-only + overlay disks, serial to the socket
-//!   `<vmdir>/console.sock` (the driver dials it and drains it into the capped
+//!   `<vmdir>/jail/console.sock` (the driver dials it and drains it into the capped
 //!   `<vmdir>/console.log`, [`crate::console`]; again on attach), console off, vsock
-//!   `{cid, socket: <vmdir>/vsock.sock}`); `PUT /vm.boot`.
-//! - **agent**: [`crate::agent::dial`] on `<vmdir>/vsock.sock` (`CONNECT 2048\n` → `OK …`).
-//! - **snapshot**: `GET /vm.info`; `PUT /vm.pause` unless already paused; `PUT /vm.snapshot
-//!   {destination_url: "file://<dir>"}`; copy the overlay into `<dir>/overlay.raw`; write
+//!   `{cid, socket: <vmdir>/jail/vsock.sock}`); `PUT /vm.boot`.
+//! - **agent**: [`crate::agent::dial_checked`] on `<vmdir>/jail/vsock.sock` (`CONNECT 2048\n` →
+//!   `OK …`), its peer checked (see "Jail").
+//! - **snapshot**: `GET /vm.info`; `PUT /vm.pause` unless already paused; hand `<dir>` to the
+//!   VM user; `PUT /vm.snapshot {destination_url: "file://<dir>"}`; take `<dir>` back; copy the
+//!   overlay into `<dir>/overlay.raw`; write
 //!   `<dir>/snapshot.json`; `PUT /vm.resume` if asked.
 //! - **restore / clone**: copy the snapshot's overlay; build `<vmdir>/restore/` — the snapshot's
 //!   `config.json` rewritten to the clone's own vsock socket, serial log and overlay, the other
@@ -40,7 +118,8 @@
 //!   pid right after `fork`, and turns `running` once boot/restore finished ([`crate::lifecycle`]).
 //! - **list / attach / prune**: `vm.json` records under `<state_dir>/vms/`, liveness by pid +
 //!   start time (a `creating` one is listed while anything may run for it, and can be killed);
-//!   attach also pings the API and checks the answering pid; prune removes dead records.
+//!   attach also pings the API (its peer checked against the recorded pid, and the pid
+//!   `vmm.ping` reports too); prune removes dead records.
 //!
 //! # Errors
 //!
@@ -48,7 +127,8 @@
 //! body — a JSON array of messages); the driver surfaces it as [`DriverError::Control`] whose
 //! message is `"<METHOD> /<endpoint> answered HTTP <status>: <body>"` ([`api_error`]). An API
 //! deadline becomes [`DriverError::Timeout`]; a VMM that exits while starting becomes
-//! [`DriverError::Exited`] with the end of `<vmdir>/vmm.log`.
+//! [`DriverError::Exited`] with the end of `<vmdir>/vmm.log`; a socket not served by the VM's
+//! cloud-hypervisor becomes [`DriverError::Peer`].
 
 pub mod api;
 pub mod config;
@@ -62,6 +142,7 @@ mod tests;
 
 use std::collections::HashMap;
 use std::ffi::OsString;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -72,26 +153,32 @@ use tracing::Instrument;
 
 use crate::accel::{Accel, AccelPreference, KvmFacts};
 use crate::console::ConsoleDrain;
-use crate::driver::{AfterSnapshot, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId, VmState};
+use crate::driver::{AfterSnapshot, AgentStream, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId, VmState};
+use crate::jail::{Jail, JailError, JailSettings, SpawnPlan};
 use crate::lifecycle::{self, VmRecord};
+use crate::peer::{Peer, PeerCheck};
 use crate::record::{self, RecordError, VM_JSON};
 use api::{ApiClient, ApiError};
 use config::{CloneRewrite, VmPlan};
 pub use process::ProcessError;
 use process::VmmProcess;
 
-/// `<vmdir>/api.sock`: cloud-hypervisor's REST API.
+/// `<vmdir>/jail/api.sock`: cloud-hypervisor's REST API.
 pub const API_SOCKET: &str = "api.sock";
-/// `<vmdir>/vsock.sock`: the hybrid-vsock socket.
+/// `<vmdir>/jail/vsock.sock`: the hybrid-vsock socket.
 pub const VSOCK_SOCKET: &str = "vsock.sock";
 /// `<vmdir>/console.log`: the guest's serial console, capped ([`crate::console`]).
 pub const CONSOLE_LOG: &str = "console.log";
-/// `<vmdir>/console.sock`: the serial port's socket (cloud-hypervisor listens, the driver drains).
+/// `<vmdir>/jail/console.sock`: the serial port's socket (cloud-hypervisor listens, the driver
+/// drains).
 pub const CONSOLE_SOCKET: &str = crate::console::CONSOLE_SOCKET;
-/// `<vmdir>/vmm.log`: cloud-hypervisor's own stdout/stderr.
+/// `<vmdir>/vmm.log`: cloud-hypervisor's own stdout/stderr, capped ([`process::LOG_CAP`]).
 pub const VMM_LOG: &str = "vmm.log";
-/// `<vmdir>/overlay.raw` (and `<snapshot>/overlay.raw`): the writable overlay disk.
+/// `<vmdir>/jail/overlay.raw` (and `<snapshot>/overlay.raw`): the writable overlay disk.
 pub const OVERLAY: &str = "overlay.raw";
+/// `<vmdir>/jail/`: the VM user's directory (0700): cloud-hypervisor's sockets and the
+/// overlay, everything of the VM it opens or creates by path and may write.
+pub const JAIL_DIR: &str = "jail";
 /// `<vmdir>/restore/`: the clone's view of the snapshot it restores.
 pub const RESTORE_DIR: &str = "restore";
 /// The snapshot file cloud-hypervisor writes with the VM configuration.
@@ -118,6 +205,10 @@ pub struct CloudHypervisorConfig {
     pub shared_memory: bool,
     /// Bytes of serial console each VM keeps on disk ([`crate::console::DEFAULT_CONSOLE_CAP`]).
     pub console_cap: u64,
+    /// The jail settings ([`crate::jail`]): cloud-hypervisor runs as the VM user with no
+    /// capabilities, no new privileges, in its own session, cgroup leaf and the NIC's netns
+    /// (see the module docs' "Jail").
+    pub jail: JailSettings,
 }
 
 impl CloudHypervisorConfig {
@@ -132,6 +223,7 @@ impl CloudHypervisorConfig {
             start_timeout: Duration::from_secs(10),
             shared_memory: true,
             console_cap: crate::console::DEFAULT_CONSOLE_CAP,
+            jail: JailSettings::from_env(),
         }
     }
 }
@@ -169,6 +261,7 @@ pub fn api_error(vm: &VmId, e: ApiError) -> DriverError {
         }
         e @ ApiError::Status { .. } => DriverError::Control { vm: vm.clone(), message: e.to_string() },
         e @ ApiError::Transport { .. } => DriverError::Control { vm: vm.clone(), message: crate::error_chain(&e) },
+        ApiError::Peer { source, .. } => DriverError::Peer { vm: vm.clone(), source },
     }
 }
 
@@ -190,6 +283,7 @@ pub fn process_error(vm: &VmId, e: ProcessError) -> DriverError {
             },
             after,
         },
+        ProcessError::ApiPeer { source, .. } => DriverError::Peer { vm: vm.clone(), source },
         ProcessError::Stop { pid, source } => DriverError::io(format!("stopping cloud-hypervisor pid {pid}"), source),
         ProcessError::Unkillable { after, .. } => {
             DriverError::Timeout { vm: vm.clone(), what: "cloud-hypervisor to die after SIGKILL".into(), after }
@@ -234,12 +328,22 @@ impl CloudHypervisor {
         self.vms_dir().join(id.as_str())
     }
 
+    /// Who must answer `vm`'s sockets: its recorded cloud-hypervisor pid; before that is
+    /// known, the jail's VM user (if the jail is on). See [`crate::peer`].
+    fn peer_check(&self, vm: &Vm) -> Option<PeerCheck> {
+        let expected = match vm.pid {
+            0 => Peer::Uid(self.cfg.jail.resolve().ok().flatten()?.uid),
+            pid => Peer::Pid(pid),
+        };
+        Some(PeerCheck { vm: vm.id.clone(), expected })
+    }
+
     fn api(&self, vm: &Vm) -> ApiClient {
-        ApiClient::new(&vm.control_socket, self.cfg.api_timeout)
+        ApiClient::new(&vm.control_socket, self.cfg.api_timeout, self.peer_check(vm))
     }
 
     fn slow_api(&self, vm: &Vm) -> ApiClient {
-        ApiClient::new(&vm.control_socket, self.cfg.snapshot_timeout)
+        ApiClient::new(&vm.control_socket, self.cfg.snapshot_timeout, self.peer_check(vm))
     }
 
     fn procs(&self) -> std::sync::MutexGuard<'_, HashMap<VmId, VmmProcess>> {
@@ -259,9 +363,10 @@ impl CloudHypervisor {
             return Ok(());
         }
         let sock = vm.control_socket.with_file_name(CONSOLE_SOCKET);
-        let drain = ConsoleDrain::dial(&sock, &vm.console_log, self.cfg.console_cap).map_err(|e| {
-            DriverError::io(format!("vm {}: opening the console log {}", vm.id, vm.console_log.display()), e)
-        })?;
+        let drain =
+            ConsoleDrain::dial(&sock, &vm.console_log, self.cfg.console_cap, self.peer_check(vm)).map_err(|e| {
+                DriverError::io(format!("vm {}: opening the console log {}", vm.id, vm.console_log.display()), e)
+            })?;
         consoles.insert(vm.id.clone(), drain);
         Ok(())
     }
@@ -288,7 +393,7 @@ impl CloudHypervisor {
     }
 
     fn skeleton(&self, id: &VmId, dir: &Path, spec: &BootSpec) -> Result<Vm, DriverError> {
-        let socks = crate::sockdir::socket_dir(dir)?;
+        let socks = crate::sockdir::socket_dir(&dir.join(JAIL_DIR))?;
         Ok(Vm {
             id: id.clone(),
             backend: Backend::CloudHypervisor,
@@ -306,16 +411,47 @@ impl CloudHypervisor {
         })
     }
 
-    /// Spawns the process for `rec`, records its pid in `vm.json` at once, and waits for its
-    /// API. On error the process (if any) is already killed; the caller removes the directory.
-    async fn start_process(&self, rec: &mut VmRecord) -> Result<VmmProcess, DriverError> {
+    /// Spawns the process for `rec` (in `jail`, if any), records its pid in `vm.json` at
+    /// once, and waits for its API. On error the process (if any) is already killed; the caller
+    /// removes the directory.
+    async fn start_process(&self, rec: &mut VmRecord, jail: Option<&Jail>) -> Result<VmmProcess, DriverError> {
         let log = rec.vm.dir.join(VMM_LOG);
-        let mut proc =
-            VmmProcess::spawn(&self.binary, &rec.vm.control_socket, &log).map_err(|e| process_error(&rec.vm.id, e))?;
+        let leaf = match jail {
+            Some(jail) => Some(jail.leaf(rec.vm.id.as_str(), rec.vm.spec.size, Accel::Kvm)?),
+            None => None,
+        };
+        let netns = match Self::prepare_nic(&rec.vm, jail) {
+            Ok(n) => n,
+            Err(e) => {
+                if let Some(leaf) = leaf {
+                    leaf.remove();
+                }
+                return Err(e);
+            }
+        };
+        // The VM user (no capabilities, no new privileges), its session, cgroup leaf and netns.
+        let mut plan = SpawnPlan::new(jail, leaf.as_ref());
+        plan.netns = netns.as_ref().map(|f| f.as_raw_fd());
+        let spawned = VmmProcess::spawn(&self.binary, &rec.vm.control_socket, &log, plan);
+        drop(netns);
+        let mut proc = match spawned {
+            Ok(p) => p,
+            Err(e) => {
+                if let Some(leaf) = leaf {
+                    leaf.remove();
+                }
+                return Err(process_error(&rec.vm.id, e));
+            }
+        };
         let recorded = rec.spawned(proc.pid(), proc.start_time()).and_then(|()| rec.store());
         let result = match recorded {
             Ok(()) => {
-                let api = ApiClient::new(&rec.vm.control_socket, self.cfg.api_timeout.min(Duration::from_secs(1)));
+                // The pid is recorded: only the process just spawned may answer.
+                let api = ApiClient::new(
+                    &rec.vm.control_socket,
+                    self.cfg.api_timeout.min(Duration::from_secs(1)),
+                    self.peer_check(&rec.vm),
+                );
                 match proc.wait_api(&api, &log, self.cfg.start_timeout).await {
                     Ok(ping) => {
                         tracing::debug!(vm = %rec.vm.id, pid = rec.vm.pid, version = %ping.version, "cloud-hypervisor API up");
@@ -335,6 +471,60 @@ impl CloudHypervisor {
         }
     }
 
+    /// For a VM with a NIC: hands its persistent TAP to the VM user (cloud-hypervisor attaches
+    /// to it by name, [`crate::jail::set_owner`]) and opens the NIC's network namespace for the
+    /// process to join, as QEMU's is.
+    fn prepare_nic(vm: &Vm, jail: Option<&Jail>) -> Result<Option<std::fs::File>, DriverError> {
+        let Some(nic) = &vm.spec.nic else { return Ok(None) };
+        nic.validate()?;
+        let netns = nic.netns_path();
+        if let Some(j) = jail {
+            crate::jail::set_owner(&nic.tap, netns.as_deref(), j.uid, j.gid).map_err(JailError::from)?;
+        }
+        match netns {
+            Some(path) => std::fs::File::open(&path)
+                .map(Some)
+                .map_err(|e| DriverError::io(format!("opening network namespace {}", path.display()), e)),
+            None => Ok(None),
+        }
+    }
+
+    /// Makes the VM's directories below `<vmdir>` (created by [`lifecycle::create_vm_dir`]) as
+    /// the module docs' "Jail" lays them out: `<vmdir>/jail/` with the overlay copied from
+    /// `overlay_src`, both handed to the VM user only once the driver has written everything it
+    /// writes there, and `<vmdir>` itself root's, group the VM group, 0710. Then checks that
+    /// the VM user reaches its directory and the template's kernel, initrd and rootfs. Returns
+    /// the overlay's path.
+    fn prepare_dirs(vm: &Vm, jail: Option<&Jail>, overlay_src: Option<&Path>) -> Result<Option<PathBuf>, DriverError> {
+        use std::os::unix::fs::DirBuilderExt;
+        let jdir = vm.dir.join(JAIL_DIR);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&jdir)
+            .map_err(|e| DriverError::io(format!("creating {}", jdir.display()), e))?;
+        let overlay = match overlay_src {
+            Some(src) => {
+                let to = jdir.join(OVERLAY);
+                disk::clone_file(src, &to).map_err(disk_error)?;
+                Some(to)
+            }
+            None => None,
+        };
+        if let Some(j) = jail {
+            if let Some(o) = &overlay {
+                j.hand_over(o, 0o600)?;
+            }
+            j.hand_over(&jdir, 0o700)?;
+            j.take_back(&vm.dir, 0o710)?;
+            j.check_reach(&jdir, true)?;
+            let inputs = [Some(&vm.spec.kernel), Some(&vm.spec.initrd), vm.spec.rootfs.as_ref()];
+            for input in inputs.into_iter().flatten() {
+                j.check_reach(input, false)?;
+            }
+        }
+        Ok(overlay)
+    }
+
     /// Kills a process after a failed start, logging (not returning) a failure to kill.
     async fn discard(id: &VmId, proc: &mut VmmProcess) {
         if let Err(e) = proc.kill().await {
@@ -342,7 +532,13 @@ impl CloudHypervisor {
         }
     }
 
-    fn remove_dir(dir: &Path) -> Result<(), DriverError> {
+    /// Removes a VM's directory and its cgroup leaf (a leaf that will not go is logged and
+    /// counted, [`crate::jail::cgroup::cleanup_failures`]).
+    fn remove_dir(&self, dir: &Path) -> Result<(), DriverError> {
+        if let (Ok(Some(jail)), Some(id)) = (self.cfg.jail.resolve(), dir.file_name().and_then(|n| n.to_str())) {
+            jail.cgroups.leaf_of(id).remove();
+        }
+        crate::sockdir::release(&dir.join(JAIL_DIR));
         crate::sockdir::release(dir);
         match std::fs::remove_dir_all(dir) {
             Ok(()) => Ok(()),
@@ -374,7 +570,7 @@ impl CloudHypervisor {
             Err(e) => {
                 self.consoles().remove(&rec.vm.id);
                 Self::discard(&rec.vm.id, &mut proc).await;
-                if let Err(rm) = Self::remove_dir(&rec.vm.dir) {
+                if let Err(rm) = self.remove_dir(&rec.vm.dir) {
                     tracing::warn!(vm = %rec.vm.id, error = %crate::error_chain(&rm), "leaving directory of failed vm");
                 }
                 Err(e)
@@ -382,8 +578,15 @@ impl CloudHypervisor {
         }
     }
 
-    /// Builds `<vmdir>/restore/` for a clone of `snapshot`.
-    fn prepare_restore_dir(snapshot: &Snapshot, vm: &Vm, overlay: Option<PathBuf>) -> Result<PathBuf, DriverError> {
+    /// Builds `<vmdir>/restore/` for a clone of `snapshot`; in a jail it is root's, group the
+    /// VM group (0750, its `config.json` 0640), and every snapshot file it links to must be
+    /// readable by the VM user.
+    fn prepare_restore_dir(
+        snapshot: &Snapshot,
+        vm: &Vm,
+        overlay: Option<PathBuf>,
+        jail: Option<&Jail>,
+    ) -> Result<PathBuf, DriverError> {
         let rdir = vm.dir.join(RESTORE_DIR);
         std::fs::create_dir(&rdir).map_err(|e| DriverError::io(format!("creating {}", rdir.display()), e))?;
         let src_cfg = snapshot.dir.join(SNAPSHOT_CONFIG);
@@ -409,24 +612,31 @@ impl CloudHypervisor {
             let link = rdir.join(&name);
             std::os::unix::fs::symlink(entry.path(), &link)
                 .map_err(|e| DriverError::io(format!("linking {}", link.display()), e))?;
+            if let Some(j) = jail {
+                j.check_reach(&entry.path(), false)?;
+            }
+        }
+        if let Some(j) = jail {
+            j.take_back(&rdir.join(SNAPSHOT_CONFIG), 0o640)?;
+            j.take_back(&rdir, 0o750)?;
         }
         Ok(rdir)
     }
 
     async fn boot_as(&self, spec: &BootSpec, id: VmId) -> Result<Vm, DriverError> {
+        if let Some(nic) = &spec.nic {
+            nic.validate()?;
+        }
+        let jail = self.cfg.jail.resolve()?;
         let mut rec = VmRecord::creating(self.skeleton(&id, &self.vm_dir(&id), spec)?);
         lifecycle::create_vm_dir(&rec)?;
         let dir = rec.vm.dir.clone();
-        let overlay = match &spec.overlay_base {
-            Some(base) => {
-                let to = dir.join(OVERLAY);
-                if let Err(e) = disk::clone_file(base, &to) {
-                    let _ = Self::remove_dir(&dir);
-                    return Err(disk_error(e));
-                }
-                Some(to)
+        let overlay = match Self::prepare_dirs(&rec.vm, jail.as_ref(), spec.overlay_base.as_deref()) {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = self.remove_dir(&dir);
+                return Err(e);
             }
-            None => None,
         };
         let plan = VmPlan {
             kernel: spec.kernel.clone(),
@@ -440,11 +650,12 @@ impl CloudHypervisor {
             serial_socket: rec.vm.control_socket.with_file_name(CONSOLE_SOCKET),
             vsock_cid: vsock_cid(&id),
             vsock_socket: rec.vm.vsock_socket.clone(),
+            rng: spec.rng,
         };
-        let proc = match self.start_process(&mut rec).await {
+        let proc = match self.start_process(&mut rec, jail.as_ref()).await {
             Ok(p) => p,
             Err(e) => {
-                let _ = Self::remove_dir(&dir);
+                let _ = self.remove_dir(&dir);
                 return Err(e);
             }
         };
@@ -462,6 +673,7 @@ impl CloudHypervisor {
         self.check_owned(vm)?;
         let dir = std::path::absolute(dir).map_err(|e| DriverError::io(format!("resolving {}", dir.display()), e))?;
         std::fs::create_dir_all(&dir).map_err(|e| DriverError::io(format!("creating {}", dir.display()), e))?;
+        let jail = self.cfg.jail.resolve()?;
         let api = self.api(vm);
         let state = api.info().await.map_err(|e| api_error(&vm.id, e))?.state;
         let was_paused = state == ChVmState::Paused;
@@ -469,10 +681,32 @@ impl CloudHypervisor {
             api.pause().await.map_err(|e| api_error(&vm.id, e))?;
         }
         let saved = async {
-            self.slow_api(vm).snapshot(&dir).await.map_err(|e| api_error(&vm.id, e))?;
+            // cloud-hypervisor writes the snapshot as the VM user: the directory is its own for
+            // the duration of `vm.snapshot` only, and taken back (whatever happened) before the
+            // driver writes there or anyone reads it.
+            let written = async {
+                if let Some(j) = &jail {
+                    j.hand_over(&dir, 0o700)?;
+                    j.check_reach(&dir, true)?;
+                }
+                self.slow_api(vm).snapshot(&dir).await.map_err(|e| api_error(&vm.id, e))
+            }
+            .await;
+            let taken_back = match &jail {
+                Some(j) => j.take_back_dir(&dir).map_err(DriverError::from),
+                None => Ok(()),
+            };
+            written?;
+            taken_back?;
             let overlay = if vm.spec.overlay_base.is_some() {
                 let to = dir.join(OVERLAY);
-                disk::clone_file(&vm.dir.join(OVERLAY), &to).map_err(disk_error)?;
+                // The running VM's overlay sits in the VM user's directory (older VMs: in
+                // `<vmdir>`): never follow a link there.
+                let jailed = vm.dir.join(JAIL_DIR).join(OVERLAY);
+                let from = if jailed.symlink_metadata().is_ok() { jailed } else { vm.dir.join(OVERLAY) };
+                let mut owners = vec![rustix::process::geteuid().as_raw()];
+                owners.extend(jail.as_ref().map(|j| j.uid));
+                disk::clone_file_nofollow(&from, &to, &owners).map_err(disk_error)?;
                 Some(to)
             } else {
                 None
@@ -515,34 +749,29 @@ impl CloudHypervisor {
                 snapshot.backend
             )));
         }
+        let jail = self.cfg.jail.resolve()?;
         let mut vm = self.skeleton(id, &self.vm_dir(id), &snapshot.spec)?;
         vm.accel = snapshot.accel;
         vm.restored_from = Some(snapshot.dir.clone());
+        // A clone never takes its parent's TAP (and a NIC of its own is refused by
+        // `restore_with`).
+        vm.spec.nic = None;
         let mut rec = VmRecord::creating(vm);
         lifecycle::create_vm_dir(&rec)?;
         let dir = rec.vm.dir.clone();
-        let prepared = (|| {
-            let overlay = match &snapshot.overlay {
-                Some(src) => {
-                    let to = dir.join(OVERLAY);
-                    disk::clone_file(src, &to).map_err(disk_error)?;
-                    Some(to)
-                }
-                None => None,
-            };
-            Self::prepare_restore_dir(snapshot, &rec.vm, overlay)
-        })();
+        let prepared = Self::prepare_dirs(&rec.vm, jail.as_ref(), snapshot.overlay.as_deref())
+            .and_then(|overlay| Self::prepare_restore_dir(snapshot, &rec.vm, overlay, jail.as_ref()));
         let rdir = match prepared {
             Ok(r) => r,
             Err(e) => {
-                let _ = Self::remove_dir(&dir);
+                let _ = self.remove_dir(&dir);
                 return Err(e);
             }
         };
-        let proc = match self.start_process(&mut rec).await {
+        let proc = match self.start_process(&mut rec, jail.as_ref()).await {
             Ok(p) => p,
             Err(e) => {
-                let _ = Self::remove_dir(&dir);
+                let _ = self.remove_dir(&dir);
                 return Err(e);
             }
         };
@@ -570,9 +799,9 @@ impl CloudHypervisor {
             let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             // 1. The guest control port: silkd has guest-init power off, and cloud-hypervisor
             //    exits with the guest. A VM without a reachable guest fails the dial at once.
-            let path = match crate::agent::request_poweroff(&vm.vsock_socket, crate::agent::control_budget(timeout))
-                .await
-            {
+            let check = self.peer_check(vm);
+            let budget = crate::agent::control_budget(timeout);
+            let path = match crate::agent::request_poweroff(&vm.vsock_socket, budget, check.as_ref()).await {
                 Ok(()) => "control",
                 Err(e) => {
                     // 2. The REST API.
@@ -580,11 +809,11 @@ impl CloudHypervisor {
                         error = %crate::error_chain(&e),
                         "control channel failed; falling back to vm.shutdown"
                     );
-                    let api = ApiClient::new(&vm.control_socket, left().min(self.cfg.api_timeout));
+                    let api = ApiClient::new(&vm.control_socket, left().min(self.cfg.api_timeout), check.clone());
                     if let Err(e) = api.shutdown_vm().await {
                         tracing::warn!(error = %crate::error_chain(&e), "vm.shutdown failed; stopping the VMM anyway");
                     }
-                    let api = ApiClient::new(&vm.control_socket, left().min(self.cfg.api_timeout));
+                    let api = ApiClient::new(&vm.control_socket, left().min(self.cfg.api_timeout), check.clone());
                     if let Err(e) = api.shutdown_vmm().await {
                         tracing::warn!(error = %crate::error_chain(&e), "vmm.shutdown failed; will kill");
                     }
@@ -604,7 +833,7 @@ impl CloudHypervisor {
             return Err(process_error(&vm.id, e));
         }
         self.consoles().remove(&vm.id);
-        Self::remove_dir(&vm.dir)?;
+        self.remove_dir(&vm.dir)?;
         tracing::info!("vm shut down");
         Ok(())
     }
@@ -631,7 +860,7 @@ impl CloudHypervisor {
             }
         }
         self.consoles().remove(&vm.id);
-        Self::remove_dir(&vm.dir)?;
+        self.remove_dir(&vm.dir)?;
         tracing::info!(vm = %vm.id, pid = vm.pid, "vm killed");
         Ok(())
     }
@@ -645,6 +874,14 @@ impl Driver for CloudHypervisor {
 
     fn accel(&self) -> Accel {
         Accel::Kvm
+    }
+
+    /// The default dial, with the peer of `vsock.sock` checked ([`crate::peer`]).
+    async fn connect(&self, vm: &Vm, port: u32) -> Result<AgentStream, DriverError> {
+        crate::agent::dial_checked(&vm.vsock_socket, port, self.peer_check(vm).as_ref())
+            .await
+            .map(AgentStream::new)
+            .map_err(|source| DriverError::Agent { vm: vm.id.clone(), source })
     }
 
     async fn boot(&self, spec: &BootSpec) -> Result<Vm, DriverError> {
@@ -695,9 +932,17 @@ impl Driver for CloudHypervisor {
         let pruned = lifecycle::prune(&self.vms_dir(), Backend::CloudHypervisor, None, lifecycle::PRUNE_GRACE)?;
         let mut procs = self.procs();
         let mut consoles = self.consoles();
+        let jail = self.cfg.jail.resolve().ok().flatten();
         for id in &pruned {
             procs.remove(id);
             consoles.remove(id);
+            if let Some(j) = &jail {
+                j.cgroups.leaf_of(id.as_str()).remove();
+            }
+        }
+        // Leaves of VMs whose directories are gone too (killed and removed outside a driver).
+        if let Some(j) = &jail {
+            j.cgroups.sweep_empty(lifecycle::PRUNE_GRACE);
         }
         Ok(pruned)
     }

@@ -3,19 +3,23 @@
 //!
 //! The binary is `$CLOUD_HYPERVISOR_BIN` (a path, or a name looked up in `PATH`), default
 //! `cloud-hypervisor` in `PATH`; a missing one is [`ProcessError::BinaryNotFound`] before
-//! anything is created. The process gets its own process group and survives our own restart
+//! anything is created. The process gets its own session and survives our own restart
 //! (the driver re-attaches by pid + start time); it is never left running after a stop.
+//! It always runs with its own seccomp filters (`--seccomp true`), and its stdout and stderr go
+//! through a pipe into the size-capped `vmm.log` ([`crate::jail::output`]).
 
 use std::ffi::{OsStr, OsString};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use cloud_hypervisor_client::models::VmmPingResponse;
 use tokio::process::{Child, Command};
 
 use super::api::{ApiClient, ApiError};
+use crate::jail::output::{spawn_logged, OutputDrain, OutputError};
+use crate::jail::SpawnPlan;
 use crate::record;
 
 /// Environment variable naming the cloud-hypervisor binary.
@@ -24,6 +28,8 @@ pub const BIN_ENV: &str = "CLOUD_HYPERVISOR_BIN";
 pub const DEFAULT_BIN: &str = "cloud-hypervisor";
 /// How often liveness and API readiness are polled.
 const POLL: Duration = Duration::from_millis(10);
+/// Bytes of cloud-hypervisor's own output (`vmm.log`, both segments) kept per VM.
+pub const LOG_CAP: u64 = crate::jail::output::LOG_CAP;
 /// How long to wait for the kernel to tear a SIGKILLed process down.
 const KILL_WAIT: Duration = Duration::from_secs(10);
 
@@ -38,7 +44,7 @@ pub enum ProcessError {
         /// The path or name we looked for.
         wanted: OsString,
     },
-    /// Creating the log file or forking failed.
+    /// Opening the log, making the output pipe or forking failed.
     #[error("starting {bin}")]
     Spawn {
         /// The binary.
@@ -67,6 +73,16 @@ pub enum ProcessError {
         /// The last ping failure.
         #[source]
         last: Option<ApiError>,
+    },
+    /// The API socket is served by another process than the one spawned (or is a link): the
+    /// start fails at once, without retrying.
+    #[error("cloud-hypervisor API {socket} refused")]
+    ApiPeer {
+        /// The API socket.
+        socket: PathBuf,
+        /// Who should and who did answer.
+        #[source]
+        source: crate::peer::PeerError,
     },
     /// Signalling or reaping the process failed.
     #[error("stopping cloud-hypervisor pid {pid}")]
@@ -120,40 +136,39 @@ pub struct VmmProcess {
     pid: u32,
     start_time: u64,
     child: Option<Child>,
+    /// The drain of its output into `vmm.log` (only for a process we spawned).
+    output: Option<OutputDrain>,
 }
 
 impl VmmProcess {
-    /// Starts `bin --api-socket <api_socket>` with stdout/stderr appended to `log`.
-    pub fn spawn(bin: &Path, api_socket: &Path, log: &Path) -> Result<Self, ProcessError> {
-        let err = |source| ProcessError::Spawn { bin: bin.to_path_buf(), source };
-        let out = std::fs::OpenOptions::new().create(true).append(true).open(log).map_err(err)?;
-        let errf = out.try_clone().map_err(err)?;
-        let child = Command::new(bin)
-            .arg("--api-socket")
-            .arg(api_socket)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(errf)
-            .process_group(0)
-            .kill_on_drop(false)
-            .spawn()
-            .map_err(|source| match source.kind() {
+    /// Starts `bin --api-socket <api_socket> --seccomp true` (its own seccomp filters, always
+    /// on) with `plan` installed between fork and exec ([`crate::jail`]: its own session, the
+    /// cgroup leaf, the netns, the VM user); stdout and stderr go through a pipe into the
+    /// capped `log` ([`crate::jail::output`], [`LOG_CAP`]).
+    pub fn spawn(bin: &Path, api_socket: &Path, log: &Path, plan: SpawnPlan) -> Result<Self, ProcessError> {
+        let mut cmd = Command::new(bin);
+        cmd.arg("--api-socket").arg(api_socket).args(["--seccomp", "true"]);
+        plan.install(&mut cmd);
+        let (child, output) = spawn_logged(cmd, log, LOG_CAP).map_err(|e| match e {
+            OutputError::Log { source, .. } => ProcessError::Spawn { bin: bin.to_path_buf(), source },
+            OutputError::Spawn { source } => match source.kind() {
                 std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => {
                     ProcessError::BinaryNotFound { wanted: bin.as_os_str().to_os_string() }
                 }
-                _ => err(source),
-            })?;
+                _ => ProcessError::Spawn { bin: bin.to_path_buf(), source },
+            },
+        })?;
         let pid = child.id().unwrap_or(0);
         // Right after fork the /proc entry exists; if it raced with an immediate exit the start
         // time stays 0 and liveness checks treat the process as gone, which it is.
         let start_time = record::pid_start_time(pid).unwrap_or(0);
         tracing::debug!(pid, bin = %bin.display(), "spawned cloud-hypervisor");
-        Ok(VmmProcess { pid, start_time, child: Some(child) })
+        Ok(VmmProcess { pid, start_time, child: Some(child), output: Some(output) })
     }
 
     /// Adopts a process started by an earlier incarnation of us (no child handle).
     pub fn adopt(pid: u32, start_time: u64) -> Self {
-        VmmProcess { pid, start_time, child: None }
+        VmmProcess { pid, start_time, child: None, output: None }
     }
 
     /// The pid.
@@ -189,6 +204,10 @@ impl VmmProcess {
         let mut last = None;
         loop {
             if let Some(status) = self.exit_status() {
+                // Its last words may still be in the pipe.
+                if let Some(drain) = self.output.take() {
+                    drain.finish(Duration::from_secs(2)).await;
+                }
                 return Err(ProcessError::ExitedEarly { pid: self.pid, status, log_tail: log_tail(log) });
             }
             if self.child.is_none() && !self.is_running() {
@@ -196,6 +215,9 @@ impl VmmProcess {
             }
             match api.ping().await {
                 Ok(p) => return Ok(p),
+                Err(ApiError::Peer { source, .. }) => {
+                    return Err(ProcessError::ApiPeer { socket: api.socket().to_path_buf(), source })
+                }
                 Err(e) => last = Some(e),
             }
             if Instant::now() >= deadline {
@@ -304,8 +326,8 @@ mod tests {
         let bin = exe(dir.path(), "ch", "#!/bin/sh\necho \"bad flag $1\" >&2\nexit 3\n");
         let log = dir.path().join("vmm.log");
         let sock = dir.path().join("api.sock");
-        let mut p = VmmProcess::spawn(&bin, &sock, &log).expect("spawn");
-        let api = ApiClient::new(&sock, Duration::from_millis(200));
+        let mut p = VmmProcess::spawn(&bin, &sock, &log, SpawnPlan::default()).expect("spawn");
+        let api = ApiClient::new(&sock, Duration::from_millis(200), None);
         let e = p.wait_api(&api, &log, Duration::from_secs(10)).await.expect_err("exits");
         match e {
             ProcessError::ExitedEarly { status, log_tail, .. } => {
@@ -324,7 +346,7 @@ mod tests {
         let log = dir.path().join("vmm.log");
         let sock = dir.path().join("api.sock");
 
-        let mut p = VmmProcess::spawn(&bin, &sock, &log).expect("spawn");
+        let mut p = VmmProcess::spawn(&bin, &sock, &log, SpawnPlan::default()).expect("spawn");
         let (pid, st) = (p.pid(), p.start_time());
         assert!(p.is_running());
         assert!(!p.wait_exit(Duration::from_millis(50)).await);

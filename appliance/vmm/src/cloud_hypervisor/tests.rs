@@ -28,6 +28,7 @@ fn test_config(state: &Path, bin: &Path) -> CloudHypervisorConfig {
         start_timeout: Duration::from_secs(10),
         shared_memory: true,
         console_cap: 64 * 1024,
+        jail: crate::jail::JailSettings::from_env(),
     }
 }
 
@@ -60,6 +61,7 @@ fn spec(root: &Path, name: &str, size: SizeClass, rootfs: bool) -> BootSpec {
         size,
         accel: AccelPreference::Auto,
         nic: None,
+        rng: true,
     }
 }
 
@@ -76,6 +78,7 @@ fn vars(vm: &Vm) -> Vec<(&'static str, String)> {
     let s = |p: &Path| p.display().to_string();
     vec![
         ("VMDIR", s(&vm.dir)),
+        ("JAILDIR", s(&vm.dir.join(JAIL_DIR))),
         ("KERNEL", s(&vm.spec.kernel)),
         ("INITRD", s(&vm.spec.initrd)),
         ("ROOTFS", vm.spec.rootfs.as_deref().map(s).unwrap_or_default()),
@@ -95,6 +98,32 @@ fn proc_gone(vm: &Vm) -> bool {
     !crate::record::is_alive(vm.pid, vm.pid_start_time)
 }
 
+/// The jail the driver resolves here (root with the VM user: on), `None` when off.
+fn jail() -> Option<crate::jail::Jail> {
+    crate::jail::JailSettings::from_env().resolve().ok().flatten()
+}
+
+/// `(uid, gid, permission bits)` of `p` (not following a link).
+fn owner_mode(p: &Path) -> (u32, u32, u32) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    (m.uid(), m.gid(), m.mode() & 0o7777)
+}
+
+/// Waits until `vm`'s `vmm.log` (both segments) holds `needle`; returns the text.
+async fn vmm_log_until(vm: &Vm, needle: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got =
+            String::from_utf8_lossy(&crate::console::tail(&vm.dir.join(VMM_LOG), 1 << 20).expect("tail")).into_owned();
+        if got.contains(needle) {
+            return got;
+        }
+        assert!(Instant::now() < deadline, "vmm.log lacks {needle:?}: {got}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 #[tokio::test]
 async fn boot_sends_the_recorded_create_and_boot_then_shuts_down_cleanly() {
     let e = env();
@@ -104,11 +133,48 @@ async fn boot_sends_the_recorded_create_and_boot_then_shuts_down_cleanly() {
     assert_eq!(vm.backend, Backend::CloudHypervisor);
     assert_eq!(vm.accel, Accel::Kvm);
     assert_eq!(vm.dir, e.tmp.path().join("state/vms").join(vm.id.as_str()));
-    assert_eq!(vm.control_socket, vm.dir.join("api.sock"));
-    assert_eq!(vm.vsock_socket, vm.dir.join("vsock.sock"));
+    assert_eq!(vm.control_socket, vm.dir.join("jail/api.sock"));
+    assert_eq!(vm.vsock_socket, vm.dir.join("jail/vsock.sock"));
     assert_eq!(vm.console_log, vm.dir.join("console.log"));
     assert!(vm.id.as_str().starts_with("rt-"), "{}", vm.id);
     assert!(!proc_gone(&vm), "cloud-hypervisor process should run");
+    // Its jail: own session, no new privileges, and (where the jail is on) its cgroup leaf.
+    let j = crate::jail::inspect::process_jail(vm.pid).expect("status");
+    assert!(j.no_new_privs, "NoNewPrivs");
+    assert_eq!(
+        rustix::process::getsid(rustix::process::Pid::from_raw(vm.pid as i32))
+            .ok()
+            .map(|p| p.as_raw_nonzero().get() as u32),
+        Some(vm.pid),
+        "a session of its own"
+    );
+    let jail = jail();
+    if let Some(jl) = &jail {
+        assert_eq!(j.limits, Some(crate::jail::Limits::for_vm(SizeClass::Medium, Accel::Kvm)), "{:?}", j.cgroups);
+        // The VM user, with no capability left in any set.
+        assert_eq!(j.uids, [jl.uid; 4], "runs as the VM user");
+        assert_eq!((j.cap_eff, j.cap_prm, j.cap_bnd), (0, 0, 0), "no capabilities");
+        let status = std::fs::read_to_string(format!("/proc/{}/status", vm.pid)).expect("status");
+        let gid_line = status.lines().find(|l| l.starts_with("Gid:")).expect("Gid:");
+        assert!(gid_line.split_whitespace().skip(1).all(|g| g == jl.gid.to_string()), "{gid_line}");
+        let groups = status.lines().find(|l| l.starts_with("Groups:")).expect("Groups:");
+        assert_eq!(groups.trim_end(), "Groups:", "no supplementary groups");
+        // Who owns what: root's directory (the VM user may only search it) holding root's
+        // files, and the VM user's own directory with its overlay.
+        assert_eq!(owner_mode(&vm.dir), (0, jl.gid, 0o710));
+        assert_eq!(owner_mode(&vm.dir.join(JAIL_DIR)), (jl.uid, jl.gid, 0o700));
+        assert_eq!(owner_mode(&vm.dir.join(JAIL_DIR).join(OVERLAY)), (jl.uid, jl.gid, 0o600));
+        for f in [VMM_LOG, CONSOLE_LOG, VM_JSON] {
+            assert_eq!(owner_mode(&vm.dir.join(f)).0, 0, "{f} is root's");
+        }
+        for f in [VMM_LOG, CONSOLE_LOG] {
+            assert_eq!(owner_mode(&vm.dir.join(f)).2, 0o600, "{f}");
+        }
+        // The socket the (fake) hypervisor made is its own.
+        assert_eq!(owner_mode(&vm.control_socket).0, jl.uid, "api.sock made by the VM user");
+    } else {
+        eprintln!("jail off here (not root, no VM user, or CHRYSALIS_JAIL=0): only the session and NoNewPrivs checked");
+    }
 
     // Readiness pings first, then exactly create + boot.
     let reqs = e.fake.requests();
@@ -117,17 +183,21 @@ async fn boot_sends_the_recorded_create_and_boot_then_shuts_down_cleanly() {
     assert_eq!(e.fake.calls(), vec![put("/vm.create", Some(create)), put("/vm.boot", None)]);
 
     // The overlay is a private copy of the base; vm.json is the returned record.
-    assert_eq!(std::fs::read(vm.dir.join("overlay.raw")).expect("overlay"), b"ext4-superblock");
+    assert_eq!(std::fs::read(vm.dir.join("jail/overlay.raw")).expect("overlay"), b"ext4-superblock");
     let rec: Vm = crate::record::read_json(&vm.dir.join("vm.json")).expect("vm.json");
     assert_eq!(rec, vm);
-    let log = std::fs::read_to_string(vm.dir.join("vmm.log")).expect("vmm.log");
-    assert!(log.contains(&format!("listening on {}", vm.control_socket.display())), "{log}");
+    vmm_log_until(&vm, &format!("listening on {}", vm.control_socket.display())).await;
 
     e.fake.clear();
     e.driver.shutdown(&vm, Duration::from_secs(5)).await.expect("shutdown");
     assert_eq!(e.fake.calls(), vec![put("/vm.shutdown", None), put("/vmm.shutdown", None)]);
     assert!(proc_gone(&vm), "process outlived shutdown");
     assert!(!vm.dir.exists(), "vm dir left behind");
+    for dir in &j.cgroups {
+        if jail.is_some() {
+            assert!(!dir.ends_with(vm.id.as_str()) || !dir.exists(), "cgroup leaf {} left behind", dir.display());
+        }
+    }
     assert!(e.driver.list().await.expect("list").is_empty());
 }
 
@@ -173,8 +243,14 @@ fn every_size_class_maps_to_cpus_and_memory_bytes() {
             serial_socket: "/d/console.sock".into(),
             vsock_cid: 3,
             vsock_socket: "/d/vsock.sock".into(),
+            rng: size == SizeClass::Small,
         };
         let body = serde_json::to_value(plan.to_vm_config()).expect("serialize");
+        if size == SizeClass::Small {
+            assert_eq!(body["rng"], json!({"src": "/dev/urandom"}), "virtio-rng from the host's urandom");
+        } else {
+            assert!(body.get("rng").is_none() || body["rng"].is_null(), "no rng unless the spec asks: {}", body["rng"]);
+        }
         let (cpus, mib) = match size {
             SizeClass::Small => (1, 512u64),
             SizeClass::Medium => (2, 1024),
@@ -216,7 +292,7 @@ async fn pause_resume_and_snapshot_send_the_recorded_bodies() {
     e.fake.clear();
 
     // Overlay content at snapshot time must travel with the snapshot.
-    std::fs::write(vm.dir.join("overlay.raw"), b"guest wrote this").expect("dirty overlay");
+    std::fs::write(vm.dir.join("jail/overlay.raw"), b"guest wrote this").expect("dirty overlay");
     let snapdir = e.tmp.path().join("snaps/one");
     let snap = e.driver.snapshot(&vm, &snapdir, AfterSnapshot::Resumed).await.expect("snapshot");
     let body = rendered("vm.snapshot.request.json", &[("SNAPDIR", snapdir.display().to_string())]);
@@ -231,6 +307,22 @@ async fn pause_resume_and_snapshot_send_the_recorded_bodies() {
     assert_eq!(snap.overlay.as_deref(), Some(snapdir.join("overlay.raw").as_path()));
     assert_eq!(std::fs::read(snapdir.join("overlay.raw")).expect("saved overlay"), b"guest wrote this");
     assert_eq!(Snapshot::load(&snapdir).expect("snapshot.json"), snap);
+    // cloud-hypervisor wrote it as the VM user into a directory that was the VM user's for the
+    // time of `vm.snapshot`; now it is root's, readable by the VM group (for clones), and the
+    // files the driver wrote are root's only.
+    let written = e.fake.snapshot_dirs();
+    assert_eq!(written.len(), 1, "{written:?}");
+    match jail() {
+        Some(jl) => {
+            assert_eq!((written[0].owner, written[0].mode), ((jl.uid, jl.gid), 0o700), "handed over");
+            assert_eq!(owner_mode(&snapdir), (0, jl.gid, 0o750), "taken back");
+            for f in ["config.json", "state.json", "memory-ranges"] {
+                assert_eq!(owner_mode(&snapdir.join(f)), (0, jl.gid, 0o640), "{f}");
+            }
+            assert_eq!(owner_mode(&snapdir.join("overlay.raw")), (0, 0, 0o600));
+        }
+        None => assert_eq!(written[0].owner.0, rustix::process::geteuid().as_raw()),
+    }
 
     // Already paused (vm.info says so): no second pause; AfterSnapshot::Paused: no resume.
     e.fake.clear();
@@ -312,14 +404,21 @@ async fn restore_clones_into_its_own_paths() {
     want["serial"]["file"] = Value::Null;
     want["serial"]["mode"] = json!("Socket");
     want["serial"]["socket"] = json!(vm.control_socket.with_file_name("console.sock").display().to_string());
-    want["disks"][1]["path"] = json!(vm.dir.join("overlay.raw").display().to_string());
+    want["disks"][1]["path"] = json!(vm.dir.join("jail/overlay.raw").display().to_string());
     assert_eq!(cfg, want);
+    if let Some(jl) = jail() {
+        // The clone's view of the snapshot is root's, readable by the VM user only.
+        assert_eq!(owner_mode(&rdir), (0, jl.gid, 0o750));
+        assert_eq!(owner_mode(&rdir.join("config.json")), (0, jl.gid, 0o640));
+        assert_eq!(owner_mode(&vm.dir.join("jail/overlay.raw")), (jl.uid, jl.gid, 0o600));
+        assert_eq!(crate::jail::inspect::process_jail(vm.pid).expect("status").uids, [jl.uid; 4]);
+    }
     for f in ["state.json", "memory-ranges"] {
         let link = std::fs::read_link(rdir.join(f)).expect("symlink");
         assert_eq!(link, snap.dir.join(f));
     }
     assert!(!rdir.join("overlay.raw").exists() && !rdir.join("snapshot.json").exists());
-    assert_eq!(std::fs::read(vm.dir.join("overlay.raw")).expect("overlay"), b"golden overlay");
+    assert_eq!(std::fs::read(vm.dir.join("jail/overlay.raw")).expect("overlay"), b"golden overlay");
 
     // A second restore under the same id is refused before anything starts.
     assert!(matches!(e.driver.restore(&snap, &id).await, Err(DriverError::Invalid(_))));
@@ -383,7 +482,7 @@ async fn http_errors_become_typed_errors_carrying_the_body() {
     assert_eq!(std::fs::read_dir(&vms).expect("vms dir").count(), 0);
 
     // At the client level: status, endpoint and the decoded message chain.
-    let api = ApiClient::new(e.fake.socket(), Duration::from_secs(5));
+    let api = ApiClient::new(e.fake.socket(), Duration::from_secs(5), None);
     let not_created = fixture("vm.pause.404.response.json");
     e.fake.respond("PUT /vm.pause", 404, &not_created);
     match api.pause().await.expect_err("404") {
@@ -405,7 +504,7 @@ async fn http_errors_become_typed_errors_carrying_the_body() {
     e.fake.respond("GET /vmm.ping", 200, "{\"nope\":1}");
     assert!(matches!(api.ping().await, Err(ApiError::Transport { .. })));
     // A socket nobody listens on.
-    let gone = ApiClient::new(&e.tmp.path().join("nothing.sock"), Duration::from_secs(1));
+    let gone = ApiClient::new(&e.tmp.path().join("nothing.sock"), Duration::from_secs(1), None);
     let err = gone.boot().await.expect_err("no socket");
     assert!(matches!(err, ApiError::Transport { endpoint: "PUT /vm.boot", .. }), "{err:?}");
 }
@@ -413,7 +512,7 @@ async fn http_errors_become_typed_errors_carrying_the_body() {
 #[tokio::test]
 async fn client_parses_recorded_success_responses() {
     let e = env();
-    let api = ApiClient::new(e.fake.socket(), Duration::from_secs(5));
+    let api = ApiClient::new(e.fake.socket(), Duration::from_secs(5), None);
     let ping = api.ping().await.expect("ping");
     assert_eq!(ping.version, "44.0.0");
     assert_eq!(ping.pid, Some(4242));
@@ -445,8 +544,13 @@ async fn missing_binary_is_a_typed_error() {
 #[tokio::test]
 async fn binary_that_exits_at_once_fails_boot_cleanly() {
     let tmp = tempfile::tempdir().expect("tempdir");
+    // The jailed binary runs as the VM user.
+    std::fs::set_permissions(tmp.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
     let bin = tmp.path().join("ch-broken");
-    std::fs::write(&bin, "#!/bin/sh\necho 'Error: KVM unavailable' >&2\nexit 1\n").expect("script");
+    // 200 KiB of noise first: the log keeps its end, and the error carries the last words.
+    let script =
+        "#!/bin/sh\nhead -c 204800 /dev/zero | tr '\\0' x >&2\necho >&2\necho 'Error: KVM unavailable' >&2\nexit 1\n";
+    std::fs::write(&bin, script).expect("script");
     std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
     let driver = CloudHypervisor::new(test_config(&tmp.path().join("state"), &bin)).expect("driver");
     let err = driver.boot(&spec(tmp.path(), "base", SizeClass::Small, false)).await.expect_err("boot fails");
@@ -543,8 +647,9 @@ async fn the_console_socket_is_drained_into_a_capped_log_and_again_after_a_resta
         let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
         size(&vm.console_log) + size(&crate::console::rotated_path(&vm.console_log))
     };
-    // The fake cloud-hypervisor's serial socket; the driver dials it (and keeps re-dialling).
-    let listener = tokio::net::UnixListener::bind(vm.control_socket.with_file_name("console.sock")).expect("bind");
+    // The fake cloud-hypervisor serves the serial socket (the driver checks who does) and
+    // relays it here; the driver dials it (and keeps re-dialling).
+    let listener = super::fake_api::bind_upstream(&vm, super::fake_api::SERIAL_UPSTREAM);
     let (mut serial, _) = listener.accept().await.expect("the driver dials the console");
     let block = vec![b'z'; 128 * 1024];
     for _ in 0..32 {
@@ -570,4 +675,243 @@ async fn the_console_socket_is_drained_into_a_capped_log_and_again_after_a_resta
     assert!(on_disk() <= 64 * 1024);
     again.kill(&vm).await.expect("kill");
     assert!(again.consoles().is_empty(), "kill stops the drain");
+}
+
+#[tokio::test]
+async fn a_flood_of_vmm_output_is_capped() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let fake = FakeApi::start(tmp.path());
+    // 256 KiB on stderr and 256 KiB on stdout before it starts listening.
+    let bin = fake.write_fake_binary_with(
+        tmp.path(),
+        "head -c 262144 /dev/zero | tr '\\0' e >&2; head -c 262144 /dev/zero | tr '\\0' o",
+    );
+    let driver = CloudHypervisor::new(test_config(&tmp.path().join("state"), &bin)).expect("driver");
+    let e = Env { fake, driver, tmp };
+    let vm = e.driver.boot(&spec(e.tmp.path(), "base", SizeClass::Small, false)).await.expect("boot");
+    vmm_log_until(&vm, "listening on").await;
+    let log = vm.dir.join(VMM_LOG);
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    let on_disk = size(&log) + size(&crate::console::rotated_path(&log));
+    assert!(on_disk <= process::LOG_CAP, "512 KiB of output left {on_disk} bytes on disk");
+    e.driver.kill(&vm).await.expect("kill");
+}
+
+#[tokio::test]
+async fn a_snapshot_the_vm_user_cannot_read_is_refused_before_anything_runs() {
+    let Some(jl) = jail() else {
+        foundation::testing::skip("the jail is off here (not root, or no VM user)");
+        return;
+    };
+    let e = env();
+    let spec = spec(e.tmp.path(), "rt", SizeClass::Small, true);
+    let snap = fake_snapshot(e.tmp.path(), &spec);
+    std::fs::set_permissions(snap.dir.join("memory-ranges"), std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .expect("chmod");
+    let id = VmId::new("rt-clone-3").expect("id");
+    let err = e.driver.restore(&snap, &id).await.expect_err("unreadable snapshot");
+    match &err {
+        DriverError::Jail(crate::jail::JailError::Unreachable { path, uid, .. }) => {
+            assert_eq!(path, &snap.dir.join("memory-ranges"));
+            assert_eq!(*uid, jl.uid);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(e.fake.calls().is_empty(), "nothing was asked of cloud-hypervisor");
+    assert!(!e.tmp.path().join("state/vms/rt-clone-3").exists());
+    assert_no_fake_vmm_running(e.tmp.path());
+}
+
+#[tokio::test]
+async fn a_snapshot_with_a_planted_link_is_not_taken_back() {
+    let Some(jl) = jail() else {
+        foundation::testing::skip("the jail is off here (not root, or no VM user)");
+        return;
+    };
+    let e = env();
+    let vm = e.driver.boot(&spec(e.tmp.path(), "base", SizeClass::Small, false)).await.expect("boot");
+    let secret = e.tmp.path().join("secret");
+    std::fs::write(&secret, b"root only").expect("write");
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
+    // A compromised cloud-hypervisor links a file of root's into its snapshot directory.
+    let snapdir = e.tmp.path().join("snaps/evil");
+    std::fs::create_dir_all(&snapdir).expect("mkdir");
+    std::os::unix::fs::symlink(&secret, snapdir.join("memory-ranges.extra")).expect("plant");
+    let err = e.driver.snapshot(&vm, &snapdir, AfterSnapshot::Resumed).await.expect_err("refused");
+    assert!(matches!(err, DriverError::Jail(crate::jail::JailError::Unexpected { .. })), "{err:?}");
+    assert_eq!(owner_mode(&secret), (0, 0, 0o600), "the linked file is untouched");
+    assert_eq!(owner_mode(&snapdir), (0, jl.gid, 0o750), "the directory is root's again");
+    assert!(!snapdir.join("snapshot.json").exists());
+    e.driver.kill(&vm).await.expect("kill");
+}
+
+#[tokio::test]
+#[cfg_attr(
+    not(feature = "netns-tests"),
+    ignore = "root-only, creates a netns and a TAP: cargo test -p vmm --features netns-tests --lib cloud_hypervisor"
+)]
+async fn a_nic_tap_is_handed_to_the_vm_user_and_the_vmm_joins_its_netns() {
+    use std::os::unix::fs::MetadataExt;
+    let Some(jl) = jail() else {
+        foundation::testing::skip("the jail is off here (not root, or no VM user)");
+        return;
+    };
+    struct Netns(String);
+    impl Drop for Netns {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip").args(["netns", "del", &self.0]).status();
+        }
+    }
+    let ip = |args: &[&str]| {
+        let out = std::process::Command::new("ip").args(args).output().expect("run ip");
+        assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let ns = Netns(format!("chtest-ch-{}", std::process::id()));
+    ip(&["netns", "add", &ns.0]);
+    ip(&["-n", &ns.0, "tuntap", "add", "dev", "chtap1", "mode", "tap"]);
+    let e = env();
+    let mut spec = spec(e.tmp.path(), "base", SizeClass::Small, false);
+    spec.nic = Some(crate::driver::NicSpec {
+        tap: "chtap1".into(),
+        mac: "02:00:00:00:00:01".into(),
+        netns: Some(ns.0.clone()),
+        ip_cidr: "10.99.0.2/24".into(),
+        gateway: "10.99.0.1".into(),
+    });
+    let vm = e.driver.boot(&spec).await.expect("boot");
+    let sys = |f: &str| ip(&["netns", "exec", &ns.0, "cat", &format!("/sys/class/net/chtap1/{f}")]);
+    assert_eq!((sys("owner"), sys("group")), (jl.uid.to_string(), jl.gid.to_string()));
+    let netns_of = |p: &str| std::fs::metadata(p).map(|m| (m.dev(), m.ino())).expect("netns");
+    assert_eq!(netns_of(&format!("/proc/{}/ns/net", vm.pid)), netns_of(&format!("/run/netns/{}", ns.0)));
+    e.driver.kill(&vm).await.expect("kill");
+}
+
+/// Replaces `path` atomically by what `make` creates at the path it is given (beside `path`),
+/// keeping the original as `<path>.orig` for [`put_back`]: the fake cloud-hypervisor (which
+/// exits when its API socket is gone) never sees the path missing.
+fn swap(path: &Path, make: impl FnOnce(&Path)) {
+    let orig = path.with_extension("sock.orig");
+    std::fs::hard_link(path, &orig).expect("keep the original");
+    let new = path.with_extension("sock.new");
+    make(&new);
+    std::fs::rename(&new, path).expect("swap in");
+}
+
+fn put_back(path: &Path) {
+    std::fs::rename(path.with_extension("sock.orig"), path).expect("put back");
+}
+
+#[tokio::test]
+async fn sockets_swapped_for_links_or_foreign_sockets_are_refused() {
+    use crate::agent::DialError;
+    use crate::driver::AGENT_PORT;
+    use crate::peer::{Peer, PeerError};
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let e = env();
+    let vm = e.driver.boot(&spec(e.tmp.path(), "base", SizeClass::Small, false)).await.expect("boot");
+    let (me, my_uid) = (std::process::id(), rustix::process::geteuid().as_raw());
+    assert_ne!(me, vm.pid);
+
+    // The normal path: every socket served by the fake cloud-hypervisor itself (the pid the
+    // driver spawned; the VM user in a jail), the vsock one relayed to a test playing silkd.
+    e.driver.pause(&vm).await.expect("pause through the VM's own API socket");
+    let guest = super::fake_api::bind_upstream(&vm, super::fake_api::VSOCK_UPSTREAM);
+    let silkd = tokio::spawn(async move {
+        loop {
+            let (s, _) = guest.accept().await.expect("accept");
+            let mut r = tokio::io::BufReader::new(s);
+            let mut line = String::new();
+            r.read_line(&mut line).await.expect("CONNECT");
+            r.get_mut().write_all(b"OK 1\n").await.expect("OK");
+        }
+    });
+    e.driver.connect(&vm, AGENT_PORT).await.expect("agent dial through the VM's own vsock socket");
+
+    // Another process's socket: the test's own fake API (served by this test process, which
+    // would answer every request with success).
+    let foreign_api = e.fake.socket().to_path_buf();
+    e.fake.clear();
+
+    // 1. A symbolic link in place of api.sock: refused before connecting.
+    swap(&vm.control_socket, |p| std::os::unix::fs::symlink(&foreign_api, p).expect("symlink"));
+    match e.driver.resume(&vm).await {
+        Err(DriverError::Peer { vm: id, source: PeerError::Link { socket } }) => {
+            assert_eq!((id, socket), (vm.id.clone(), vm.control_socket.clone()));
+        }
+        other => panic!("expected the link refused, got {other:?}"),
+    }
+    put_back(&vm.control_socket);
+
+    // 2. The foreign socket itself in place of api.sock (a hard link: nothing to refuse by
+    //    path) — the peer check after connecting is what catches it.
+    swap(&vm.control_socket, |p| std::fs::hard_link(&foreign_api, p).expect("hard link"));
+    let err = e.driver.resume(&vm).await.expect_err("foreign API socket");
+    match &err {
+        DriverError::Peer { vm: id, source: PeerError::Mismatch { socket, expected, found_pid, found_uid } } => {
+            assert_eq!(id, &vm.id);
+            assert_eq!(socket, &vm.control_socket);
+            assert_eq!((*expected, *found_pid, *found_uid), (Peer::Pid(vm.pid), me, my_uid));
+        }
+        other => panic!("expected a peer mismatch, got {other:?}"),
+    }
+    let text = crate::error_chain(&err);
+    assert!(text.contains(&format!("pid {me}")) && text.contains(&format!("pid {}", vm.pid)), "{text}");
+    // A re-attaching driver is refused the same way.
+    let again = CloudHypervisor::new(test_config(&e.tmp.path().join("state"), &e.tmp.path().join("cloud-hypervisor")))
+        .expect("driver");
+    assert!(matches!(again.attach(&vm.id).await, Err(DriverError::Peer { .. })));
+    put_back(&vm.control_socket);
+    assert!(e.fake.calls().is_empty(), "nothing reached the foreign socket: {:?}", e.fake.calls());
+
+    // 3. The vsock socket: a link, then another process's socket.
+    let other = e.tmp.path().join("other.sock");
+    let other_l = tokio::net::UnixListener::bind(&other).expect("bind other");
+    swap(&vm.vsock_socket, |p| std::os::unix::fs::symlink(&other, p).expect("symlink"));
+    assert!(
+        matches!(
+            e.driver.connect(&vm, AGENT_PORT).await,
+            Err(DriverError::Agent { source: DialError::Peer(PeerError::Link { .. }), .. })
+        ),
+        "a link in place of vsock.sock"
+    );
+    put_back(&vm.vsock_socket);
+    swap(&vm.vsock_socket, |p| std::fs::hard_link(&other, p).expect("hard link"));
+    match e.driver.connect(&vm, AGENT_PORT).await {
+        Err(DriverError::Agent {
+            source: DialError::Peer(PeerError::Mismatch { expected, found_pid, .. }), ..
+        }) => {
+            assert_eq!((expected, found_pid), (Peer::Pid(vm.pid), me));
+        }
+        other => panic!("expected a peer mismatch, got {other:?}"),
+    }
+    // Nothing was written to it: the dial hung up before its handshake.
+    let (mut s, _) = other_l.accept().await.expect("the refused connection");
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).await.expect("read");
+    assert!(got.is_empty(), "{got:?}");
+    put_back(&vm.vsock_socket);
+    e.driver.connect(&vm, AGENT_PORT).await.expect("the VM's own vsock socket again");
+
+    // 4. The console socket: the drain (re-dialling) refuses another process's socket and
+    //    drains nothing from it.
+    let console = vm.control_socket.with_file_name(CONSOLE_SOCKET);
+    swap(&console, |p| std::fs::hard_link(&other, p).expect("hard link"));
+    let (mut s, _) = tokio::time::timeout(Duration::from_secs(10), other_l.accept())
+        .await
+        .expect("the drain dials within its re-dial interval")
+        .expect("accept");
+    let _ = s.write_all(b"not the guest\n").await;
+    // It hangs up without reading (a reset: our bytes were never read).
+    let mut got = Vec::new();
+    match s.read_to_end(&mut got).await {
+        Ok(_) => assert!(got.is_empty(), "{got:?}"),
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+    }
+    assert!(!crate::console::tail_string(&vm.console_log, 1 << 20).contains("not the guest"));
+    put_back(&console);
+
+    silkd.abort();
+    e.driver.shutdown(&vm, Duration::from_secs(5)).await.expect("shutdown through the restored sockets");
+    assert!(proc_gone(&vm));
 }

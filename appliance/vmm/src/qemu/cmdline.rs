@@ -17,12 +17,51 @@ pub mod files {
     pub const CONSOLE: &str = "console.log";
     /// The serial port's socket: QEMU connects to it, the driver listens and drains it.
     pub const CONSOLE_SOCK: &str = crate::console::CONSOLE_SOCKET;
-    /// QEMU pid file.
+    /// QEMU pid file (written by the driver: QEMU reaches none of our directories).
     pub const PID: &str = "qemu.pid";
+    /// QEMU's stdout and stderr (its own messages, never the guest's console), capped at
+    /// [`crate::jail::output::LOG_CAP`].
+    pub const LOG: &str = "qemu.log";
     /// Per-VM writable overlay disk.
     pub const OVERLAY: &str = "overlay.qcow2";
     /// Snapshot: migration stream.
     pub const STATE: &str = "state";
+}
+
+/// One layer of a disk: a descriptor the driver opened and passes in, its format, and the
+/// path it was opened from (named in `-add-fd`'s `opaque` for whoever reads the command line).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskLayer {
+    /// The inherited descriptor.
+    pub fd: i32,
+    /// `qcow2` or `raw`.
+    pub format: &'static str,
+    /// Where it was opened from.
+    pub path: PathBuf,
+}
+
+/// The descriptors QEMU inherits instead of opening paths (it runs jailed and reaches none of
+/// the driver's directories): listening sockets, kernel, disks, the TAP.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fds {
+    /// The QMP socket, listening.
+    pub qmp: i32,
+    /// The serial console socket, listening (the driver dials it).
+    pub console: i32,
+    /// The agent virtio-serial port's socket, listening (the vsock bridge dials it).
+    pub agent: i32,
+    /// The guest kernel and initrd, read-only (opened by QEMU as `/proc/self/fd/N`).
+    pub kernel: Option<i32>,
+    /// The initrd.
+    pub initrd: Option<i32>,
+    /// The read-only root filesystem image.
+    pub rootfs: Option<DiskLayer>,
+    /// The writable overlay (first) and its backing chain, bottom last.
+    pub overlay: Vec<DiskLayer>,
+    /// The TAP, attached (`TUNSETIFF`) by the driver.
+    pub tap: Option<i32>,
+    /// The migration stream to restore from (`migrate-incoming fd:N`).
+    pub incoming: Option<i32>,
 }
 
 /// Everything the QEMU command line depends on.
@@ -30,24 +69,32 @@ pub mod files {
 pub struct Launch<'a> {
     /// VM name (`-name`).
     pub name: &'a str,
-    /// VM directory.
+    /// VM directory (named on the command line, so a VM's process is found by it).
     pub dir: &'a Path,
-    /// Where the VM's sockets are addressed: `dir`, or a short link to it (see `sockdir`).
-    pub sock_dir: &'a Path,
     /// The spec (kernel, disks, size).
     pub spec: &'a BootSpec,
     /// Accelerator.
     pub accel: Accel,
     /// Host TSC frequency in kHz (needed under TCG).
     pub tsc_khz: Option<u64>,
-    /// Per-VM overlay path, if the spec has an overlay base.
-    pub overlay: Option<PathBuf>,
+    /// The inherited descriptors.
+    pub fds: &'a Fds,
     /// Start with `-incoming defer` (restore).
     pub incoming: bool,
     /// Start with vCPUs paused (`-S`).
     pub paused: bool,
     /// Omit `-kernel/-initrd/-append` (firmware only; tests of the process lifecycle).
     pub firmware_only: bool,
+}
+
+/// QEMU's seccomp sandbox: no obsolete syscalls, no set*id, no fork/exec, no scheduler or
+/// resource changes.
+pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
+
+/// `/proc/self/fd/<fd>`: how QEMU names a file it only holds a descriptor of, for the options
+/// that take no fd set (`-kernel`, `-initrd`).
+pub fn proc_fd(fd: i32) -> String {
+    format!("/proc/self/fd/{fd}")
 }
 
 /// The guest kernel command line: console, panic/reboot policy, TSC hint under TCG, template args.
@@ -72,9 +119,35 @@ fn p(path: &Path) -> String {
     path.display().to_string()
 }
 
+/// `-add-fd` + `-blockdev` for a disk's layers (top first), the top node named `node`;
+/// `fdset` is the next free fd set id.
+fn blockdevs(push: &mut dyn FnMut(&[&str]), node: &str, layers: &[DiskLayer], writable: bool, fdset: &mut u32) {
+    let mut below: Option<String> = None;
+    for (i, l) in layers.iter().enumerate().rev() {
+        let set = *fdset;
+        *fdset += 1;
+        push(&["-add-fd", &format!("fd={},set={set},opaque={}", l.fd, p(&l.path))]);
+        let name = if i == 0 { node.to_string() } else { format!("{node}-{i}") };
+        let mut opts = format!("driver={},node-name={name},file.driver=file,file.filename=/dev/fdset/{set}", l.format);
+        if i == 0 && writable {
+            opts.push_str(",discard=unmap,file.discard=unmap");
+        } else {
+            opts.push_str(",read-only=on");
+        }
+        if l.format == "qcow2" {
+            match &below {
+                Some(b) => opts.push_str(&format!(",backing={b}")),
+                None => opts.push_str(",backing=null"),
+            }
+        }
+        push(&["-blockdev", &opts]);
+        below = Some(name);
+    }
+}
+
 /// QEMU's arguments (without the program name).
 pub fn qemu_args(l: &Launch<'_>) -> Vec<String> {
-    let d = l.dir;
+    let f = l.fds;
     let mut a: Vec<String> = Vec::new();
     let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
     push(&["-name", l.name]);
@@ -87,38 +160,49 @@ pub fn qemu_args(l: &Launch<'_>) -> Vec<String> {
     let mem = format!("{}M", l.spec.size.memory_mib());
     push(&["-smp", &smp, "-m", &mem]);
     push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
-    push(&["-daemonize", "-pidfile", &p(&d.join(files::PID))]);
-    push(&["-qmp", &format!("unix:{},server=on,wait=off", p(&l.sock_dir.join(files::QMP)))]);
-    // The serial port is a socket QEMU dials (and re-dials every second while no one listens,
-    // dropping the output meanwhile); the driver's drain keeps a capped log of it.
-    push(&[
-        "-chardev",
-        &format!("socket,id=serial0,path={},server=off,reconnect=1", p(&l.sock_dir.join(files::CONSOLE_SOCK))),
-    ]);
+    push(&["-sandbox", SANDBOX]);
+    // Names the VM directory on the command line (nothing opens it): how a VM's process is
+    // found when its owner died before recording its pid (`lifecycle::processes_naming`).
+    push(&["-object", &format!("secret,id=vm-dir,format=raw,data={}/", p(l.dir))]);
+    push(&["-chardev", &format!("socket,id=qmp0,fd={},server=on,wait=off", f.qmp)]);
+    push(&["-mon", "chardev=qmp0,mode=control"]);
+    // The serial port serves on a socket the driver dials (dropping output while no one is
+    // connected); the driver's drain keeps a capped log of it.
+    push(&["-chardev", &format!("socket,id=serial0,fd={},server=on,wait=off", f.console)]);
     push(&["-serial", "chardev:serial0"]);
     if !l.firmware_only {
-        push(&["-kernel", &p(&l.spec.kernel), "-initrd", &p(&l.spec.initrd)]);
+        if let (Some(k), Some(i)) = (f.kernel, f.initrd) {
+            push(&["-kernel", &proc_fd(k), "-initrd", &proc_fd(i)]);
+        }
         push(&["-append", &kernel_cmdline(l.spec, l.accel, l.tsc_khz)]);
     }
-    if let Some(rootfs) = &l.spec.rootfs {
-        push(&["-drive", &format!("id=rootfs,file={},format=raw,if=none,readonly=on", p(rootfs))]);
+    let mut fdset = 1;
+    if let Some(rootfs) = &f.rootfs {
+        blockdevs(&mut push, "rootfs", std::slice::from_ref(rootfs), false, &mut fdset);
         push(&["-device", "virtio-blk-device,drive=rootfs"]);
     }
-    if let Some(overlay) = &l.overlay {
-        push(&["-drive", &format!("id=overlay,file={},format=qcow2,if=none,discard=unmap", p(overlay))]);
+    if !f.overlay.is_empty() {
+        blockdevs(&mut push, "overlay", &f.overlay, true, &mut fdset);
         push(&["-device", "virtio-blk-device,drive=overlay"]);
     }
     push(&["-device", "virtio-serial-device,max_ports=2"]);
-    push(&[
-        "-chardev",
-        &format!("socket,id=agent0,path={},server=on,wait=off", p(&l.sock_dir.join(files::AGENT_SERIAL))),
-    ]);
+    push(&["-chardev", &format!("socket,id=agent0,fd={},server=on,wait=off", f.agent)]);
     push(&["-device", &format!("virtserialport,chardev=agent0,name={}", agent_mux::AGENT_PORT_NAME)]);
     // After every other device, so VMs without a NIC keep their virtio-mmio layout (and
     // snapshots taken before NICs existed stay restorable).
-    if let Some(nic) = &l.spec.nic {
-        push(&["-netdev", &format!("tap,id=net0,ifname={},script=no,downscript=no", nic.tap)]);
+    if let (Some(nic), Some(tap)) = (&l.spec.nic, f.tap) {
+        push(&["-netdev", &format!("tap,id=net0,fd={tap}")]);
         push(&["-device", &format!("virtio-net-device,netdev=net0,mac={}", nic.mac)]);
+    }
+    // After the NIC for the same reason: a spec without it keeps its old layout. The backend
+    // is QEMU's built-in getrandom() source (no file to open); the guest may draw at most
+    // RNG_BYTES_PER_SEC.
+    if l.spec.rng {
+        push(&["-object", "rng-builtin,id=rng0"]);
+        push(&[
+            "-device",
+            &format!("virtio-rng-device,rng=rng0,max-bytes={},period=1000", crate::driver::RNG_BYTES_PER_SEC),
+        ]);
     }
     if l.paused {
         push(&["-S"]);
@@ -195,6 +279,7 @@ mod tests {
             size: SizeClass::Medium,
             accel: AccelPreference::Auto,
             nic: None,
+            rng: true,
         }
     }
 
@@ -202,18 +287,37 @@ mod tests {
         a.windows(2).filter(|w| w[0] == flag).map(|w| w[1].as_str()).collect()
     }
 
+    fn fds(disks: bool) -> Fds {
+        let layer = |fd, format, path: &str| DiskLayer { fd, format, path: path.into() };
+        Fds {
+            qmp: 3,
+            console: 4,
+            agent: 5,
+            kernel: Some(6),
+            initrd: Some(7),
+            rootfs: disks.then(|| layer(8, "raw", "/k/rootfs.erofs")),
+            overlay: if disks {
+                vec![layer(9, "qcow2", "/s/vms/x/overlay.qcow2"), layer(10, "raw", "/k/overlay.ext4")]
+            } else {
+                Vec::new()
+            },
+            tap: None,
+            incoming: None,
+        }
+    }
+
     #[test]
     fn tcg_command_line() {
         let s = spec(true);
         let dir = Path::new("/s/vms/x");
+        let f = fds(true);
         let a = qemu_args(&Launch {
             name: "x",
             dir,
-            sock_dir: dir,
             spec: &s,
             accel: Accel::Tcg,
             tsc_khz: Some(2596130),
-            overlay: Some(dir.join(files::OVERLAY)),
+            fds: &f,
             incoming: false,
             paused: false,
             firmware_only: false,
@@ -223,19 +327,31 @@ mod tests {
         assert_eq!(after(&a, "-cpu"), ["max"]);
         assert_eq!(after(&a, "-smp"), ["2"]);
         assert_eq!(after(&a, "-m"), ["1024M"]);
-        assert_eq!(after(&a, "-qmp"), ["unix:/s/vms/x/qmp.sock,server=on,wait=off"]);
+        assert_eq!(after(&a, "-sandbox"), ["on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]);
+        assert_eq!(after(&a, "-mon"), ["chardev=qmp0,mode=control"]);
         assert_eq!(after(&a, "-serial"), ["chardev:serial0"]);
-        assert_eq!(after(&a, "-pidfile"), ["/s/vms/x/qemu.pid"]);
+        assert_eq!(after(&a, "-kernel"), ["/proc/self/fd/6"]);
+        assert_eq!(after(&a, "-initrd"), ["/proc/self/fd/7"]);
         assert_eq!(
             after(&a, "-append"),
             ["console=ttyS0 reboot=t panic=-1 tsc_early_khz=2596130 chrysalis.rootfs=/dev/vda"]
         );
-        let drives = after(&a, "-drive");
-        assert_eq!(drives.len(), 2);
-        assert!(
-            drives[0].starts_with("id=rootfs,file=/k/rootfs.erofs,format=raw") && drives[0].contains("readonly=on")
+        assert_eq!(
+            after(&a, "-add-fd"),
+            [
+                "fd=8,set=1,opaque=/k/rootfs.erofs",
+                "fd=10,set=2,opaque=/k/overlay.ext4",
+                "fd=9,set=3,opaque=/s/vms/x/overlay.qcow2"
+            ]
         );
-        assert!(drives[1].starts_with("id=overlay,file=/s/vms/x/overlay.qcow2,format=qcow2"));
+        assert_eq!(
+            after(&a, "-blockdev"),
+            [
+                "driver=raw,node-name=rootfs,file.driver=file,file.filename=/dev/fdset/1,read-only=on",
+                "driver=raw,node-name=overlay-1,file.driver=file,file.filename=/dev/fdset/2,read-only=on",
+                "driver=qcow2,node-name=overlay,file.driver=file,file.filename=/dev/fdset/3,discard=unmap,file.discard=unmap,backing=overlay-1",
+            ]
+        );
         let devs = after(&a, "-device");
         assert_eq!(devs[0], "virtio-blk-device,drive=rootfs", "rootfs must be the first disk (/dev/vda)");
         assert_eq!(devs[1], "virtio-blk-device,drive=overlay");
@@ -243,28 +359,38 @@ mod tests {
         assert_eq!(
             after(&a, "-chardev"),
             [
-                "socket,id=serial0,path=/s/vms/x/console.sock,server=off,reconnect=1",
-                "socket,id=agent0,path=/s/vms/x/agent-serial.sock,server=on,wait=off"
+                "socket,id=qmp0,fd=3,server=on,wait=off",
+                "socket,id=serial0,fd=4,server=on,wait=off",
+                "socket,id=agent0,fd=5,server=on,wait=off"
             ]
         );
+        assert_eq!(after(&a, "-object"), ["secret,id=vm-dir,format=raw,data=/s/vms/x/", "rng-builtin,id=rng0"]);
+        // QEMU opens no path of ours: everything but the marker is a descriptor.
+        let paths: Vec<&String> = a
+            .iter()
+            .filter(|x| x.contains("/s/vms/x") && !x.starts_with("secret,") && !x.contains("opaque="))
+            .collect();
+        assert!(paths.is_empty(), "{paths:?}");
         assert!(!a.iter().any(|x| x.starts_with("file:")), "QEMU writes no file the guest controls");
-        for flag in ["-nodefaults", "-no-user-config", "-nographic", "-daemonize"] {
+        for flag in ["-nodefaults", "-no-user-config", "-nographic"] {
             assert!(a.iter().any(|x| x == flag), "{flag}");
         }
-        assert!(!a.iter().any(|x| x == "-S" || x == "-incoming"));
+        for flag in ["-daemonize", "-pidfile", "-qmp", "-drive", "-S", "-incoming"] {
+            assert!(!a.iter().any(|x| x == flag), "{flag}");
+        }
     }
 
     #[test]
     fn kvm_restore_command_line() {
         let s = spec(false);
+        let f = fds(false);
         let a = qemu_args(&Launch {
             name: "y",
             dir: Path::new("/d"),
-            sock_dir: Path::new("/d"),
             spec: &s,
             accel: Accel::Kvm,
             tsc_khz: Some(1),
-            overlay: None,
+            fds: &f,
             incoming: true,
             paused: true,
             firmware_only: false,
@@ -273,7 +399,7 @@ mod tests {
         assert_eq!(after(&a, "-cpu"), ["host"]);
         assert_eq!(after(&a, "-incoming"), ["defer"]);
         assert!(a.iter().any(|x| x == "-S"));
-        assert!(after(&a, "-drive").is_empty());
+        assert!(after(&a, "-blockdev").is_empty());
         assert!(!after(&a, "-append")[0].contains("tsc_early_khz"), "only under TCG");
     }
 
@@ -287,31 +413,36 @@ mod tests {
             ip_cidr: "10.88.0.5/24".into(),
             gateway: "10.88.0.1".into(),
         });
-        let launch = |spec| {
+        let launch = |spec, f: &Fds| {
             qemu_args(&Launch {
                 name: "n",
                 dir: Path::new("/d"),
-                sock_dir: Path::new("/d"),
                 spec,
                 accel: Accel::Tcg,
                 tsc_khz: None,
-                overlay: None,
+                fds: f,
                 incoming: false,
                 paused: false,
                 firmware_only: false,
             })
         };
-        let a = launch(&s);
-        assert_eq!(after(&a, "-netdev"), ["tap,id=net0,ifname=ct-0123456789ab,script=no,downscript=no"]);
+        let f = Fds { tap: Some(11), ..fds(true) };
+        let a = launch(&s, &f);
+        assert_eq!(after(&a, "-netdev"), ["tap,id=net0,fd=11"]);
         let devs = after(&a, "-device");
-        assert_eq!(devs.last(), Some(&"virtio-net-device,netdev=net0,mac=02:11:22:33:44:55"), "NIC is the last device");
+        assert_eq!(
+            devs[devs.len() - 2],
+            "virtio-net-device,netdev=net0,mac=02:11:22:33:44:55",
+            "the NIC comes after the disks and the serial"
+        );
+        assert_eq!(devs.last(), Some(&"virtio-rng-device,rng=rng0,max-bytes=65536,period=1000"), "then the RNG");
         assert_eq!(devs[0], "virtio-blk-device,drive=rootfs");
         assert_eq!(
             after(&a, "-append"),
             ["console=ttyS0 reboot=t panic=-1 chrysalis.rootfs=/dev/vda chrysalis.ip=10.88.0.5/24 chrysalis.gw=10.88.0.1 chrysalis.mac=02:11:22:33:44:55"]
         );
         // Without a NIC: no network device at all.
-        let a = launch(&spec(true));
+        let a = launch(&spec(true), &fds(true));
         assert!(after(&a, "-netdev").is_empty());
         assert!(!after(&a, "-device").iter().any(|d| d.starts_with("virtio-net")));
         assert!(!after(&a, "-append")[0].contains("chrysalis.ip"));
@@ -325,5 +456,32 @@ mod tests {
         assert_eq!(tsc_khz_from_dmesg("nothing"), None);
         assert_eq!(tsc_khz_from_cpuinfo("processor\t: 0\ncpu MHz\t\t: 2596.130\n"), Some(2596130));
         assert_eq!(tsc_khz_from_cpuinfo("cpu MHz : 3000\n"), Some(3000000));
+    }
+
+    #[test]
+    fn rng_is_a_rate_limited_builtin_source_after_every_other_device_and_only_when_asked() {
+        let f = fds(true);
+        let launch = |spec: &BootSpec| {
+            qemu_args(&Launch {
+                name: "n",
+                dir: Path::new("/d"),
+                spec,
+                accel: Accel::Kvm,
+                tsc_khz: None,
+                fds: &f,
+                incoming: false,
+                paused: false,
+                firmware_only: false,
+            })
+        };
+        let a = launch(&spec(true));
+        assert_eq!(after(&a, "-object").last(), Some(&"rng-builtin,id=rng0"));
+        assert_eq!(after(&a, "-device").last(), Some(&"virtio-rng-device,rng=rng0,max-bytes=65536,period=1000"));
+        // A spec recorded before the device existed keeps the old layout (restorable snapshots).
+        let mut old = spec(true);
+        old.rng = false;
+        let a = launch(&old);
+        assert!(!after(&a, "-object").iter().any(|o| o.starts_with("rng-")));
+        assert!(!after(&a, "-device").iter().any(|d| d.starts_with("virtio-rng")));
     }
 }

@@ -1,24 +1,34 @@
-//! QEMU `-M microvm` driver: QMP control ([`qmp`], on the `qapi` crate), daemonized processes
-//! ([`process`]), command lines ([`cmdline`]).
+//! QEMU `-M microvm` driver: QMP control ([`qmp`], on the `qapi` crate), jailed processes
+//! ([`process`], [`crate::jail`]), command lines ([`cmdline`]).
 //!
-//! Guest agent transport: one virtio-serial port (`org.chrysalis.agent.0`) whose QEMU chardev is
-//! `<vmdir>/agent-serial.sock`; the driver serves `<vmdir>/vsock.sock` with an
+//! QEMU runs jailed: as the VM user with no capabilities and no new privileges, in its own
+//! session and cgroup leaf, under its seccomp sandbox (`-sandbox on,…,spawn=deny,…`). It opens
+//! no path of ours: the driver binds the listening sockets (QMP, console, agent port) at their
+//! usual paths and opens the kernel, the disks with their backing chain (`-add-fd` +
+//! `-blockdev …file.filename=/dev/fdset/N`), the TAP and migration streams, and QEMU inherits
+//! the descriptors ([`cmdline::Fds`]).
+//!
+//! Guest agent transport: one virtio-serial port (`org.chrysalis.agent.0`) whose QEMU chardev
+//! serves `<vmdir>/agent-serial.sock`; the driver serves `<vmdir>/vsock.sock` with an
 //! [`agent_mux::bridge::Bridge`] so callers dial it like a cloud-hypervisor vsock socket.
-//! Snapshots are QMP `stop` + `migrate` to `exec:cat > <dir>/state` + a copy of the overlay;
-//! restore starts QEMU with `-incoming defer`, `migrate-incoming`, then `cont`.
+//! Snapshots are QMP `stop` + `getfd` (the driver's `<dir>/state`, passed over the QMP socket) +
+//! `migrate fd:` + a copy of the overlay; restore starts QEMU with `-incoming defer` and the
+//! state file inherited, `migrate-incoming fd:N`, then `cont`.
 //!
-//! A [`BootSpec::nic`] adds `-netdev tap,ifname=<tap>,script=no` + `virtio-net-device` (the last
-//! device) and `chrysalis.ip/gw/mac` kernel arguments; QEMU is spawned inside the NIC's netns.
+//! A [`BootSpec::nic`] adds `-netdev tap,fd=N` (the driver attaches to the TAP inside the NIC's
+//! netns) + `virtio-net-device` (the last device) and `chrysalis.ip/gw/mac` kernel arguments;
+//! QEMU is spawned inside the NIC's netns too.
 //! A clone of a NIC'd VM is restored with its own NIC ([`Driver::restore_with`]); its guest keeps
 //! the parent's MAC/IP until re-addressed (`guest-init net-config`).
 //!
-//! Serial console: QEMU dials `<vmdir>/console.sock`, which the driver listens on and drains
-//! into a size-capped `console.log` ([`crate::console`], [`QemuConfig::console_cap`]); the
-//! listener is bound before QEMU starts and again on [`Driver::attach`].
+//! Serial console: QEMU serves `<vmdir>/console.sock` (a listening socket the driver bound and
+//! passed in), which the driver dials and drains into a size-capped `console.log`
+//! ([`crate::console`], [`QemuConfig::console_cap`]); the first dial waits in the socket's
+//! backlog from before QEMU runs, and [`Driver::attach`] dials again after a restart.
 //!
 //! Boot and restore share one path ([`QemuDriver`]'s `create`): the `creating` record is written
-//! right after `mkdir`, the QEMU pid (from `-pidfile`, read as soon as the daemonizing parent
-//! returned) right after spawn, `running` at the end ([`crate::lifecycle`]). `list` shows
+//! right after `mkdir`, the QEMU pid (the driver writes `qemu.pid` too) right after spawn,
+//! `running` at the end ([`crate::lifecycle`]). `list` shows
 //! `creating` VMs too, `kill` finds an unrecorded QEMU through its pid file or its command line,
 //! and `prune` removes dead records — so a `kill -9` of the owner mid-boot leaks nothing.
 
@@ -40,10 +50,13 @@ use crate::console::ConsoleDrain;
 use crate::driver::{
     AfterSnapshot, Backend, BootSpec, Driver, DriverError, NicSpec, RestoreOptions, Snapshot, Vm, VmId, VmState,
 };
+use crate::jail::{JailError, JailSettings, Leaf, SpawnPlan};
 use crate::lifecycle::{self, VmRecord};
 use crate::record;
-use cmdline::{files, Launch};
+use cmdline::{files, DiskLayer, Launch};
 use qmp::{Qmp, QmpError};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 
 /// How long a QMP connect may take.
 const QMP_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -73,6 +86,9 @@ pub struct QemuConfig {
     pub firmware_only: bool,
     /// Bytes of serial console each VM keeps on disk ([`crate::console::DEFAULT_CONSOLE_CAP`]).
     pub console_cap: u64,
+    /// The jail QEMU runs in ([`crate::jail`]; `CHRYSALIS_JAIL`, `CHRYSALIS_VM_USER`,
+    /// `CHRYSALIS_VM_CGROUP`).
+    pub jail: JailSettings,
 }
 
 impl QemuConfig {
@@ -88,6 +104,7 @@ impl QemuConfig {
             start_paused: false,
             firmware_only: false,
             console_cap: crate::console::DEFAULT_CONSOLE_CAP,
+            jail: JailSettings::from_env(),
         }
     }
 }
@@ -109,6 +126,8 @@ struct Pending {
     pid: Option<(u32, u64)>,
     /// The console drain, handed to the driver's map on success (dropped, and so stopped, otherwise).
     console: Option<ConsoleDrain>,
+    /// The VM's cgroup leaf, removed with it.
+    leaf: Option<Leaf>,
     armed: bool,
 }
 
@@ -123,7 +142,26 @@ impl Drop for Pending {
             tracing::error!(dir = %self.dir.display(), ?procs, "a half-created VM's QEMU survived SIGKILL; keeping its dir");
             return;
         }
+        if let Some(leaf) = &self.leaf {
+            leaf.remove();
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The descriptors opened for a new QEMU ([`cmdline::Fds`]) and their owners, closed once it
+/// has been spawned.
+#[derive(Default)]
+struct OpenedFds {
+    fds: cmdline::Fds,
+    owned: Vec<OwnedFd>,
+}
+
+impl OpenedFds {
+    fn keep(&mut self, fd: OwnedFd) -> i32 {
+        let raw = fd.as_raw_fd();
+        self.owned.push(fd);
+        raw
     }
 }
 
@@ -142,11 +180,6 @@ fn now_secs() -> u64 {
 
 fn control(vm: &VmId) -> impl Fn(QmpError) -> DriverError + '_ {
     move |e| DriverError::Control { vm: vm.clone(), message: crate::error_chain(&e) }
-}
-
-/// Single-quotes `p` for `/bin/sh` (used in `exec:` migration URIs).
-fn sh_quote(p: &Path) -> String {
-    format!("'{}'", p.display().to_string().replace('\'', r"'\''"))
 }
 
 impl QemuDriver {
@@ -194,7 +227,7 @@ impl QemuDriver {
     /// Creates the VM directory holding its `creating` record, guarded by [`Pending`].
     fn new_vm_dir(&self, rec: &VmRecord) -> Result<Pending, DriverError> {
         lifecycle::create_vm_dir(rec)?;
-        Ok(Pending { dir: rec.vm.dir.clone(), pid: None, console: None, armed: true })
+        Ok(Pending { dir: rec.vm.dir.clone(), pid: None, console: None, leaf: None, armed: true })
     }
 
     fn make_vm(&self, id: &VmId, accel: Accel, spec: &BootSpec, from: Option<PathBuf>) -> Result<Vm, DriverError> {
@@ -244,11 +277,17 @@ impl QemuDriver {
         Ok(())
     }
 
-    /// Listens on the VM's console socket and drains it into its capped log.
+    /// Dials the VM's console socket (QEMU serves it) and drains it into its capped log.
     fn console_drain(&self, vm: &Vm) -> Result<ConsoleDrain, DriverError> {
-        let sock = vm.control_socket.with_file_name(files::CONSOLE_SOCK);
-        ConsoleDrain::listen(&sock, &vm.console_log, self.cfg.console_cap)
-            .map_err(|e| DriverError::io(format!("vm {}: serving the console socket {}", vm.id, sock.display()), e))
+        ConsoleDrain::dial(
+            &vm.control_socket.with_file_name(files::CONSOLE_SOCK),
+            &vm.console_log,
+            self.cfg.console_cap,
+            // The driver listened on QEMU's console socket, in root's directory, and passed
+            // QEMU the descriptor: its peer is the driver, and nobody else can replace it.
+            None,
+        )
+        .map_err(|e| DriverError::io(format!("vm {}: opening the console log {}", vm.id, vm.console_log.display()), e))
     }
 
     fn lock_consoles(&self) -> std::sync::MutexGuard<'_, HashMap<VmId, ConsoleDrain>> {
@@ -307,6 +346,97 @@ impl QemuDriver {
         Ok(o)
     }
 
+    /// The layers under `overlay` (itself first), as `qemu-img info --backing-chain` reads them.
+    async fn backing_chain(&self, overlay: &Path) -> Result<Vec<(PathBuf, &'static str)>, DriverError> {
+        let path = overlay.display().to_string();
+        let out =
+            process::run_output(&self.cfg.qemu_img, &["info", "-U", "--backing-chain", "--output=json", &path]).await?;
+        let infos: Vec<serde_json::Value> = serde_json::from_slice(&out)
+            .map_err(|e| DriverError::Invalid(format!("qemu-img info {path}: unreadable output: {e}")))?;
+        infos
+            .iter()
+            .map(|i| {
+                let file = i.get("filename").and_then(|f| f.as_str());
+                let format = match i.get("format").and_then(|f| f.as_str()) {
+                    Some("qcow2") => Some("qcow2"),
+                    Some("raw") => Some("raw"),
+                    _ => None,
+                };
+                match (file, format) {
+                    (Some(f), Some(fmt)) => Ok((PathBuf::from(f), fmt)),
+                    _ => {
+                        Err(DriverError::Invalid(format!("qemu-img info {path}: a layer without file or format: {i}")))
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// Opens everything QEMU needs (it reaches none of our paths): listening sockets at their
+    /// usual names, kernel and initrd, the disks and their backing chain, the TAP, the
+    /// incoming migration stream.
+    async fn open_fds(
+        &self,
+        vm: &Vm,
+        sock_dir: &Path,
+        overlay: Option<&Path>,
+        origin: Origin<'_>,
+    ) -> Result<OpenedFds, DriverError> {
+        let mut o = OpenedFds::default();
+        let listen = |name: &str| -> Result<OwnedFd, DriverError> {
+            let path = sock_dir.join(name);
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(DriverError::io(format!("removing {}", path.display()), e)),
+            }
+            let l = std::os::unix::net::UnixListener::bind(&path)
+                .map_err(|e| DriverError::io(format!("vm {}: listening on {}", vm.id, path.display()), e))?;
+            Ok(OwnedFd::from(l))
+        };
+        o.fds.qmp = o.keep(listen(files::QMP)?);
+        o.fds.console = o.keep(listen(files::CONSOLE_SOCK)?);
+        o.fds.agent = o.keep(listen(files::AGENT_SERIAL)?);
+        let open = |path: &Path, write: bool| -> Result<OwnedFd, DriverError> {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(write)
+                .open(path)
+                .map(OwnedFd::from)
+                .map_err(|e| DriverError::io(format!("vm {}: opening {}", vm.id, path.display()), e))
+        };
+        if !self.cfg.firmware_only {
+            o.fds.kernel = Some(o.keep(open(&vm.spec.kernel, false)?));
+            o.fds.initrd = Some(o.keep(open(&vm.spec.initrd, false)?));
+        }
+        if let Some(rootfs) = &vm.spec.rootfs {
+            let fd = o.keep(open(rootfs, false)?);
+            o.fds.rootfs = Some(DiskLayer { fd, format: "raw", path: rootfs.clone() });
+        }
+        if let Some(top) = overlay {
+            for (i, (path, format)) in self.backing_chain(top).await?.into_iter().enumerate() {
+                let fd = o.keep(open(&path, i == 0)?);
+                o.fds.overlay.push(DiskLayer { fd, format, path });
+            }
+        }
+        if let Some(nic) = &vm.spec.nic {
+            let tap = crate::jail::open_tap(&nic.tap, nic.netns_path().as_deref()).map_err(JailError::from)?;
+            o.fds.tap = Some(o.keep(tap));
+        }
+        if let Origin::Restore(snap, _) = origin {
+            // Non-blocking, so a FIFO without a writer cannot hang the open; QEMU sets the
+            // descriptor's mode itself.
+            let state = snap.dir.join(files::STATE);
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(&state)
+                .map_err(|e| DriverError::io(format!("vm {}: opening {}", vm.id, state.display()), e))?;
+            o.fds.incoming = Some(o.keep(OwnedFd::from(f)));
+        }
+        Ok(o)
+    }
+
     /// Boot and restore: `creating` record → overlay → QEMU → pid recorded → (restore: incoming
     /// migration, `cont`) → `running` record → vsock bridge. Errors and drops are cleaned up by
     /// `pending`; a `kill -9` of our process leaves the `creating` record for [`Driver::list`].
@@ -359,32 +489,55 @@ impl QemuDriver {
             None => None,
         };
         let incoming = matches!(origin, Origin::Restore(..));
+        let jail = self.cfg.jail.resolve()?;
+        if let Some(j) = &jail {
+            pending.leaf = Some(j.leaf(rec.vm.id.as_str(), rec.vm.spec.size, rec.vm.accel)?);
+        }
+        let sock_dir = rec.vm.control_socket.parent().unwrap_or(&dir).to_path_buf();
+        let opened = self.open_fds(&rec.vm, &sock_dir, overlay.as_deref(), origin).await?;
         let args = cmdline::qemu_args(&Launch {
             name: rec.vm.id.as_str(),
             dir: &dir,
-            sock_dir: rec.vm.control_socket.parent().unwrap_or(&dir),
             spec: &rec.vm.spec,
             accel: rec.vm.accel,
             tsc_khz: self.tsc_khz,
-            overlay,
+            fds: &opened.fds,
             incoming,
             paused: incoming || self.cfg.start_paused,
             firmware_only: self.cfg.firmware_only,
         });
-        tracing::debug!(?args, "starting qemu");
-        // Listening before QEMU starts, so the console is kept from its first byte.
-        pending.console = Some(self.console_drain(&rec.vm)?);
-        let netns = rec.vm.spec.nic.as_ref().and_then(|n| n.netns_path());
-        let (pid, start_time) =
-            process::start_daemonized_in(&self.cfg.qemu, &args, &dir.join(files::PID), netns.as_deref()).await?;
+        tracing::debug!(?args, jailed = jail.is_some(), "starting qemu");
+        let netns = match rec.vm.spec.nic.as_ref().and_then(|n| n.netns_path()) {
+            Some(path) => Some(
+                std::fs::File::open(&path)
+                    .map_err(|e| DriverError::io(format!("opening network namespace {}", path.display()), e))?,
+            ),
+            None => None,
+        };
+        let mut plan = SpawnPlan::new(jail.as_ref(), pending.leaf.as_ref());
+        plan.inherit = opened.owned.iter().map(|f| f.as_raw_fd()).collect();
+        plan.netns = netns.as_ref().map(|f| f.as_raw_fd());
+        let log = dir.join(files::LOG);
+        let (mut child, output) = process::spawn(&self.cfg.qemu, &args, &log, plan)?;
+        let mut output = Some(output);
+        // QEMU holds its own copies now; ours close, so a dead QEMU breaks every socket.
+        let incoming_fd = opened.fds.incoming;
+        drop(opened);
+        drop(netns);
+        let pid = child.id().unwrap_or(0);
+        let start_time = record::pid_start_time(pid).unwrap_or(0);
+        process::write_pidfile(&dir.join(files::PID), pid)?;
         pending.pid = Some((pid, start_time));
         rec.spawned(pid, start_time)?;
         rec.store()?;
-        if let Origin::Restore(snap, _) = origin {
+        // Dialled now, the console connection waits in QEMU's backlog: boot output is kept.
+        pending.console = Some(self.console_drain(&rec.vm)?);
+        process::wait_ready(&self.cfg.qemu, &mut child, &mut output, &rec.vm.control_socket, &log).await?;
+        if let Origin::Restore(..) = origin {
             let id = &rec.vm.id;
             let q = self.qmp(&rec.vm).await?;
-            let state = snap.dir.join(files::STATE);
-            q.migrate_incoming(&format!("exec:cat {}", sh_quote(&state))).await.map_err(control(id))?;
+            let fd = incoming_fd.ok_or_else(|| DriverError::Invalid("restore without a migration stream".into()))?;
+            q.migrate_incoming(&format!("fd:{fd}")).await.map_err(control(id))?;
             self.wait_migration(id, &q, "incoming migration").await?;
             if !self.cfg.start_paused {
                 q.cont().await.map_err(control(id))?;
@@ -393,6 +546,13 @@ impl QemuDriver {
         rec.running()?;
         rec.store()?;
         self.start_bridge(&rec.vm)
+    }
+
+    /// Removes the VM's cgroup leaf, if the jail gives it one (a failure is logged and counted).
+    fn remove_leaf(&self, id: &VmId) {
+        if let Ok(Some(jail)) = self.cfg.jail.resolve() {
+            jail.cgroups.leaf_of(id.as_str()).remove();
+        }
     }
 
     /// Stops every process of the VM (the recorded pid; for a `creating` VM also the pid file's
@@ -416,6 +576,7 @@ impl QemuDriver {
                 after: KILL_WAIT,
             });
         }
+        self.remove_leaf(&vm.id);
         crate::sockdir::release(&vm.dir);
         match std::fs::remove_dir_all(&vm.dir) {
             Ok(()) => Ok(()),
@@ -456,11 +617,23 @@ impl Driver for QemuDriver {
             let q = self.qmp(vm).await?;
             let was_running = q.status().await.map_err(control(&vm.id))?.running;
             q.stop().await.map_err(control(&vm.id))?;
+            // QEMU serves one QMP client at a time: the descriptor goes over a connection of
+            // its own, then the migration is watched on a fresh one.
+            drop(q);
             let result = async {
                 std::fs::create_dir_all(dir).map_err(|e| DriverError::io(format!("creating {}", dir.display()), e))?;
                 let state = dir.join(files::STATE);
-                q.migrate(&format!("exec:cat > {}", sh_quote(&state))).await.map_err(control(&vm.id))?;
-                self.wait_migration(&vm.id, &q, "migration to file").await?;
+                let file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .open(&state)
+                    .map_err(|e| DriverError::io(format!("creating {}", state.display()), e))?;
+                qmp::migrate_to_fd(&vm.control_socket, OwnedFd::from(file), QMP_CONNECT_TIMEOUT)
+                    .await
+                    .map_err(control(&vm.id))?;
+                self.wait_migration(&vm.id, &self.qmp(vm).await?, "migration to file").await?;
                 let src_overlay = vm.dir.join(files::OVERLAY);
                 let overlay = if src_overlay.exists() {
                     let dst = dir.join(files::OVERLAY);
@@ -485,7 +658,7 @@ impl Driver for QemuDriver {
             }
             .await;
             if after == AfterSnapshot::Resumed || (result.is_err() && was_running) {
-                q.cont().await.map_err(control(&vm.id))?;
+                self.qmp(vm).await?.cont().await.map_err(control(&vm.id))?;
             }
             if result.is_ok() {
                 tracing::info!(ms = t0.elapsed().as_millis() as u64, "snapshot written");
@@ -539,7 +712,7 @@ impl Driver for QemuDriver {
             // A VM still being created has no guest to ask: kill it.
             if vm.state == VmState::Running && record::is_alive(vm.pid, vm.pid_start_time) {
                 // 1. The guest control port: silkd has guest-init power off.
-                let path = match crate::agent::request_poweroff(&vm.vsock_socket, crate::agent::control_budget(timeout)).await {
+                let path = match crate::agent::request_poweroff(&vm.vsock_socket, crate::agent::control_budget(timeout), None).await {
                     Ok(()) => "control",
                     Err(e) => {
                         // 2. ACPI, for guests without the control port.
@@ -580,9 +753,17 @@ impl Driver for QemuDriver {
         let pruned = lifecycle::prune(&self.vms_dir(), Backend::Qemu, Some(files::PID), lifecycle::PRUNE_GRACE)?;
         let mut bridges = self.lock_bridges();
         let mut consoles = self.lock_consoles();
+        let jail = self.cfg.jail.resolve().ok().flatten();
         for id in &pruned {
             bridges.remove(id);
             consoles.remove(id);
+            if let Some(j) = &jail {
+                j.cgroups.leaf_of(id.as_str()).remove();
+            }
+        }
+        // Leaves of VMs whose directories are gone too (killed and removed outside a driver).
+        if let Some(j) = &jail {
+            j.cgroups.sweep_empty(lifecycle::PRUNE_GRACE);
         }
         Ok(pruned)
     }
@@ -616,16 +797,5 @@ impl Driver for QemuDriver {
             self.lock_consoles().insert(id.clone(), drain);
         }
         Ok(vm)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn quoting() {
-        assert_eq!(sh_quote(Path::new("/a b/c")), "'/a b/c'");
-        assert_eq!(sh_quote(Path::new("/it's")), r"'/it'\''s'");
     }
 }

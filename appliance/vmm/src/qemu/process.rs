@@ -1,22 +1,33 @@
-//! The QEMU process: daemonized start, pid file, kill, and helpers like `qemu-img`.
+//! The QEMU process: a jailed start, readiness, pid file, kill, and helpers like `qemu-img`.
 
-use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use tokio::process::Child;
+
+use super::qmp::Qmp;
 use crate::driver::DriverError;
+use crate::jail::output::{spawn_logged, OutputDrain, OutputError};
+use crate::jail::SpawnPlan;
 use crate::record;
 
-/// How long QEMU's parent may take to daemonize (it exits once the VM is set up).
-pub const DAEMONIZE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long QEMU may take to set the VM up (until QMP answers).
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Runs a helper program to completion; a non-zero exit is an error carrying its stderr.
 pub async fn run(program: &Path, args: &[String]) -> Result<(), DriverError> {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_output(program, &args).await.map(drop)
+}
+
+/// Runs a helper program to completion and returns its stdout; a non-zero exit is an error
+/// carrying its stderr.
+pub async fn run_output(program: &Path, args: &[&str]) -> Result<Vec<u8>, DriverError> {
     let out = tokio::process::Command::new(program)
         .args(args)
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .output()
@@ -28,83 +39,66 @@ pub async fn run(program: &Path, args: &[String]) -> Result<(), DriverError> {
             detail: format!("{}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()),
         });
     }
-    Ok(())
+    Ok(out.stdout)
 }
 
-/// Starts QEMU with `-daemonize -pidfile <pidfile>` and returns `(pid, start_time)` of the
-/// daemon once the parent has exited successfully.
-pub async fn start_daemonized(qemu: &Path, args: &[String], pidfile: &Path) -> Result<(u32, u64), DriverError> {
-    start_daemonized_in(qemu, args, pidfile, None).await
-}
+/// Bytes of QEMU's own output (`qemu.log`, both segments) kept per VM: QEMU prints what some
+/// guest actions provoke (device errors), so it is capped like the console.
+pub const LOG_CAP: u64 = crate::jail::output::LOG_CAP;
 
-/// [`start_daemonized`] inside the network namespace file `netns` (e.g. `/run/netns/<name>`):
-/// the child joins it (`setns(CLONE_NEWNET)`) between fork and exec, so QEMU opens its TAP there.
-pub async fn start_daemonized_in(
-    qemu: &Path,
-    args: &[String],
-    pidfile: &Path,
-    netns: Option<&Path>,
-) -> Result<(u32, u64), DriverError> {
-    let program = qemu.display().to_string();
+/// Spawns QEMU (in the foreground: no `-daemonize`) with `plan` installed between fork and
+/// exec (its own session, netns, cgroup, inherited descriptors, the user switch; see
+/// [`crate::jail`]); stdout and stderr go through a pipe into the capped `log`
+/// ([`crate::jail::output`]). The child is not killed when dropped: the VM outlives its
+/// driver, and tokio reaps it if it exits while we still run.
+pub fn spawn(qemu: &Path, args: &[String], log: &Path, plan: SpawnPlan) -> Result<(Child, OutputDrain), DriverError> {
     let mut cmd = tokio::process::Command::new(qemu);
-    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
-    // Opened close-on-exec; kept open until the child has exec'ed (spawn returns after exec).
-    let ns_file = match netns {
-        Some(path) => Some(
-            std::fs::File::open(path)
-                .map_err(|e| DriverError::io(format!("opening network namespace {}", path.display()), e))?,
-        ),
-        None => None,
-    };
-    if let Some(f) = &ns_file {
-        let fd = f.as_raw_fd();
-        // SAFETY: the closure runs in the forked child before exec and only calls setns(2), which
-        // is async-signal-safe, on a descriptor the parent keeps open until spawn returns.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
+    cmd.args(args);
+    plan.install(&mut cmd);
+    spawn_logged(cmd, log, LOG_CAP).map_err(|e| match e {
+        OutputError::Log { path, source } => DriverError::io(format!("opening {}", path.display()), source),
+        OutputError::Spawn { source } => {
+            DriverError::Spawn { program: qemu.display().to_string(), detail: source.to_string() }
+        }
+    })
+}
+
+/// Waits until QEMU's QMP socket answers (its set-up is done: devices, disks, the incoming
+/// side), or fails with the end of `log` if QEMU exits first.
+pub async fn wait_ready(
+    qemu: &Path,
+    child: &mut Child,
+    output: &mut Option<OutputDrain>,
+    qmp: &Path,
+    log: &Path,
+) -> Result<(), DriverError> {
+    let program = qemu.display().to_string();
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            if let Some(drain) = output.take() {
+                drain.finish(Duration::from_secs(2)).await;
+            }
+            return Err(DriverError::Spawn {
+                program,
+                detail: format!("{status}: {}", crate::console::tail_string(log, 2048).trim()),
             });
         }
-    }
-    let child = cmd.spawn().map_err(|e| DriverError::Spawn { program: program.clone(), detail: e.to_string() })?;
-    drop(ns_file);
-    let out = tokio::time::timeout(DAEMONIZE_TIMEOUT, child.wait_with_output())
-        .await
-        .map_err(|_| DriverError::Spawn {
-            program: program.clone(),
-            detail: format!("did not daemonize within {DAEMONIZE_TIMEOUT:?}"),
-        })?
-        .map_err(|e| DriverError::Spawn { program: program.clone(), detail: e.to_string() })?;
-    // The daemon may already have written its pid file even if the parent failed: read it
-    // in every case so the caller can kill it.
-    let pid = read_pidfile(pidfile);
-    if !out.status.success() {
-        if let Some(pid) = pid {
-            if let Some(st) = record::pid_start_time(pid) {
-                kill_and_wait(pid, st, Duration::from_secs(5)).await;
-            }
+        // The listening socket is QEMU's: a connection waits in its backlog until QEMU's main
+        // loop greets it, and breaks if QEMU exits.
+        if Qmp::connect(qmp, Duration::from_secs(1)).await.is_ok() {
+            return Ok(());
         }
-        return Err(DriverError::Spawn {
-            program,
-            detail: format!("{}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()),
-        });
+        if Instant::now() >= deadline {
+            return Err(DriverError::Spawn { program, detail: format!("QMP did not answer within {START_TIMEOUT:?}") });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let pid = pid.ok_or_else(|| DriverError::Spawn {
-        program: program.clone(),
-        detail: format!("no pid in {}", pidfile.display()),
-    })?;
-    let start = record::pid_start_time(pid).ok_or_else(|| DriverError::Spawn {
-        program,
-        detail: format!("daemon pid {pid} vanished right after start"),
-    })?;
-    Ok((pid, start))
 }
 
-fn read_pidfile(path: &Path) -> Option<u32> {
-    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+/// Writes `pid` into the pid file (QEMU cannot: it reaches none of our directories).
+pub fn write_pidfile(path: &Path, pid: u32) -> Result<(), DriverError> {
+    std::fs::write(path, format!("{pid}\n")).map_err(|e| DriverError::io(format!("writing {}", path.display()), e))
 }
 
 /// Reaps `pid` if it happens to be our child (no-op otherwise).

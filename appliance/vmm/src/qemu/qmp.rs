@@ -3,6 +3,7 @@
 //! One short-lived connection per operation: QEMU's QMP socket serves one client at a time,
 //! and reconnecting per call makes re-attaching after our own restart trivial.
 
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -47,6 +48,50 @@ pub enum QmpError {
 
 type Service = QapiService<QmpStreamTokio<WriteHalf<UnixStream>>>;
 
+/// The longest line read from QEMU on any connection: its replies are at most a few KiB, and
+/// a QEMU a guest took over must not grow the driver's memory.
+pub const MAX_LINE: usize = 64 * 1024;
+
+/// QEMU's side of a connection, failing with `InvalidData` once more than `cap` bytes arrive
+/// without a newline (the JSON-lines codec above it would otherwise buffer without end).
+struct LineCapped<R> {
+    inner: R,
+    since_newline: usize,
+    cap: usize,
+}
+
+impl<R> LineCapped<R> {
+    fn new(inner: R, cap: usize) -> Self {
+        LineCapped { inner, since_newline: 0, cap }
+    }
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for LineCapped<R> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let before = buf.filled().len();
+        match std::pin::Pin::new(&mut self.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {}
+            other => return other,
+        }
+        let fresh = &buf.filled()[before..];
+        let since = match fresh.iter().rposition(|b| *b == b'\n') {
+            Some(i) => fresh.len() - i - 1,
+            None => self.since_newline.saturating_add(fresh.len()),
+        };
+        self.since_newline = since;
+        if since > self.cap {
+            let msg = format!("a QMP line longer than {} bytes", self.cap);
+            return Poll::Ready(Err(std::io::Error::new(std::io::ErrorKind::InvalidData, msg)));
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
 /// A negotiated QMP connection.
 pub struct Qmp {
     svc: Service,
@@ -60,7 +105,8 @@ impl Qmp {
     /// Connects and negotiates capabilities, within `timeout`.
     pub async fn connect(path: &Path, timeout: Duration) -> Result<Qmp, QmpError> {
         let connect = async {
-            let s = QmpStreamTokio::open_uds(path).await?;
+            let (r, w) = tokio::io::split(UnixStream::connect(path).await?);
+            let s = QmpStreamTokio::open_split(LineCapped::new(r, MAX_LINE), w).await?;
             let s = s.negotiate().await?;
             Ok::<_, std::io::Error>(s.spawn_tokio())
         };
@@ -135,8 +181,194 @@ impl Qmp {
     }
 }
 
+/// Hands `fd` to QEMU (`getfd`, the descriptor in an `SCM_RIGHTS` message) and starts
+/// `migrate fd:<name>` into it, on one connection of its own (QEMU looks named descriptors up
+/// on the monitor that received them). Returns once the migration started; poll
+/// [`Qmp::migration`]. QEMU is sandboxed (`spawn=deny`, no access to our directories), so a
+/// migration stream is always a descriptor the driver opened.
+pub async fn migrate_to_fd(path: &Path, fd: OwnedFd, timeout: Duration) -> Result<(), QmpError> {
+    let path = path.to_path_buf();
+    tokio::task::spawn_blocking(move || raw::migrate_to_fd(&path, fd, timeout))
+        .await
+        .map_err(|e| QmpError::Io { command: "getfd", source: std::io::Error::other(e) })?
+}
+
+/// A minimal blocking QMP client: the one place that sends a descriptor.
+mod raw {
+    use std::io::{BufRead, BufReader, IoSlice, Read, Write};
+    use std::mem::MaybeUninit;
+    use std::os::fd::{AsFd, OwnedFd};
+    use std::os::unix::net::UnixStream;
+    use std::path::Path;
+    use std::time::Duration;
+
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+
+    use super::QmpError;
+
+    /// The name the migration descriptor gets in QEMU.
+    pub const FD_NAME: &str = "chrysalis-migration";
+
+    fn io(command: &'static str) -> impl Fn(std::io::Error) -> QmpError {
+        move |source| QmpError::Io { command, source }
+    }
+
+    /// The longest line read from QEMU ([`super::MAX_LINE`]).
+    pub const MAX_LINE: u64 = super::MAX_LINE as u64;
+
+    /// One line of at most [`MAX_LINE`] bytes.
+    fn line(r: &mut BufReader<UnixStream>, command: &'static str) -> Result<String, QmpError> {
+        let mut line = String::new();
+        let n = r.by_ref().take(MAX_LINE).read_line(&mut line).map_err(io(command))?;
+        if n == 0 {
+            return Err(io(command)(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        if !line.ends_with('\n') && n as u64 >= MAX_LINE {
+            return Err(io(command)(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("a QMP line longer than {MAX_LINE} bytes"),
+            )));
+        }
+        Ok(line)
+    }
+
+    /// Reads lines until a reply (`return` or `error`), skipping events.
+    fn reply(r: &mut BufReader<UnixStream>, command: &'static str) -> Result<(), QmpError> {
+        loop {
+            let line = line(r, command)?;
+            let v: serde_json::Value = serde_json::from_str(&line)
+                .map_err(|e| io(command)(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
+            if v.get("return").is_some() {
+                return Ok(());
+            }
+            if let Some(e) = v.get("error") {
+                let message = e.get("desc").and_then(|d| d.as_str()).unwrap_or("unknown error").to_string();
+                return Err(QmpError::Command { command, message });
+            }
+        }
+    }
+
+    pub fn migrate_to_fd(path: &Path, fd: OwnedFd, timeout: Duration) -> Result<(), QmpError> {
+        let connect = |source| QmpError::Connect { path: path.to_path_buf(), source };
+        let s = UnixStream::connect(path).map_err(connect)?;
+        s.set_read_timeout(Some(timeout)).map_err(connect)?;
+        s.set_write_timeout(Some(timeout)).map_err(connect)?;
+        let mut w = s.try_clone().map_err(connect)?;
+        let mut r = BufReader::new(s);
+        line(&mut r, "greeting")?;
+        w.write_all(b"{\"execute\":\"qmp_capabilities\"}\n").map_err(io("qmp_capabilities"))?;
+        reply(&mut r, "qmp_capabilities")?;
+        let getfd = format!("{{\"execute\":\"getfd\",\"arguments\":{{\"fdname\":\"{FD_NAME}\"}}}}\n");
+        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut cmsg = SendAncillaryBuffer::new(&mut space);
+        let fds = [fd.as_fd()];
+        cmsg.push(SendAncillaryMessage::ScmRights(&fds));
+        let sent = rustix::net::sendmsg(&w, &[IoSlice::new(getfd.as_bytes())], &mut cmsg, SendFlags::empty())
+            .map_err(|e| io("getfd")(e.into()))?;
+        if sent != getfd.len() {
+            w.write_all(&getfd.as_bytes()[sent..]).map_err(io("getfd"))?;
+        }
+        drop(fd);
+        reply(&mut r, "getfd")?;
+        let migrate = format!("{{\"execute\":\"migrate\",\"arguments\":{{\"uri\":\"fd:{FD_NAME}\"}}}}\n");
+        w.write_all(migrate.as_bytes()).map_err(io("migrate"))?;
+        reply(&mut r, "migrate")
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn an_endless_line_from_qemu_stops_at_the_cap() {
+            let (ours, mut theirs) = UnixStream::pair().expect("pair");
+            let writer = std::thread::spawn(move || {
+                // More than the cap, no newline; the write fails once we hang up.
+                let _ = theirs.write_all(&vec![b'x'; (MAX_LINE * 2) as usize]);
+            });
+            let mut r = BufReader::new(ours);
+            match reply(&mut r, "getfd") {
+                Err(QmpError::Io { command: "getfd", source }) => {
+                    assert_eq!(source.kind(), std::io::ErrorKind::InvalidData, "{source}")
+                }
+                other => panic!("{other:?}"),
+            }
+            drop(r);
+            writer.join().expect("writer");
+        }
+
+        #[test]
+        fn events_are_skipped_until_the_reply() {
+            let (ours, mut theirs) = UnixStream::pair().expect("pair");
+            theirs.write_all(b"{\"event\":\"STOP\"}\n{\"error\":{\"desc\":\"no such fd\"}}\n").expect("write");
+            let mut r = BufReader::new(ours);
+            match reply(&mut r, "getfd") {
+                Err(QmpError::Command { command, message }) => {
+                    assert_eq!((command, message.as_str()), ("getfd", "no such fd"))
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+}
+
 impl Drop for Qmp {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn the_long_lived_client_stops_an_endless_line_at_the_cap() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("qmp.sock");
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        let qemu = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            // A greeting, then a line that never ends.
+            let _ = s.write_all(b"{\"QMP\":{\"version\":{\"qemu\":{\"micro\":0,\"minor\":2,\"major\":8},\"package\":\"\"},\"capabilities\":[]}}\n").await;
+            let chunk = vec![b' '; 16 * 1024];
+            let mut sent = 0usize;
+            while sent < 4 * MAX_LINE {
+                if s.write_all(&chunk).await.is_err() {
+                    break;
+                }
+                sent += chunk.len();
+            }
+            sent
+        });
+        let r = Qmp::connect(&path, Duration::from_secs(10)).await;
+        let e = r.err().expect("no connection past an endless line");
+        let source = match &e {
+            QmpError::Connect { source, .. } => source,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(source.kind(), std::io::ErrorKind::InvalidData, "{e:?}: {source}");
+        assert!(source.to_string().contains("longer than 65536 bytes"), "{source}");
+        let sent = qemu.await.expect("fake qemu");
+        assert!(sent < 4 * MAX_LINE, "the client kept reading ({sent} bytes)");
+    }
+
+    #[tokio::test]
+    async fn lines_under_the_cap_pass_whole() {
+        let (a, mut b) = tokio::io::duplex(1024);
+        let line = format!("{}\n", "y".repeat(MAX_LINE - 1));
+        let writer = tokio::spawn(async move {
+            for _ in 0..3 {
+                b.write_all(line.as_bytes()).await.expect("write");
+            }
+        });
+        let mut r = tokio::io::BufReader::new(LineCapped::new(a, MAX_LINE));
+        for _ in 0..3 {
+            let mut got = String::new();
+            r.read_line(&mut got).await.expect("a line at the cap");
+            assert_eq!(got.len(), MAX_LINE);
+        }
+        writer.await.expect("writer");
     }
 }

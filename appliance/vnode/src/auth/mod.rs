@@ -356,7 +356,7 @@ pub async fn guard(State(auth): State<Arc<KubeletAuth>>, request: Request, next:
                 next.run(request).await
             }
             Err(e) => {
-                let chain = crate::error::chain(&e);
+                let chain = foundation::error_chain(&e);
                 match e.status() {
                     StatusCode::SERVICE_UNAVAILABLE => tracing::warn!(error = chain, "kubelet request refused"),
                     status => tracing::debug!(%status, error = chain, "kubelet request refused"),
