@@ -6,16 +6,18 @@
 //! - [`private_dir`]: create (or tighten) a directory to 0700, the home of every secret.
 //! - [`error_chain`]: an error and its `source()` chain on one line, `a: b: c`.
 //! - [`token`]: read a bearer-token file under the one rule (owner-only, 32+ characters).
+//! - [`quantity`]: Kubernetes resource quantities (`500m`, `1.5Gi`, `1e9`) → exact integers.
 //! - `testing` (feature `testing`, dev-dependencies only): how a test that cannot run here
 //!   says so and is counted as skipped.
 //!
-//! Functions here return plain [`std::io::Error`]s; callers wrap them with the path and the
+//! File functions here return plain [`std::io::Error`]s; callers wrap them with the path and the
 //! step in their own module error.
 
 #![forbid(unsafe_code)]
 
 pub mod atomic;
 mod error_chain;
+pub mod quantity;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod token;

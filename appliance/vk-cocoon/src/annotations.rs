@@ -13,10 +13,10 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
+use foundation::quantity::{self, QuantityError};
 use k8s_openapi::api::core::v1::Pod;
 
 use crate::backend::{Hypervisor, SnapshotRef, SnapshotRefError};
-use crate::quantity::{self, QuantityError};
 
 // ---- cocoonset.cocoonstack.io/… (operator → provider)
 /// `"true"`: vk-cocoon owns the VM's lifecycle.

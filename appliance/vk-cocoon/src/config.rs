@@ -10,8 +10,9 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use foundation::quantity::{self, QuantityError};
+
 use crate::namespaces::{NamespacePolicy, VK_LEGACY_NAMESPACE, VK_SHARED_NAMESPACES};
-use crate::quantity::{self, QuantityError};
 
 /// What to do with a VM no Pod on this node references, found at start-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

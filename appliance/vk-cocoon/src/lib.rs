@@ -9,7 +9,7 @@
 //! there), [`probe`] (readiness), [`watcher`] (VMs that die on their own), [`reconcile`]
 //! (start-up adoption and orphans), [`namespaces`] (which Pods may use which VMs and
 //! snapshots), [`status`] (pushed Pod status), [`events`],
-//! [`quantity`], `test_utils` (`FakeBackend`; `cfg(test)` or feature `test-utils`), [`vmm_backend`] (the production
+//! `test_utils` (`FakeBackend`; `cfg(test)` or feature `test-utils`), [`vmm_backend`] (the production
 //! backend: QEMU through `vmm`, the `images` library, `vmnet` networking; its environment and
 //! VM-id scheme are documented there).
 //!
@@ -28,7 +28,6 @@ pub mod namespaces;
 pub mod node;
 mod probe;
 pub mod provider;
-pub mod quantity;
 pub mod reconcile;
 pub mod status;
 #[cfg(any(test, feature = "test-utils"))]

@@ -17,12 +17,12 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
 
+use foundation::quantity::cpu_string;
 use k8s_openapi::api::core::v1::{NodeCondition, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::annotations::{CPU_CLASS_LABEL, POOL_LABEL};
 use crate::config::CocoonConfig;
-use crate::quantity::cpu_string;
 
 /// The taint every vk-cocoon node registers with.
 pub const TAINT_KEY: &str = "virtual-kubelet.io/provider";

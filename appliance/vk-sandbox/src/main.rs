@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use foundation::quantity;
 use k8s_openapi::api::core::v1::Taint;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use vk_sandbox::authority::KubeOwners;
@@ -139,19 +140,16 @@ fn cpu_quantity(millis: &str) -> anyhow::Result<Quantity> {
     if m == 0 {
         bail!("--node-cpu is 0: zero allocatable CPU rejects every pod");
     }
-    Ok(Quantity(if m.is_multiple_of(1000) { (m / 1000).to_string() } else { format!("{m}m") }))
+    Ok(Quantity(quantity::cpu_string(m)))
 }
 
-/// A memory quantity: digits with an optional binary or decimal suffix.
+/// A memory quantity (`foundation::quantity`: digits, a fraction, a binary or decimal suffix
+/// or an exponent), passed on as written.
 fn memory_quantity(s: &str) -> anyhow::Result<Quantity> {
     let s = s.trim();
-    let digits = s.trim_end_matches(|c: char| c.is_ascii_alphabetic());
-    let suffix = &s[digits.len()..];
-    let ok_suffix = ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "k", "M", "G", "T", "P", "E"].contains(&suffix);
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) || !ok_suffix {
-        bail!("--node-memory {s:?} is not a quantity like 8Ti, 512Gi or 1000000000");
-    }
-    if digits.bytes().all(|b| b == b'0') {
+    let bytes = quantity::units_ceil(s)
+        .with_context(|| format!("--node-memory {s:?} is not a quantity like 8Ti, 512Gi or 1000000000"))?;
+    if bytes == 0 {
         bail!("--node-memory is 0: zero allocatable memory rejects every pod");
     }
     Ok(Quantity(s.to_owned()))
@@ -366,6 +364,7 @@ mod tests {
         assert!(cpu_quantity("4.5").is_err() && cpu_quantity("0").is_err());
         assert_eq!(memory_quantity("8Ti").unwrap().0, "8Ti");
         assert_eq!(memory_quantity("1000000").unwrap().0, "1000000");
+        assert_eq!(memory_quantity("1.5Gi").unwrap().0, "1.5Gi");
         assert!(memory_quantity("8Tb").is_err() && memory_quantity("Ti").is_err() && memory_quantity("0Gi").is_err());
         assert_eq!(pods_quantity("2000").unwrap().0, "2000");
         assert!(pods_quantity("0").is_err());

@@ -1,5 +1,12 @@
-//! Kubernetes resource quantities (`500m`, `1.5`, `10Gi`, `1e9`, `2k`) → exact integers, for
-//! Pod resources, the `storage` annotation and the `VK_NODE_*` overrides. Pure.
+//! Kubernetes resource quantities (`500m`, `1.5`, `10Gi`, `1e9`, `2k`) → exact integers: the
+//! workspace's one parser, for Pod resources, vk-cocoon's `storage` annotation and `VK_NODE_*`
+//! overrides, and vk-sandbox's `--node-memory`. Pure.
+//!
+//! A quantity is an optional `+`, decimal digits with an optional fraction, then one suffix:
+//! none, a decimal SI one (`n`, `u`, `m`, `k`, `M`, `G`, `T`, `P`, `E`), a binary one (`Ki` …
+//! `Ei`) or a decimal exponent (`e3`, `E-2`, within ±30). Negative quantities, spaces inside,
+//! and anything else are [`QuantityError::Malformed`]; a value beyond `u128` thousandths is
+//! [`QuantityError::Overflow`]. Results round up, so a fraction never becomes zero.
 
 /// A string that is not a non-negative Kubernetes quantity.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -86,34 +93,92 @@ pub fn cpu_string(millis: u64) -> String {
 mod tests {
     use super::*;
 
+    const KI: u128 = 1 << 10;
+    const MI: u128 = 1 << 20;
+    const GI: u128 = 1 << 30;
+
     #[test]
-    fn forms() {
-        for (s, m) in [
-            ("2", 2000u128),
-            ("500m", 500),
-            ("1.5", 1500),
-            ("0.1", 100),
-            ("1k", 1_000_000),
-            ("1Ki", 1_024_000),
-            ("10Gi", 10 * (1u128 << 30) * 1000),
-            ("1e3", 1_000_000),
-            ("1E3", 1_000_000),
-            ("1E", 10u128.pow(18) * 1000),
-            ("+3", 3000),
-            ("1u", 1),
-            ("0", 0),
-        ] {
+    fn plain_numbers_and_fractions() {
+        for (s, m) in [("2", 2000u128), ("0", 0), ("+3", 3000), ("1.5", 1500), ("0.1", 100), (" 7 ", 7000)] {
             assert_eq!(milli(s).unwrap(), m, "{s}");
         }
+        // Thousandths round up: a fraction never becomes zero.
+        assert_eq!(milli("0.0001").unwrap(), 1);
+        assert_eq!(units_ceil("0.5").unwrap(), 1);
+    }
+
+    #[test]
+    fn binary_suffixes() {
+        for (s, units) in [("1Ki", KI), ("512Mi", 512 * MI), ("10Gi", 10 * GI), ("1Ti", 1 << 40), ("1Ei", 1 << 60)] {
+            assert_eq!(units_ceil(s).unwrap(), units, "{s}");
+            assert_eq!(milli(s).unwrap(), units * 1000, "{s}");
+        }
         assert_eq!(units_ceil("1.5Gi").unwrap(), 1_610_612_736);
-        assert_eq!(units_ceil("500m").unwrap(), 1);
-        assert_eq!(units_ceil("512Mi").unwrap(), 512 << 20);
-        for bad in ["", "x", "1.2.3", "-1", "1Zi", "1 Gi", ".", "1e", "Gi"] {
+        assert_eq!(units_ceil("0.5Ki").unwrap(), 512);
+    }
+
+    #[test]
+    fn decimal_suffixes() {
+        for (s, units) in [
+            ("1k", 1000u128),
+            ("2M", 2_000_000),
+            ("3G", 3_000_000_000),
+            ("1T", 10u128.pow(12)),
+            ("1P", 10u128.pow(15)),
+            ("1E", 10u128.pow(18)),
+            ("1.5k", 1500),
+        ] {
+            assert_eq!(units_ceil(s).unwrap(), units, "{s}");
+        }
+    }
+
+    #[test]
+    fn milli_and_smaller() {
+        assert_eq!(milli("500m").unwrap(), 500);
+        assert_eq!(milli("1m").unwrap(), 1);
+        assert_eq!(units_ceil("500m").unwrap(), 1, "rounds up to a whole unit");
+        assert_eq!(units_ceil("2000m").unwrap(), 2);
+        assert_eq!(milli("1u").unwrap(), 1, "a millionth rounds up to a thousandth");
+        assert_eq!(milli("1000u").unwrap(), 1);
+        assert_eq!(milli("1000000n").unwrap(), 1);
+        assert_eq!(milli("0m").unwrap(), 0);
+    }
+
+    #[test]
+    fn exponents() {
+        assert_eq!(milli("1e3").unwrap(), 1_000_000);
+        assert_eq!(milli("1E3").unwrap(), 1_000_000, "E followed by digits is an exponent, not exa");
+        assert_eq!(units_ceil("1e9").unwrap(), 1_000_000_000);
+        assert_eq!(milli("5e-1").unwrap(), 500);
+        assert_eq!(milli("1.5e2").unwrap(), 150_000);
+        assert_eq!(milli("1e0").unwrap(), 1000);
+    }
+
+    #[test]
+    fn garbage_is_refused() {
+        for bad in [
+            "", " ", "x", "1.2.3", "-1", "1Zi", "1 Gi", ".", "1e", "Gi", "1KI", "1ki", "8Tb", "1e1.5", "0x10", "1,5",
+            "1Gi2", "++1", "1e+",
+        ] {
             assert!(matches!(milli(bad), Err(QuantityError::Malformed(_))), "{bad:?}");
         }
+        let e = milli("1Zi").unwrap_err().to_string();
+        assert!(e.contains("\"1Zi\"") && e.contains("Ki"), "the message names the input and the forms: {e}");
+    }
+
+    #[test]
+    fn overflow_is_refused() {
         assert!(matches!(milli("99999999999999999999999999999999999999999"), Err(QuantityError::Overflow(_))));
         assert!(matches!(milli("1e99"), Err(QuantityError::Overflow(_))));
+        assert!(matches!(milli("1e-31"), Err(QuantityError::Overflow(_))));
+        assert!(matches!(milli("999999999999999999999999999Ei"), Err(QuantityError::Overflow(_))));
+    }
+
+    #[test]
+    fn cpu_strings() {
         assert_eq!(cpu_string(4000), "4");
         assert_eq!(cpu_string(4500), "4500m");
+        assert_eq!(cpu_string(0), "0");
+        assert_eq!(cpu_string(1), "1m");
     }
 }
