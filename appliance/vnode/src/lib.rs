@@ -11,7 +11,8 @@
 //! pushes → `pods/status`), [`events`], [`kubelet`] + [`tls`] (HTTPS) + [`auth`] (who may use
 //! it: client certificates against the cluster CA, `TokenReview`, `SubjectAccessReview`), [`error`];
 //! [`session`] (a provider binary's join flags, API client and renewal-restart loop);
-//! [`pod_status`] (the Pod status shapes providers push, pure).
+//! [`pod_status`] (the Pod status shapes providers push, pure); [`kit`] (the provider kit: the
+//! locked pod table, the notifier, background loops, error reporting).
 
 #![forbid(unsafe_code)]
 
@@ -20,6 +21,7 @@ pub mod config;
 mod controller;
 pub mod error;
 pub mod events;
+pub mod kit;
 pub mod kubelet;
 pub mod lease;
 pub mod node;
