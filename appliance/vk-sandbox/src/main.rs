@@ -242,7 +242,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             tracing::info!(url = %cli.sandboxd_url, pools = info.pools.len(), claimed = info.claimed, "sandboxd answers")
         }
         Err(e) => {
-            tracing::warn!(url = %cli.sandboxd_url, error = %vk_sandbox::provider::error_chain(&e), "sandboxd does not answer yet; pods fail until it does")
+            tracing::warn!(url = %cli.sandboxd_url, error = %vnode::error_chain(&e), "sandboxd does not answer yet; pods fail until it does")
         }
     }
     let owners = Arc::new(KubeOwners::new());

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -14,6 +15,7 @@ use vnode::{PodKey, PodNotifier, Provider};
 use super::*;
 use crate::annotations::{CLAIM_ID, RUNTIME, TEMPLATE, TTL_SECONDS};
 use crate::authority::{Lookup, OwnerLookup, OwnerState};
+use crate::sandboxd::SandboxdClient;
 use crate::state::{self, OwnerRef};
 use crate::test_utils::{ClaimMode, FakeSandboxd};
 
@@ -629,4 +631,19 @@ async fn without_a_root_token_a_lost_claim_is_left_to_its_lease() {
     assert_eq!(fake.claim_count(), 1);
     assert_ne!(provider.claim_id("ns/a").unwrap(), "sb_000000000000a001");
     assert!(fake.holds("sb_000000000000a001"));
+}
+
+/// Test access to the table.
+impl SandboxProvider {
+    fn owner_of(&self, key: &str) -> Option<crate::state::OwnerRef> {
+        self.lock().claims.get(key).and_then(|c| c.owner.clone())
+    }
+    fn set_deadline(&self, key: &str, d: Timestamp) {
+        if let Some(c) = self.lock().claims.get_mut(key) {
+            c.deadline = Some(d);
+        }
+    }
+    fn releasing_len(&self) -> usize {
+        self.lock().releasing.len()
+    }
 }

@@ -1,0 +1,170 @@
+//! The provider's table: [`SandboxProvider`] with its claims, the Pods it reports and their
+//! bookkeeping behind one [`Locked`], and the persistence of that table (the claims state file).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, MutexGuard};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use vnode::error_chain;
+use vnode::kit::{Locked, Notifier};
+
+use super::config::ProviderConfig;
+use super::error::SandboxProviderError;
+use crate::authority::OwnerLookup;
+use crate::sandboxd::{Listed, SandboxdClient, SandboxdError};
+use crate::state::{ClaimRecord, StateError, StateFile, StateStore};
+
+/// When a pod-less preserved claim's owner is read again, and the delay that led there.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Recheck {
+    pub at: tokio::time::Instant,
+    pub delay: Duration,
+}
+
+/// The orphan scan's class of a listed sandbox (audit only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OrphanClass {
+    Orphan,
+    External,
+    Stale,
+}
+
+/// The table: what the provider knows per Pod key, and the claims in flight.
+#[derive(Default)]
+pub(super) struct Inner {
+    /// Key → the provider's copy of the Pod.
+    pub pods: BTreeMap<String, Pod>,
+    /// Key → claim.
+    pub claims: BTreeMap<String, ClaimRecord>,
+    /// Keys whose claim is not yet durable (made in this process, persist pending or failed).
+    pub tentative: BTreeSet<String>,
+    /// Keys loaded from the state file and not yet vouched for by a listing.
+    pub quarantined: BTreeSet<String>,
+    /// Claims withdrawn from their key, awaiting a successful release.
+    pub releasing: Vec<ClaimRecord>,
+    /// Owner recheck schedule of pod-less preserved claims.
+    pub rechecks: BTreeMap<String, Recheck>,
+    /// Orphan-scan classification of sandbox ids (audit only).
+    pub orphans: BTreeMap<String, OrphanClass>,
+}
+
+impl Inner {
+    pub fn settled(&self, key: &str) -> bool {
+        self.claims.contains_key(key) && !self.tentative.contains(key) && !self.quarantined.contains(key)
+    }
+
+    /// The durable view: settled and quarantined rows, plus `commit` (a tentative key being
+    /// committed), plus the release queue.
+    pub fn snapshot(&self, commit: Option<&str>) -> StateFile {
+        StateFile {
+            claims: self
+                .claims
+                .iter()
+                .filter(|(k, _)| !self.tentative.contains(*k) || Some(k.as_str()) == commit)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            releasing: self.releasing.clone(),
+        }
+    }
+
+    /// Removes the claim at `key` if it is still `id`, with its pod entry and bookkeeping.
+    pub fn withdraw(&mut self, key: &str, id: &str) {
+        if self.claims.get(key).is_some_and(|c| c.id == id) {
+            self.claims.remove(key);
+            self.pods.remove(key);
+            self.tentative.remove(key);
+            self.quarantined.remove(key);
+            self.rechecks.remove(key);
+        }
+    }
+}
+
+/// A listing by sandbox id.
+pub(super) fn listed_ids(rows: &[Listed]) -> BTreeMap<&str, &Listed> {
+    rows.iter().map(|r| (r.id.as_str(), r)).collect()
+}
+
+/// The vk-sandbox provider.
+pub struct SandboxProvider {
+    pub(super) sandboxd: SandboxdClient,
+    pub(super) owners: Arc<dyn OwnerLookup>,
+    store: StateStore,
+    pub(super) cfg: ProviderConfig,
+    inner: Locked<Inner>,
+    pub(super) notifier: Notifier,
+}
+
+impl SandboxProvider {
+    /// Opens the state file (missing = empty, malformed = error, must be writable); every loaded
+    /// row starts quarantined.
+    pub fn new(
+        sandboxd: SandboxdClient,
+        owners: Arc<dyn OwnerLookup>,
+        cfg: ProviderConfig,
+    ) -> Result<SandboxProvider, SandboxProviderError> {
+        let (store, loaded) = StateStore::open(&cfg.state_path).map_err(SandboxProviderError::State)?;
+        let inner = Inner {
+            quarantined: loaded.claims.keys().cloned().collect(),
+            claims: loaded.claims,
+            releasing: loaded.releasing,
+            ..Inner::default()
+        };
+        tracing::info!(
+            path = %cfg.state_path.display(),
+            claims = inner.claims.len(),
+            releasing = inner.releasing.len(),
+            "loaded the claims state; loaded claims stay quarantined until sandboxd lists them"
+        );
+        Ok(SandboxProvider { sandboxd, owners, store, cfg, inner: Locked::new(inner), notifier: Notifier::default() })
+    }
+
+    /// The table (consistent at every unlock: no await under the lock).
+    pub(super) fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock()
+    }
+
+    /// Pushes a Pod's new status.
+    pub(super) fn notify(&self, pod: Pod) {
+        self.notifier.notify(pod);
+    }
+
+    /// Persists the current table; a failure is logged (the caller's change is already durable
+    /// elsewhere or harmless to lose).
+    pub(super) async fn persist_logged(&self, why: &'static str) {
+        if let Err(e) = self.store.save(|| self.lock().snapshot(None)).await {
+            tracing::warn!(error = %error_chain(&e), why, "could not persist the claims state");
+        }
+    }
+
+    /// Makes the tentative claim at `key` durable.
+    pub(super) async fn commit(&self, key: &str) -> Result<(), StateError> {
+        self.store
+            .save_with(
+                || self.lock().snapshot(Some(key)),
+                || {
+                    self.lock().tentative.remove(key);
+                },
+            )
+            .await
+    }
+
+    /// Releases on a task of its own (a dropped caller does not cancel it), bounded by the
+    /// client's 10 s timeout.
+    pub(super) async fn release_detached(&self, id: &str, token: &str) -> Result<(), SandboxdError> {
+        let (c, id, token) = (self.sandboxd.clone(), id.to_owned(), token.to_owned());
+        tokio::spawn(async move { c.release(&id, &token).await })
+            .await
+            .unwrap_or(Err(SandboxdError::Aborted { what: "release" }))
+    }
+
+    /// The claim id at `key`, if any (no token).
+    pub fn claim_id(&self, key: &str) -> Option<String> {
+        self.lock().claims.get(key).map(|c| c.id.clone())
+    }
+
+    /// Whether the row at `key` still awaits verification.
+    pub fn is_quarantined(&self, key: &str) -> bool {
+        self.lock().quarantined.contains(key)
+    }
+}
