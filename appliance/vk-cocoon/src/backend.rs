@@ -292,7 +292,7 @@ pub trait VmBackend: Send + Sync + 'static {
     /// One TCP connect to a VM's `ip:port` within `timeout`, from where the VMs' network is
     /// (a backend whose bridge lives in another network namespace connects from there).
     async fn probe_tcp(&self, ip: &str, port: u16, timeout: std::time::Duration) -> bool {
-        crate::probe::tcp_probe(ip, port, timeout).await
+        tcp_probe(ip, port, timeout).await
     }
 
     /// Returns the VM's network lease (IP, MAC, TAP) to the pool. Called after
@@ -300,10 +300,28 @@ pub trait VmBackend: Send + Sync + 'static {
     async fn release_ip(&self, id: &str) -> Result<(), BackendError>;
 }
 
+/// One TCP connect to `ip:port` within `timeout` (the default [`VmBackend::probe_tcp`]).
+pub(crate) async fn tcp_probe(ip: &str, port: u16, timeout: std::time::Duration) -> bool {
+    let Ok(ip) = ip.parse::<std::net::IpAddr>() else { return false };
+    let connect = tokio::net::TcpStream::connect(std::net::SocketAddr::new(ip, port));
+    matches!(tokio::time::timeout(timeout, connect).await, Ok(Ok(_)))
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn tcp_probe_connects_or_not() {
+        let timeout = std::time::Duration::from_secs(1);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        assert!(tcp_probe("127.0.0.1", port, timeout).await);
+        drop(l);
+        assert!(!tcp_probe("127.0.0.1", port, timeout).await);
+        assert!(!tcp_probe("not-an-ip", port, timeout).await);
+    }
 
     #[test]
     fn snapshot_refs() {

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use foundation::quantity::{self, QuantityError};
 
-use crate::namespaces::{NamespacePolicy, VK_LEGACY_NAMESPACE, VK_SHARED_NAMESPACES};
+use crate::namespaces::{NamespaceConfigError, NamespacePolicy, VK_LEGACY_NAMESPACE, VK_SHARED_NAMESPACES};
 
 /// What to do with a VM no Pod on this node references, found at start-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,6 +172,12 @@ pub fn env_help() -> String {
 
 fn non_empty(get: &dyn Fn(&str) -> Option<String>, var: &str) -> Option<String> {
     get(var).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())
+}
+
+impl From<NamespaceConfigError> for ConfigError {
+    fn from(e: NamespaceConfigError) -> ConfigError {
+        ConfigError::Invalid { var: e.var, value: e.value, why: e.why }
+    }
 }
 
 fn invalid(var: &'static str, value: &str, why: &'static str) -> ConfigError {

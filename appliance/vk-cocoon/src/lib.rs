@@ -4,14 +4,15 @@
 //!
 //! Code map: [`config`] (the §3.1 environment), [`node`] (the Node: labels, taint, measured
 //! capacity, conditions), [`annotations`] (the Pod contract), [`backend`] (the [`VmBackend`]
-//! trait every VM operation goes through), [`provider`] ([`CocoonProvider`]: CreatePod,
-//! UpdatePod, DeletePod; the decisions on snapshots, authority and state are documented
-//! there), [`probe`] (readiness), [`watcher`] (VMs that die on their own), [`reconcile`]
-//! (start-up adoption and orphans), [`namespaces`] (which Pods may use which VMs and
-//! snapshots), [`status`] (pushed Pod status), [`events`],
-//! `test_utils` (`FakeBackend`; `cfg(test)` or feature `test-utils`), [`vmm_backend`] (the production
+//! trait every VM operation goes through), `shared` (the provider's state in one file: the
+//! tables, the entry per Pod, pushes and events, on `vnode::kit`), [`provider`]
+//! ([`CocoonProvider`]: `create`, `delete` and `loops` modules; the decisions on snapshots,
+//! authority and state are documented there), `probe` (readiness), [`watcher`] (VMs that die
+//! on their own), [`reconcile`] (start-up adoption and orphans), [`namespaces`] (which Pods may
+//! use which VMs and snapshots), [`status`] (pushed Pod status), [`events`], `test_utils`
+//! (`FakeBackend`; `cfg(test)` or feature `test-utils`), [`vmm_backend`] (the production
 //! backend: QEMU through `vmm`, the `images` library, `vmnet` networking; its environment and
-//! VM-id scheme are documented there).
+//! VM-id scheme are documented there). Quantities are parsed by `foundation::quantity`.
 //!
 //! Architecture invariants: the provider never spawns a hypervisor or touches an image itself
 //! (only through [`VmBackend`]); a failed VM listing is never read as empty; nothing is
@@ -29,6 +30,7 @@ pub mod node;
 mod probe;
 pub mod provider;
 pub mod reconcile;
+mod shared;
 pub mod status;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod test_utils;

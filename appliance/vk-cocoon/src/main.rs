@@ -64,7 +64,7 @@ async fn open_backend(cfg: &CocoonConfig) -> anyhow::Result<Arc<dyn VmBackend>> 
     let bcfg = BackendConfig::from_env(&cfg.root_dir)?;
     let backend = VmmBackend::open(&bcfg)
         .await
-        .map_err(|e| anyhow::anyhow!("{}", vk_cocoon::provider::error_chain(&e)))
+        .map_err(|e| anyhow::anyhow!("{}", vnode::error_chain(&e)))
         .context("opening the VM backend")?;
     Ok(Arc::new(backend))
 }
@@ -149,7 +149,7 @@ async fn main() -> ExitCode {
     let cfg = match CocoonConfig::from_env() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("vk-cocoon: {}", vk_cocoon::provider::error_chain(&e));
+            eprintln!("vk-cocoon: {}", vnode::error_chain(&e));
             return ExitCode::FAILURE;
         }
     };

@@ -27,14 +27,22 @@
 
 use std::collections::BTreeSet;
 
-use crate::config::ConfigError;
-
 /// The variable naming the namespaces that share VMs and snapshots.
 pub const VK_SHARED_NAMESPACES: &str = "VK_SHARED_NAMESPACES";
 /// The variable naming the owner of records that carry no namespace.
 pub const VK_LEGACY_NAMESPACE: &str = "VK_LEGACY_NAMESPACE";
 /// The owner of records without a namespace when [`VK_LEGACY_NAMESPACE`] is unset.
 pub const DEFAULT_LEGACY_NAMESPACE: &str = "default";
+
+/// A sharing variable that cannot be used (it becomes a `ConfigError::Invalid` of the node's
+/// configuration, with the same message).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{var}={value:?}: {why}")]
+pub struct NamespaceConfigError {
+    pub var: &'static str,
+    pub value: String,
+    pub why: &'static str,
+}
 
 /// Who may use whose VMs and snapshots (see the module doc).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,10 +68,10 @@ impl NamespacePolicy {
     /// From the values of [`VK_SHARED_NAMESPACES`] (`a,b;c,d,e`: groups separated by `;`,
     /// namespaces by `,`; each group shares within itself) and [`VK_LEGACY_NAMESPACE`].
     /// `None` or blank = unset.
-    pub fn parse(shared: Option<&str>, legacy: Option<&str>) -> Result<NamespacePolicy, ConfigError> {
+    pub fn parse(shared: Option<&str>, legacy: Option<&str>) -> Result<NamespacePolicy, NamespaceConfigError> {
         let mut groups = Vec::new();
         if let Some(v) = shared.map(str::trim).filter(|v| !v.is_empty()) {
-            let bad = |why: &'static str| ConfigError::Invalid { var: VK_SHARED_NAMESPACES, value: v.to_owned(), why };
+            let bad = |why: &'static str| NamespaceConfigError { var: VK_SHARED_NAMESPACES, value: v.to_owned(), why };
             for group in v.split(';').map(str::trim).filter(|g| !g.is_empty()) {
                 let members: BTreeSet<String> = group.split(',').map(|m| m.trim().to_owned()).collect();
                 if members.iter().any(|m| !images::valid_namespace(m)) {
@@ -82,7 +90,7 @@ impl NamespacePolicy {
             None => DEFAULT_LEGACY_NAMESPACE.to_owned(),
             Some(v) if images::valid_namespace(v) => v.to_owned(),
             Some(v) => {
-                return Err(ConfigError::Invalid {
+                return Err(NamespaceConfigError {
                     var: VK_LEGACY_NAMESPACE,
                     value: v.to_owned(),
                     why: "is not a namespace name (1-63 of [a-z0-9-])",

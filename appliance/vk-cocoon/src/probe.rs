@@ -6,17 +6,16 @@
 //! 5 s; 3 consecutive failures flip Ready off (and the schedule back to the fast one). A
 //! change of the Pod's Ready condition is pushed; nothing else is.
 
-use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::Instrument;
 
-use crate::provider::Shared;
+use crate::shared::Shared;
 
 /// What one probe needs.
 #[derive(Debug, Clone)]
-pub(crate) struct ProbeTarget {
+struct ProbeTarget {
     pub vm_id: String,
     pub ip: Option<String>,
     pub port: Option<u16>,
@@ -28,91 +27,96 @@ pub(crate) fn grow(d: Duration, factor: f64, max: Duration) -> Duration {
     d.mul_f64(factor).min(max)
 }
 
-/// One TCP connect within `timeout`.
-pub(crate) async fn tcp_probe(ip: &str, port: u16, timeout: Duration) -> bool {
-    let Ok(ip) = ip.parse::<IpAddr>() else { return false };
-    matches!(tokio::time::timeout(timeout, tokio::net::TcpStream::connect(SocketAddr::new(ip, port))).await, Ok(Ok(_)))
+/// What the next probe of the entry `key`/`gen` needs; `None` once it is gone or replaced.
+fn target(s: &Shared, key: &str, gen: u64) -> Option<ProbeTarget> {
+    let g = s.lock();
+    let e = g.entries.get(key).filter(|e| e.gen == gen)?;
+    Some(ProbeTarget { vm_id: e.vm.id.clone(), ip: e.vm.ip.clone(), port: e.spec.probe_port, managed: e.spec.managed })
 }
 
-impl Shared {
-    pub(crate) fn probe_target(&self, key: &str, gen: u64) -> Option<ProbeTarget> {
-        let g = self.lock();
-        let e = g.entries.get(key).filter(|e| e.gen == gen)?;
-        Some(ProbeTarget {
-            vm_id: e.vm.id.clone(),
-            ip: e.vm.ip.clone(),
-            port: e.spec.probe_port,
-            managed: e.spec.managed,
-        })
-    }
+/// One probe of the entry `key`/`gen` (`None`: the entry is gone or replaced).
+pub(crate) async fn probe_entry(s: &Shared, key: &str, gen: u64) -> Option<bool> {
+    let t = target(s, key, gen)?;
+    Some(once(s, &t).await)
+}
 
-    /// One probe.
-    pub(crate) async fn probe_once(&self, t: &ProbeTarget) -> bool {
-        match (t.port, &t.ip) {
-            (Some(port), Some(ip)) => self.backend.probe_tcp(ip, port, self.cfg.probe_timeout).await,
-            (Some(_), None) => false,
-            (None, _) if t.managed => {
-                matches!(
-                    tokio::time::timeout(self.cfg.probe_timeout, self.backend.probe_agent(&t.vm_id)).await,
-                    Ok(Ok(()))
-                )
-            }
-            (None, ip) => ip.is_some(),
+/// One probe.
+async fn once(s: &Shared, t: &ProbeTarget) -> bool {
+    match (t.port, &t.ip) {
+        (Some(port), Some(ip)) => s.backend.probe_tcp(ip, port, s.cfg.probe_timeout).await,
+        (Some(_), None) => false,
+        (None, _) if t.managed => {
+            matches!(tokio::time::timeout(s.cfg.probe_timeout, s.backend.probe_agent(&t.vm_id)).await, Ok(Ok(())))
         }
+        (None, ip) => ip.is_some(),
     }
+}
 
-    /// The probe loop of the entry `key`/`gen`; ends when the entry is gone or replaced.
-    pub(crate) async fn probe_loop(self: Arc<Self>, key: String, gen: u64) {
-        let span = tracing::debug_span!("probe", pod = %key);
-        async move {
-            let mut backoff = self.cfg.probe_initial;
-            loop {
-                let ready_now = {
-                    let g = self.lock();
-                    let Some(e) = g.entries.get(&key).filter(|e| e.gen == gen) else { return };
-                    e.probe_ok
-                };
-                let wait = if ready_now {
-                    self.cfg.probe_ready_interval
+/// Starts a fresh probe loop (fast schedule) for the entry `key`/`gen`, replacing (aborting)
+/// the one it had; nothing when the entry is gone or replaced.
+pub(crate) fn start(s: &Arc<Shared>, key: &str, gen: u64) {
+    let task = tokio::spawn(run(s.clone(), key.to_owned(), gen));
+    let mut g = s.lock();
+    match g.entries.get_mut(key).filter(|e| e.gen == gen) {
+        Some(e) => {
+            if let Some(old) = e.probe.replace(task.abort_handle()) {
+                old.abort();
+            }
+        }
+        None => task.abort(),
+    }
+}
+
+/// The probe loop of the entry `key`/`gen`; ends when the entry is gone or replaced.
+async fn run(s: Arc<Shared>, key: String, gen: u64) {
+    let span = tracing::debug_span!("probe", pod = %key);
+    async move {
+        let mut backoff = s.cfg.probe_initial;
+        loop {
+            let ready_now = {
+                let g = s.lock();
+                let Some(e) = g.entries.get(&key).filter(|e| e.gen == gen) else { return };
+                e.probe_ok
+            };
+            let wait = if ready_now {
+                s.cfg.probe_ready_interval
+            } else {
+                let w = backoff;
+                backoff = grow(backoff, s.cfg.probe_factor, s.cfg.probe_max);
+                w
+            };
+            tokio::time::sleep(wait).await;
+            let Some(ok) = probe_entry(&s, &key, gen).await else { return };
+            let push = {
+                let mut g = s.lock();
+                let Some(e) = g.entries.get_mut(&key).filter(|e| e.gen == gen) else { return };
+                if e.busy || e.terminal.is_some() {
+                    false
                 } else {
-                    let w = backoff;
-                    backoff = grow(backoff, self.cfg.probe_factor, self.cfg.probe_max);
-                    w
-                };
-                tokio::time::sleep(wait).await;
-                let Some(target) = self.probe_target(&key, gen) else { return };
-                let ok = self.probe_once(&target).await;
-                let push = {
-                    let mut g = self.lock();
-                    let Some(e) = g.entries.get_mut(&key).filter(|e| e.gen == gen) else { return };
-                    if e.busy || e.terminal.is_some() {
-                        false
-                    } else {
-                        let before = e.ready();
-                        if ok {
+                    let before = e.ready();
+                    if ok {
+                        e.failures = 0;
+                        e.probe_ok = true;
+                    } else if e.probe_ok {
+                        e.failures += 1;
+                        if e.failures >= s.cfg.probe_failures {
+                            tracing::info!(vm = %e.vm.id, failures = e.failures, "probe failing; Ready off");
+                            e.probe_ok = false;
                             e.failures = 0;
-                            e.probe_ok = true;
-                        } else if e.probe_ok {
-                            e.failures += 1;
-                            if e.failures >= self.cfg.probe_failures {
-                                tracing::info!(vm = %e.vm.id, failures = e.failures, "probe failing; Ready off");
-                                e.probe_ok = false;
-                                e.failures = 0;
-                                backoff = self.cfg.probe_initial;
-                            }
+                            backoff = s.cfg.probe_initial;
                         }
-                        before != e.ready()
                     }
-                };
-                if push {
-                    tracing::debug!(ok, "readiness changed");
-                    self.push_entry(&key, gen);
+                    before != e.ready()
                 }
+            };
+            if push {
+                tracing::debug!(ok, "readiness changed");
+                s.push_entry(&key, gen);
             }
         }
-        .instrument(span)
-        .await
     }
+    .instrument(span)
+    .await
 }
 
 #[cfg(test)]
@@ -132,15 +136,5 @@ mod tests {
         assert_eq!(seen[2], Duration::from_millis(225));
         assert_eq!(*seen.last().unwrap(), Duration::from_secs(1));
         assert!(seen.windows(2).all(|w| w[0] <= w[1]));
-    }
-
-    #[tokio::test]
-    async fn tcp_probe_connects_or_not() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = l.local_addr().unwrap().port();
-        assert!(tcp_probe("127.0.0.1", port, Duration::from_secs(1)).await);
-        drop(l);
-        assert!(!tcp_probe("127.0.0.1", port, Duration::from_secs(1)).await);
-        assert!(!tcp_probe("not-an-ip", port, Duration::from_secs(1)).await);
     }
 }

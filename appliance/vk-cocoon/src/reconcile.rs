@@ -22,11 +22,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Pod;
+use vnode::error_chain;
 
 use crate::annotations;
 use crate::backend::VmState;
 use crate::config::OrphanPolicy;
-use crate::provider::{error_chain, CocoonProvider, CocoonProviderError};
+use crate::provider::{CocoonProvider, CocoonProviderError};
 
 /// What a reconcile found and did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -1003,13 +1003,15 @@ impl VmBackend for VmmBackend {
     }
 
     async fn probe_tcp(&self, ip: &str, port: u16, timeout: Duration) -> bool {
-        let Some(ns) = self.net.config().netns.clone() else { return crate::probe::tcp_probe(ip, port, timeout).await };
+        let Some(ns) = self.net.config().netns.clone() else {
+            return crate::backend::tcp_probe(ip, port, timeout).await;
+        };
         // The bridge and the VMs live in `VK_NETNS`: connect from a thread inside it.
         let ip = ip.to_owned();
         let connected =
             vmnet::netns::run_in(
                 Some(&ns),
-                move || async move { Ok(crate::probe::tcp_probe(&ip, port, timeout).await) },
+                move || async move { Ok(crate::backend::tcp_probe(&ip, port, timeout).await) },
             )
             .await;
         connected.unwrap_or_else(|e| {

@@ -3,7 +3,8 @@
 //!
 //! Code map: [`annotations`] (the Pod contract's inputs), [`sandboxd`] (the HTTP client),
 //! [`state`] (the claims state file), [`authority`] (the delete verdict), [`status`] (pushed
-//! status shapes), [`provider`] ([`SandboxProvider`], the `vnode::Provider`).
+//! status shapes), [`provider`] ([`SandboxProvider`], the `vnode::Provider`: its table, the
+//! `create`, `delete` and `loops` modules, on `vnode::kit`).
 //!
 //! Architecture invariant: no VM is released on ambiguity — only on a positive owner verdict
 //! or a listing that confirms absence.
