@@ -6,6 +6,7 @@
 //! - [`private_dir`]: create (or tighten) a directory to 0700, the home of every secret.
 //! - [`error_chain`]: an error and its `source()` chain on one line, `a: b: c`.
 //! - [`token`]: read a bearer-token file under the one rule (owner-only, 32+ characters).
+//! - [`tool`]: run an external tool to completion, with its exit status and stderr in the error.
 //! - `testing` (feature `testing`, dev-dependencies only): how a test that cannot run here
 //!   says so and is counted as skipped.
 //!
@@ -19,7 +20,9 @@ mod error_chain;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod token;
+pub mod tool;
 
 pub use atomic::{private_dir, write_atomic, write_new, write_secret, FileMode, PRIVATE_DIR, PUBLIC_FILE, SECRET_FILE};
 pub use error_chain::error_chain;
 pub use token::{read_token_file, TokenFileError, MIN_TOKEN_LEN};
+pub use tool::ToolError;
