@@ -7,6 +7,7 @@
 //! - [`error_chain`]: an error and its `source()` chain on one line, `a: b: c`.
 //! - [`token`]: read a bearer-token file under the one rule (owner-only, 32+ characters).
 //! - [`quantity`]: Kubernetes resource quantities (`500m`, `1.5Gi`, `1e9`) → exact integers.
+//! - [`tool`]: run an external tool to completion, with its exit status and stderr in the error.
 //! - `testing` (feature `testing`, dev-dependencies only): how a test that cannot run here
 //!   says so and is counted as skipped.
 //!
@@ -21,7 +22,9 @@ pub mod quantity;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod token;
+pub mod tool;
 
 pub use atomic::{private_dir, write_atomic, write_new, write_secret, FileMode, PRIVATE_DIR, PUBLIC_FILE, SECRET_FILE};
 pub use error_chain::error_chain;
 pub use token::{read_token_file, TokenFileError, MIN_TOKEN_LEN};
+pub use tool::ToolError;

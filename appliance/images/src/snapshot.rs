@@ -21,7 +21,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use crate::blobs;
 use crate::error::ImageError;
@@ -86,20 +85,8 @@ struct Backing {
 }
 
 fn run_tool(program: &Path, args: &[&str]) -> Result<Vec<u8>, ImageError> {
-    let tool = || program.display().to_string();
-    let out = Command::new(program)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .map_err(|e| ImageError::Tool { program: tool(), detail: format!("cannot start it: {e}") })?;
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        return Err(ImageError::Tool {
-            program: tool(),
-            detail: format!("{} ({}): {}", out.status, args.join(" "), stderr.trim()),
-        });
-    }
-    Ok(out.stdout)
+    foundation::tool::run(program, args, None)
+        .map_err(|e| ImageError::Tool { program: program.display().to_string(), detail: e.to_string() })
 }
 
 impl Store {

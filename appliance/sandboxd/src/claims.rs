@@ -13,7 +13,7 @@ use rand::RngCore;
 use serde::Serialize;
 use vmm::Vm;
 
-use crate::journal::{ClaimRecord, LogEntry, LogOp};
+use crate::journal::{ClaimLog, ClaimRecord, LogEntry, LogOp, Pending};
 use crate::pool::{KeyError, PoolKey};
 
 /// Default lease.
@@ -148,40 +148,40 @@ impl Claim {
 }
 
 /// The claim table. Every journaled mutation bumps the generation and queues one log line
-/// ([`LogEntry`]) in generation order; [`crate::journal::Journal::commit_claims`] appends the
-/// queued lines (group commit). Queuing under the table lock keeps the log in table order.
+/// ([`LogEntry`]) in generation order; the journal reads them through [`ClaimLog`] and
+/// [`crate::journal::Journal::commit_claims`] appends the queued lines (group commit).
+/// Queuing under the table lock keeps the log in table order.
 #[derive(Debug, Default)]
 pub struct ClaimTable {
-    gen: u64,
     by_id: HashMap<String, Claim>,
-    pending: Vec<LogEntry>,
+    log: Pending,
 }
 
 impl ClaimTable {
     /// A table loaded from the journal at generation `seq` (nothing pending: it is on disk).
     pub fn restore(seq: u64, records: Vec<ClaimRecord>) -> Self {
         let by_id = records.into_iter().map(|rec| (rec.id.clone(), Claim { rec, vm: None })).collect();
-        ClaimTable { gen: seq, by_id, pending: Vec::new() }
+        ClaimTable { by_id, log: Pending::at(seq) }
     }
 
     /// Inserts a claim; returns the new generation.
     pub fn insert(&mut self, c: Claim) -> u64 {
         let op = LogOp::Grant(c.rec.clone());
         self.by_id.insert(c.rec.id.clone(), c);
-        self.bump(op)
+        self.log.push(op)
     }
 
     /// Removes a claim; returns it and the new generation.
     pub fn remove(&mut self, id: &str) -> Option<(Claim, u64)> {
         let c = self.by_id.remove(id)?;
-        Some((c, self.bump(LogOp::Release { id: id.to_string() })))
+        Some((c, self.log.push(LogOp::Release { id: id.to_string() })))
     }
 
     /// Sets a claim's deadline; returns the new generation.
     pub fn set_deadline(&mut self, id: &str, deadline_unix_ms: u64) -> Option<u64> {
         let c = self.by_id.get_mut(id)?;
         c.rec.deadline_unix_ms = deadline_unix_ms;
-        Some(self.bump(LogOp::Renew { id: id.to_string(), deadline_unix_ms }))
+        Some(self.log.push(LogOp::Renew { id: id.to_string(), deadline_unix_ms }))
     }
 
     /// Records the attached VM of a claim (not journaled: only the id is).
@@ -211,27 +211,21 @@ impl ClaimTable {
         self.by_id.is_empty()
     }
 
-    /// The current generation and every journal row sorted by id (a snapshot).
-    pub fn snapshot(&self) -> (u64, Vec<ClaimRecord>) {
-        let mut rows: Vec<ClaimRecord> = self.by_id.values().map(|c| c.rec.clone()).collect();
-        rows.sort_by(|a, b| a.id.cmp(&b.id));
-        (self.gen, rows)
-    }
-
-    /// The current generation and the log lines queued since the last call.
-    pub fn take_pending(&mut self) -> (u64, Vec<LogEntry>) {
-        (self.gen, std::mem::take(&mut self.pending))
-    }
-
     /// Ids of claims whose deadline is at or before `now_ms`.
     pub fn expired(&self, now_ms: u64) -> Vec<String> {
         self.by_id.values().filter(|c| c.rec.deadline_unix_ms <= now_ms).map(|c| c.rec.id.clone()).collect()
     }
+}
 
-    fn bump(&mut self, op: LogOp) -> u64 {
-        self.gen += 1;
-        self.pending.push(LogEntry { seq: self.gen, op });
-        self.gen
+impl ClaimLog for ClaimTable {
+    fn take_pending(&mut self) -> (u64, Vec<LogEntry>) {
+        self.log.take()
+    }
+
+    fn snapshot(&self) -> (u64, Vec<ClaimRecord>) {
+        let mut rows: Vec<ClaimRecord> = self.by_id.values().map(|c| c.rec.clone()).collect();
+        rows.sort_by(|a, b| a.id.cmp(&b.id));
+        (self.log.gen(), rows)
     }
 }
 
@@ -258,6 +252,35 @@ mod tests {
         assert_eq!(t.len(), 32);
         assert!(t.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
         assert_ne!(mint_token(), t);
+    }
+
+    #[test]
+    fn every_mutation_queues_one_log_line_in_generation_order() {
+        let rec = |id: &str| ClaimRecord {
+            id: id.into(),
+            token: "t".repeat(32),
+            vm: vmm::VmId::new("sbx-aa-00000001").expect("id"),
+            key: PoolKey::parse("base", None, None).expect("key"),
+            deadline_unix_ms: 5,
+            claimed_at_unix_ms: 1,
+            claim_ref: None,
+        };
+        let mut t = ClaimTable::default();
+        assert_eq!(t.insert(Claim { rec: rec("sb_2"), vm: None }), 1);
+        assert_eq!(t.insert(Claim { rec: rec("sb_1"), vm: None }), 2);
+        assert_eq!(t.set_deadline("sb_1", 9), Some(3));
+        assert_eq!(t.remove("sb_2").map(|(c, g)| (c.rec.id, g)), Some(("sb_2".to_string(), 4)));
+        assert_eq!((t.set_deadline("sb_x", 1), t.remove("sb_x").is_none()), (None, true), "no line for a miss");
+        let (gen, lines) = t.take_pending();
+        assert_eq!(gen, 4);
+        assert_eq!(lines.iter().map(|l| l.seq).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+        assert!(matches!(&lines[2].op, LogOp::Renew { id, deadline_unix_ms: 9 } if id == "sb_1"));
+        assert!(matches!(&lines[3].op, LogOp::Release { id } if id == "sb_2"));
+        assert!(t.take_pending().1.is_empty(), "taken once");
+        let snap = t.snapshot();
+        assert_eq!(snap, (4, vec![ClaimRecord { deadline_unix_ms: 9, ..rec("sb_1") }]));
+        let back = ClaimTable::restore(snap.0, snap.1.clone());
+        assert_eq!(back.snapshot(), snap);
     }
 
     #[test]

@@ -51,7 +51,6 @@ use std::sync::{Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
 use vmm::VmId;
 
-use crate::claims::ClaimTable;
 use crate::config::PoolConfig;
 use crate::pool::PoolKey;
 
@@ -178,6 +177,54 @@ struct PoolsFile {
     pools: Vec<PoolConfig>,
 }
 
+/// What the journal reads of the claim table it makes durable: the records, never the table
+/// itself (`claims::ClaimTable` implements this). Every mutation of the
+/// table bumps its generation and queues one [`LogEntry`]; the journal drains the queue in
+/// generation order (group commit) or snapshots every record (compaction).
+///
+/// Called with the table's lock held and the journal's writer lock held (lock order:
+/// compaction → writer → claim table).
+pub trait ClaimLog {
+    /// The current generation and the log lines queued since the last call.
+    fn take_pending(&mut self) -> (u64, Vec<LogEntry>);
+    /// The current generation and every record, sorted by id.
+    fn snapshot(&self) -> (u64, Vec<ClaimRecord>);
+}
+
+/// The generation of a claim table and the log lines queued since the journal last took them:
+/// what a [`ClaimLog`] implementation keeps beside its records. Each mutation is one
+/// [`Pending::push`], which numbers it with the next generation.
+#[derive(Debug, Default)]
+pub struct Pending {
+    gen: u64,
+    lines: Vec<LogEntry>,
+}
+
+impl Pending {
+    /// Nothing queued, at generation `gen` (a table loaded from disk: it is all there).
+    pub fn at(gen: u64) -> Self {
+        Pending { gen, lines: Vec::new() }
+    }
+
+    /// The current generation.
+    pub fn gen(&self) -> u64 {
+        self.gen
+    }
+
+    /// Queues one mutation; returns its generation (the one to commit).
+    pub fn push(&mut self, op: LogOp) -> u64 {
+        self.gen += 1;
+        self.lines.push(LogEntry { seq: self.gen, op });
+        self.gen
+    }
+
+    /// The current generation and the lines queued since the last call
+    /// ([`ClaimLog::take_pending`]).
+    pub fn take(&mut self) -> (u64, Vec<LogEntry>) {
+        (self.gen, std::mem::take(&mut self.lines))
+    }
+}
+
 /// The claim table as read from disk.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Loaded {
@@ -291,7 +338,7 @@ impl Journal {
 
     /// Makes sure generation `gen` of `table` is on disk: appends every pending mutation of the
     /// table (group commit), or compacts inline when the log is dirty or past the hard bound.
-    pub fn commit_claims(&self, gen: u64, table: &Mutex<ClaimTable>) -> Result<(), JournalError> {
+    pub fn commit_claims<T: ClaimLog>(&self, gen: u64, table: &Mutex<T>) -> Result<(), JournalError> {
         {
             let mut w = lock(&self.writer);
             if w.written >= gen {
@@ -313,7 +360,7 @@ impl Journal {
 
     /// Replaces the pending lines by a snapshot written while holding the writer lock (so no
     /// commit returns before it is durable). Caller holds the compaction lock.
-    fn compact_inline(&self, w: &mut Writer, table: &Mutex<ClaimTable>) -> Result<(), JournalError> {
+    fn compact_inline<T: ClaimLog>(&self, w: &mut Writer, table: &Mutex<T>) -> Result<(), JournalError> {
         let (seq, rows) = {
             let mut t = lock(table);
             // The snapshot covers the pending lines; if writing it fails they are on disk
@@ -327,7 +374,7 @@ impl Journal {
 
     /// Background compaction (the reaper tick): when the log outgrows [`COMPACT_MIN_BYTES`] and
     /// the last snapshot, seals it and writes a snapshot covering it. Returns whether it ran.
-    pub fn compact_if_large(&self, table: &Mutex<ClaimTable>) -> Result<bool, JournalError> {
+    pub fn compact_if_large<T: ClaimLog>(&self, table: &Mutex<T>) -> Result<bool, JournalError> {
         let _c = lock(&self.compaction);
         let (seq, rows) = {
             let mut w = lock(&self.writer);

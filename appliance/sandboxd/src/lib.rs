@@ -2,16 +2,24 @@
 //! (the sandboxd contract, `shared/spec/sandboxd.md` §0–§8), wire-compatible with the public
 //! Python SDK.
 //!
-//! - [`config`]: the JSON config file (and the fail-closed start-up checks);
+//! Modules, lowest first: each uses only modules listed before it (no import circles).
+//! - [`pool`]: pool keys, per-pool state and the pool registry (imports nothing of sandboxd);
 //! - [`limits`]: the node budget and its ledger, the lease horizon, per-claim caps, exec and
 //!   HTTP limits;
-//! - [`pool`]: pool keys, pool state and the refill task;
-//! - [`claims`]: the claim table, lease rules, id/token minting;
+//! - [`golden`]: golden snapshots on disk (staging, install, load);
+//! - [`metrics`]: counters and the claim-latency histogram, rendered for `/metrics`;
+//! - [`config`]: the JSON config file (and the fail-closed start-up checks);
+//! - [`options`]: what a node is built from (`NodeOptions`, `Timing`);
 //! - [`journal`]: the claims journal (append-only `claims.log` + atomic `claims.json` snapshot)
-//!   and `pools.json`;
-//! - [`node`]: the controller every handler calls (claim, release, renew, drain, reconcile);
+//!   and `pools.json`; it reads records through [`journal::ClaimLog`], not the claim table;
+//! - [`claims`]: the claim table, lease rules, id/token minting;
+//! - [`store`]: the claim table and its journal together (commit, compaction);
+//! - [`vms`]: what VMs run on (driver, VM network, budget ledger) and how they end (destroy);
+//! - [`refill`]: the refill task of each pool over its own context ([`refill::Refill`]);
+//! - [`reaper`]: ends expired leases, compacts the journal;
+//! - [`reconcile`]: the restart reconcile;
+//! - [`node`]: the facade every handler calls (claim, release, renew, drain, pools, info);
 //! - [`http`]: the axum router, auth, relays (`/agent`, `/ports`) and `/exec`;
-//! - [`metrics`]: counters for `/metrics`;
 //! - `test_utils` (`cfg(test)` or feature `test-utils`, never in release builds): a fake driver
 //!   whose VMs run an in-process silkd stand-in.
 
@@ -19,14 +27,21 @@
 
 pub mod claims;
 pub mod config;
+pub mod golden;
 pub mod http;
 pub mod journal;
 pub mod limits;
 pub mod metrics;
 pub mod node;
+pub mod options;
 pub mod pool;
+pub mod reaper;
+pub mod reconcile;
+pub mod refill;
+pub mod store;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod test_utils;
+pub mod vms;
 
 pub use config::Config;
 pub use node::{Node, NodeOptions};

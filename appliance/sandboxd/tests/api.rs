@@ -272,6 +272,10 @@ async fn error_shapes() {
     assert!(text.contains("sandboxd_claims_total{result=\"granted\",tier=\"warm\"} 1"), "{text}");
     assert!(text.contains("sandboxd_claims_total{result=\"no_capacity\",tier=\"\"} 2"), "{text}");
     assert!(text.contains("sandboxd_pool_target{template=\"base\",net=\"none\",size=\"small\"} 1"), "{text}");
+    // Every claim that reached the node is timed, granted or refused.
+    let timed = text.lines().find_map(|l| l.strip_prefix("sandboxd_claim_duration_seconds_count "));
+    assert!(timed.and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n >= 3), "{text}");
+    assert!(text.ends_with("# EOF\n"), "{text}");
 }
 
 #[tokio::test]

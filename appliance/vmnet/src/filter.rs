@@ -37,9 +37,7 @@
 //! so the rules never drift from it.
 
 use std::fmt::{self, Write as _};
-use std::io::Write as _;
 use std::net::Ipv4Addr;
-use std::process::{Command, Stdio};
 use std::str::FromStr;
 
 use ipnet::Ipv4Net;
@@ -95,18 +93,14 @@ pub enum FilterError {
         /// The VM id.
         vm: String,
     },
-    /// `nft` could not be started or fed.
-    #[error("running nft (is the nftables package installed?)")]
-    Spawn(#[source] std::io::Error),
-    /// `nft` refused the ruleset.
-    #[error("nft refused the {what} ({status}): {stderr}")]
+    /// `nft` could not be started, or refused the ruleset.
+    #[error("installing the {what} with nft (is the nftables package installed?)")]
     Nft {
         /// What we were installing.
         what: &'static str,
-        /// Its exit status.
-        status: String,
-        /// What it said.
-        stderr: String,
+        /// What went wrong, with nft's stderr.
+        #[source]
+        source: foundation::ToolError,
     },
 }
 
@@ -410,22 +404,8 @@ table inet {table} {{
 /// Feeds `script` to `nft -f -` (one transaction: all of it or nothing), in the calling thread's
 /// network namespace.
 pub fn apply(what: &'static str, script: &str) -> Result<(), FilterError> {
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(FilterError::Spawn)?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin.write_all(script.as_bytes()).map_err(FilterError::Spawn)?;
-    }
-    let out = child.wait_with_output().map_err(FilterError::Spawn)?;
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let stderr: String = stderr.chars().take(4096).collect();
-        return Err(FilterError::Nft { what, status: out.status.to_string(), stderr: stderr.trim().to_owned() });
-    }
+    foundation::tool::run("nft", &["-f", "-"], Some(script.as_bytes()))
+        .map_err(|source| FilterError::Nft { what, source })?;
     tracing::debug!(what, bytes = script.len(), "nft ruleset applied");
     Ok(())
 }

@@ -6,7 +6,45 @@ use std::io::{BufRead as _, Write as _};
 use std::sync::Mutex;
 
 use super::*;
-use crate::claims::{Claim, ClaimTable};
+
+/// A claim table reduced to what the journal reads: records and the queued lines (the
+/// daemon's table is `claims::ClaimTable`).
+#[derive(Debug, Default)]
+struct Table {
+    rows: BTreeMap<String, ClaimRecord>,
+    log: Pending,
+}
+
+impl Table {
+    fn restore(gen: u64, records: Vec<ClaimRecord>) -> Self {
+        Table { rows: records.into_iter().map(|r| (r.id.clone(), r)).collect(), log: Pending::at(gen) }
+    }
+
+    fn insert(&mut self, r: ClaimRecord) -> u64 {
+        self.rows.insert(r.id.clone(), r.clone());
+        self.log.push(LogOp::Grant(r))
+    }
+
+    fn set_deadline(&mut self, id: &str, deadline_unix_ms: u64) -> Option<u64> {
+        self.rows.get_mut(id)?.deadline_unix_ms = deadline_unix_ms;
+        Some(self.log.push(LogOp::Renew { id: id.into(), deadline_unix_ms }))
+    }
+
+    fn remove(&mut self, id: &str) -> Option<(ClaimRecord, u64)> {
+        let r = self.rows.remove(id)?;
+        Some((r, self.log.push(LogOp::Release { id: id.into() })))
+    }
+}
+
+impl ClaimLog for Table {
+    fn take_pending(&mut self) -> (u64, Vec<LogEntry>) {
+        self.log.take()
+    }
+
+    fn snapshot(&self) -> (u64, Vec<ClaimRecord>) {
+        (self.log.gen(), self.rows.values().cloned().collect())
+    }
+}
 
 fn rec(id: &str, deadline: u64) -> ClaimRecord {
     ClaimRecord {
@@ -20,8 +58,8 @@ fn rec(id: &str, deadline: u64) -> ClaimRecord {
     }
 }
 
-fn grant(t: &Mutex<ClaimTable>, id: &str, deadline: u64) -> u64 {
-    lock(t).insert(Claim { rec: rec(id, deadline), vm: None })
+fn grant(t: &Mutex<Table>, id: &str, deadline: u64) -> u64 {
+    lock(t).insert(rec(id, deadline))
 }
 
 fn ids(l: &Loaded) -> Vec<&str> {
@@ -41,7 +79,7 @@ fn appends_replay_and_group_commit() {
     let dir = tempfile::tempdir().expect("tempdir");
     let j = Journal::open(dir.path(), true).expect("open");
     assert_eq!(j.recover().expect("empty"), Loaded::default());
-    let t = Mutex::new(ClaimTable::default());
+    let t = Mutex::new(Table::default());
     let g1 = grant(&t, "sb_1", 10);
     let g2 = grant(&t, "sb_2", 10);
     j.commit_claims(g2, &t).expect("commit");
@@ -71,7 +109,7 @@ fn lines_the_snapshot_covers_are_not_replayed() {
     let dir = tempfile::tempdir().expect("tempdir");
     let j = Journal::open(dir.path(), false).expect("open");
     j.recover().expect("recover");
-    let t = Mutex::new(ClaimTable::default());
+    let t = Mutex::new(Table::default());
     let g = grant(&t, "sb_a", 1);
     j.commit_claims(g, &t).expect("commit");
     let old_log = std::fs::read(dir.path().join(CLAIMS_LOG)).expect("log");
@@ -89,7 +127,7 @@ fn lines_the_snapshot_covers_are_not_replayed() {
 fn a_torn_final_line_is_ignored_and_garbage_inside_is_an_error() {
     let dir = tempfile::tempdir().expect("tempdir");
     let j = Journal::open(dir.path(), false).expect("open");
-    let t = Mutex::new(ClaimTable::default());
+    let t = Mutex::new(Table::default());
     let g = grant(&t, "sb_1", 5);
     j.commit_claims(g, &t).expect("commit");
     let log = dir.path().join(CLAIMS_LOG);
@@ -124,7 +162,7 @@ fn a_torn_final_line_is_ignored_and_garbage_inside_is_an_error() {
 fn a_failed_append_is_reported_and_the_next_commit_compacts() {
     let dir = tempfile::tempdir().expect("tempdir");
     let j = Journal::open(dir.path(), false).expect("open");
-    let t = Mutex::new(ClaimTable::default());
+    let t = Mutex::new(Table::default());
     let g = grant(&t, "sb_1", 5);
     j.commit_claims(g, &t).expect("commit");
     // A directory where the log must be makes the append fail.
@@ -153,7 +191,7 @@ fn background_compaction_keeps_every_mutation_under_concurrent_commits() {
     let dir = tempfile::tempdir().expect("tempdir");
     let j = Journal::open(dir.path(), false).expect("open").with_compaction_bounds(4096, 1 << 30);
     j.recover().expect("recover");
-    let t = Mutex::new(ClaimTable::default());
+    let t = Mutex::new(Table::default());
     let compactions = std::sync::atomic::AtomicUsize::new(0);
     std::thread::scope(|s| {
         let writers: Vec<_> = (0..2)
@@ -206,7 +244,7 @@ fn background_compaction_keeps_every_mutation_under_concurrent_commits() {
 fn a_failed_snapshot_keeps_the_sealed_log_until_a_compaction_succeeds() {
     let dir = tempfile::tempdir().expect("tempdir");
     let j = Journal::open(dir.path(), false).expect("open").with_compaction_bounds(64, 1 << 30);
-    let t = Mutex::new(ClaimTable::default());
+    let t = Mutex::new(Table::default());
     let g = grant(&t, "sb_1", 5);
     j.commit_claims(g, &t).expect("commit");
     // A directory in place of the snapshot makes its rename fail.
@@ -256,7 +294,7 @@ fn kill9_child() {
     };
     let j = Journal::open(Path::new(&dir), false).expect("open").with_compaction_bounds(2048, 16 << 10);
     let loaded = j.recover().expect("recover");
-    let t = Mutex::new(ClaimTable::restore(loaded.seq, loaded.claims));
+    let t = Mutex::new(Table::restore(loaded.seq, loaded.claims));
     let run = format!("{:08x}", rand::random::<u32>());
     let stop = std::sync::atomic::AtomicBool::new(false);
     let started = std::time::Instant::now();

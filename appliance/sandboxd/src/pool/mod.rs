@@ -1,15 +1,18 @@
-//! Warm pools: one [`Pool`] per key `(template, net, size)`.
+//! Warm pools: one [`Pool`] per key `(template, net, size)`, all of them in [`Pools`].
 //!
 //! A pool's state sits behind one `std::sync::Mutex` that is never held across an `.await`:
 //! the claim path locks it only to pop the newest warm VM (LIFO). A refill task per pool
-//! ([`refill`]) keeps `warm + refilling` at the target: it builds a golden snapshot once, fills
-//! by cloning it (falling back to cold boots), and admits a VM only after silkd answers `info`.
-//! Every refill slot and golden build first reserves room in the node budget
-//! ([`crate::limits::Ledger`]); without room the pool waits and reports why (`at_capacity`).
+//! (`crate::refill`) keeps `warm + refilling` at the target: it builds a golden snapshot once,
+//! fills by cloning it (falling back to cold boots), and admits a VM only after silkd answers
+//! `info`. Every refill slot and golden build first reserves room in the node budget
+//! (`crate::limits::Ledger`); without room the pool waits and reports why (`at_capacity`).
+//!
+//! This module is plain state: it imports nothing else of sandboxd.
 
 mod key;
-pub mod refill;
 
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -165,6 +168,63 @@ impl Pool {
     /// The VM ids the pool holds (warm).
     pub fn warm_ids(&self) -> Vec<vmm::VmId> {
         self.lock().warm.iter().map(|v| v.id.clone()).collect()
+    }
+}
+
+/// The node's pools by key (a `BTreeMap`, so listings come sorted). Readers hold the lock
+/// only to clone an `Arc`; start-up and `PUT /v1/pools` write.
+#[derive(Debug, Default)]
+pub struct Pools {
+    map: RwLock<BTreeMap<PoolKey, Arc<Pool>>>,
+}
+
+impl Pools {
+    fn read(&self) -> RwLockReadGuard<'_, BTreeMap<PoolKey, Arc<Pool>>> {
+        // The map is replaced entry by entry; a poisoned lock is still consistent.
+        self.map.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A pool by key.
+    pub fn get(&self, key: &PoolKey) -> Option<Arc<Pool>> {
+        self.read().get(key).cloned()
+    }
+
+    /// All pools, sorted by key.
+    pub fn all(&self) -> Vec<Arc<Pool>> {
+        self.read().values().cloned().collect()
+    }
+
+    /// Every pool's info row, sorted by key.
+    pub fn infos(&self) -> Vec<PoolInfo> {
+        self.all().iter().map(|p| p.info()).collect()
+    }
+
+    /// Adds (or replaces) a pool.
+    pub fn insert(&self, pool: Arc<Pool>) {
+        self.map.write().unwrap_or_else(|p| p.into_inner()).insert(pool.key.clone(), pool);
+    }
+
+    /// Removes every pool whose key is not in `keep`; returns them (the caller retires them).
+    pub fn remove_others(&self, keep: &HashSet<&PoolKey>) -> Vec<Arc<Pool>> {
+        let mut map = self.map.write().unwrap_or_else(|p| p.into_inner());
+        let gone: Vec<PoolKey> = map.keys().filter(|k| !keep.contains(k)).cloned().collect();
+        gone.iter().filter_map(|k| map.remove(k)).collect()
+    }
+
+    /// Wakes every refill task.
+    pub fn kick_all(&self) {
+        for p in self.all() {
+            p.kick();
+        }
+    }
+
+    /// Wakes the refill tasks of pools the node budget stopped short (room was freed).
+    pub fn kick_budget_blocked(&self) {
+        for p in self.all() {
+            if p.lock().budget_blocked.is_some() {
+                p.kick();
+            }
+        }
     }
 }
 

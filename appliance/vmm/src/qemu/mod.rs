@@ -33,8 +33,10 @@
 //! and `prune` removes dead records — so a `kill -9` of the owner mid-boot leaks nothing.
 
 pub mod cmdline;
+mod disks;
 pub mod process;
 pub mod qmp;
+use disks::Origin;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -147,31 +149,6 @@ impl Drop for Pending {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-/// The descriptors opened for a new QEMU ([`cmdline::Fds`]) and their owners, closed once it
-/// has been spawned.
-#[derive(Default)]
-struct OpenedFds {
-    fds: cmdline::Fds,
-    owned: Vec<OwnedFd>,
-}
-
-impl OpenedFds {
-    fn keep(&mut self, fd: OwnedFd) -> i32 {
-        let raw = fd.as_raw_fd();
-        self.owned.push(fd);
-        raw
-    }
-}
-
-/// What a new VM starts from.
-#[derive(Clone, Copy)]
-enum Origin<'a> {
-    /// A fresh boot.
-    Boot(&'a BootSpec),
-    /// A clone of a snapshot, with the clone's own NIC (if the snapshot's VM had one).
-    Restore(&'a Snapshot, Option<&'a NicSpec>),
 }
 
 fn now_secs() -> u64 {
@@ -332,109 +309,6 @@ impl QemuDriver {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-
-    /// A qcow2 overlay `<dir>/overlay.qcow2` on `backing` (of format `backing_fmt`).
-    async fn create_overlay(&self, dir: &Path, backing: &Path, backing_fmt: &str) -> Result<PathBuf, DriverError> {
-        let o = dir.join(files::OVERLAY);
-        let args: Vec<String> = ["create", "-q", "-f", "qcow2", "-F", backing_fmt, "-b"]
-            .into_iter()
-            .map(String::from)
-            .chain([backing.display().to_string(), o.display().to_string()])
-            .collect();
-        process::run(&self.cfg.qemu_img, &args).await?;
-        Ok(o)
-    }
-
-    /// The layers under `overlay` (itself first), as `qemu-img info --backing-chain` reads them.
-    async fn backing_chain(&self, overlay: &Path) -> Result<Vec<(PathBuf, &'static str)>, DriverError> {
-        let path = overlay.display().to_string();
-        let out =
-            process::run_output(&self.cfg.qemu_img, &["info", "-U", "--backing-chain", "--output=json", &path]).await?;
-        let infos: Vec<serde_json::Value> = serde_json::from_slice(&out)
-            .map_err(|e| DriverError::Invalid(format!("qemu-img info {path}: unreadable output: {e}")))?;
-        infos
-            .iter()
-            .map(|i| {
-                let file = i.get("filename").and_then(|f| f.as_str());
-                let format = match i.get("format").and_then(|f| f.as_str()) {
-                    Some("qcow2") => Some("qcow2"),
-                    Some("raw") => Some("raw"),
-                    _ => None,
-                };
-                match (file, format) {
-                    (Some(f), Some(fmt)) => Ok((PathBuf::from(f), fmt)),
-                    _ => {
-                        Err(DriverError::Invalid(format!("qemu-img info {path}: a layer without file or format: {i}")))
-                    }
-                }
-            })
-            .collect()
-    }
-
-    /// Opens everything QEMU needs (it reaches none of our paths): listening sockets at their
-    /// usual names, kernel and initrd, the disks and their backing chain, the TAP, the
-    /// incoming migration stream.
-    async fn open_fds(
-        &self,
-        vm: &Vm,
-        sock_dir: &Path,
-        overlay: Option<&Path>,
-        origin: Origin<'_>,
-    ) -> Result<OpenedFds, DriverError> {
-        let mut o = OpenedFds::default();
-        let listen = |name: &str| -> Result<OwnedFd, DriverError> {
-            let path = sock_dir.join(name);
-            match std::fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(DriverError::io(format!("removing {}", path.display()), e)),
-            }
-            let l = std::os::unix::net::UnixListener::bind(&path)
-                .map_err(|e| DriverError::io(format!("vm {}: listening on {}", vm.id, path.display()), e))?;
-            Ok(OwnedFd::from(l))
-        };
-        o.fds.qmp = o.keep(listen(files::QMP)?);
-        o.fds.console = o.keep(listen(files::CONSOLE_SOCK)?);
-        o.fds.agent = o.keep(listen(files::AGENT_SERIAL)?);
-        let open = |path: &Path, write: bool| -> Result<OwnedFd, DriverError> {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(write)
-                .open(path)
-                .map(OwnedFd::from)
-                .map_err(|e| DriverError::io(format!("vm {}: opening {}", vm.id, path.display()), e))
-        };
-        if !self.cfg.firmware_only {
-            o.fds.kernel = Some(o.keep(open(&vm.spec.kernel, false)?));
-            o.fds.initrd = Some(o.keep(open(&vm.spec.initrd, false)?));
-        }
-        if let Some(rootfs) = &vm.spec.rootfs {
-            let fd = o.keep(open(rootfs, false)?);
-            o.fds.rootfs = Some(DiskLayer { fd, format: "raw", path: rootfs.clone() });
-        }
-        if let Some(top) = overlay {
-            for (i, (path, format)) in self.backing_chain(top).await?.into_iter().enumerate() {
-                let fd = o.keep(open(&path, i == 0)?);
-                o.fds.overlay.push(DiskLayer { fd, format, path });
-            }
-        }
-        if let Some(nic) = &vm.spec.nic {
-            let tap = crate::jail::open_tap(&nic.tap, nic.netns_path().as_deref()).map_err(JailError::from)?;
-            o.fds.tap = Some(o.keep(tap));
-        }
-        if let Origin::Restore(snap, _) = origin {
-            // Non-blocking, so a FIFO without a writer cannot hang the open; QEMU sets the
-            // descriptor's mode itself.
-            let state = snap.dir.join(files::STATE);
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NONBLOCK)
-                .open(&state)
-                .map_err(|e| DriverError::io(format!("vm {}: opening {}", vm.id, state.display()), e))?;
-            o.fds.incoming = Some(o.keep(OwnedFd::from(f)));
-        }
-        Ok(o)
     }
 
     /// Boot and restore: `creating` record → overlay → QEMU → pid recorded → (restore: incoming
@@ -751,20 +625,12 @@ impl Driver for QemuDriver {
 
     async fn prune(&self) -> Result<Vec<VmId>, DriverError> {
         let pruned = lifecycle::prune(&self.vms_dir(), Backend::Qemu, Some(files::PID), lifecycle::PRUNE_GRACE)?;
-        let mut bridges = self.lock_bridges();
-        let mut consoles = self.lock_consoles();
-        let jail = self.cfg.jail.resolve().ok().flatten();
+        let (mut a, mut b) = (self.lock_bridges(), self.lock_consoles());
         for id in &pruned {
-            bridges.remove(id);
-            consoles.remove(id);
-            if let Some(j) = &jail {
-                j.cgroups.leaf_of(id.as_str()).remove();
-            }
+            a.remove(id);
+            b.remove(id);
         }
-        // Leaves of VMs whose directories are gone too (killed and removed outside a driver).
-        if let Some(j) = &jail {
-            j.cgroups.sweep_empty(lifecycle::PRUNE_GRACE);
-        }
+        self.cfg.jail.release_leaves(&pruned, lifecycle::PRUNE_GRACE);
         Ok(pruned)
     }
 

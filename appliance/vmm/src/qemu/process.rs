@@ -1,7 +1,6 @@
 //! The QEMU process: a jailed start, readiness, pid file, kill, and helpers like `qemu-img`.
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use tokio::process::Child;
@@ -22,24 +21,14 @@ pub async fn run(program: &Path, args: &[String]) -> Result<(), DriverError> {
 }
 
 /// Runs a helper program to completion and returns its stdout; a non-zero exit is an error
-/// carrying its stderr.
+/// carrying its stderr (see [`foundation::tool`]).
 pub async fn run_output(program: &Path, args: &[&str]) -> Result<Vec<u8>, DriverError> {
-    let out = tokio::process::Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .output()
+    let name = program.display().to_string();
+    let (program, args) = (program.to_path_buf(), args.iter().map(|a| a.to_string()).collect::<Vec<_>>());
+    tokio::task::spawn_blocking(move || foundation::tool::run(&program, &args, None))
         .await
-        .map_err(|e| DriverError::Spawn { program: program.display().to_string(), detail: e.to_string() })?;
-    if !out.status.success() {
-        return Err(DriverError::Spawn {
-            program: program.display().to_string(),
-            detail: format!("{}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()),
-        });
-    }
-    Ok(out.stdout)
+        .map_err(|e| DriverError::Spawn { program: name.clone(), detail: e.to_string() })?
+        .map_err(|e| DriverError::Spawn { program: name, detail: e.to_string() })
 }
 
 /// Bytes of QEMU's own output (`qemu.log`, both segments) kept per VM: QEMU prints what some

@@ -1,4 +1,7 @@
-//! The refill task of one pool.
+//! The refill task of each pool, over its own context ([`Refill`]: the driver and the VM
+//! network through [`Vms`], the catalog, timings, the refill semaphore, the counters, the
+//! goldens, and the two switches refill obeys: draining and the end of the restart reconcile).
+//! It never calls back into the node: nothing here knows about claims.
 //!
 //! Every tick (2 s) and on every kick (after each claim), [`step`] reserves slots for the
 //! deficit `target − warm − refilling` and spawns one job per slot, each bounded by the node's
@@ -19,28 +22,32 @@
 //! isolated) and TAP on the node's [`vmnet::Network`], booted with that NIC (the kernel command
 //! line addresses it); a clone is restored with its own NIC (`restore_with`) and re-addressed
 //! through silkd (`guest-init net-config`, before the reseed: the golden's MAC and address are
-//! dropped by the port filter until then). [`Node::destroy`] deletes the TAP and releases the
+//! dropped by the port filter until then). [`Vms::destroy`] deletes the TAP and releases the
 //! lease; a VM that never started gives them back at once.
 //!
 //! A VM enters the pool only after silkd answers `info`. Failures back off (see
-//! [`super::PoolState::failed`]); a template missing from the catalog parks the pool and reports it.
+//! [`PoolState::failed`](crate::pool::PoolState::failed)); a template missing from the catalog
+//! parks the pool and reports it.
 //!
 //! Budget: each slot (and the golden build) holds a [`Reservation`] of the node budget from
 //! before its first VM operation to its end; a VM admitted to the pool keeps its share. When
 //! the budget has no room for the whole deficit, the pool gets what fits and reports
 //! `at_capacity` with the reason until a later step is granted in full.
 
-use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use tokio::sync::Semaphore;
 use tracing::Instrument as _;
-use vmm::{AfterSnapshot, BootSpec, NicSpec, RestoreOptions, Snapshot, Vm, VmId};
+use vmm::{AfterSnapshot, BootSpec, Catalog, Driver, NicSpec, RestoreOptions, Snapshot, Vm, VmId};
 
-use super::Pool;
+use crate::golden::{GoldenError, Goldens};
 use crate::limits::Reservation;
-use crate::metrics::inc;
-use crate::node::{goldens_dir, Node};
+use crate::metrics::{inc, Metrics};
+use crate::options::Timing;
+use crate::pool::{Net, Pool};
+use crate::vms::{disk_mib, Vms};
 
 /// Clone failures in a row after which the golden is dropped and rebuilt.
 const CLONE_FAILURES_TO_REBUILD: u32 = 3;
@@ -107,17 +114,87 @@ pub enum RefillError {
         /// What it said (trimmed).
         stderr: String,
     },
-    /// Moving the golden into place failed.
-    #[error("{what} {path}")]
-    Io {
-        /// What we were doing.
-        what: &'static str,
-        /// The path.
-        path: std::path::PathBuf,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
+    /// Making the goldens dir or moving the golden into place failed.
+    #[error(transparent)]
+    Golden(#[from] GoldenError),
+}
+
+/// What refill works with: everything a slot or a golden build touches, and nothing of the
+/// node's claims.
+#[derive(Debug)]
+pub struct Refill {
+    /// The driver, the VM network, the budget ledger, the counters; destroys VMs.
+    pub vms: Arc<Vms>,
+    /// Templates this node can boot.
+    pub catalog: Catalog,
+    /// Tick, probe budgets, retry and park waits.
+    pub timing: Timing,
+    /// Bounds concurrent refills (`refill_concurrency`).
+    pub sem: Arc<Semaphore>,
+    /// Where golden snapshots live.
+    pub goldens: Goldens,
+    /// Fill by cloning a golden snapshot.
+    pub clone_enabled: bool,
+    draining: AtomicBool,
+    reconciled: AtomicBool,
+}
+
+impl Refill {
+    /// A refill context; refill waits until [`Refill::mark_reconciled`].
+    pub fn new(
+        vms: Arc<Vms>,
+        catalog: Catalog,
+        timing: Timing,
+        concurrency: usize,
+        goldens: Goldens,
+        clone: bool,
+    ) -> Self {
+        Refill {
+            vms,
+            catalog,
+            timing,
+            sem: Arc::new(Semaphore::new(concurrency.max(1))),
+            goldens,
+            clone_enabled: clone,
+            draining: AtomicBool::new(false),
+            reconciled: AtomicBool::new(false),
+        }
+    }
+
+    fn driver(&self) -> &dyn Driver {
+        self.vms.driver.as_ref()
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.vms.metrics
+    }
+
+    /// Whether the node is draining (no refill; VMs that finish booting are destroyed).
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Starts or lifts a drain.
+    pub fn set_draining(&self, on: bool) {
+        self.draining.store(on, Ordering::SeqCst);
+    }
+
+    /// Whether the restart reconcile has completed (refill starts only after it: its new VMs
+    /// could be mistaken for unowned ones).
+    pub fn reconciled(&self) -> bool {
+        self.reconciled.load(Ordering::SeqCst)
+    }
+
+    /// Marks the restart reconcile done and wakes every pool.
+    pub fn mark_reconciled(&self) {
+        self.reconciled.store(true, Ordering::SeqCst);
+        self.vms.pools.kick_all();
+    }
+
+    /// The golden of a new pool, when one of the running backend is on disk.
+    pub fn load_golden(&self, hash: &str) -> Option<Snapshot> {
+        self.goldens.load(hash, self.driver().backend())
+    }
 }
 
 enum Tier {
@@ -126,8 +203,8 @@ enum Tier {
 }
 
 /// The refill loop: runs until the pool is retired or the node stops.
-pub async fn run(node: Arc<Node>, pool: Arc<Pool>) {
-    let mut tick = tokio::time::interval(node.timing.tick);
+pub async fn run(cx: Arc<Refill>, pool: Arc<Pool>) {
+    let mut tick = tokio::time::interval(cx.timing.tick);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
@@ -135,7 +212,7 @@ pub async fn run(node: Arc<Node>, pool: Arc<Pool>) {
             _ = tick.tick() => {}
             () = pool.kick.notified() => {}
         }
-        step(&node, &pool);
+        step(&cx, &pool);
     }
 }
 
@@ -145,12 +222,12 @@ enum Plan {
 }
 
 /// Reserves and spawns the work the pool needs now.
-pub fn step(node: &Arc<Node>, pool: &Arc<Pool>) {
-    if !node.reconciled() || node.draining() {
+pub fn step(cx: &Arc<Refill>, pool: &Arc<Pool>) {
+    if !cx.reconciled() || cx.draining() {
         return;
     }
     let now = Instant::now();
-    let disk = crate::node::disk_mib(&node.catalog, pool.key.template());
+    let disk = disk_mib(&cx.catalog, pool.key.template());
     let plan = {
         let mut s = pool.lock();
         if s.retired || s.backoff_until.is_some_and(|t| now < t) {
@@ -161,16 +238,14 @@ pub fn step(node: &Arc<Node>, pool: &Arc<Pool>) {
             s.budget_blocked = None;
             return;
         }
-        let golden_first = node.clone_enabled
-            && s.golden.is_none()
-            && !s.golden_building
-            && s.golden_retry_at.is_none_or(|t| now >= t);
-        if node.clone_enabled && s.golden.is_none() && s.golden_building {
+        let golden_first =
+            cx.clone_enabled && s.golden.is_none() && !s.golden_building && s.golden_retry_at.is_none_or(|t| now >= t);
+        if cx.clone_enabled && s.golden.is_none() && s.golden_building {
             return;
         }
-        let (granted, short) = node.ledger.reserve(if golden_first { 1 } else { deficit }, pool.key.size(), disk);
+        let (granted, short) = cx.vms.ledger.reserve(if golden_first { 1 } else { deficit }, pool.key.size(), disk);
         if let Some(why) = &short {
-            inc(&node.metrics.refill_budget_blocked);
+            inc(&cx.metrics().refill_budget_blocked);
             if s.budget_blocked.as_deref() != Some(why.as_str()) {
                 tracing::warn!(reason = %why, granted = granted.len(), deficit, "refill stopped at the node budget");
             }
@@ -184,18 +259,18 @@ pub fn step(node: &Arc<Node>, pool: &Arc<Pool>) {
             return;
         } else {
             s.refilling += granted.len();
-            Plan::Slots(granted, s.golden.clone().filter(|_| node.clone_enabled).map(Box::new))
+            Plan::Slots(granted, s.golden.clone().filter(|_| cx.clone_enabled).map(Box::new))
         }
     };
     match plan {
         Plan::Golden(reservation) => {
-            let (n, p) = (Arc::clone(node), Arc::clone(pool));
+            let (n, p) = (Arc::clone(cx), Arc::clone(pool));
             let span = tracing::info_span!("golden", template = %pool.key.template(), hash = %pool.hash);
             tokio::spawn(async move { build_golden(n, p, reservation).await }.instrument(span));
         }
         Plan::Slots(granted, golden) => {
             for reservation in granted {
-                let (n, p, g) = (Arc::clone(node), Arc::clone(pool), golden.clone());
+                let (n, p, g) = (Arc::clone(cx), Arc::clone(pool), golden.clone());
                 let span = tracing::info_span!("fill", template = %pool.key.template(), vm = tracing::field::Empty);
                 tokio::spawn(async move { slot(n, p, g, reservation).await }.instrument(span));
             }
@@ -203,24 +278,24 @@ pub fn step(node: &Arc<Node>, pool: &Arc<Pool>) {
     }
 }
 
-async fn slot(node: Arc<Node>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>, reservation: Reservation) {
+async fn slot(cx: Arc<Refill>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>, reservation: Reservation) {
     let work = async {
-        let Ok(_permit) = Arc::clone(&node.refill_sem).acquire_owned().await else {
+        let Ok(_permit) = Arc::clone(&cx.sem).acquire_owned().await else {
             return None;
         };
         if let Some(g) = &golden {
-            match clone_one(&node, &pool, g).await {
+            match clone_one(&cx, &pool, g).await {
                 Ok(vm) => {
                     pool.lock().clone_failures = 0;
                     return Some(Ok((vm, Tier::Clone)));
                 }
                 Err(e) => {
                     tracing::warn!(error = %vmm::error_chain(&e), "clone failed; cold-booting instead");
-                    clone_failed(&node, &pool);
+                    clone_failed(&cx, &pool);
                 }
             }
         }
-        Some(cold_one(&node, &pool).await.map(|vm| (vm, Tier::Cold)))
+        Some(cold_one(&cx, &pool).await.map(|vm| (vm, Tier::Cold)))
     };
     let outcome = tokio::select! {
         () = pool.cancel.cancelled() => None,
@@ -235,7 +310,7 @@ async fn slot(node: Arc<Node>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>, r
             None => {}
             Some(Ok((vm, tier))) => {
                 tracing::Span::current().record("vm", vm.id.as_str());
-                if s.retired || node.draining() || s.warm.len() >= s.target {
+                if s.retired || cx.draining() || s.warm.len() >= s.target {
                     doomed = Some(vm);
                 } else {
                     tracing::info!(vm = %vm.id, "warm VM ready");
@@ -245,52 +320,51 @@ async fn slot(node: Arc<Node>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>, r
                     s.warm.push(vm);
                     s.succeeded();
                     inc(match tier {
-                        Tier::Clone => &node.metrics.refill_clone,
-                        Tier::Cold => &node.metrics.refill_cold,
+                        Tier::Clone => &cx.metrics().refill_clone,
+                        Tier::Cold => &cx.metrics().refill_cold,
                     });
                 }
             }
             Some(Err(e)) => {
-                inc(&node.metrics.refill_failures);
+                inc(&cx.metrics().refill_failures);
                 let reason = vmm::error_chain(&e);
                 tracing::warn!(error = %reason, "refill failed");
                 match e {
-                    RefillError::Catalog { .. } => s.park(reason, Instant::now(), node.timing.park),
+                    RefillError::Catalog { .. } => s.park(reason, Instant::now(), cx.timing.park),
                     _ => s.failed(reason, Instant::now()),
                 }
             }
         }
     }
     if let Some(vm) = doomed {
-        node.destroy(&vm).await;
+        cx.vms.destroy(&vm).await;
     }
     // A slot that admitted nothing frees its share of the budget only now, after its VM (if
     // any) is destroyed.
     drop(reservation);
 }
 
-fn clone_failed(node: &Node, pool: &Pool) {
+fn clone_failed(cx: &Refill, pool: &Pool) {
     let drop_golden = {
         let mut s = pool.lock();
         s.clone_failures += 1;
         if s.clone_failures >= CLONE_FAILURES_TO_REBUILD && s.golden.is_some() {
             s.golden = None;
             s.clone_failures = 0;
-            s.golden_retry_at = Some(Instant::now() + node.timing.golden_retry);
+            s.golden_retry_at = Some(Instant::now() + cx.timing.golden_retry);
             true
         } else {
             false
         }
     };
     if drop_golden {
-        let dir = goldens_dir(node.journal.dir()).join(&pool.hash);
-        tracing::warn!(golden = %dir.display(), "clones keep failing; dropping the golden");
-        let _ = std::fs::remove_dir_all(dir);
+        tracing::warn!(golden = %cx.goldens.path(&pool.hash).display(), "clones keep failing; dropping the golden");
+        cx.goldens.remove(&pool.hash);
     }
 }
 
-fn spec_for(node: &Node, pool: &Pool, id_prefix: String) -> Result<BootSpec, RefillError> {
-    let mut spec = BootSpec::from_template(&node.catalog, pool.key.template(), pool.key.size())
+fn spec_for(cx: &Refill, pool: &Pool, id_prefix: String) -> Result<BootSpec, RefillError> {
+    let mut spec = BootSpec::from_template(&cx.catalog, pool.key.template(), pool.key.size())
         .map_err(|source| RefillError::Catalog { template: pool.key.template().to_string(), source })?;
     // The driver names a booted VM `<spec.name>-<8 hex>`: this gives our VMs the `sbx-` prefix
     // the restart sweep relies on.
@@ -302,11 +376,11 @@ fn vm_prefix(pool: &Pool) -> String {
     format!("sbx-{}", &pool.hash[..12])
 }
 
-async fn probe(node: &Node, vm: Vm, budget: std::time::Duration) -> Result<Vm, RefillError> {
-    match node.driver.wait_agent(&vm, budget).await {
+async fn probe(cx: &Refill, vm: Vm, budget: std::time::Duration) -> Result<Vm, RefillError> {
+    match cx.driver().wait_agent(&vm, budget).await {
         Ok(_) => Ok(vm),
         Err(source) => {
-            node.destroy(&vm).await;
+            cx.vms.destroy(&vm).await;
             Err(RefillError::Driver { what: "waiting for silkd", source })
         }
     }
@@ -314,19 +388,19 @@ async fn probe(node: &Node, vm: Vm, budget: std::time::Duration) -> Result<Vm, R
 
 /// The lease (egress, isolated) and TAP of a new VM of an egress pool, keyed `key`, and its
 /// NIC; `None` for a `none` pool.
-async fn nic_for(node: &Node, pool: &Pool, key: &VmId) -> Result<Option<(vmnet::Lease, NicSpec)>, RefillError> {
-    if pool.key.net() != crate::pool::Net::Egress {
+async fn nic_for(cx: &Refill, pool: &Pool, key: &VmId) -> Result<Option<(vmnet::Lease, NicSpec)>, RefillError> {
+    if pool.key.net() != Net::Egress {
         return Ok(None);
     }
-    let net = node.net.as_ref().ok_or(RefillError::NoNetwork)?;
+    let net = cx.vms.net.as_ref().ok_or(RefillError::NoNetwork)?;
     let policy = vmnet::VmPolicy { group: None, egress: true };
     let lease = net.allocate_with(key.as_str(), &policy).map_err(|source| {
-        inc(&node.metrics.network_failures);
+        inc(&cx.metrics().network_failures);
         RefillError::Network { what: "leasing an address", source }
     })?;
     if let Err(source) = net.create_tap(&lease).await {
-        inc(&node.metrics.network_failures);
-        node.release_nic(key, &lease.tap).await;
+        inc(&cx.metrics().network_failures);
+        cx.vms.release_nic(key, &lease.tap).await;
         return Err(RefillError::Network { what: "creating the TAP", source });
     }
     tracing::debug!(vm = %key, ip = %lease.ip, tap = %lease.tap, "NIC ready");
@@ -341,36 +415,36 @@ async fn nic_for(node: &Node, pool: &Pool, key: &VmId) -> Result<Option<(vmnet::
 }
 
 /// Gives back the NIC of a VM that never started.
-async fn unstarted(node: &Node, key: &VmId, nic: Option<&(vmnet::Lease, NicSpec)>) {
+async fn unstarted(cx: &Refill, key: &VmId, nic: Option<&(vmnet::Lease, NicSpec)>) {
     if let Some((lease, _)) = nic {
-        node.release_nic(key, &lease.tap).await;
+        cx.vms.release_nic(key, &lease.tap).await;
     }
 }
 
-async fn clone_one(node: &Node, pool: &Pool, golden: &Snapshot) -> Result<Vm, RefillError> {
+async fn clone_one(cx: &Refill, pool: &Pool, golden: &Snapshot) -> Result<Vm, RefillError> {
     let id = VmId::generate(&vm_prefix(pool));
-    let nic = nic_for(node, pool, &id).await?;
+    let nic = nic_for(cx, pool, &id).await?;
     let opts = RestoreOptions { nic: nic.as_ref().map(|(_, n)| n.clone()) };
-    let vm = match node.driver.restore_with(golden, &id, &opts).await {
+    let vm = match cx.driver().restore_with(golden, &id, &opts).await {
         Ok(vm) => vm,
         Err(source) => {
-            unstarted(node, &id, nic.as_ref()).await;
+            unstarted(cx, &id, nic.as_ref()).await;
             return Err(RefillError::Driver { what: "cloning the golden", source });
         }
     };
-    let vm = probe(node, vm, node.timing.clone_probe).await?;
+    let vm = probe(cx, vm, cx.timing.clone_probe).await?;
     if let Some((lease, _)) = &nic {
-        if let Err(e) = readdress(node, &vm, lease).await {
-            inc(&node.metrics.network_failures);
-            node.destroy(&vm).await;
+        if let Err(e) = readdress(cx, &vm, lease).await {
+            inc(&cx.metrics().network_failures);
+            cx.vms.destroy(&vm).await;
             return Err(e);
         }
     }
-    match reseed(node, &vm).await {
+    match reseed(cx, &vm).await {
         Ok(()) => Ok(vm),
         Err(e) => {
-            inc(&node.metrics.clone_reseed_failures);
-            node.destroy(&vm).await;
+            inc(&cx.metrics().clone_reseed_failures);
+            cx.vms.destroy(&vm).await;
             Err(e)
         }
     }
@@ -378,31 +452,22 @@ async fn clone_one(node: &Node, pool: &Pool, golden: &Snapshot) -> Result<Vm, Re
 
 /// Re-addresses a clone's `eth0` to its own lease (the snapshot carries the golden's MAC and
 /// address): `guest-init net-config` through silkd, within the clone probe's budget.
-async fn readdress(node: &Node, vm: &Vm, lease: &vmnet::Lease) -> Result<(), RefillError> {
-    let net = node.net.as_ref().ok_or(RefillError::NoNetwork)?;
+async fn readdress(cx: &Refill, vm: &Vm, lease: &vmnet::Lease) -> Result<(), RefillError> {
+    let net = cx.vms.net.as_ref().ok_or(RefillError::NoNetwork)?;
     let argv = net.net_config_argv(lease);
     let shown = argv.join(" ");
     let args: Vec<&str> = argv.iter().map(String::as_str).collect();
     let work = async {
-        let stream = node
-            .driver
-            .connect(vm, vmm::AGENT_PORT)
-            .await
-            .map_err(|source| RefillError::Driver { what: "dialling silkd to re-address the clone", source })?;
-        silkd_client::AgentConn::new(stream)
+        agent(cx, vm, "dialling silkd to re-address the clone")
+            .await?
             .with_output_cap(NET_CONFIG_OUTPUT_CAP)
             .exec(&args, silkd_client::ExecOptions::default(), b"")
             .await
             .map_err(|source| RefillError::NetConfig { argv: shown.clone(), source })
     };
-    let out = match tokio::time::timeout(node.timing.clone_probe, work).await {
+    let out = match tokio::time::timeout(cx.timing.clone_probe, work).await {
         Ok(r) => r?,
-        Err(_) => {
-            return Err(RefillError::NetConfig {
-                argv: shown,
-                source: silkd_client::ClientError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer")),
-            })
-        }
+        Err(_) => return Err(RefillError::NetConfig { argv: shown, source: no_answer() }),
     };
     if out.code != 0 {
         let stderr: String = String::from_utf8_lossy(&out.stderr).trim().chars().take(512).collect();
@@ -412,50 +477,60 @@ async fn readdress(node: &Node, vm: &Vm, lease: &vmnet::Lease) -> Result<(), Ref
     Ok(())
 }
 
+/// A connection to silkd in `vm`; `what` names the step in the error.
+async fn agent(
+    cx: &Refill,
+    vm: &Vm,
+    what: &'static str,
+) -> Result<silkd_client::AgentConn<vmm::AgentStream>, RefillError> {
+    let stream =
+        cx.driver().connect(vm, vmm::AGENT_PORT).await.map_err(|source| RefillError::Driver { what, source })?;
+    Ok(silkd_client::AgentConn::new(stream))
+}
+
+/// What a silkd call that outlived its budget failed with.
+fn no_answer() -> silkd_client::ClientError {
+    silkd_client::ClientError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"))
+}
+
 /// Gives a fresh clone its own RNG state: host randomness into the guest pool and a forced
 /// CRNG reseed, within the clone probe's budget.
-async fn reseed(node: &Node, vm: &Vm) -> Result<(), RefillError> {
+async fn reseed(cx: &Refill, vm: &Vm) -> Result<(), RefillError> {
     let work = async {
-        let stream = node
-            .driver
-            .connect(vm, vmm::AGENT_PORT)
-            .await
-            .map_err(|source| RefillError::Driver { what: "dialling silkd to reseed", source })?;
-        silkd_client::AgentConn::new(stream).reseed_from_host().await.map_err(|source| RefillError::Reseed { source })
+        let reseeded = agent(cx, vm, "dialling silkd to reseed").await?.reseed_from_host().await;
+        reseeded.map_err(|source| RefillError::Reseed { source })
     };
-    match tokio::time::timeout(node.timing.clone_probe, work).await {
+    match tokio::time::timeout(cx.timing.clone_probe, work).await {
         Ok(r) => r,
-        Err(_) => Err(RefillError::Reseed {
-            source: silkd_client::ClientError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer")),
-        }),
+        Err(_) => Err(RefillError::Reseed { source: no_answer() }),
     }
 }
 
 /// Boots `spec`, with a NIC of its own for an egress pool (given back if the boot fails).
-async fn boot_with_nic(node: &Node, pool: &Pool, mut spec: BootSpec, what: &'static str) -> Result<Vm, RefillError> {
+async fn boot_with_nic(cx: &Refill, pool: &Pool, mut spec: BootSpec, what: &'static str) -> Result<Vm, RefillError> {
     let key = VmId::generate(&spec.name);
-    let nic = nic_for(node, pool, &key).await?;
+    let nic = nic_for(cx, pool, &key).await?;
     spec.nic = nic.as_ref().map(|(_, n)| n.clone());
-    match node.driver.boot(&spec).await {
+    match cx.driver().boot(&spec).await {
         Ok(vm) => Ok(vm),
         Err(source) => {
-            unstarted(node, &key, nic.as_ref()).await;
+            unstarted(cx, &key, nic.as_ref()).await;
             Err(RefillError::Driver { what, source })
         }
     }
 }
 
-async fn cold_one(node: &Node, pool: &Pool) -> Result<Vm, RefillError> {
-    let spec = spec_for(node, pool, vm_prefix(pool))?;
-    let vm = boot_with_nic(node, pool, spec, "cold boot").await?;
-    probe(node, vm, node.timing.cold_probe).await
+async fn cold_one(cx: &Refill, pool: &Pool) -> Result<Vm, RefillError> {
+    let spec = spec_for(cx, pool, vm_prefix(pool))?;
+    let vm = boot_with_nic(cx, pool, spec, "cold boot").await?;
+    probe(cx, vm, cx.timing.cold_probe).await
 }
 
-async fn build_golden(node: Arc<Node>, pool: Arc<Pool>, reservation: Reservation) {
-    let permit = Arc::clone(&node.refill_sem).acquire_owned().await;
+async fn build_golden(cx: Arc<Refill>, pool: Arc<Pool>, reservation: Reservation) {
+    let permit = Arc::clone(&cx.sem).acquire_owned().await;
     let result = tokio::select! {
         () = pool.cancel.cancelled() => None,
-        r = golden_inner(&node, &pool) => Some(r),
+        r = golden_inner(&cx, &pool) => Some(r),
     };
     drop(permit);
     // The golden builder VM is destroyed by now.
@@ -466,19 +541,19 @@ async fn build_golden(node: Arc<Node>, pool: Arc<Pool>, reservation: Reservation
         match result {
             None => {}
             Some(Ok(snap)) => {
-                inc(&node.metrics.goldens_built);
+                inc(&cx.metrics().goldens_built);
                 tracing::info!(golden = %snap.dir.display(), "golden snapshot ready");
                 s.golden = Some(snap);
                 s.golden_retry_at = None;
                 s.clone_failures = 0;
             }
             Some(Err(e)) => {
-                inc(&node.metrics.golden_failures);
+                inc(&cx.metrics().golden_failures);
                 let reason = vmm::error_chain(&e);
                 tracing::warn!(error = %reason, "golden build failed; cold boots until the retry");
-                s.golden_retry_at = Some(Instant::now() + node.timing.golden_retry);
+                s.golden_retry_at = Some(Instant::now() + cx.timing.golden_retry);
                 match e {
-                    RefillError::Catalog { .. } => s.park(reason, Instant::now(), node.timing.park),
+                    RefillError::Catalog { .. } => s.park(reason, Instant::now(), cx.timing.park),
                     _ => s.failed(reason, Instant::now()),
                 }
             }
@@ -487,50 +562,23 @@ async fn build_golden(node: Arc<Node>, pool: Arc<Pool>, reservation: Reservation
     pool.kick();
 }
 
-async fn golden_inner(node: &Node, pool: &Pool) -> Result<Snapshot, RefillError> {
-    let spec = spec_for(node, pool, format!("sbx-gb-{}", pool.hash))?;
-    let vm = boot_with_nic(node, pool, spec, "booting the golden").await?;
-    let vm = probe(node, vm, node.timing.cold_probe).await?;
-    let goldens = goldens_dir(node.journal.dir());
-    let staging = goldens.join(format!("{}.staging-{:016x}", pool.hash, rand::random::<u64>()));
-    let io = |what: &'static str, path: &Path| {
-        let path = path.to_path_buf();
-        move |source| RefillError::Io { what, path, source }
-    };
+async fn golden_inner(cx: &Refill, pool: &Pool) -> Result<Snapshot, RefillError> {
+    let spec = spec_for(cx, pool, format!("sbx-gb-{}", pool.hash))?;
+    let vm = boot_with_nic(cx, pool, spec, "booting the golden").await?;
+    let vm = probe(cx, vm, cx.timing.cold_probe).await?;
     let made = async {
-        std::fs::create_dir_all(&goldens).map_err(io("creating", &goldens))?;
-        node.driver
-            .snapshot(&vm, &staging, AfterSnapshot::Paused)
-            .await
-            .map_err(|source| RefillError::Driver { what: "snapshotting the golden", source })
+        let staging = cx.goldens.staging(&pool.hash)?;
+        Ok::<_, RefillError>((cx.driver().snapshot(&vm, &staging, AfterSnapshot::Paused).await, staging))
     }
     .await;
-    node.destroy(&vm).await;
-    let snap = match made {
+    cx.vms.destroy(&vm).await;
+    let (snap, staging) = made?;
+    let snap = match snap {
         Ok(s) => s,
-        Err(e) => {
+        Err(source) => {
             let _ = std::fs::remove_dir_all(&staging);
-            return Err(e);
+            return Err(RefillError::Driver { what: "snapshotting the golden", source });
         }
     };
-    let fin = goldens.join(&pool.hash);
-    if fin.exists() {
-        std::fs::remove_dir_all(&fin).map_err(io("removing the old golden", &fin))?;
-    }
-    if let Err(e) = std::fs::rename(&staging, &fin) {
-        let _ = std::fs::remove_dir_all(&staging);
-        return Err(io("moving the golden into place", &fin)(e));
-    }
-    Ok(rebase(snap, &fin))
-}
-
-/// Points a snapshot that was written elsewhere (the staging dir) at the dir it now lives in.
-pub fn rebase(mut s: Snapshot, dir: &Path) -> Snapshot {
-    if s.dir != dir {
-        if let Some(rel) = s.overlay.as_ref().and_then(|o| o.strip_prefix(&s.dir).ok()) {
-            s.overlay = Some(dir.join(rel));
-        }
-        s.dir = dir.to_path_buf();
-    }
-    s
+    Ok(cx.goldens.install(snap, &staging, &pool.hash)?)
 }

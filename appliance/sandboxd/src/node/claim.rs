@@ -1,0 +1,172 @@
+//! The per-claim calls of [`Node`]: claim, release, renew and the lookups.
+//!
+//! Guarantees: the claim path does no VM work (pop the newest warm VM, mint an id and a token,
+//! journal, reply); a claim is granted only after a journal write that includes it (a failed
+//! write puts the VM back); no lease runs past `claimed_at` + `max_lifetime_secs`.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use tracing::Instrument as _;
+use vmm::{DriverError, Vm};
+
+use super::{ClaimRequest, Grant, Node};
+use crate::claims::{self, Claim, ClaimError, SandboxRow};
+use crate::journal::ClaimRecord;
+use crate::metrics::inc;
+use crate::pool::Net;
+
+impl Node {
+    /// Grants a claim: ownership transfer of the newest warm VM, no VM work. Its duration is
+    /// observed in `sandboxd_claim_duration_seconds`, granted or refused.
+    pub fn claim(&self, req: ClaimRequest) -> Result<Grant, ClaimError> {
+        let started = Instant::now();
+        let r = self.claim_inner(req);
+        self.metrics.claim_duration.observe(started.elapsed());
+        match &r {
+            Ok(_) => inc(&self.metrics.claims_warm),
+            Err(ClaimError::NoCapacity(_)) => inc(&self.metrics.claims_no_capacity),
+            Err(ClaimError::Draining) => inc(&self.metrics.claims_draining),
+            Err(_) => inc(&self.metrics.claims_failed),
+        }
+        r
+    }
+
+    fn claim_inner(&self, req: ClaimRequest) -> Result<Grant, ClaimError> {
+        if req.key.net() == Net::Egress && !self.egress() {
+            return Err(ClaimError::Egress);
+        }
+        if self.draining() {
+            return Err(ClaimError::Draining);
+        }
+        let catalog = &self.refill.catalog;
+        let Some(pool) = self.pool(&req.key) else {
+            return Err(match catalog.resolve(req.key.template()) {
+                Ok(_) => ClaimError::NoCapacity(req.key),
+                Err(_) => ClaimError::UnknownTemplate(req.key.template().to_string()),
+            });
+        };
+        let Some(vm) = pool.take() else {
+            pool.kick();
+            return Err(ClaimError::NoCapacity(req.key));
+        };
+        pool.kick();
+        let now = claims::unix_ms(SystemTime::now());
+        // The lease horizon caps the first lease too.
+        let ttl_ms = u64::try_from(req.ttl.min(self.limits.max_lifetime).as_millis()).unwrap_or(u64::MAX);
+        let rec = ClaimRecord {
+            id: claims::mint_id(),
+            token: claims::mint_token(),
+            vm: vm.id.clone(),
+            key: req.key.clone(),
+            deadline_unix_ms: now.saturating_add(ttl_ms),
+            claimed_at_unix_ms: now,
+            claim_ref: req.claim_ref.filter(|r| !r.is_empty()),
+        };
+        let span = tracing::info_span!("claim", claim = %rec.id, vm = %rec.vm, template = %req.key.template());
+        let _enter = span.enter();
+        let grant = Grant {
+            id: rec.id.clone(),
+            token: rec.token.clone(),
+            deadline: claims::rfc3339(rec.deadline_unix_ms),
+            owner_addr: self.advertise_addr.clone(),
+            template_digest: catalog
+                .resolve(req.key.template())
+                .ok()
+                .map(|(_, t)| t.digest.clone())
+                .filter(|d| !d.is_empty()),
+        };
+        let id = rec.id.clone();
+        let gen = self.store.lock().insert(Claim { rec, vm: Some(vm) });
+        if let Err(e) = self.store.commit(gen) {
+            tracing::error!(error = %vmm::error_chain(&e), "claim not granted: journal write failed");
+            let back = self.store.lock().remove(&id);
+            if let Some((Claim { vm: Some(vm), .. }, _)) = back {
+                pool.put_back(vm);
+            }
+            return Err(ClaimError::Journal(e));
+        }
+        tracing::info!("claimed");
+        Ok(grant)
+    }
+
+    /// One claim by id.
+    pub fn sandbox(&self, id: &str) -> Option<Claim> {
+        self.store.lock().get(id).cloned()
+    }
+
+    /// Listing rows, optionally filtered by exact `claim_ref` (empty = all), sorted by id.
+    pub fn list(&self, claim_ref: Option<&str>) -> Vec<SandboxRow> {
+        let want = claim_ref.filter(|r| !r.is_empty());
+        let mut rows: Vec<SandboxRow> = self
+            .store
+            .lock()
+            .iter()
+            .filter(|c| want.is_none() || c.rec.claim_ref.as_deref() == want)
+            .map(Claim::row)
+            .collect();
+        rows.sort_by(|a, b| a.id.cmp(&b.id));
+        rows
+    }
+
+    /// Number of live claims.
+    pub fn claimed(&self) -> usize {
+        self.store.lock().len()
+    }
+
+    /// Ends a claim and destroys its VM.
+    pub async fn release(&self, id: &str) -> Result<(), ClaimError> {
+        let removed = self.store.lock().remove(id);
+        let Some((claim, gen)) = removed else {
+            return Err(ClaimError::NotFound);
+        };
+        let span =
+            tracing::info_span!("release", claim = %id, vm = %claim.rec.vm, template = %claim.rec.key.template());
+        async {
+            if let Err(e) = self.store.commit(gen) {
+                // The VM goes anyway; a restart finds it gone and drops the stale row.
+                tracing::warn!(error = %vmm::error_chain(&e), "journaling the release failed");
+            }
+            inc(&self.metrics.releases);
+            self.vms.destroy_claim_vm(&claim).await;
+            tracing::info!("released");
+        }
+        .instrument(span)
+        .await;
+        Ok(())
+    }
+
+    /// Resets a lease to now + `ttl` (may shorten it); returns the new deadline. A deadline past
+    /// the lease horizon (`claimed_at` + `max_lifetime_secs`) is refused, not clamped.
+    pub fn renew(&self, id: &str, ttl: Duration) -> Result<String, ClaimError> {
+        let now = claims::unix_ms(SystemTime::now());
+        let deadline = now.saturating_add(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+        let max_ms = u64::try_from(self.limits.max_lifetime.as_millis()).unwrap_or(u64::MAX);
+        let gen = {
+            let mut table = self.store.lock();
+            let claimed_at = table.get(id).ok_or(ClaimError::NotFound)?.rec.claimed_at_unix_ms;
+            let horizon = claimed_at.saturating_add(max_ms);
+            if deadline > horizon {
+                return Err(ClaimError::LeaseHorizon {
+                    horizon: claims::rfc3339(horizon),
+                    max_lifetime_secs: self.limits.max_lifetime.as_secs(),
+                    remaining_secs: horizon.saturating_sub(now) / 1000,
+                });
+            }
+            table.set_deadline(id, deadline).ok_or(ClaimError::NotFound)?
+        };
+        self.store.commit(gen).map_err(ClaimError::Journal)?;
+        inc(&self.metrics.renews);
+        tracing::info!(claim = %id, "renewed");
+        Ok(claims::rfc3339(deadline))
+    }
+
+    /// The VM of a claim, attaching it first if a restart left it unattached.
+    pub async fn vm_for(&self, claim: &Claim) -> Result<Vm, DriverError> {
+        if let Some(vm) = &claim.vm {
+            return Ok(vm.clone());
+        }
+        let vm = self.vms.driver.attach(&claim.rec.vm).await?;
+        self.store.lock().set_vm(&claim.rec.id, vm.clone());
+        Ok(vm)
+    }
+}

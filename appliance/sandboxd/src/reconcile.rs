@@ -1,0 +1,168 @@
+//! The restart reconcile: make the journal and the hypervisors agree, then let refill start.
+//!
+//! Expected flow ([`reconcile`]): list the driver's VMs; re-adopt each journaled claim whose VM
+//! is listed (attach), drop the claims whose VM is gone or half-created; destroy every `sbx-`
+//! VM no claim or pool names; release the network leases no listed VM holds; prune the records
+//! of VMs that died on their own; then mark the node reconciled ([`Refill::mark_reconciled`]),
+//! which wakes every pool.
+//!
+//! Guarantees: nothing is destroyed on ambiguity. A failed `list` returns the error and changes
+//! nothing; it is retried in the background ([`retry`]), never read as empty, and refill (whose
+//! new VMs could be mistaken for unowned ones) waits until a reconcile succeeds.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+use vmm::{DriverError, Vm, VmId};
+
+use crate::metrics::inc;
+use crate::refill::Refill;
+use crate::store::ClaimStore;
+use crate::vms::Vms;
+
+/// What a reconcile did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    /// Journaled claims re-attached.
+    pub adopted: usize,
+    /// Journaled claims whose VM was gone.
+    pub dropped: usize,
+    /// Unowned `sbx-` VMs destroyed.
+    pub destroyed: usize,
+    /// Network leases (and TAPs) of VMs that no longer exist, released.
+    pub leases_released: usize,
+}
+
+/// Retries [`reconcile`] every `reconcile_retry` until one succeeds or `cancel`.
+pub async fn retry(store: Arc<ClaimStore>, refill: Arc<Refill>, cancel: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(refill.timing.reconcile_retry) => {}
+        }
+        match reconcile(&store, &refill).await {
+            Ok(_) => return,
+            Err(e) => tracing::warn!(error = %vmm::error_chain(&e), "reconcile: listing VMs failed again"),
+        }
+    }
+}
+
+/// Restart reconcile: re-adopt journaled claims whose VM lives, drop rows whose VM is gone,
+/// destroy every `sbx-` VM no claim or pool names, then let refill start.
+/// A failed `list` returns the error and changes nothing.
+pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileReport, DriverError> {
+    let vms = &refill.vms;
+    let span = tracing::info_span!("reconcile");
+    async {
+        let live: HashMap<VmId, Vm> = vms.driver.list().await?.into_iter().map(|v| (v.id.clone(), v)).collect();
+        let mut report = ReconcileReport::default();
+        let pending: Vec<(String, VmId)> =
+            store.lock().iter().filter(|c| c.vm.is_none()).map(|c| (c.rec.id.clone(), c.rec.vm.clone())).collect();
+        let mut last_gen = None;
+        for (id, vm_id) in pending {
+            match live.get(&vm_id) {
+                // A claim only ever takes a VM that finished booting; a half-created one under
+                // a claimed id is not that VM, so the claim cannot be honoured.
+                Some(listed) if listed.state == vmm::VmState::Creating => {
+                    tracing::warn!(claim = %id, vm = %vm_id, "claimed VM is half-created; dropping the claim");
+                    if let Some((_, gen)) = store.lock().remove(&id) {
+                        last_gen = Some(gen);
+                    }
+                    vms.destroy(listed).await;
+                    report.dropped += 1;
+                }
+                Some(listed) => {
+                    let vm = match vms.driver.attach(&vm_id).await {
+                        Ok(vm) => vm,
+                        Err(e) => {
+                            tracing::warn!(claim = %id, vm = %vm_id, error = %vmm::error_chain(&e), "attach failed; keeping the listed record");
+                            listed.clone()
+                        }
+                    };
+                    tracing::info!(claim = %id, vm = %vm_id, "re-adopted");
+                    store.lock().set_vm(&id, vm);
+                    report.adopted += 1;
+                }
+                None => {
+                    tracing::info!(claim = %id, vm = %vm_id, "VM gone; dropping the claim");
+                    if let Some((_, gen)) = store.lock().remove(&id) {
+                        last_gen = Some(gen);
+                    }
+                    vms.ledger.forget(&vm_id);
+                    report.dropped += 1;
+                }
+            }
+        }
+        if let Some(gen) = last_gen {
+            if let Err(e) = store.commit(gen) {
+                tracing::warn!(error = %vmm::error_chain(&e), "journaling dropped claims failed");
+            }
+        }
+        let mut named: HashSet<VmId> = store.lock().iter().map(|c| c.rec.vm.clone()).collect();
+        for p in vms.pools.all() {
+            named.extend(p.warm_ids());
+        }
+        for vm in live.values() {
+            if vm.id.as_str().starts_with("sbx-") && !named.contains(&vm.id) {
+                tracing::info!(vm = %vm.id, "destroying an unowned sandbox VM");
+                vms.destroy(vm).await;
+                report.destroyed += 1;
+            }
+        }
+        // Destroyed VMs gave their leases back; leases of VMs gone while we were down go now.
+        report.leases_released = sweep_leases(vms, &live).await;
+        // Half-created VMs are listed (state `creating`) and were destroyed above when
+        // unowned; records of VMs that died on their own are removed here.
+        if let Err(e) = vms.driver.prune().await {
+            tracing::warn!(error = %vmm::error_chain(&e), "pruning dead VM records failed");
+        }
+        refill.mark_reconciled();
+        tracing::info!(
+            adopted = report.adopted,
+            dropped = report.dropped,
+            destroyed = report.destroyed,
+            leases_released = report.leases_released,
+            "reconciled"
+        );
+        Ok(report)
+    }
+    .instrument(span)
+    .await
+}
+
+/// Releases every lease (and deletes its TAP) that no listed VM holds: leftovers of VMs
+/// destroyed or half-made while sandboxd was down. A lease whose TAP a listed VM names
+/// (alive, creating, or one whose kill failed) is kept.
+async fn sweep_leases(vms: &Vms, live: &HashMap<VmId, Vm>) -> usize {
+    let Some(net) = &vms.net else { return 0 };
+    let held: HashSet<&str> = live.values().filter_map(|v| v.spec.nic.as_ref()).map(|n| n.tap.as_str()).collect();
+    let leases = match net.leases() {
+        Ok(l) => l,
+        Err(e) => {
+            inc(&vms.metrics.network_failures);
+            tracing::warn!(error = %vmm::error_chain(&e), "reading the leases failed; none released");
+            return 0;
+        }
+    };
+    let mut released = 0;
+    for (key, lease) in leases {
+        if held.contains(lease.tap.as_str()) {
+            continue;
+        }
+        tracing::info!(lease = %key, tap = %lease.tap, ip = %lease.ip, "releasing the lease of a VM that is gone");
+        if let Err(e) = net.delete_tap(&lease.tap).await {
+            inc(&vms.metrics.network_failures);
+            tracing::warn!(lease = %key, error = %vmm::error_chain(&e), "deleting a stale TAP failed");
+        }
+        match net.release(&key) {
+            Ok(_) => released += 1,
+            Err(e) => {
+                inc(&vms.metrics.network_failures);
+                tracing::warn!(lease = %key, error = %vmm::error_chain(&e), "releasing a stale lease failed");
+            }
+        }
+    }
+    released
+}
