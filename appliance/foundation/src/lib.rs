@@ -11,8 +11,8 @@
 //! - `testing` (feature `testing`, dev-dependencies only): how a test that cannot run here
 //!   says so and is counted as skipped.
 //!
-//! File functions here return plain [`std::io::Error`]s; callers wrap them with the path and the
-//! step in their own module error.
+//! The file functions return plain [`std::io::Error`]s; callers wrap them with the path and the
+//! step in their own module error. [`quantity`] and [`tool`] have typed errors of their own.
 
 #![forbid(unsafe_code)]
 

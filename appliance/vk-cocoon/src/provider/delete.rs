@@ -12,7 +12,7 @@ use vnode::PodKey;
 
 use super::error::{check_namespace, refused, CocoonProviderError};
 use crate::annotations;
-use crate::backend::{SnapshotRef, VmInfo, VmState};
+use crate::backend::{BackendError, SnapshotRef, VmInfo, VmState};
 use crate::namespaces::Use;
 use crate::shared::{namespace_of, Shared};
 
@@ -142,14 +142,15 @@ pub(super) async fn delete_vm(
     if policy.save {
         // Never save over another namespace's snapshot: the VM is kept, and the error says
         // how to delete it (snapshot-policy never) or share.
-        let existing = s.backend.snapshot_inspect(&snapshot).await.map_err(|source| {
+        let snapshot_failed = |source: BackendError| {
             unbusy(CocoonProviderError::Snapshot {
                 key: key.to_owned(),
                 id: vm.id.clone(),
                 snapshot: snapshot.clone(),
                 source: Box::new(source),
             })
-        })?;
+        };
+        let existing = s.backend.snapshot_inspect(&snapshot).await.map_err(snapshot_failed)?;
         if let Some(info) = existing {
             check_namespace(s, key, &ns, info.namespace.as_deref(), || format!("snapshot {snapshot}"), Use::Overwrite)
                 .map_err(|e| unbusy(refused(s, pod, e, false)))?;
@@ -158,14 +159,7 @@ pub(super) async fn delete_vm(
             unbusy(CocoonProviderError::Inspect { key: key.to_owned(), id: vm.id.clone(), source })
         })?;
         if current.as_ref().is_some_and(|v| v.state == VmState::Running) {
-            s.backend.snapshot_save(&vm.id, &snapshot, &owner).await.map_err(|source| {
-                unbusy(CocoonProviderError::Snapshot {
-                    key: key.to_owned(),
-                    id: vm.id.clone(),
-                    snapshot: snapshot.clone(),
-                    source: Box::new(source),
-                })
-            })?;
+            s.backend.snapshot_save(&vm.id, &snapshot, &owner).await.map_err(snapshot_failed)?;
             saved = true;
             tracing::info!(%snapshot, "saved the VM's snapshot");
         } else {

@@ -16,13 +16,13 @@
 //!   guest network configuration every 3 s for ≤ 180 s, exhaustion → `post-clone-hint`,
 //!   Warning `PostCloneExecExhausted`, lifecycle `failed` → 8. one synchronous probe, `Running`
 //!   + `startTime` pushed, the probe loop started.
-//! * **Probe** ([`crate::probe`]): TCP to `probe-port`, else the agent's `info`; unmanaged
+//! * **Probe** (`crate::probe`): TCP to `probe-port`, else the agent's `info`; unmanaged
 //!   without a port: "has an IP". 100 ms ×1.5 → 1 s until Ready, then every 5 s; 3 consecutive
 //!   failures flip Ready off. Every flip is pushed.
 //! * **UpdatePod**: another UID under the key → CreatePod; else the Pod is stored (probe port
 //!   and snapshot policy follow it). Hibernation is not supported: `hibernate: "true"` gets a
 //!   Warning `HibernateUnsupported` and a `lifecycle-state-message`, the VM keeps running.
-//! * **DeletePod**: unmanaged → forget. Managed: [`annotations::delete_policy`] says whether to
+//! * **DeletePod**: unmanaged → forget. Managed: [`crate::annotations::delete_policy`] says whether to
 //!   save `<vm-name>:latest`; if so and the VM runs, `snapshot_save` (failure → the VM and the
 //!   entry stay, the error is returned and the runtime retries); `remove` (absent = OK);
 //!   `release_ip` (best effort); when the policy saves no snapshot and `keep-snapshot-on-delete`
@@ -74,14 +74,14 @@
 //! start-up reconcile (orphan policy).
 //!
 //! # Code map
-//! The state every call and background task shares is [`crate::shared`] (one file: the tables,
+//! The state every call and background task shares is `crate::shared` (one file: the tables,
 //! the entry per Pod, pushes and events). Here: `error.rs` ([`CocoonProviderError`] and the
 //! refusals that also mark the Pod), `create.rs` (CreatePod, UpdatePod), `delete.rs`
 //! (DeletePod), `loops.rs` (the post-clone network loop, the start of the probe loop, the VM
 //! watcher's schedule); this file holds [`CocoonProvider`], the handle the runtime calls. The
 //! lock, the notifier and the loops' handles come from [`vnode::kit`]. Dependencies run one
-//! way: this file → `create` → `delete`, `loops` → `error`, [`crate::probe`], [`crate::watcher`]
-//! → [`crate::shared`]; nothing below calls back up.
+//! way: this file → `create` → `delete`, `loops` → `error`, `crate::probe`, [`crate::watcher`]
+//! → `crate::shared`; nothing below calls back up.
 
 mod create;
 mod delete;

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Intervals and inputs of a [`SandboxProvider`].
+/// Intervals and inputs of a [`crate::SandboxProvider`].
 #[derive(Debug, Clone)]
 pub struct ProviderConfig {
     /// The claims state file.
