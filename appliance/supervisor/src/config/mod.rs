@@ -41,7 +41,8 @@
 //! * [`error`]: [`ConfigError`] and [`Issue`].
 //!
 //! The cluster keys are checked with `join`'s own types (`BootstrapToken`, `CaHash`), so the
-//! configuration accepts exactly what the virtual nodes' join will.
+//! configuration accepts exactly what the virtual nodes' join will; namespace names with
+//! `images::valid_namespace`, the rule vk-cocoon applies to the owners of its VMs and snapshots.
 
 pub mod error;
 pub mod layers;
@@ -59,7 +60,7 @@ pub use model::{
     SupervisorConfig, UpdateConfig, DEFAULT_CATALOG, DEFAULT_TOML, SANDBOXD_TAP_PREFIX, SANDBOXD_VM_BRIDGE,
     SANDBOXD_VM_CIDR, VK_COCOON_VM_BRIDGE, VK_COCOON_VM_CIDR,
 };
-pub use rules::{valid_label_value, valid_namespace, valid_node_name, valid_tls_name};
+pub use rules::{valid_label_value, valid_node_name, valid_tls_name};
 pub use validate::{hostname, Settings, ValidateEnv};
 
 #[cfg(test)]

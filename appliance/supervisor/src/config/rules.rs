@@ -271,16 +271,6 @@ pub fn valid_label_value(v: &str) -> bool {
             && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.')))
 }
 
-/// A Kubernetes namespace name: an RFC 1123 label (1-63 of `[a-z0-9-]`, alphanumeric at both ends).
-pub fn valid_namespace(v: &str) -> bool {
-    let b = v.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b.first() != Some(&b'-')
-        && b.last() != Some(&b'-')
-}
-
 /// `https://host[:port]` with nothing after the authority.
 pub(super) fn check_endpoint(e: &str) -> Result<(), String> {
     let Some(rest) = e.strip_prefix("https://") else {

@@ -489,7 +489,11 @@ fn node_names_default_from_the_hostname_and_are_checked() {
     );
     let s = load(&f.paths()).unwrap().validate(&env()).unwrap();
     assert_eq!(s.config.vk_cocoon.vm_uplink.as_deref(), Some("eno1"));
-    assert!(valid_namespace("team-a") && !valid_namespace("a.b") && !valid_namespace(&"a".repeat(64)));
+    assert!(
+        images::valid_namespace("team-a")
+            && !images::valid_namespace("a.b")
+            && !images::valid_namespace(&"a".repeat(64))
+    );
     assert!(valid_node_name("edge-1.example") && !valid_node_name("Edge") && !valid_node_name("a..b"));
     assert!(!valid_node_name(&"a".repeat(64)));
 }

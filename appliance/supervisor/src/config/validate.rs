@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::error::{ConfigError, Source};
 use super::layers::{Loaded, Provenance, SourceReport};
 use super::model::{ClusterConfig, CocoonConfig, Config, SandboxdConfig, SandboxdNetwork, SupervisorConfig};
-use super::rules::{check_endpoint, valid_label_value, valid_namespace, valid_node_name, valid_tls_name, Check};
+use super::rules::{check_endpoint, valid_label_value, valid_node_name, valid_tls_name, Check};
 
 /// The validated, resolved settings the supervisor runs with.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -351,7 +351,9 @@ fn cocoon(c: &mut Check<'_>, cocoon: &CocoonConfig) {
         if distinct.len() < 2 {
             bad.push(format!("{group:?} has fewer than two different namespaces"));
         }
-        bad.extend(group.iter().filter(|n| !valid_namespace(n)).map(|n| format!("{n:?} is not a namespace name")));
+        bad.extend(
+            group.iter().filter(|n| !images::valid_namespace(n)).map(|n| format!("{n:?} is not a namespace name")),
+        );
     }
     if !bad.is_empty() {
         c.fail(
@@ -386,7 +388,7 @@ fn cocoon(c: &mut Check<'_>, cocoon: &CocoonConfig) {
             "list IPv4 networks as \"a.b.c.d/len\" (or single addresses), e.g. [\"203.0.113.0/24\"]",
         );
     }
-    if let Some(ns) = cocoon.legacy_namespace.as_deref().filter(|n| !valid_namespace(n)) {
+    if let Some(ns) = cocoon.legacy_namespace.as_deref().filter(|n| !images::valid_namespace(n)) {
         c.fail(
             "vk_cocoon.legacy_namespace",
             format!("{ns:?} is not a namespace name"),
