@@ -1,16 +1,21 @@
 //! The kubelet TLS bootstrap for one virtual node: a `system:node:<name>` client certificate
 //! obtained through a `kubernetes.io/kube-apiserver-client-kubelet` CSR, kept 0600 in the
 //! node's state directory, reused across restarts and renewed at a jittered 70–90 % of its life.
+//! The CSR is created through `kube::Api<CertificateSigningRequest>` on a client pinned to the
+//! cluster CA, and its issuance awaited with kube-runtime's `await_condition`.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use base64::engine::general_purpose::STANDARD;
-use base64::Engine;
+use k8s_openapi::api::certificates::v1::{CertificateSigningRequest, CertificateSigningRequestSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::ByteString;
+use kube::api::PostParams;
 use rand::Rng;
 
+use crate::api::{self, Identity, Trust};
 use crate::discovery::ClusterInfo;
-use crate::http::{self, Auth, Trust};
 use crate::token::BootstrapToken;
 use crate::{kubeconfig, JoinError};
 
@@ -30,7 +35,6 @@ pub struct NodeCredentials {
 pub const IDENTITY_FILE: &str = "kubelet-client-current.pem";
 /// The node kubeconfig.
 pub const KUBECONFIG_FILE: &str = "kubeconfig";
-const CSR_PATH: &str = "/apis/certificates.k8s.io/v1/certificatesigningrequests";
 const SIGNER: &str = "kubernetes.io/kube-apiserver-client-kubelet";
 const ISSUE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -110,6 +114,15 @@ fn write_secret(path: &Path, contents: &[u8]) -> Result<(), JoinError> {
     foundation::write_secret(path, contents).map_err(io_err(path, "writing the secret atomically"))
 }
 
+/// Writes the node kubeconfig for `system:node:<node_name>` on `cluster`, its identity in the
+/// combined PEM `identity`.
+fn write_kubeconfig(cluster: &ClusterInfo, node_name: &str, identity: &Path, path: &Path) -> Result<(), JoinError> {
+    let user = format!("system:node:{node_name}");
+    let kc = kubeconfig::node_kubeconfig(&cluster.server, &cluster.ca_pem, &user, identity)
+        .map_err(|source| JoinError::NodeKubeconfig { path: path.to_owned(), source })?;
+    write_secret(path, kc.as_bytes())
+}
+
 /// Creates the state directory (and its missing parents) and makes it 0700.
 fn prepare_dir(state_dir: &Path) -> Result<(), JoinError> {
     foundation::private_dir(state_dir).map_err(io_err(state_dir, "creating the state directory 0700"))
@@ -129,93 +142,83 @@ pub fn node_csr(node_name: &str) -> Result<(String, String), JoinError> {
     Ok((key.serialize_pem(), csr))
 }
 
-/// Creates the CSR as `auth` and waits for the signed certificate.
+/// The label naming the node a CSR is for.
+const NODE_LABEL: &str = "chrysalis.cocoonstack.io/node";
+
+/// The CSR object for `csr_pem` of `node_name`: the kubelet client signer, client auth only.
+fn csr_object(node_name: &str, csr_pem: &str) -> CertificateSigningRequest {
+    CertificateSigningRequest {
+        metadata: ObjectMeta {
+            generate_name: Some("node-csr-".into()),
+            labels: Some(BTreeMap::from([(NODE_LABEL.to_owned(), node_name.to_owned())])),
+            ..ObjectMeta::default()
+        },
+        spec: CertificateSigningRequestSpec {
+            request: ByteString(csr_pem.as_bytes().to_vec()),
+            signer_name: SIGNER.into(),
+            usages: Some(vec!["digital signature".into(), "client auth".into()]),
+            ..CertificateSigningRequestSpec::default()
+        },
+        status: None,
+    }
+}
+
+/// Where a CSR stands: `None` while pending, else the issued certificate (PEM) or why it was
+/// refused (a `Denied` or `Failed` condition, which wins over a certificate).
+fn outcome(csr: &CertificateSigningRequest) -> Option<Result<String, String>> {
+    let status = csr.status.as_ref()?;
+    let refused = status.conditions.iter().flatten().find(|c| matches!(c.type_.as_str(), "Denied" | "Failed"));
+    if let Some(c) = refused {
+        return Some(Err(format!("{}: {}", c.type_, c.message.as_deref().unwrap_or_default())));
+    }
+    let cert = status.certificate.as_ref().filter(|c| !c.0.is_empty())?;
+    Some(Ok(String::from_utf8_lossy(&cert.0).into_owned()))
+}
+
+/// Creates the CSR as `identity` and waits for the signed certificate.
 async fn request_certificate(
     cluster: &ClusterInfo,
-    auth: &Auth,
+    identity: Identity<'_>,
     node_name: &str,
     csr_pem: &str,
 ) -> Result<String, JoinError> {
     let server = cluster.server.as_str();
-    let trust = Trust::Ca(cluster.ca_pem.clone());
-    let body = serde_json::json!({
-        "apiVersion": "certificates.k8s.io/v1",
-        "kind": "CertificateSigningRequest",
-        "metadata": {"generateName": "node-csr-", "labels": {"chrysalis.cocoonstack.io/node": node_name}},
-        "spec": {
-            "request": STANDARD.encode(csr_pem),
-            "signerName": SIGNER,
-            "usages": ["digital signature", "client auth"],
-        },
-    });
-    let http_err = |source| JoinError::Http { endpoint: server.to_owned(), source };
-    let resp = http::request(server, "POST", CSR_PATH, Some(body.to_string().into_bytes()), &trust, auth)
-        .await
-        .map_err(http_err)?;
-    if resp.status != 201 {
-        return Err(JoinError::Status {
-            endpoint: server.to_owned(),
-            what: format!("creating the CSR for system:node:{node_name}"),
-            status: resp.status,
-            body: String::from_utf8_lossy(&resp.body).chars().take(300).collect(),
-        });
-    }
-    let created: serde_json::Value = serde_json::from_slice(&resp.body)
-        .map_err(|e| JoinError::CsrState { csr: String::new(), what: format!("the created CSR is not JSON: {e}") })?;
-    let name = created["metadata"]["name"]
-        .as_str()
-        .ok_or_else(|| JoinError::CsrState { csr: String::new(), what: "the created CSR has no name".into() })?
-        .to_owned();
+    let client = api::client(server, Trust::Ca(&cluster.ca_pem), identity)?;
+    let csrs = kube::Api::<CertificateSigningRequest>::all(client);
+    let what = format!("creating the CSR for system:node:{node_name}");
+    let created = api::call(server, what, csrs.create(&PostParams::default(), &csr_object(node_name, csr_pem))).await?;
+    let name = created
+        .metadata
+        .name
+        .clone()
+        .ok_or_else(|| JoinError::CsrState { csr: String::new(), what: "the created CSR has no name".into() })?;
     tracing::info!(csr = name, "created the CSR; waiting for approval and signing");
-    let deadline = Instant::now() + ISSUE_TIMEOUT;
-    let mut csr = created;
-    loop {
-        if let Some(conds) = csr["status"]["conditions"].as_array() {
-            for c in conds {
-                if matches!(c["type"].as_str(), Some("Denied" | "Failed")) {
-                    return Err(JoinError::CsrState {
-                        csr: name,
-                        what: format!("{}: {}", c["type"], c["message"].as_str().unwrap_or_default()),
-                    });
-                }
-            }
+    let settled = match outcome(&created) {
+        Some(settled) => settled,
+        None => {
+            // Done when issued, refused or gone.
+            let done = |csr: Option<&CertificateSigningRequest>| csr.is_none_or(|csr| outcome(csr).is_some());
+            let waited = tokio::time::timeout(ISSUE_TIMEOUT, kube::runtime::wait::await_condition(csrs, &name, done))
+                .await
+                .map_err(|_| JoinError::CsrTimeout { csr: name.clone(), timeout: ISSUE_TIMEOUT })?
+                .map_err(|source| JoinError::CsrWait { csr: name.clone(), source })?;
+            let gone = || JoinError::CsrState { csr: name.clone(), what: "deleted before it was issued".into() };
+            waited.as_ref().and_then(outcome).ok_or_else(gone)?
         }
-        if let Some(cert) = csr["status"]["certificate"].as_str().filter(|c| !c.is_empty()) {
-            let pem = STANDARD.decode(cert).map_err(|e| JoinError::CsrState {
-                csr: name.clone(),
-                what: format!("certificate is not base64: {e}"),
-            })?;
-            return Ok(String::from_utf8_lossy(&pem).into_owned());
-        }
-        if Instant::now() >= deadline {
-            return Err(JoinError::CsrTimeout { csr: name, timeout: ISSUE_TIMEOUT });
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        let resp =
-            http::request(server, "GET", &format!("{CSR_PATH}/{name}"), None, &trust, auth).await.map_err(http_err)?;
-        if resp.status != 200 {
-            return Err(JoinError::Status {
-                endpoint: server.to_owned(),
-                what: format!("reading CSR {name}"),
-                status: resp.status,
-                body: String::from_utf8_lossy(&resp.body).chars().take(300).collect(),
-            });
-        }
-        csr = serde_json::from_slice(&resp.body)
-            .map_err(|e| JoinError::CsrState { csr: name.clone(), what: format!("not JSON: {e}") })?;
-    }
+    };
+    settled.map_err(|what| JoinError::CsrState { csr: name, what })
 }
 
-/// Mints a fresh identity as `auth` and stores it.
+/// Mints a fresh identity as `identity` and stores it.
 async fn mint(
     cluster: &ClusterInfo,
-    auth: &Auth,
+    identity: Identity<'_>,
     node_name: &str,
     state_dir: &Path,
 ) -> Result<NodeCredentials, JoinError> {
     prepare_dir(state_dir)?;
     let (key_pem, csr_pem) = node_csr(node_name)?;
-    let cert_pem = request_certificate(cluster, auth, node_name, &csr_pem).await?;
+    let cert_pem = request_certificate(cluster, identity, node_name, &csr_pem).await?;
     let (cn, not_before, not_after) = cert_facts(&cert_pem)?;
     if cn != format!("system:node:{node_name}") {
         return Err(JoinError::BadCert(format!("issued certificate is for {cn:?}, not system:node:{node_name}")));
@@ -223,9 +226,7 @@ async fn mint(
     let identity = state_dir.join(IDENTITY_FILE);
     write_secret(&identity, format!("{}\n{}", cert_pem.trim(), key_pem).as_bytes())?;
     let kubeconfig_path = state_dir.join(KUBECONFIG_FILE);
-    let kc =
-        kubeconfig::node_kubeconfig(&cluster.server, &cluster.ca_pem, &format!("system:node:{node_name}"), &identity);
-    write_secret(&kubeconfig_path, kc.as_bytes())?;
+    write_kubeconfig(cluster, node_name, &identity, &kubeconfig_path)?;
     tracing::info!(not_after, "stored the node identity");
     Ok(NodeCredentials { cert_pem, key_pem, kubeconfig_path, not_before, not_after })
 }
@@ -243,18 +244,12 @@ pub async fn bootstrap(
         if elapsed_fraction(creds.not_before, creds.not_after, now_secs()) < 0.8 {
             tracing::info!("reusing the stored node identity");
             // The kubeconfig may predate a server move; rewrite it (cheap, atomic).
-            let kc = kubeconfig::node_kubeconfig(
-                &cluster.server,
-                &cluster.ca_pem,
-                &format!("system:node:{node_name}"),
-                &state_dir.join(IDENTITY_FILE),
-            );
-            write_secret(&creds.kubeconfig_path, kc.as_bytes())?;
+            write_kubeconfig(cluster, node_name, &state_dir.join(IDENTITY_FILE), &creds.kubeconfig_path)?;
             return Ok(creds);
         }
         tracing::info!("stored node identity is within 20 % of expiry; bootstrapping again");
     }
-    mint(cluster, &Auth::Bearer(token.bearer()), node_name, state_dir).await
+    mint(cluster, Identity::Token(token), node_name, state_dir).await
 }
 
 /// Re-keys and re-CSRs `node_name`, authenticating with its current client certificate
@@ -266,8 +261,8 @@ pub async fn renew(
     node_name: &str,
     state_dir: &Path,
 ) -> Result<NodeCredentials, JoinError> {
-    let auth = Auth::ClientCert { cert_pem: current.cert_pem.clone(), key_pem: current.key_pem.clone() };
-    mint(cluster, &auth, node_name, state_dir).await
+    let identity = Identity::Certificate { cert_pem: &current.cert_pem, key_pem: &current.key_pem };
+    mint(cluster, identity, node_name, state_dir).await
 }
 
 /// Renews when past `deadline` (from [`rotation_deadline`]); `None` when not yet due.
@@ -307,6 +302,28 @@ mod tests {
             "a CSR extension (SAN) was requested"
         );
         assert_eq!(info.subject_pki.algorithm.algorithm.to_id_string(), "1.2.840.10045.2.1", "not an EC key");
+    }
+
+    #[test]
+    fn a_csr_settles_when_issued_or_refused_and_a_refusal_wins() {
+        use k8s_openapi::api::certificates::v1::{CertificateSigningRequestCondition, CertificateSigningRequestStatus};
+        let mut csr = csr_object("vk-1", "PEM");
+        assert_eq!(csr.spec.request.0, b"PEM");
+        assert_eq!(csr.metadata.labels.as_ref().unwrap()[NODE_LABEL], "vk-1");
+        assert_eq!(outcome(&csr), None);
+        csr.status = Some(CertificateSigningRequestStatus::default());
+        assert_eq!(outcome(&csr), None);
+        csr.status.as_mut().unwrap().certificate = Some(ByteString(Vec::new()));
+        assert_eq!(outcome(&csr), None, "an empty certificate is not an issued one");
+        csr.status.as_mut().unwrap().certificate = Some(ByteString(b"CERT".to_vec()));
+        assert_eq!(outcome(&csr), Some(Ok("CERT".to_owned())));
+        csr.status.as_mut().unwrap().conditions = Some(vec![CertificateSigningRequestCondition {
+            type_: "Failed".into(),
+            status: "True".into(),
+            message: Some("signer down".into()),
+            ..Default::default()
+        }]);
+        assert_eq!(outcome(&csr), Some(Err("Failed: signer down".to_owned())));
     }
 
     #[test]

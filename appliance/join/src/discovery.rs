@@ -1,8 +1,11 @@
 //! kubeadm token discovery: read `kube-public/cluster-info` unverified, check the bootstrap
 //! signer's detached JWS with the token, pin the CA by its SubjectPublicKeyInfo hash, then
-//! re-read over TLS pinned to that CA and require the same kubeconfig.
+//! re-read over TLS pinned to that CA and require the same kubeconfig. Both reads are anonymous
+//! `kube::Api<ConfigMap>` gets; only the second verifies the server.
 
-use crate::http::{self, Auth, Trust};
+use k8s_openapi::api::core::v1::ConfigMap;
+
+use crate::api::{self, Identity, Trust};
 use crate::token::{BootstrapToken, CaHash};
 use crate::{jws, kubeconfig, JoinError};
 
@@ -15,8 +18,6 @@ pub struct ClusterInfo {
     pub server: String,
 }
 
-const CLUSTER_INFO: &str = "/api/v1/namespaces/kube-public/configmaps/cluster-info";
-
 /// The CA pin (`sha256:` of the SubjectPublicKeyInfo) of the first certificate in `pem`.
 pub fn ca_hash_of_pem(pem: &str) -> Result<CaHash, JoinError> {
     let (_, parsed) =
@@ -25,30 +26,22 @@ pub fn ca_hash_of_pem(pem: &str) -> Result<CaHash, JoinError> {
     Ok(CaHash::of_spki(cert.tbs_certificate.subject_pki.raw))
 }
 
+/// Reads `kube-public/cluster-info` anonymously, trusting the server as `trust` says: its
+/// discovery kubeconfig and the signature for `token`, if any.
 async fn read_kubeconfig(
     endpoint: &str,
-    trust: &Trust,
+    trust: Trust<'_>,
     token: &BootstrapToken,
 ) -> Result<(String, Option<String>), JoinError> {
-    let resp = http::request(endpoint, "GET", CLUSTER_INFO, None, trust, &Auth::Anonymous)
-        .await
-        .map_err(|source| JoinError::Http { endpoint: endpoint.to_owned(), source })?;
-    if resp.status != 200 {
-        return Err(JoinError::Status {
-            endpoint: endpoint.to_owned(),
-            what: "reading kube-public/cluster-info".into(),
-            status: resp.status,
-            body: String::from_utf8_lossy(&resp.body).chars().take(300).collect(),
-        });
-    }
-    let cm: serde_json::Value = serde_json::from_slice(&resp.body)
-        .map_err(|e| JoinError::ClusterInfo { endpoint: endpoint.to_owned(), what: format!("not JSON: {e}") })?;
-    let data = &cm["data"];
-    let kubeconfig = data["kubeconfig"]
-        .as_str()
+    let client = api::client(endpoint, trust, Identity::Anonymous)?;
+    let cluster_info = kube::Api::<ConfigMap>::namespaced(client, "kube-public");
+    let cm = api::call(endpoint, "reading kube-public/cluster-info", cluster_info.get("cluster-info")).await?;
+    let mut data = cm.data.unwrap_or_default();
+    let kubeconfig = data
+        .remove("kubeconfig")
         .ok_or_else(|| JoinError::ClusterInfo { endpoint: endpoint.to_owned(), what: "no data.kubeconfig".into() })?;
-    let sig = data[format!("jws-kubeconfig-{}", token.id())].as_str().map(str::to_owned);
-    Ok((kubeconfig.to_owned(), sig))
+    let sig = data.remove(&format!("jws-kubeconfig-{}", token.id()));
+    Ok((kubeconfig, sig))
 }
 
 /// Discovers the cluster at `endpoint` (`https://host:port`) with `token`, accepting only a CA
@@ -58,7 +51,7 @@ pub async fn discover(endpoint: &str, token: &BootstrapToken, pins: &[CaHash]) -
     if pins.is_empty() {
         return Err(JoinError::NoPins { endpoint: endpoint.to_owned() });
     }
-    let (kubeconfig, sig) = read_kubeconfig(endpoint, &Trust::Insecure, token).await?;
+    let (kubeconfig, sig) = read_kubeconfig(endpoint, Trust::Insecure, token).await?;
     let sig =
         sig.ok_or_else(|| JoinError::Unsigned { endpoint: endpoint.to_owned(), token_id: token.id().to_owned() })?;
     jws::verify_detached(&sig, kubeconfig.as_bytes(), token).map_err(|source| JoinError::BadSignature {
@@ -72,7 +65,7 @@ pub async fn discover(endpoint: &str, token: &BootstrapToken, pins: &[CaHash]) -
     if !pins.contains(&actual) {
         return Err(JoinError::CaHashMismatch { endpoint: endpoint.to_owned(), expected: pins.to_vec(), actual });
     }
-    let (again, _) = read_kubeconfig(endpoint, &Trust::Ca(ca_pem.clone()), token).await?;
+    let (again, _) = read_kubeconfig(endpoint, Trust::Ca(&ca_pem), token).await?;
     if again != kubeconfig {
         return Err(JoinError::ClusterInfo {
             endpoint: endpoint.to_owned(),

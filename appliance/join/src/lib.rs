@@ -1,14 +1,17 @@
 //! Joining a Kubernetes cluster as a virtual node, the kubeadm way: token discovery of the
 //! cluster CA (`discovery`), then the kubelet TLS bootstrap of a `system:node:<name>` client
-//! certificate (`bootstrap`). See `shared/spec/appliance.md` §2.1–§2.3.
+//! certificate (`bootstrap`). Both talk to the apiserver through `kube::Client`s that `api`
+//! builds for each step (no trust, a pinned CA; anonymous, the bootstrap token, the node's
+//! certificate). See `shared/spec/appliance.md` §2.1–§2.3.
 
 #![forbid(unsafe_code)]
 
+mod api;
 pub mod bootstrap;
 pub mod discovery;
-pub mod http;
 pub mod jws;
 pub mod kubeconfig;
+pub mod tls;
 pub mod token;
 
 use std::path::PathBuf;
@@ -23,14 +26,23 @@ pub use token::{BootstrapToken, CaHash, TokenError};
 pub enum JoinError {
     #[error("no CA hash pinned for {endpoint}: refusing to trust an unpinned cluster-info")]
     NoPins { endpoint: String },
-    #[error("{endpoint}: {source}")]
-    Http {
+    #[error("endpoint {endpoint:?} is not https://host[:port]")]
+    Endpoint { endpoint: String },
+    #[error("{endpoint}: building the API client")]
+    Client {
         endpoint: String,
         #[source]
-        source: http::HttpError,
+        source: Box<kube::Error>,
     },
-    #[error("{endpoint}: {what}: HTTP {status}: {body}")]
-    Status { endpoint: String, what: String, status: u16, body: String },
+    #[error("{endpoint}: {what}")]
+    Api {
+        endpoint: String,
+        what: String,
+        #[source]
+        source: Box<kube::Error>,
+    },
+    #[error("{endpoint}: {what}: no answer within {timeout:?}")]
+    Timeout { endpoint: String, what: String, timeout: Duration },
     #[error("{endpoint}: cluster-info: {what}")]
     ClusterInfo { endpoint: String, what: String },
     #[error("{endpoint}: cluster-info is not signed for token {token_id} (no jws-kubeconfig-{token_id}): wrong token, or the bootstrap signer has not run")]
@@ -58,8 +70,20 @@ pub enum JoinError {
     Csr(String),
     #[error("CSR {csr}: {what}")]
     CsrState { csr: String, what: String },
+    #[error("CSR {csr}: watching for its certificate")]
+    CsrWait {
+        csr: String,
+        #[source]
+        source: kube::runtime::wait::Error,
+    },
     #[error("CSR {csr} was not issued within {timeout:?} (is the csrapproving/csrsigning controller running?)")]
     CsrTimeout { csr: String, timeout: Duration },
+    #[error("{}: writing the node kubeconfig", .path.display())]
+    NodeKubeconfig {
+        path: PathBuf,
+        #[source]
+        source: kubeconfig::KubeconfigError,
+    },
     #[error("{}: {what}", .path.display())]
     State {
         path: PathBuf,

@@ -18,8 +18,9 @@
 //!    tick, the watchdog tick, API commands): reaps, restarts with backoff, publishes state,
 //!    sends `READY=1` once every enabled service has run for 1 s and sandboxd answers `/healthz`,
 //!    `STATUS=` on changes and `WATCHDOG=1` ([`notify`]).
-//! 7. **Health task** ([`health`]): sandboxd, pools and virtual nodes every few seconds; each
-//!    snapshot goes to [`UpdateControl::on_health`] (the A/B commit gate).
+//! 7. **Health task** (`health_task`, over the probes of [`health`]): sandboxd, pools and
+//!    virtual nodes every few seconds; each snapshot goes to [`UpdateControl::on_health`] (the
+//!    A/B commit gate).
 //!
 //! `SIGTERM`/`SIGINT` stop the services (their process groups; VMs live on) and exit 0.
 //!
@@ -41,6 +42,7 @@ pub mod api;
 pub mod client;
 pub mod config;
 pub mod health;
+mod health_task;
 pub mod http;
 pub mod logs;
 pub mod metrics;
@@ -417,85 +419,8 @@ pub async fn run(opts: RunOptions) -> Result<Exit, RunError> {
     sup.start_due();
 
     // 7. Health task.
-    let prober = Arc::new(match (&settings, &secrets) {
-        (Some(s), Some(sec)) => {
-            let addr = services::local_addr(s.sandboxd_listen).to_string();
-            let sandboxd = sandboxd_enabled.then_some(match sec.sandboxd_tls {
-                Some(_) => http::Endpoint::Https(addr),
-                None => http::Endpoint::Tcp(addr),
-            });
-            let token = read_secret(&sec.sandboxd_token_file);
-            let mut nodes = Vec::new();
-            if s.vk_sandbox {
-                nodes.push(health::NodeTarget {
-                    service: ServiceName::VkSandbox,
-                    name: s.vk_sandbox_name().into(),
-                    pki_dir: layout.pki_dir(ServiceName::VkSandbox),
-                });
-            }
-            if s.vk_cocoon {
-                nodes.push(health::NodeTarget {
-                    service: ServiceName::VkCocoon,
-                    name: s.vk_cocoon_name().into(),
-                    pki_dir: layout.pki_dir(ServiceName::VkCocoon),
-                });
-            }
-            let p = health::Prober::new(sandboxd, token, nodes, s.config.cluster.as_ref().map(|c| c.endpoint.clone()));
-            match &sec.sandboxd_tls {
-                // Trusts exactly sandboxd's certificate (it need not name 127.0.0.1).
-                Some(c) => {
-                    match httpd::tls::client_config(&httpd::tls::Trust::File(c.cert.clone()), httpd::tls::ALPN_HTTP1) {
-                        Ok(tls) => p.with_sandboxd_tls(tls),
-                        Err(e) => {
-                            tracing::error!(error = %error_chain(&e), "sandboxd's certificate cannot be trusted; its health is unknown");
-                            p
-                        }
-                    }
-                }
-                None => p,
-            }
-        }
-        _ => health::Prober::new(None, None, Vec::new(), None),
-    });
-    {
-        let (shared, prober, update, cmd_tx, every) =
-            (shared.clone(), prober.clone(), opts.update.clone(), cmd_tx.clone(), opts.health_interval);
-        tasks.spawn(async move {
-            let mut last_full: Option<tokio::time::Instant> = None;
-            loop {
-                let answers = prober.sandboxd_answers().await;
-                shared.update_health(|h| h.sandboxd_answers = answers);
-                if last_full.is_none_or(|t| t.elapsed() >= every) {
-                    last_full = Some(tokio::time::Instant::now());
-                    let (pools, (nodes, reachable)) = tokio::join!(prober.pools(), prober.nodes());
-                    shared.update_health(|h| {
-                        match pools {
-                            Ok(p) => {
-                                h.pools = p;
-                                h.pools_error = None;
-                            }
-                            Err(e) => h.pools_error = Some(e),
-                        }
-                        h.nodes = nodes;
-                        h.api_reachable = reachable;
-                        h.checked_at = std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map(|d| d.as_secs())
-                            .unwrap_or(0);
-                    });
-                    if let GateVerdict::Reboot { reason } = update.on_health(&shared.health()).await {
-                        let (reply, rx) = tokio::sync::oneshot::channel();
-                        if cmd_tx.send(api::Command::Reboot { reason: reason.clone(), reply }).await.is_ok() {
-                            if let Ok(Err(e)) = rx.await {
-                                tracing::error!(reason, error = %e, "the update gate asked for a reboot that was refused");
-                            }
-                        }
-                    }
-                }
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        });
-    }
+    let prober = Arc::new(health_task::prober(settings.as_ref(), secrets.as_ref(), &layout, sandboxd_enabled));
+    tasks.spawn(health_task::run(shared.clone(), prober, opts.update.clone(), cmd_tx.clone(), opts.health_interval));
 
     // 5. Main loop.
     let sig = |k: SignalKind| signal(k).map_err(setup_err("installing a signal handler", Path::new("-")));

@@ -159,7 +159,7 @@ mod tests {
             .with_protocol_versions(&[version])
             .expect("versions")
             .dangerous()
-            .with_custom_certificate_verifier(join::http::NoVerify::new(provider));
+            .with_custom_certificate_verifier(join::tls::NoVerify::new(provider));
         let mut config = match cert {
             Some(leaf) => {
                 let chain = vec![CertificateDer::from_pem_slice(leaf.cert_pem.as_bytes()).expect("cert")];

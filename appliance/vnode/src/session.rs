@@ -440,7 +440,7 @@ mod tests {
         let kubeconfig = dir.path().join("kubeconfig");
         std::fs::write(
             &kubeconfig,
-            join::kubeconfig::node_kubeconfig("https://127.0.0.1:1", &ca_pem, "u", Path::new("/none")),
+            join::kubeconfig::node_kubeconfig("https://127.0.0.1:1", &ca_pem, "u", Path::new("/none")).unwrap(),
         )
         .unwrap();
         let config = kubeconfig_config(&kubeconfig).await.unwrap();

@@ -301,7 +301,7 @@ mod https {
             .with_safe_default_protocol_versions()
             .unwrap()
             .dangerous()
-            .with_custom_certificate_verifier(join::http::NoVerify::new(provider));
+            .with_custom_certificate_verifier(join::tls::NoVerify::new(provider));
         let config = match who.cert {
             Some(id) => builder
                 .with_client_auth_cert(

@@ -1,5 +1,8 @@
 //! One test per configuration rule.
 
+use std::path::{Path, PathBuf};
+
+use super::rules::check_endpoint;
 use super::*;
 
 const HASH: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -310,8 +313,11 @@ fn bootstrap_token_file_must_exist_and_hold_a_token() {
     assert!(i.problem.contains("cannot be read"), "{i}");
     // Without file checks (e.g. checking a config for another box), only the shape is checked.
     load(&f.paths()).unwrap().validate(&ValidateEnv { check_files: false, ..env() }).unwrap();
-    assert!(valid_bootstrap_token("abcdef.0123456789abcdef"));
-    assert!(!valid_bootstrap_token("ABCDEF.0123456789abcdef") && !valid_bootstrap_token("abcdef0123456789abcdef"));
+    // The shape is join's: what the configuration accepts, the virtual nodes' join accepts.
+    for bad in ["ABCDEF.0123456789abcdef", "abcdef0123456789abcdef"] {
+        f.write("esp/chrysalis/bootstrap-token", &format!("{bad}\n"));
+        only_issue(load(&f.paths()).unwrap().validate(&env()), "cluster.bootstrap_token_file");
+    }
 }
 
 #[test]
@@ -483,7 +489,11 @@ fn node_names_default_from_the_hostname_and_are_checked() {
     );
     let s = load(&f.paths()).unwrap().validate(&env()).unwrap();
     assert_eq!(s.config.vk_cocoon.vm_uplink.as_deref(), Some("eno1"));
-    assert!(valid_namespace("team-a") && !valid_namespace("a.b") && !valid_namespace(&"a".repeat(64)));
+    assert!(
+        images::valid_namespace("team-a")
+            && !images::valid_namespace("a.b")
+            && !images::valid_namespace(&"a".repeat(64))
+    );
     assert!(valid_node_name("edge-1.example") && !valid_node_name("Edge") && !valid_node_name("a..b"));
     assert!(!valid_node_name(&"a".repeat(64)));
 }
