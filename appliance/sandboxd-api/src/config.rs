@@ -380,6 +380,9 @@ mod tests {
         assert_eq!(p(json!({"template": "base", "warm": 0})).target(), 0);
         assert_eq!(p(json!({"template": "base", "warm_max": 3})).target(), 0);
         assert_eq!(PoolConfig::warm("base", 2).target(), 2);
-        assert_eq!(serde_json::to_string(&PoolConfig::warm("base", 2)).expect("ser"), r#"{"template":"base","warm":2}"#);
+        assert_eq!(
+            serde_json::to_string(&PoolConfig::warm("base", 2)).expect("ser"),
+            r#"{"template":"base","warm":2}"#
+        );
     }
 }

@@ -130,7 +130,14 @@ mod tests {
             at_capacity_reason: None,
             peers: Vec::new(),
             advertise_addr: String::new(),
-            budget: BudgetInfo { max_vms: 8, max_memory_mib: 4096, max_disk_mib: 9000, vms: 4, memory_mib: 2048, disk_mib: 0 },
+            budget: BudgetInfo {
+                max_vms: 8,
+                max_memory_mib: 4096,
+                max_disk_mib: 9000,
+                vms: 4,
+                memory_mib: 2048,
+                disk_mib: 0,
+            },
         }
     }
 

@@ -186,9 +186,9 @@ impl Metrics {
                 let _ = writeln!(
                     o,
                     "sandboxd_{name}{{template=\"{}\",net=\"{}\",size=\"{}\"}} {v}",
-                    escape(p.key.template()),
-                    p.key.net(),
-                    p.key.size()
+                    escape(&p.key.template),
+                    p.key.net,
+                    p.key.size
                 );
             }
         }
