@@ -42,7 +42,7 @@ use vnode::{PodKey, PodNotifier, Provider, ProviderError};
 
 use crate::annotations::{self, AnnotationError};
 use crate::authority::{self, Lookup, OwnerLookup, Verdict};
-use crate::sandboxd::{Listed, SandboxdClient, SandboxdError};
+use crate::sandboxd::{RowTimes as _, SandboxRow, SandboxdClient, SandboxdError};
 use crate::state::{ClaimRecord, StateError, StateFile, StateStore};
 use crate::status;
 
@@ -247,7 +247,7 @@ fn uid_of(pod: &Pod) -> String {
     pod.metadata.uid.clone().unwrap_or_default()
 }
 
-fn listed_ids(rows: &[Listed]) -> BTreeMap<&str, &Listed> {
+fn listed_ids(rows: &[SandboxRow]) -> BTreeMap<&str, &SandboxRow> {
     rows.iter().map(|r| (r.id.as_str(), r)).collect()
 }
 
@@ -453,7 +453,7 @@ impl SandboxProvider {
             }
             match listed.get(id.as_str()) {
                 Some(row) => {
-                    if let (Some(c), Some(d)) = (g.claims.get_mut(key), row.deadline()) {
+                    if let (Some(c), Some(d)) = (g.claims.get_mut(key), row.deadline_time()) {
                         c.deadline = Some(d);
                     }
                     tracing::info!(claim = %id, "claim past its cached deadline is still listed; deadline refreshed");
@@ -563,7 +563,7 @@ impl SandboxProvider {
             let g = self.lock();
             g.claims.values().chain(g.releasing.iter()).map(|c| c.id.clone()).collect()
         };
-        let mut strays: Vec<Listed> =
+        let mut strays: Vec<SandboxRow> =
             rows.into_iter().filter(|r| r.claim_ref.as_deref() == Some(key) && !known.contains(&r.id)).collect();
         if strays.is_empty() {
             return Ok(None);
@@ -591,12 +591,8 @@ impl SandboxProvider {
                     token,
                     address: String::new(),
                     pod_uid: uid_of(pod),
-                    claimed_at: row
-                        .claimed_at
-                        .as_deref()
-                        .and_then(|t| t.parse().ok())
-                        .or_else(|| Some(Timestamp::now())),
-                    deadline: row.deadline(),
+                    claimed_at: row.claimed_at_time().or_else(|| Some(Timestamp::now())),
+                    deadline: row.deadline_time(),
                     owner: authority::controller_owner(pod),
                 });
             } else if let Err(e) = self.release_detached(&row.id, &token).await {
@@ -752,7 +748,7 @@ impl SandboxProvider {
                 g.quarantined.remove(&key);
                 match listed.get(id.as_str()) {
                     Some(row) => {
-                        if let (Some(c), Some(d)) = (g.claims.get_mut(&key), row.deadline()) {
+                        if let (Some(c), Some(d)) = (g.claims.get_mut(&key), row.deadline_time()) {
                             c.deadline = Some(d);
                         }
                         tracing::info!(pod = %key, claim = %id, "sandboxd vouches for a claim from a previous run");
@@ -819,7 +815,7 @@ impl SandboxProvider {
                     continue;
                 }
                 if let Some(row) = listed.get(id.as_str()) {
-                    if let (Some(c), Some(d)) = (g.claims.get_mut(&key), row.deadline()) {
+                    if let (Some(c), Some(d)) = (g.claims.get_mut(&key), row.deadline_time()) {
                         changed |= c.deadline != Some(d);
                         c.deadline = Some(d);
                     }
