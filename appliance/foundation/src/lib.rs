@@ -6,6 +6,8 @@
 //! - [`private_dir`]: create (or tighten) a directory to 0700, the home of every secret.
 //! - [`error_chain`]: an error and its `source()` chain on one line, `a: b: c`.
 //! - [`token`]: read a bearer-token file under the one rule (owner-only, 32+ characters).
+//! - [`KUBECONFIG_FILE`]: the name of a virtual node's kubeconfig in its credentials directory
+//!   (join writes it; the supervisor's health probe and the tests read it).
 //! - `testing` (feature `testing`, dev-dependencies only): how a test that cannot run here
 //!   says so and is counted as skipped.
 //!
@@ -23,3 +25,8 @@ pub mod token;
 pub use atomic::{private_dir, write_atomic, write_new, write_secret, FileMode, PRIVATE_DIR, PUBLIC_FILE, SECRET_FILE};
 pub use error_chain::error_chain;
 pub use token::{read_token_file, TokenFileError, MIN_TOKEN_LEN};
+
+/// The file name of a virtual node's kubeconfig in its credentials directory
+/// (`--credentials-dir`, the supervisor's `<state>/<svc>/pki`): `join` writes it, the
+/// supervisor's health probe and the test harness read it.
+pub const KUBECONFIG_FILE: &str = "kubeconfig";
