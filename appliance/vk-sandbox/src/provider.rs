@@ -42,7 +42,7 @@ use vnode::{PodKey, PodNotifier, Provider, ProviderError};
 
 use crate::annotations::{self, AnnotationError};
 use crate::authority::{self, Lookup, OwnerLookup, Verdict};
-use crate::sandboxd::{RowTimes as _, SandboxRow, SandboxdClient, SandboxdError};
+use crate::sandboxd::{claimed_at, Deadline as _, SandboxRow, SandboxdClient, SandboxdError};
 use crate::state::{ClaimRecord, StateError, StateFile, StateStore};
 use crate::status;
 
@@ -382,13 +382,14 @@ impl SandboxProvider {
                     .claim(&spec, &key)
                     .await
                     .map_err(|source| SandboxProviderError::Claim { key: key.clone(), source: Box::new(source) })?;
+                let deadline = grant.deadline_time();
                 ClaimRecord {
                     id: grant.id,
                     token: grant.token,
                     address: grant.owner_addr,
                     pod_uid: uid_of(pod),
                     claimed_at: Some(Timestamp::now()),
-                    deadline: grant.deadline,
+                    deadline,
                     owner: authority::controller_owner(pod),
                 }
             }
@@ -591,7 +592,7 @@ impl SandboxProvider {
                     token,
                     address: String::new(),
                     pod_uid: uid_of(pod),
-                    claimed_at: row.claimed_at_time().or_else(|| Some(Timestamp::now())),
+                    claimed_at: claimed_at(&row).or_else(|| Some(Timestamp::now())),
                     deadline: row.deadline_time(),
                     owner: authority::controller_owner(pod),
                 });

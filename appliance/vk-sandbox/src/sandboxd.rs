@@ -25,7 +25,9 @@ use hyper_util::rt::TokioExecutor;
 use k8s_openapi::jiff::Timestamp;
 use sandboxd_api::{ClaimReply, ClaimRequest, ErrorBody, SandboxList};
 
-pub use sandboxd_api::{Info, SandboxRow};
+/// A granted claim (its token is the release credential: `Debug` leaves it out), the info
+/// answer and a listing row, as sandboxd sends them.
+pub use sandboxd_api::{Grant, Info, SandboxRow};
 
 use crate::annotations::ClaimSpec;
 
@@ -86,43 +88,27 @@ pub enum SandboxdError {
     },
 }
 
-/// A granted claim. Its token is the release credential: never logged, never exposed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Grant {
-    pub id: String,
-    pub token: String,
-    /// Lease end (absent if sandboxd's value did not parse).
-    pub deadline: Option<Timestamp>,
-    /// Where the claim is served (`host:port` or an origin); empty = the address dialled.
-    pub owner_addr: String,
-}
-
-impl std::fmt::Debug for Grant {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grant")
-            .field("id", &self.id)
-            .field("token", &"<redacted>")
-            .field("deadline", &self.deadline)
-            .field("owner_addr", &self.owner_addr)
-            .finish()
-    }
-}
-
-/// The times of a listing row, parsed (`None` when sandboxd's value does not parse).
-pub trait RowTimes {
+/// A lease end in sandboxd's answers, parsed (`None` when sandboxd's value does not parse).
+pub trait Deadline {
     /// The lease end.
     fn deadline_time(&self) -> Option<Timestamp>;
-    /// The first grant.
-    fn claimed_at_time(&self) -> Option<Timestamp>;
 }
 
-impl RowTimes for SandboxRow {
+impl Deadline for Grant {
     fn deadline_time(&self) -> Option<Timestamp> {
         self.deadline.parse().ok()
     }
-    fn claimed_at_time(&self) -> Option<Timestamp> {
-        self.claimed_at.parse().ok()
+}
+
+impl Deadline for SandboxRow {
+    fn deadline_time(&self) -> Option<Timestamp> {
+        self.deadline.parse().ok()
     }
+}
+
+/// A listed sandbox's first grant, parsed.
+pub fn claimed_at(row: &SandboxRow) -> Option<Timestamp> {
+    row.claimed_at.parse().ok()
 }
 
 /// The client of the node's sandboxd.
@@ -319,12 +305,7 @@ impl SandboxdClient {
                 message: format!("claim {} was granted without a token", reply.id),
             });
         }
-        Ok(Grant {
-            deadline: reply.deadline.parse().ok(),
-            id: reply.id,
-            token: reply.token,
-            owner_addr: reply.owner_addr,
-        })
+        Ok(reply)
     }
 
     /// `POST /v1/sandboxes/{id}/release` with the claim's token: `204` and `404` both mean the
@@ -419,7 +400,7 @@ mod tests {
         let c = SandboxdClient::new(&fake.url(), Some("node-secret".into())).unwrap();
         let g = c.claim(&spec("rt:24.04"), "default/sb-1").await.unwrap();
         assert!(g.id.starts_with("sb_") && !g.token.is_empty(), "{g:?}");
-        assert!(g.deadline.is_some());
+        assert!(g.deadline_time().is_some());
         assert_eq!(g.owner_addr, fake.owner_addr());
         assert!(!format!("{g:?}").contains(&g.token), "the token leaked into Debug");
         let body = fake.last_claim_body().unwrap();
