@@ -127,148 +127,88 @@ pub struct NetworkConfig {
     pub netns: Option<String>,
 }
 
-fn default_listen() -> SocketAddr {
-    DEFAULT_LISTEN
-}
-fn default_data_dir() -> PathBuf {
-    PathBuf::from(DEFAULT_DATA_DIR)
-}
-fn default_boot_timeout() -> u64 {
-    DEFAULT_BOOT_TIMEOUT_SECS
-}
-fn default_true() -> bool {
-    true
-}
-fn default_max_lifetime() -> u64 {
-    DEFAULT_MAX_LIFETIME_SECS
-}
-fn default_agent_relays() -> usize {
-    DEFAULT_AGENT_RELAYS_PER_CLAIM
-}
-fn default_port_relays() -> usize {
-    DEFAULT_PORT_RELAYS_PER_CLAIM
-}
-fn default_execs() -> usize {
-    DEFAULT_EXECS_PER_CLAIM
-}
-fn default_exec_timeout() -> u64 {
-    DEFAULT_EXEC_TIMEOUT_SECS
-}
-fn default_exec_max_timeout() -> u64 {
-    DEFAULT_EXEC_MAX_TIMEOUT_SECS
-}
-fn default_max_connections() -> usize {
-    DEFAULT_MAX_CONNECTIONS
-}
-fn default_header_timeout() -> u64 {
-    DEFAULT_HEADER_TIMEOUT_SECS
-}
-fn default_body_timeout() -> u64 {
-    DEFAULT_BODY_TIMEOUT_SECS
-}
-fn default_relay_idle() -> u64 {
-    DEFAULT_RELAY_IDLE_TIMEOUT_SECS
-}
-
-/// The config file.
+/// The config file. An absent key takes its value in [`Config::default`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// Listen address (default [`DEFAULT_LISTEN`]). Off loopback it needs `api_token_file`.
-    #[serde(default = "default_listen")]
     pub listen: SocketAddr,
     /// Journal, pool overrides and goldens (default [`DEFAULT_DATA_DIR`]).
-    #[serde(default = "default_data_dir")]
     pub data_dir: PathBuf,
     /// File holding the root API token (trimmed; at least 32 characters; mode 0600 or
     /// tighter). Absent: node routes are open, which is allowed on a loopback `listen` only.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub api_token_file: Option<PathBuf>,
     /// PEM certificate chain: with `tls_key_file`, `listen` serves TLS (ALPN `http/1.1`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_cert_file: Option<PathBuf>,
     /// PEM private key of `tls_cert_file`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_key_file: Option<PathBuf>,
     /// An extra plain-HTTP listener, loopback only (local clients such as vk-sandbox when
     /// `listen` serves TLS). Same routes and auth; claims made through it name it as their
     /// `owner_addr`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub local_listen: Option<SocketAddr>,
     /// `host:port` clients should use for sandbox-scoped calls (`owner_addr`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub advertise_addr: Option<String>,
     /// Warm pools (`pools.json` from `PUT /v1/pools` overrides these).
-    #[serde(default)]
     pub pools: Vec<PoolConfig>,
     /// Per-VM networking for `net: egress` pools; absent: no VM has a NIC.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkConfig>,
     /// Concurrent refills; 0 = NumCPU×2/3 clamped to [1, 256].
-    #[serde(default)]
     pub refill_concurrency: usize,
     /// `fdatasync` each claims-log append before the reply (survives power loss, not only
     /// `kill -9`; the `claims.json` snapshot is always fsynced).
-    #[serde(default)]
     pub sync_claims: bool,
     /// How long a cold boot may take to answer silkd `info` (default [`DEFAULT_BOOT_TIMEOUT_SECS`]).
-    #[serde(default = "default_boot_timeout")]
     pub boot_timeout_secs: u64,
     /// Fill pools by cloning a golden snapshot (else cold boots only; default true).
-    #[serde(default = "default_true")]
     pub clone: bool,
     /// The built-image catalog (default `$CHRYSALIS_CACHE/images/catalog.json`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub catalog: Option<PathBuf>,
     /// The VM driver's state dir (default `<data_dir>/vms`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub vm_state_dir: Option<PathBuf>,
     /// VMs (warm + refilling + claimed) at most (default: `max_memory_mib` / 512, at most 1024).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_vms: Option<usize>,
     /// Memory of those VMs at most, MiB, each counted with its size class (default: the host's
     /// `MemTotal` minus an eighth of it, at least 1 GiB kept back).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_memory_mib: Option<u64>,
     /// Disk of those VMs at most, MiB, each counted with the most its writable overlay can
     /// grow to (the template's overlay image plus qcow2 metadata; 0 for a tmpfs overlay).
     /// Default: three quarters of the filesystem holding `vm_state_dir`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_disk_mib: Option<u64>,
     /// The lease horizon: no renew may move a deadline past `claimed_at` + this
     /// (default [`DEFAULT_MAX_LIFETIME_SECS`]).
-    #[serde(default = "default_max_lifetime")]
     pub max_lifetime_secs: u64,
     /// Concurrent `/agent` relays per claim (default [`DEFAULT_AGENT_RELAYS_PER_CLAIM`]).
-    #[serde(default = "default_agent_relays")]
     pub max_agent_relays_per_claim: usize,
     /// Concurrent `/ports` relays per claim (default [`DEFAULT_PORT_RELAYS_PER_CLAIM`]).
-    #[serde(default = "default_port_relays")]
     pub max_port_relays_per_claim: usize,
     /// Concurrent `/exec` calls per claim (default [`DEFAULT_EXECS_PER_CLAIM`]).
-    #[serde(default = "default_execs")]
     pub max_execs_per_claim: usize,
     /// `/exec` timeout when `timeout_seconds` is absent or 0 (default [`DEFAULT_EXEC_TIMEOUT_SECS`]).
-    #[serde(default = "default_exec_timeout")]
     pub exec_default_timeout_secs: u64,
     /// Largest `/exec` `timeout_seconds` accepted (default [`DEFAULT_EXEC_MAX_TIMEOUT_SECS`];
     /// larger is a `400`).
-    #[serde(default = "default_exec_max_timeout")]
     pub exec_max_timeout_secs: u64,
     /// Open connections per listener (default [`DEFAULT_MAX_CONNECTIONS`]); one more is closed
     /// at once.
-    #[serde(default = "default_max_connections")]
     pub max_connections: usize,
     /// Time to send a request head, and the idle time of a keep-alive connection (default
     /// [`DEFAULT_HEADER_TIMEOUT_SECS`]).
-    #[serde(default = "default_header_timeout")]
     pub header_timeout_secs: u64,
     /// Time to send a whole request body (default [`DEFAULT_BODY_TIMEOUT_SECS`]).
-    #[serde(default = "default_body_timeout")]
     pub body_timeout_secs: u64,
     /// An `/agent` or `/ports` relay that moves no byte either way this long is closed
     /// (default [`DEFAULT_RELAY_IDLE_TIMEOUT_SECS`]).
-    #[serde(default = "default_relay_idle")]
     pub relay_idle_timeout_secs: u64,
 }
 
@@ -277,7 +217,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             listen: DEFAULT_LISTEN,
-            data_dir: default_data_dir(),
+            data_dir: PathBuf::from(DEFAULT_DATA_DIR),
             api_token_file: None,
             tls_cert_file: None,
             tls_key_file: None,
