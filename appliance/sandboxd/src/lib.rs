@@ -1,8 +1,10 @@
 //! sandboxd: a warm pool of pre-booted microVMs behind the sandboxd HTTP API
 //! (the sandboxd contract, `shared/spec/sandboxd.md` §0–§8), wire-compatible with the public
-//! Python SDK.
+//! Python SDK. The bodies of that API and the config file's schema are types of their own
+//! crate, [`sandboxd_api`], shared with its clients.
 //!
-//! - [`config`]: the JSON config file (and the fail-closed start-up checks);
+//! - [`config`]: the JSON config file, parsed and validated (and the fail-closed start-up
+//!   checks);
 //! - [`limits`]: the node budget and its ledger, the lease horizon, per-claim caps, exec and
 //!   HTTP limits;
 //! - [`pool`]: pool keys, pool state and the refill task;
