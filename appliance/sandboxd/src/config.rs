@@ -21,6 +21,8 @@ use crate::pool::{KeyError, PoolKey};
 
 /// The shortest root token accepted (32 characters: 128 bits as hex, 192 as base64).
 pub use foundation::MIN_TOKEN_LEN;
+/// The schema's pieces sandboxd's callers name through this module.
+pub use sandboxd_api::config::{NetworkConfig, PoolConfig, DEFAULT_PATH, DEFAULT_WARM};
 
 /// Where the effective `listen` address came from (named in errors).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -37,14 +39,12 @@ pub enum ListenSource {
 impl fmt::Display for ListenSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ListenSource::Default => write!(f, "the default 0.0.0.0:7777"),
+            ListenSource::Default => write!(f, "the default {}", sandboxd_api::config::DEFAULT_LISTEN),
             ListenSource::File(p) => write!(f, "set in {}", p.display()),
             ListenSource::Flag => write!(f, "set by the --listen flag"),
         }
     }
 }
-
-pub use sandboxd_api::config::{NetworkConfig, PoolConfig, DEFAULT_PATH, DEFAULT_WARM};
 
 /// Errors loading or validating the config.
 #[derive(Debug, thiserror::Error)]
