@@ -1,8 +1,10 @@
 //! A real `sandboxd` child process on a fresh temp dir, for the suites that need one (sandboxd's
-//! own end-to-end tests, vk-sandbox's, the benchmarks): a config with a data dir, a root token
-//! (0600, 32+ characters, as sandboxd demands), a loopback listener and the given pools; start,
-//! `kill -9`, restart (also with a changed config); blocking HTTP helpers; and at the end every
-//! QEMU of the test killed and checked gone. Needs the built-image catalog and QEMU.
+//! own end-to-end tests, vk-sandbox's, the benchmarks): a config ([`sandboxd_api::Config`])
+//! with a data dir, a root token (0600, 32+ characters, as sandboxd demands), a loopback
+//! listener and the given pools; start, `kill -9`, restart (also with a changed config);
+//! blocking HTTP helpers, typed ([`sandboxd_api`] bodies) where they read sandboxd's answers; and
+//! at the end every QEMU of the test killed and checked gone. Needs the built-image catalog and
+//! QEMU.
 //!
 //! The node budget is set explicitly from the pools (twice the warm VMs plus 8, each at the
 //! largest size asked for), so a suite behaves the same on any host; [`Harness::with_tls`]
@@ -16,7 +18,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use sandboxd_api::{ClaimRequest, Config, ExecRequest, Grant, Info, PoolConfig, PoolInfo, SandboxList};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
 
 /// How long a pool may take to fill (golden boot + clones under TCG on a busy machine).
 pub const FILL_TIMEOUT: Duration = Duration::from_secs(240);
@@ -99,19 +103,18 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<
 
 /// The budget keys a harness sets for `pools`: room for every warm VM twice over plus 8, each
 /// counted at the largest size the pools ask for.
-pub fn budget_for(pools: &Value) -> (u64, u64) {
-    let rows = pools.as_array().cloned().unwrap_or_default();
-    let warm: u64 = rows.iter().map(|p| p["warm"].as_u64().unwrap_or(4)).sum();
-    let mib = rows
+pub fn budget_for(pools: &[PoolConfig]) -> (usize, u64) {
+    let warm: usize = pools.iter().map(|p| p.warm.unwrap_or(sandboxd_api::config::DEFAULT_WARM)).sum();
+    let mib = pools
         .iter()
-        .filter_map(|p| p["size"].as_str())
-        .filter_map(|s| serde_json::from_value::<vmm::SizeClass>(json!(s)).ok())
+        .filter_map(|p| p.size.as_deref())
+        .filter_map(|s| s.parse::<vmm::SizeClass>().ok())
         .map(vmm::SizeClass::memory_mib)
         .max()
         .unwrap_or(512)
         .max(512);
     let vms = warm * 2 + 8;
-    (vms, vms * mib)
+    (vms, vms as u64 * mib)
 }
 
 /// A temp dir with a config, and the sandboxd child running on it (restartable).
@@ -132,12 +135,12 @@ pub struct Harness {
 
 impl Harness {
     /// Writes a config with `pools` and starts `bin` (the sandboxd binary) on it.
-    pub fn new(bin: &Path, pools: Value) -> Harness {
-        Self::with_config(bin, pools, json!({}))
+    pub fn new(bin: &Path, pools: Vec<PoolConfig>) -> Harness {
+        Self::with_config(bin, pools, |_| {})
     }
 
-    /// [`Harness::new`] with `extra` config keys merged over the harness's own.
-    pub fn with_config(bin: &Path, pools: Value, extra: Value) -> Harness {
+    /// [`Harness::new`] with the config changed by `extra` after the harness set its own keys.
+    pub fn with_config(bin: &Path, pools: Vec<PoolConfig>, extra: impl FnOnce(&mut Config)) -> Harness {
         let mut h = Self::prepare(bin, pools, extra, false);
         h.start();
         h
@@ -145,54 +148,56 @@ impl Harness {
 
     /// [`Harness::with_config`] serving TLS on `listen` (a certificate minted for 127.0.0.1 into
     /// the temp dir, [`Harness::cert`]) and plain HTTP on `local_listen` ([`Harness::addr`]).
-    pub fn with_tls(bin: &Path, pools: Value, extra: Value) -> Harness {
+    pub fn with_tls(bin: &Path, pools: Vec<PoolConfig>, extra: impl FnOnce(&mut Config)) -> Harness {
         let mut h = Self::prepare(bin, pools, extra, true);
         h.start();
         h
     }
 
-    fn prepare(bin: &Path, pools: Value, extra: Value, tls: bool) -> Harness {
+    fn prepare(bin: &Path, pools: Vec<PoolConfig>, extra: impl FnOnce(&mut Config), tls: bool) -> Harness {
         let catalog = catalog_path();
         // A short path: QEMU's Unix sockets live under it (108-byte limit).
         let dir = tempfile::Builder::new().prefix("sbxe2e").tempdir_in("/tmp").expect("tempdir");
-        let listen = format!("127.0.0.1:{}", free_port());
+        let listen: std::net::SocketAddr = ([127, 0, 0, 1], free_port()).into();
         let token_file = dir.path().join("token");
         foundation::write_secret(&token_file, format!("{TOKEN}\n").as_bytes()).expect("token file");
         let config = dir.path().join("config.json");
         let (max_vms, max_memory_mib) = budget_for(&pools);
-        let mut cfg = json!({
-            "listen": listen,
-            "data_dir": dir.path().join("data"),
-            "api_token_file": token_file,
-            "catalog": catalog,
-            "pools": pools,
-            "refill_concurrency": 2,
-            "max_vms": max_vms,
-            "max_memory_mib": max_memory_mib,
-        });
-        let (mut addr, mut tls_addr, mut cert) = (listen.clone(), None, None);
+        let mut cfg = Config {
+            listen,
+            data_dir: dir.path().join("data"),
+            api_token_file: Some(token_file),
+            catalog: Some(catalog),
+            pools,
+            refill_concurrency: 2,
+            max_vms: Some(max_vms),
+            max_memory_mib: Some(max_memory_mib),
+            ..Config::default()
+        };
+        let (mut addr, mut tls_addr, mut cert) = (listen.to_string(), None, None);
         if tls {
             let (c, k) = (dir.path().join("tls/cert.pem"), dir.path().join("tls/key.pem"));
             httpd::tls::ensure_self_signed(&c, &k, &["127.0.0.1".to_string(), "localhost".to_string()])
                 .expect("minting the TLS certificate");
-            addr = format!("127.0.0.1:{}", free_port());
-            cfg["tls_cert_file"] = json!(c);
-            cfg["tls_key_file"] = json!(k);
-            cfg["local_listen"] = json!(addr);
-            tls_addr = Some(listen);
+            let local: std::net::SocketAddr = ([127, 0, 0, 1], free_port()).into();
+            addr = local.to_string();
+            cfg.tls_cert_file = Some(c.clone());
+            cfg.tls_key_file = Some(k);
+            cfg.local_listen = Some(local);
+            tls_addr = Some(listen.to_string());
             cert = Some(c);
         }
-        merge(&mut cfg, extra);
-        std::fs::write(&config, serde_json::to_vec_pretty(&cfg).expect("json")).expect("config");
+        extra(&mut cfg);
+        write_config(&config, &cfg);
         Harness { dir, addr, tls_addr, cert, config, bin: bin.to_path_buf(), child: None, starts: 0, finished: false }
     }
 
-    /// Merges `extra` into the config file (takes effect at the next [`Harness::start`]).
-    pub fn update_config(&self, extra: Value) {
-        let mut cfg: Value =
+    /// Changes the config file with `change` (takes effect at the next [`Harness::start`]).
+    pub fn update_config(&self, change: impl FnOnce(&mut Config)) {
+        let mut cfg: Config =
             serde_json::from_slice(&std::fs::read(&self.config).expect("config")).expect("config json");
-        merge(&mut cfg, extra);
-        std::fs::write(&self.config, serde_json::to_vec_pretty(&cfg).expect("json")).expect("config");
+        change(&mut cfg);
+        write_config(&self.config, &cfg);
     }
 
     pub fn dir_str(&self) -> String {
@@ -278,45 +283,49 @@ impl Harness {
         v
     }
 
-    pub fn info(&self) -> Value {
-        self.root("GET", "/v1/info", None)
+    /// [`Harness::root`], the answer decoded as `T`.
+    pub fn root_as<T: DeserializeOwned>(&self, method: &str, path: &str, body: Option<Value>) -> T {
+        let v = self.root(method, path, body);
+        serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{method} {path}: {e}: {v}"))
     }
 
-    pub fn pool(&self, template: &str) -> Value {
+    pub fn info(&self) -> Info {
+        self.root_as("GET", "/v1/info", None)
+    }
+
+    pub fn pool(&self, template: &str) -> PoolInfo {
         let info = self.info();
-        info["pools"]
-            .as_array()
-            .and_then(|ps| ps.iter().find(|p| p["key"]["template"] == template).cloned())
-            .unwrap_or_else(|| panic!("no {template} pool in {info}"))
+        info.pools
+            .iter()
+            .find(|p| p.key.template == template)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {template} pool in {info:?}"))
     }
 
     /// Waits until the pool is full and nothing is refilling.
     pub fn wait_full(&self, template: &str) {
         wait_for(&format!("the {template} pool to fill"), FILL_TIMEOUT, || {
             let p = self.pool(template);
-            (p["warm"] == p["target"] && p["refilling"] == 0).then_some(())
+            (p.warm == p.target && p.refilling == 0).then_some(())
         });
     }
 
-    pub fn claim(&self, body: Value) -> (String, String) {
-        let v = self.root("POST", "/v1/claim", Some(body));
-        let id = v["id"].as_str().unwrap_or_else(|| panic!("claim without id: {v}")).to_string();
-        let token = v["token"].as_str().unwrap_or_else(|| panic!("claim without token: {v}")).to_string();
-        (id, token)
+    /// Claims with the root token; returns the sandbox's id and token.
+    pub fn claim(&self, req: &ClaimRequest) -> (String, String) {
+        let body = serde_json::to_value(req).expect("claim body");
+        let g: Grant = self.root_as("POST", "/v1/claim", Some(body));
+        assert!(!g.id.is_empty() && !g.token.is_empty(), "a grant without an id or a token: {g:?}");
+        (g.id, g.token)
     }
 
     pub fn exec(&self, id: &str, token: &str, argv: &[&str]) -> (u16, Value) {
-        self.call("POST", &format!("/v1/sandboxes/{id}/exec"), Some(token), Some(json!({ "argv": argv })))
+        let body = serde_json::to_value(ExecRequest::new(argv.iter().copied())).expect("exec body");
+        self.call("POST", &format!("/v1/sandboxes/{id}/exec"), Some(token), Some(body))
     }
 
     pub fn sandbox_ids(&self) -> BTreeSet<String> {
-        let v = self.root("GET", "/v1/sandboxes", None);
-        v["sandboxes"]
-            .as_array()
-            .unwrap_or_else(|| panic!("bad listing {v}"))
-            .iter()
-            .map(|r| r["id"].as_str().unwrap_or_default().to_string())
-            .collect()
+        let list: SandboxList = self.root_as("GET", "/v1/sandboxes", None);
+        list.sandboxes.into_iter().map(|r| r.id).collect()
     }
 
     /// QEMU processes of this test.
@@ -373,10 +382,8 @@ impl Harness {
     }
 }
 
-fn merge(cfg: &mut Value, extra: Value) {
-    if let (Some(c), Value::Object(e)) = (cfg.as_object_mut(), extra) {
-        c.extend(e);
-    }
+fn write_config(path: &Path, cfg: &Config) {
+    std::fs::write(path, serde_json::to_vec_pretty(cfg).expect("config json")).expect("writing the config");
 }
 
 pub fn wait_for_gone(needle: &str) -> Vec<u32> {

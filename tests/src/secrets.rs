@@ -27,7 +27,7 @@ pub fn is_secret(rel: &str) -> bool {
     let name = rel.rsplit('/').next().unwrap_or(rel);
     let lower = name.to_ascii_lowercase();
     (lower.contains("token") || lower.contains("secret") || (lower.contains("key") && !lower.ends_with(".pub")))
-        || lower == "kubeconfig"
+        || lower == foundation::KUBECONFIG_FILE
         || lower.starts_with("kubelet-client")
         || lower.starts_with("claims.")
         || lower == "sandboxd.json"

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use sandboxd_api::{PoolConfig, SandboxList, SandboxRow};
 use serde_json::Value;
 
 use crate::sandboxd::{free_port, Harness};
@@ -28,7 +29,7 @@ pub struct NodeSpec<'a> {
     pub port: u16,
     pub node_name: &'a str,
     /// sandboxd's `pools` config.
-    pub pools: Value,
+    pub pools: Vec<PoolConfig>,
     /// `sandboxd` and `vk-sandbox` binaries.
     pub sandboxd_bin: PathBuf,
     pub provider_bin: PathBuf,
@@ -58,10 +59,8 @@ impl NodeEnv {
         let (opts, cluster) = VirtualNode::cluster_up(&dir, spec.port)?;
         cluster.bind_node("vk-sandbox", spec.node_name).map_err(|e| format!("binding the node's RBAC: {e}"))?;
         let sandboxd = Harness::new(&spec.sandboxd_bin, spec.pools.clone());
-        for pool in spec.pools.as_array().into_iter().flatten() {
-            if let Some(t) = pool["template"].as_str() {
-                sandboxd.wait_full(t);
-            }
+        for pool in &spec.pools {
+            sandboxd.wait_full(&pool.template);
         }
         let sandboxd_token = sandboxd.dir.path().join("token");
         let s = |p: &Path| p.display().to_string();
@@ -117,15 +116,13 @@ impl NodeEnv {
         self.wait_pod(ns, name, "Running", RUNNING, |p| p["status"]["phase"] == "Running")
     }
 
-    /// sandboxd's claims whose `claim_ref` is in namespace `ns`: claim_ref → ids.
-    pub fn claims_in(&self, ns: &str) -> BTreeMap<String, Vec<Value>> {
-        let rows = self.sandboxd.root("GET", "/v1/sandboxes", None);
-        let mut out: BTreeMap<String, Vec<Value>> = BTreeMap::new();
-        for row in rows["sandboxes"].as_array().cloned().unwrap_or_default() {
-            if let Some(r) = row["claim_ref"].as_str() {
-                if r.starts_with(&format!("{ns}/")) {
-                    out.entry(r.to_string()).or_default().push(row.clone());
-                }
+    /// sandboxd's claims whose `claim_ref` is in namespace `ns`: claim_ref → rows.
+    pub fn claims_in(&self, ns: &str) -> BTreeMap<String, Vec<SandboxRow>> {
+        let list: SandboxList = self.sandboxd.root_as("GET", "/v1/sandboxes", None);
+        let mut out: BTreeMap<String, Vec<SandboxRow>> = BTreeMap::new();
+        for row in list.sandboxes {
+            if let Some(r) = row.claim_ref.clone().filter(|r| r.starts_with(&format!("{ns}/"))) {
+                out.entry(r).or_default().push(row);
             }
         }
         out

@@ -42,7 +42,8 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use sandboxd_api::{ClaimRequest, ExecRequest, NetworkConfig, PoolConfig};
+use serde_json::Value;
 use test_infra::sandboxd::{wait_for, Harness};
 use test_infra::suite::sibling_bin;
 
@@ -70,9 +71,15 @@ fn sh(h: &Harness, sb: &Sandbox, script: &str, timeout_secs: u64) -> (u16, Value
         "POST",
         &format!("/v1/sandboxes/{}/exec", sb.id),
         Some(&sb.token),
-        Some(json!({"argv": ["sh", "-c", script], "timeout_seconds": timeout_secs})),
+        Some(exec_body(&["sh", "-c", script], timeout_secs)),
         Duration::from_secs(timeout_secs + 60),
     )
+}
+
+/// An `/exec` body: `argv` with a timeout.
+fn exec_body(argv: &[&str], timeout_secs: u64) -> Value {
+    let req = ExecRequest { timeout_seconds: Some(timeout_secs as f64), ..ExecRequest::new(argv.iter().copied()) };
+    serde_json::to_value(req).expect("exec body")
 }
 
 fn stdout(v: &Value) -> String {
@@ -163,8 +170,8 @@ fn contained<T: Send + 'static>(
         }
         probes += 1;
         most_rss = most_rss.max(rss(sandboxd_pid));
-        if !claimed_once && h.pool("rt")["warm"].as_u64().unwrap_or(0) > 0 {
-            let (id, token) = h.claim(json!({"template": "rt"}));
+        if !claimed_once && h.pool("rt").warm > 0 {
+            let (id, token) = h.claim(&ClaimRequest::new("rt"));
             let (s, v) = h.call("POST", &format!("/v1/sandboxes/{id}/release"), Some(&token), None);
             assert!(s == 200 || s == 204, "{what}: releasing a claim made during the attack: {s} {v}");
             claimed_once = true;
@@ -177,8 +184,8 @@ fn contained<T: Send + 'static>(
     println!("   {probes} neighbour probes, slowest {worst:?}; sandboxd RSS at most {} MiB", most_rss >> 20);
     if !claimed_once {
         // The attack ended before the pool had a VM to spare: claim one now, still checking.
-        wait_for("a warm rt VM", Duration::from_secs(240), || (h.pool("rt")["warm"].as_u64() > Some(0)).then_some(()));
-        let (id, token) = h.claim(json!({"template": "rt"}));
+        wait_for("a warm rt VM", Duration::from_secs(240), || (h.pool("rt").warm > 0).then_some(()));
+        let (id, token) = h.claim(&ClaimRequest::new("rt"));
         let (s, _) = h.call("POST", &format!("/v1/sandboxes/{id}/release"), Some(&token), None);
         assert!(s == 200 || s == 204, "{what}: release after the attack: {s}");
     }
@@ -203,11 +210,11 @@ fn a_hostile_guest_reaches_nothing_and_starves_no_one() {
     let overlay_cap =
         vmm::disk::overlay_cap(rt.overlay_base.as_deref().expect("rt has an overlay image")).expect("cap");
 
-    let h = Arc::new(Harness::new(&bin, json!([{"template": "rt", "warm": 3}])));
+    let h = Arc::new(Harness::new(&bin, vec![PoolConfig::warm("rt", 3)]));
     h.wait_full("rt");
     let sandboxd_pid = h.pid().expect("sandboxd runs");
     let claim = || {
-        let (id, token) = h.claim(json!({"template": "rt"}));
+        let (id, token) = h.claim(&ClaimRequest::new("rt"));
         Sandbox { id, token }
     };
     let (attacker, neighbour) = (claim(), claim());
@@ -264,7 +271,7 @@ fn a_hostile_guest_reaches_nothing_and_starves_no_one() {
             "POST",
             &format!("/v1/sandboxes/{}/exec", a.id),
             Some(&a.token),
-            Some(json!({"argv": ["yes", "endless stdout endless stdout"], "timeout_seconds": 300})),
+            Some(exec_body(&["yes", "endless stdout endless stdout"], 300)),
         )
     });
     assert_eq!(s, 413, "{v}");
@@ -432,18 +439,24 @@ fn egress_is_opt_in_private_nets_are_refused_and_a_spoofer_reaches_no_one() {
 
     let h = Harness::with_config(
         &bin,
-        json!([{"template": "rt", "net": "egress", "warm": 2}, {"template": "base", "warm": 1}]),
-        json!({"network": {"netns": host.name(), "uplink": "up0"}}),
+        vec![PoolConfig { net: Some("egress".into()), ..PoolConfig::warm("rt", 2) }, PoolConfig::warm("base", 1)],
+        |c| {
+            c.network = Some(NetworkConfig {
+                netns: Some(host.name().to_string()),
+                uplink: Some("up0".into()),
+                ..NetworkConfig::default()
+            })
+        },
     );
     h.wait_full("rt");
     h.wait_full("base");
-    let claim = |body: Value| {
-        let (id, token) = h.claim(body);
+    let claim = |req: ClaimRequest| {
+        let (id, token) = h.claim(&req);
         Sandbox { id, token }
     };
-    let (spoofer, victim) =
-        (claim(json!({"template": "rt", "net": "egress"})), claim(json!({"template": "rt", "net": "egress"})));
-    let plain = claim(json!({"template": "base"}));
+    let egress_claim = ClaimRequest { net: Some("egress".into()), ..ClaimRequest::new("rt") };
+    let (spoofer, victim) = (claim(egress_claim.clone()), claim(egress_claim));
+    let plain = claim(ClaimRequest::new("base"));
     let port = h.addr.rsplit(':').next().expect("port").to_string();
 
     // (g) Egress: the public address answers, masqueraded behind the uplink; the LAN, the

@@ -19,12 +19,18 @@ mod real {
     use std::process::{Child, Command, Stdio};
     use std::time::Duration;
 
-    use serde_json::{json, Value};
+    use foundation::KUBECONFIG_FILE;
+    use sandboxd_api::{ClaimRequest, Grant};
     use supervisor::client::Client;
     use supervisor::http::Endpoint;
     use test_infra::cluster::{Cluster, Options};
     use test_infra::netns::Netns;
     use test_infra::suite::{poll, sibling_bin};
+
+    /// A sandboxd body as a curl `-d` argument.
+    fn json<T: serde::Serialize>(body: &T) -> String {
+        serde_json::to_string(body).expect("json")
+    }
 
     const PORT: u16 = 25443;
     const SANDBOX_NODE: &str = "sup-sandbox";
@@ -163,11 +169,11 @@ node_name = "{COCOON_NODE}"
             self.rt.block_on(self.client.token("sandboxd")).expect("GET /v1/tokens/sandboxd").token
         }
 
-        fn claim(&self) -> Value {
+        fn claim(&self) -> Grant {
             // Without the root token sandboxd refuses the claim.
             let out = Command::new("curl")
                 .args(["-sS", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "30", "-X", "POST"])
-                .args(["-H", "content-type: application/json", "-d", r#"{"template": "base"}"#])
+                .args(["-H", "content-type: application/json", "-d", &json(&ClaimRequest::new("base"))])
                 .arg(format!("http://127.0.0.1:{}/v1/claim", self.sandboxd))
                 .output()
                 .expect("curl");
@@ -175,7 +181,7 @@ node_name = "{COCOON_NODE}"
             let out = Command::new("curl")
                 .args(["-fsS", "--max-time", "120", "-X", "POST", "-H", "content-type: application/json"])
                 .args(["-H", &format!("authorization: Bearer {}", self.token())])
-                .args(["-d", &json!({"template": "base", "ttl_seconds": 900}).to_string()])
+                .args(["-d", &json(&ClaimRequest { ttl_seconds: Some(900), ..ClaimRequest::new("base") })])
                 .arg(format!("http://127.0.0.1:{}/v1/claim", self.sandboxd))
                 .output()
                 .expect("curl");
@@ -193,7 +199,7 @@ node_name = "{COCOON_NODE}"
         let claimed: Vec<u32> = test_infra::qemu_processes_under(&run.state);
         assert_eq!(claimed.len(), 1, "one warm VM expected under {}", run.state.display());
         let claim = run.claim();
-        let id = claim["id"].as_str().expect("claim id").to_string();
+        let id = claim.id;
         let mut previous = before;
         for svc in ["sandboxd", "vk-sandbox", "vk-cocoon"] {
             let pid = Run::pid_of(&previous, svc);
@@ -240,9 +246,9 @@ node_name = "{COCOON_NODE}"
             "secrets/sandboxd-token",
             "sandboxd/claims.json",
             "vk-sandbox/claims.json",
-            "vk-sandbox/pki/kubeconfig",
+            &format!("vk-sandbox/pki/{KUBECONFIG_FILE}"),
             "vk-sandbox/pki/kubelet-client-current.pem",
-            "vk-cocoon/pki/kubeconfig",
+            &format!("vk-cocoon/pki/{KUBECONFIG_FILE}"),
             "vk-cocoon/pki/kubelet-client-current.pem",
             "logs/sandboxd.log",
         ];

@@ -9,13 +9,16 @@ use super::bench::Figure;
 use anyhow::{bail, Context, Result};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
+use sandboxd_api::{ClaimRequest, Config, Grant, Info, PoolConfig};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use std::time::{Duration, Instant};
 
 fn rss_mib(pid: u32) -> Option<f64> {
     super::bench::rss_kib(pid).map(|k| k as f64 / 1024.0)
 }
 
-async fn get_json(addr: &str, path: &str) -> Result<serde_json::Value> {
+async fn get_json<T: DeserializeOwned>(addr: &str, path: &str) -> Result<T> {
     let stream = tokio::net::TcpStream::connect(addr).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
     tokio::spawn(conn);
@@ -25,14 +28,14 @@ async fn get_json(addr: &str, path: &str) -> Result<serde_json::Value> {
     Ok(serde_json::from_slice(&bytes)?)
 }
 
-async fn post_json(addr: &str, path: &str, body: &str) -> Result<serde_json::Value> {
+async fn post_json<B: Serialize, T: DeserializeOwned>(addr: &str, path: &str, body: &B) -> Result<T> {
     let stream = tokio::net::TcpStream::connect(addr).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
     tokio::spawn(conn);
     let req = hyper::Request::post(path)
         .header("host", addr)
         .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))?;
+        .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))?;
     let resp = sender.send_request(req).await?;
     let status = resp.status();
     let bytes = resp.into_body().collect().await?.to_bytes();
@@ -42,14 +45,19 @@ async fn post_json(addr: &str, path: &str, body: &str) -> Result<serde_json::Val
     Ok(serde_json::from_slice(&bytes)?)
 }
 
-fn warm(info: &serde_json::Value) -> u64 {
-    info["pools"].as_array().map(|ps| ps.iter().map(|p| p["warm"].as_u64().unwrap_or(0)).sum()).unwrap_or(0)
+fn warm(info: &Info) -> u64 {
+    info.pools.iter().map(|p| p.warm as u64).sum()
+}
+
+/// A claim from the `base` pool.
+async fn claim_base(addr: &str) -> Result<Grant> {
+    post_json(addr, "/v1/claim", &ClaimRequest::new("base")).await
 }
 
 async fn wait_warm(addr: &str, want: u64, budget: Duration) -> Result<Duration> {
     let t = Instant::now();
     loop {
-        if let Ok(info) = get_json(addr, "/v1/info").await {
+        if let Ok(info) = get_json::<Info>(addr, "/v1/info").await {
             if warm(&info) >= want {
                 return Ok(t.elapsed());
             }
@@ -90,21 +98,23 @@ pub async fn real_node(figures: &mut Vec<Figure>, bin: &std::path::Path, rss_cla
         let l = std::net::TcpListener::bind("127.0.0.1:0")?;
         l.local_addr()?.port()
     };
-    let addr = format!("127.0.0.1:{port}");
+    let listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let addr = listen.to_string();
     let refill_batch = 4u64;
     // The budget holds the warm pool, the claims whose RSS is measured, and a golden builder
     // (TCG base VMs take far less than their nominal 512 MiB).
     let max_vms = refill_batch + rss_claims.max(refill_batch) + 2;
-    let config = serde_json::json!({
-        "listen": addr,
-        "advertise_addr": addr,
-        "data_dir": dir.path().join("data"),
-        "pools": [{"template": "base", "warm": refill_batch}],
-        "refill_concurrency": 2,
-        "boot_timeout_secs": 180,
-        "max_vms": max_vms,
-        "max_memory_mib": max_vms * 512
-    });
+    let config = Config {
+        listen,
+        advertise_addr: Some(addr.clone()),
+        data_dir: dir.path().join("data"),
+        pools: vec![PoolConfig::warm("base", usize::try_from(refill_batch)?)],
+        refill_concurrency: 2,
+        boot_timeout_secs: 180,
+        max_vms: Some(usize::try_from(max_vms)?),
+        max_memory_mib: Some(max_vms * 512),
+        ..Config::default()
+    };
     let config_path = dir.path().join("config.json");
     std::fs::write(&config_path, serde_json::to_vec_pretty(&config)?)?;
     let mut child = tokio::process::Command::new(bin)
@@ -126,7 +136,7 @@ pub async fn real_node(figures: &mut Vec<Figure>, bin: &std::path::Path, rss_cla
         });
         // Refill: drain the pool by claiming, then time the refill back to target.
         for _ in 0..refill_batch {
-            post_json(&addr, "/v1/claim", r#"{"template":"base"}"#).await?;
+            claim_base(&addr).await?;
         }
         let refill = wait_warm(&addr, refill_batch, Duration::from_secs(600)).await?;
         figures.push(Figure {
@@ -138,7 +148,7 @@ pub async fn real_node(figures: &mut Vec<Figure>, bin: &std::path::Path, rss_cla
         let mut claimed = refill_batch;
         while claimed < rss_claims {
             wait_warm(&addr, 1, Duration::from_secs(600)).await?;
-            post_json(&addr, "/v1/claim", r#"{"template":"base"}"#).await?;
+            claim_base(&addr).await?;
             claimed += 1;
         }
         figures.push(Figure {

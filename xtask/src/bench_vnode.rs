@@ -130,7 +130,7 @@ pub fn run(rt: &tokio::runtime::Runtime, figures: &mut Vec<Figure>, samples: usi
     let env = NodeEnv::up(NodeSpec {
         port: PORT,
         node_name: "vk-bench",
-        pools: serde_json::json!([{"template": "base", "warm": warm}]),
+        pools: vec![sandboxd_api::PoolConfig::warm("base", warm)],
         sandboxd_bin,
         provider_bin,
         extra_args: Vec::new(),

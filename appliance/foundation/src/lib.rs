@@ -8,6 +8,8 @@
 //! - [`token`]: read a bearer-token file under the one rule (owner-only, 32+ characters).
 //! - [`quantity`]: Kubernetes resource quantities (`500m`, `1.5Gi`, `1e9`) → exact integers.
 //! - [`tool`]: run an external tool to completion, with its exit status and stderr in the error.
+//! - [`KUBECONFIG_FILE`]: the name of a virtual node's kubeconfig in its credentials directory
+//!   (join writes it; the supervisor's health probe and the tests read it).
 //! - `testing` (feature `testing`, dev-dependencies only): how a test that cannot run here
 //!   says so and is counted as skipped.
 //!
@@ -28,3 +30,8 @@ pub use atomic::{private_dir, write_atomic, write_new, write_secret, FileMode, P
 pub use error_chain::error_chain;
 pub use token::{read_token_file, TokenFileError, MIN_TOKEN_LEN};
 pub use tool::ToolError;
+
+/// The file name of a virtual node's kubeconfig in its credentials directory
+/// (`--credentials-dir`, the supervisor's `<state>/<svc>/pki`): `join` writes it, the
+/// supervisor's health probe and the test harness read it.
+pub const KUBECONFIG_FILE: &str = "kubeconfig";

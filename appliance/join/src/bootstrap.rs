@@ -34,7 +34,7 @@ pub struct NodeCredentials {
 /// Combined cert + key PEM (as kubelet's `kubelet-client-current.pem`): one file, one rename.
 pub const IDENTITY_FILE: &str = "kubelet-client-current.pem";
 /// The node kubeconfig.
-pub const KUBECONFIG_FILE: &str = "kubeconfig";
+pub use foundation::KUBECONFIG_FILE;
 const SIGNER: &str = "kubernetes.io/kube-apiserver-client-kubelet";
 const ISSUE_TIMEOUT: Duration = Duration::from_secs(60);
 

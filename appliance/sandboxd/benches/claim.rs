@@ -138,16 +138,7 @@ async fn claim_latency() -> Result<()> {
         max_disk_mib: sandboxd::limits::UNLIMITED_DISK_MIB,
     };
     opts.api_token = Some(ROOT.into());
-    opts.pools = vec![sandboxd::config::PoolConfig {
-        template: "base".into(),
-        net: None,
-        size: None,
-        warm: Some(prefill),
-        warm_max: None,
-        idle_hibernate_seconds: None,
-        archive_after_seconds: None,
-        archive_delete_after_seconds: None,
-    }];
+    opts.pools = vec![sandboxd::config::PoolConfig::warm("base", prefill)];
     opts.refill_concurrency = 64;
     let node = sandboxd::Node::start(driver, opts).await?;
     let deadline = Instant::now() + Duration::from_secs(120);

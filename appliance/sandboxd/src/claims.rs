@@ -10,7 +10,6 @@ use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rand::RngCore;
-use serde::Serialize;
 use vmm::Vm;
 
 use crate::journal::{ClaimLog, ClaimRecord, LogEntry, LogOp, Pending};
@@ -111,33 +110,14 @@ pub struct Claim {
     pub vm: Option<Vm>,
 }
 
-/// A claim's row in listings (`GET /v1/sandboxes`); never carries the token.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct SandboxRow {
-    /// Sandbox id.
-    pub id: String,
-    /// Pool key.
-    pub key: PoolKey,
-    /// Lease end, RFC 3339.
-    pub deadline: String,
-    /// First grant, RFC 3339.
-    pub claimed_at: String,
-    /// Never hibernated on this node.
-    pub hibernated: bool,
-    /// Caller reference.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub claim_ref: Option<String>,
-    /// The sandbox token (only on `GET /v1/sandboxes/{id}` with the root token).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub token: Option<String>,
-}
+pub use sandboxd_api::SandboxRow;
 
 impl Claim {
-    /// The listing row.
+    /// The listing row (without the token).
     pub fn row(&self) -> SandboxRow {
         SandboxRow {
             id: self.rec.id.clone(),
-            key: self.rec.key.clone(),
+            key: self.rec.key.clone().into(),
             deadline: rfc3339(self.rec.deadline_unix_ms),
             claimed_at: rfc3339(self.rec.claimed_at_unix_ms),
             hibernated: false,

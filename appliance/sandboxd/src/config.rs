@@ -1,16 +1,7 @@
-//! The daemon's JSON config (`/etc/sandboxd/config.json` by default, `--config` overrides).
-//!
-//! ```json
-//! {"listen": "0.0.0.0:7777", "data_dir": "/var/lib/sandboxd", "api_token_file": "/etc/sandboxd/token",
-//!  "tls_cert_file": "/etc/sandboxd/tls/cert.pem", "tls_key_file": "/etc/sandboxd/tls/key.pem",
-//!  "advertise_addr": "10.0.0.5:7777", "pools": [{"template": "base", "net": "none", "size": "small", "warm": 4}],
-//!  "refill_concurrency": 0, "sync_claims": false, "boot_timeout_secs": 90, "clone": true,
-//!  "max_vms": 40, "max_memory_mib": 20480, "max_lifetime_secs": 604800,
-//!  "network": {"uplink": "eno1", "bridge": "chrysalis1", "cidr": "10.89.0.0/24", "refuse": []}}
-//! ```
-//!
-//! Unknown keys are refused; every error names the key, where it was set and the fix (parse,
-//! then validate). Secure by default:
+//! The daemon's JSON config (`/etc/sandboxd/config.json` by default, `--config` overrides):
+//! the schema is [`sandboxd_api::config`] (keys, defaults, the example); this module parses it
+//! and validates it (parse, then validate). Unknown keys are refused; every error names the
+//! key, where it was set and the fix. Secure by default:
 //!
 //! - `listen` off loopback needs `api_token_file` ([`Config::check_exposure`]); the token file
 //!   must be at least [`MIN_TOKEN_LEN`] characters and readable by its owner only;
@@ -18,20 +9,20 @@
 //! - the budget (`max_vms`, `max_memory_mib`, derived from the host when absent) must hold the
 //!   configured warm targets.
 //! - `net: egress` (a pool here, in `PUT /v1/pools` or in a claim) needs the `network` section
-//!   with an `uplink` ([`NetworkConfig`]); sandboxes never get a host service allow-list.
+//!   with an `uplink` ([`net_config`]); sandboxes never get a host service allow-list.
 
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
 use crate::limits::{self, Budget, BudgetError, ClaimCaps, ExecTimeouts, HttpLimits, Limits};
 use crate::pool::{KeyError, PoolKey};
 
 /// The shortest root token accepted (32 characters: 128 bits as hex, 192 as base64).
 pub use foundation::MIN_TOKEN_LEN;
+/// The schema's pieces sandboxd's callers name through this module.
+pub use sandboxd_api::config::{NetworkConfig, PoolConfig, DEFAULT_PATH, DEFAULT_WARM};
 
 /// Where the effective `listen` address came from (named in errors).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -48,17 +39,12 @@ pub enum ListenSource {
 impl fmt::Display for ListenSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ListenSource::Default => write!(f, "the default 0.0.0.0:7777"),
+            ListenSource::Default => write!(f, "the default {}", sandboxd_api::config::DEFAULT_LISTEN),
             ListenSource::File(p) => write!(f, "set in {}", p.display()),
             ListenSource::Flag => write!(f, "set by the --listen flag"),
         }
     }
 }
-
-/// Default config file.
-pub const DEFAULT_PATH: &str = "/etc/sandboxd/config.json";
-/// Default warm target of a pool that gives none.
-pub const DEFAULT_WARM: usize = 4;
 
 /// Errors loading or validating the config.
 #[derive(Debug, thiserror::Error)]
@@ -176,57 +162,12 @@ pub enum ConfigError {
     },
 }
 
-/// One pool as configured (config file, `PUT /v1/pools`, `pools.json`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PoolConfig {
-    /// Template name.
-    pub template: String,
-    /// `none` (default) or `egress`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub net: Option<String>,
-    /// Size class (default `small`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub size: Option<String>,
-    /// Warm target (default 4 when both `warm` and `warm_max` are absent, else 0).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub warm: Option<usize>,
-    /// Adaptive ceiling (accepted; this node keeps `max(warm, …)` = `warm`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub warm_max: Option<usize>,
-    /// Advanced: accepted and ignored (hibernation is not implemented on this node).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub idle_hibernate_seconds: Option<u64>,
-    /// Advanced: accepted and ignored.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub archive_after_seconds: Option<u64>,
-    /// Advanced: accepted and ignored.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub archive_delete_after_seconds: Option<u64>,
-}
-
-impl PoolConfig {
-    /// The validated key.
-    pub fn key(&self) -> Result<PoolKey, KeyError> {
-        PoolKey::parse(&self.template, self.net.as_deref(), self.size.as_deref())
-    }
-
-    /// The warm target.
-    pub fn target(&self) -> usize {
-        match (self.warm, self.warm_max) {
-            (Some(w), _) => w,
-            (None, Some(_)) => 0,
-            (None, None) => DEFAULT_WARM,
-        }
-    }
-}
-
 /// Validates a pool list: keys parse, no duplicates, egress only when the node has an uplink
 /// (`egress`). Returns `(key, target)` pairs.
 pub fn validate_pools(pools: &[PoolConfig], egress: bool) -> Result<Vec<(PoolKey, usize)>, ConfigError> {
     let mut out: Vec<(PoolKey, usize)> = Vec::with_capacity(pools.len());
     for (index, p) in pools.iter().enumerate() {
-        let key = p.key().map_err(|source| ConfigError::Pool { index, source })?;
+        let key = pool_key(p).map_err(|source| ConfigError::Pool { index, source })?;
         if key.net() == crate::pool::Net::Egress && !egress {
             return Err(ConfigError::Egress { index });
         }
@@ -247,226 +188,82 @@ pub const NET_TABLE: &str = vmnet::config::SANDBOXD_TABLE;
 /// The prefix of sandboxd's TAP names (vk-cocoon's are `ct-*`).
 pub const NET_TAP_PREFIX: &str = vmnet::config::SANDBOXD_TAP_PREFIX;
 
-fn default_net_bridge() -> String {
-    DEFAULT_NET_BRIDGE.to_string()
-}
-
 fn default_net_cidr() -> vmnet::Ipv4Net {
     // A constant that parses.
     #[allow(clippy::unwrap_used)]
     DEFAULT_NET_CIDR.parse().unwrap()
 }
 
-/// The `network` section: per-VM networking for `net: egress` pools (through [`vmnet`]).
-///
-/// Only VMs of `egress` pools get a NIC: each its own TAP on `bridge`, its own lease from
-/// `cidr`, isolated from every other VM, no host service reachable (sandboxes get no
-/// allow-list), and a route out only through `uplink`, masqueraded, with private, shared,
-/// link-local (169.254.169.254 included), loopback, multicast and reserved destinations, the
-/// host's own addresses and `refuse` dropped. `none` pools have no NIC at all.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NetworkConfig {
-    /// The bridge of sandboxd's VMs (default [`DEFAULT_NET_BRIDGE`]; must differ from
-    /// vk-cocoon's `chrysalis0`).
-    #[serde(default = "default_net_bridge")]
-    pub bridge: String,
-    /// The VM address range (default [`DEFAULT_NET_CIDR`]); its first host is the gateway.
-    #[serde(default = "default_net_cidr")]
-    pub cidr: vmnet::Ipv4Net,
-    /// The interface egress leaves by (masqueraded behind its address). No default: without
-    /// it, no pool or claim may ask for `net: egress`.
-    #[serde(default)]
-    pub uplink: Option<String>,
-    /// Destinations refused on top of the built-in private and link-local set (`a.b.c.d/len`).
-    #[serde(default)]
-    pub refuse: Vec<String>,
-    /// A named network namespace holding the bridge and the TAPs (tests); default: sandboxd's own.
-    #[serde(default)]
-    pub netns: Option<String>,
-}
-
-impl NetworkConfig {
-    /// The vmnet configuration: [`NET_TABLE`], [`NET_TAP_PREFIX`], no host service allowed,
-    /// leases in `<data_dir>/network/leases.json` (0600).
-    pub fn net_config(&self, data_dir: &Path) -> Result<vmnet::NetConfig, ConfigError> {
-        let bad = |problem: String| move |source| ConfigError::Network { problem, source };
-        let refuse = vmnet::filter::parse_refuse(&self.refuse.join(",")).map_err(|e| {
-            bad(format!("refuse {:?}: list IPv4 networks like \"203.0.113.0/24\"", self.refuse))(e.into())
-        })?;
-        let filter = vmnet::FilterPolicy { host_allow: Vec::new(), uplink: self.uplink.clone(), refuse };
-        let cfg = vmnet::NetConfig {
-            bridge: self.bridge.clone(),
-            netns: self.netns.clone(),
-            filter,
-            table: NET_TABLE.to_string(),
-            tap_prefix: NET_TAP_PREFIX.to_string(),
-            ..vmnet::NetConfig::new(self.cidr, data_dir.join("network").join("leases.json"))
-        };
-        cfg.validate().map_err(bad(
-            "fix bridge (an interface name), cidr (a /30 or larger, no host bits), uplink (an interface name) \
-             or netns (a name under /run/netns)"
-                .into(),
-        ))?;
-        if cfg.cidr != self.cidr {
-            return Err(bad(format!("cidr {} has host bits set; use {}", self.cidr, cfg.cidr))(
-                vmnet::VmnetError::Config("host bits set".into()),
-            ));
-        }
-        Ok(cfg)
+/// The vmnet configuration of a `network` section: [`NET_TABLE`], [`NET_TAP_PREFIX`], no host
+/// service allowed, leases in `<data_dir>/network/leases.json` (0600); an absent `bridge` or
+/// `cidr` is [`DEFAULT_NET_BRIDGE`] / [`DEFAULT_NET_CIDR`].
+pub fn net_config(section: &NetworkConfig, data_dir: &Path) -> Result<vmnet::NetConfig, ConfigError> {
+    let bad = |problem: String| move |source| ConfigError::Network { problem, source };
+    let cidr: vmnet::Ipv4Net = match &section.cidr {
+        None => default_net_cidr(),
+        Some(c) => c.parse().map_err(|e: <vmnet::Ipv4Net as std::str::FromStr>::Err| {
+            bad(format!("cidr {c:?}: write an IPv4 network like \"{DEFAULT_NET_CIDR}\""))(vmnet::VmnetError::Config(
+                e.to_string(),
+            ))
+        })?,
+    };
+    let refuse = vmnet::filter::parse_refuse(&section.refuse.join(",")).map_err(|e| {
+        bad(format!("refuse {:?}: list IPv4 networks like \"203.0.113.0/24\"", section.refuse))(e.into())
+    })?;
+    let filter = vmnet::FilterPolicy { host_allow: Vec::new(), uplink: section.uplink.clone(), refuse };
+    let cfg = vmnet::NetConfig {
+        bridge: section.bridge.clone().unwrap_or_else(|| DEFAULT_NET_BRIDGE.to_string()),
+        netns: section.netns.clone(),
+        filter,
+        table: NET_TABLE.to_string(),
+        tap_prefix: NET_TAP_PREFIX.to_string(),
+        ..vmnet::NetConfig::new(cidr, data_dir.join("network").join("leases.json"))
+    };
+    cfg.validate().map_err(bad(
+        "fix bridge (an interface name), cidr (a /30 or larger, no host bits), uplink (an interface name) \
+         or netns (a name under /run/netns)"
+            .into(),
+    ))?;
+    if cfg.cidr != cidr {
+        return Err(bad(format!("cidr {cidr} has host bits set; use {}", cfg.cidr))(vmnet::VmnetError::Config(
+            "host bits set".into(),
+        )));
     }
+    Ok(cfg)
 }
 
-fn default_listen() -> SocketAddr {
-    SocketAddr::from(([0, 0, 0, 0], 7777))
-}
-fn default_data_dir() -> PathBuf {
-    PathBuf::from("/var/lib/sandboxd")
-}
-fn default_boot_timeout() -> u64 {
-    90
-}
-fn default_true() -> bool {
-    true
-}
-fn default_max_lifetime() -> u64 {
-    limits::DEFAULT_MAX_LIFETIME.as_secs()
-}
-fn default_agent_relays() -> usize {
-    ClaimCaps::default().agent_relays
-}
-fn default_port_relays() -> usize {
-    ClaimCaps::default().port_relays
-}
-fn default_execs() -> usize {
-    ClaimCaps::default().execs
-}
-fn default_exec_timeout() -> u64 {
-    ExecTimeouts::default().default.as_secs()
-}
-fn default_exec_max_timeout() -> u64 {
-    ExecTimeouts::default().max.as_secs()
-}
-fn default_max_connections() -> usize {
-    HttpLimits::default().max_connections
-}
-fn default_header_timeout() -> u64 {
-    HttpLimits::default().header_timeout.as_secs()
-}
-fn default_body_timeout() -> u64 {
-    HttpLimits::default().body_timeout.as_secs()
-}
-fn default_relay_idle() -> u64 {
-    HttpLimits::default().relay_idle.as_secs()
-}
-
-/// The daemon config.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A config as sandboxd runs with it: the file's keys ([`sandboxd_api::Config`], read and
+/// set through `Deref`) and where `listen` came from. [`Config::load`] and [`Config::parse`]
+/// validate; `From` and `Default` do not (tests and tools).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Config {
-    /// Listen address (default `0.0.0.0:7777`).
-    #[serde(default = "default_listen")]
-    pub listen: SocketAddr,
-    /// Journal, pool overrides and goldens (default `/var/lib/sandboxd`).
-    #[serde(default = "default_data_dir")]
-    pub data_dir: PathBuf,
-    /// File holding the root API token (trimmed; at least 32 characters; mode 0600 or
-    /// tighter). Absent: node routes are open, which is allowed on a loopback `listen` only.
-    #[serde(default)]
-    pub api_token_file: Option<PathBuf>,
-    /// PEM certificate chain: with `tls_key_file`, `listen` serves TLS (ALPN `http/1.1`).
-    #[serde(default)]
-    pub tls_cert_file: Option<PathBuf>,
-    /// PEM private key of `tls_cert_file`.
-    #[serde(default)]
-    pub tls_key_file: Option<PathBuf>,
-    /// An extra plain-HTTP listener, loopback only (local clients such as vk-sandbox when
-    /// `listen` serves TLS). Same routes and auth; claims made through it name it as their
-    /// `owner_addr`.
-    #[serde(default)]
-    pub local_listen: Option<SocketAddr>,
-    /// `host:port` clients should use for sandbox-scoped calls (`owner_addr`).
-    #[serde(default)]
-    pub advertise_addr: Option<String>,
-    /// Warm pools (`pools.json` from `PUT /v1/pools` overrides these).
-    #[serde(default)]
-    pub pools: Vec<PoolConfig>,
-    /// Per-VM networking for `net: egress` pools ([`NetworkConfig`]); absent: no VM has a NIC.
-    #[serde(default)]
-    pub network: Option<NetworkConfig>,
-    /// Concurrent refills; 0 = NumCPU×2/3 clamped to [1, 256].
-    #[serde(default)]
-    pub refill_concurrency: usize,
-    /// `fdatasync` each claims-log append before the reply (survives power loss, not only
-    /// `kill -9`; the `claims.json` snapshot is always fsynced).
-    #[serde(default)]
-    pub sync_claims: bool,
-    /// How long a cold boot may take to answer silkd `info`.
-    #[serde(default = "default_boot_timeout")]
-    pub boot_timeout_secs: u64,
-    /// Fill pools by cloning a golden snapshot (else cold boots only).
-    #[serde(default = "default_true")]
-    pub clone: bool,
-    /// The built-image catalog (default `$CHRYSALIS_CACHE/images/catalog.json`).
-    #[serde(default)]
-    pub catalog: Option<PathBuf>,
-    /// The VM driver's state dir (default `<data_dir>/vms`).
-    #[serde(default)]
-    pub vm_state_dir: Option<PathBuf>,
-    /// VMs (warm + refilling + claimed) at most (default: `max_memory_mib` / 512, at most 1024).
-    #[serde(default)]
-    pub max_vms: Option<usize>,
-    /// Memory of those VMs at most, MiB, each counted with its size class (default: the host's
-    /// `MemTotal` minus an eighth of it, at least 1 GiB kept back).
-    #[serde(default)]
-    pub max_memory_mib: Option<u64>,
-    /// Disk of those VMs at most, MiB, each counted with the most its writable overlay can
-    /// grow to (the template's overlay image plus qcow2 metadata; 0 for a tmpfs overlay).
-    /// Default: three quarters of the filesystem holding `vm_state_dir`.
-    #[serde(default)]
-    pub max_disk_mib: Option<u64>,
-    /// The lease horizon: no renew may move a deadline past `claimed_at` + this (7 days).
-    #[serde(default = "default_max_lifetime")]
-    pub max_lifetime_secs: u64,
-    /// Concurrent `/agent` relays per claim (16).
-    #[serde(default = "default_agent_relays")]
-    pub max_agent_relays_per_claim: usize,
-    /// Concurrent `/ports` relays per claim (16).
-    #[serde(default = "default_port_relays")]
-    pub max_port_relays_per_claim: usize,
-    /// Concurrent `/exec` calls per claim (8).
-    #[serde(default = "default_execs")]
-    pub max_execs_per_claim: usize,
-    /// `/exec` timeout when `timeout_seconds` is absent or 0 (300).
-    #[serde(default = "default_exec_timeout")]
-    pub exec_default_timeout_secs: u64,
-    /// Largest `/exec` `timeout_seconds` accepted (3600; larger is a 400).
-    #[serde(default = "default_exec_max_timeout")]
-    pub exec_max_timeout_secs: u64,
-    /// Open connections per listener (4096); one more is closed at once.
-    #[serde(default = "default_max_connections")]
-    pub max_connections: usize,
-    /// Time to send a request head, and the idle time of a keep-alive connection (60: longer
-    /// than the SDK's 30 s keep-alive, so the client always drops an idle connection first).
-    #[serde(default = "default_header_timeout")]
-    pub header_timeout_secs: u64,
-    /// Time to send a whole request body (30).
-    #[serde(default = "default_body_timeout")]
-    pub body_timeout_secs: u64,
-    /// An `/agent` or `/ports` relay that moves no byte either way this long is closed (3600).
-    #[serde(default = "default_relay_idle")]
-    pub relay_idle_timeout_secs: u64,
+    file: sandboxd_api::Config,
     /// Where `listen` came from (not a key).
-    #[serde(skip)]
     pub listen_source: ListenSource,
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        // An empty object takes every default; this cannot fail.
-        #[allow(clippy::unwrap_used)]
-        serde_json::from_str("{}").unwrap()
+impl From<sandboxd_api::Config> for Config {
+    fn from(file: sandboxd_api::Config) -> Self {
+        Config { file, listen_source: ListenSource::Default }
     }
+}
+
+impl std::ops::Deref for Config {
+    type Target = sandboxd_api::Config;
+    fn deref(&self) -> &sandboxd_api::Config {
+        &self.file
+    }
+}
+
+impl std::ops::DerefMut for Config {
+    fn deref_mut(&mut self) -> &mut sandboxd_api::Config {
+        &mut self.file
+    }
+}
+
+/// The validated key of a configured pool.
+pub fn pool_key(p: &PoolConfig) -> Result<PoolKey, KeyError> {
+    PoolKey::parse(&p.template, p.net.as_deref(), p.size.as_deref())
 }
 
 impl Config {
@@ -481,7 +278,7 @@ impl Config {
         let parse_err = |source| ConfigError::Parse { path: path.to_path_buf(), source };
         let raw: serde_json::Value = serde_json::from_slice(bytes).map_err(parse_err)?;
         let has_listen = raw.get("listen").is_some();
-        let mut c: Config = serde_json::from_value(raw).map_err(parse_err)?;
+        let mut c = Config::from(serde_json::from_value::<sandboxd_api::Config>(raw).map_err(parse_err)?);
         if has_listen {
             c.listen_source = ListenSource::File(path.to_path_buf());
         }
@@ -498,7 +295,7 @@ impl Config {
 
     /// The vmnet configuration of the `network` section, if any.
     pub fn net_config(&self) -> Result<Option<vmnet::NetConfig>, ConfigError> {
-        self.network.as_ref().map(|n| n.net_config(&self.data_dir)).transpose()
+        self.network.as_ref().map(|n| net_config(n, &self.data_dir)).transpose()
     }
 
     /// The checks that need no file or host access: TLS pairing, `local_listen`, limit ranges.
@@ -716,6 +513,7 @@ mod tests {
             (r#"{"network":{"bridge":"a bridge"}}"#, "bridge"),
             (r#"{"network":{"cidr":"10.5.0.0/31"}}"#, "cidr"),
             (r#"{"network":{"cidr":"10.5.0.9/24"}}"#, "host bits"),
+            (r#"{"network":{"cidr":"nope"}}"#, "cidr \"nope\""),
             (r#"{"network":{"refuse":["nope"]}}"#, "refuse"),
             (r#"{"network":{"uplink":"sb-x"}}"#, "uplink"),
             (r#"{"network":{"netns":"../x"}}"#, "netns"),
@@ -741,7 +539,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let good = "0123456789abcdef0123456789abcdef";
         let p = secret(dir.path(), "token", &format!("  {good}\n"), 0o600);
-        let c = Config { api_token_file: Some(p.clone()), ..Config::default() };
+        let c = Config::from(sandboxd_api::Config { api_token_file: Some(p.clone()), ..Default::default() });
         assert_eq!(c.api_token().expect("token").as_deref(), Some(good), "trimmed");
         assert_eq!(Config::default().api_token().expect("none"), None);
         // Readable by others: refused, with the fix.
@@ -754,12 +552,17 @@ mod tests {
         assert!(c.api_token().is_ok(), "owner read-only is fine");
         // Empty and short tokens.
         let empty = secret(dir.path(), "empty", "\n", 0o600);
-        let e = Config { api_token_file: Some(empty), ..Config::default() }.api_token().expect_err("empty");
+        let e = Config::from(sandboxd_api::Config { api_token_file: Some(empty), ..Default::default() })
+            .api_token()
+            .expect_err("empty");
         assert!(e.to_string().contains("empty"), "{e}");
         let short = secret(dir.path(), "short", "s3cret", 0o600);
-        let e = Config { api_token_file: Some(short), ..Config::default() }.api_token().expect_err("short");
+        let e = Config::from(sandboxd_api::Config { api_token_file: Some(short), ..Default::default() })
+            .api_token()
+            .expect_err("short");
         assert!(e.to_string().contains("6 characters, fewer than 32"), "{e}");
-        let missing = Config { api_token_file: Some(dir.path().join("nope")), ..Config::default() };
+        let missing =
+            Config::from(sandboxd_api::Config { api_token_file: Some(dir.path().join("nope")), ..Default::default() });
         assert!(matches!(missing.api_token(), Err(ConfigError::Token { .. })));
     }
 
@@ -781,7 +584,7 @@ mod tests {
             let c = parse(&format!(r#"{{"listen":"{l}"}}"#)).expect("parse");
             assert!(c.check_exposure().is_ok(), "{l}");
         }
-        let c = Config { api_token_file: Some("/t".into()), ..Config::default() };
+        let c = Config::from(sandboxd_api::Config { api_token_file: Some("/t".into()), ..Default::default() });
         assert!(c.check_exposure().is_ok());
     }
 
@@ -803,7 +606,11 @@ mod tests {
         let (cert, key) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
         std::fs::write(&cert, "junk").expect("w");
         std::fs::write(&key, "junk").expect("w");
-        let c = Config { tls_cert_file: Some(cert.clone()), tls_key_file: Some(key.clone()), ..Config::default() };
+        let c = Config::from(sandboxd_api::Config {
+            tls_cert_file: Some(cert.clone()),
+            tls_key_file: Some(key.clone()),
+            ..Default::default()
+        });
         let e = c.tls().expect_err("junk");
         assert!(vmm::error_chain(&e).contains("c.pem"), "{}", vmm::error_chain(&e));
         let pair = httpd::tls::self_signed(&["localhost".into()]).expect("mint");

@@ -1,6 +1,7 @@
 //! sandboxd: a warm pool of pre-booted microVMs behind the sandboxd HTTP API
 //! (the sandboxd contract, `shared/spec/sandboxd.md` §0–§8), wire-compatible with the public
-//! Python SDK.
+//! Python SDK. The bodies of that API and the config file's schema are types of their own
+//! crate, [`sandboxd_api`], shared with its clients.
 //!
 //! Modules, lowest first: each uses only modules listed before it (no import circles).
 //! - [`pool`]: pool keys, per-pool state and the pool registry (imports nothing of sandboxd);

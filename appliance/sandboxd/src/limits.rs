@@ -333,7 +333,14 @@ pub struct ClaimCaps {
 
 impl Default for ClaimCaps {
     fn default() -> Self {
-        ClaimCaps { agent_relays: 16, port_relays: 16, execs: 8 }
+        use sandboxd_api::config::{
+            DEFAULT_AGENT_RELAYS_PER_CLAIM, DEFAULT_EXECS_PER_CLAIM, DEFAULT_PORT_RELAYS_PER_CLAIM,
+        };
+        ClaimCaps {
+            agent_relays: DEFAULT_AGENT_RELAYS_PER_CLAIM,
+            port_relays: DEFAULT_PORT_RELAYS_PER_CLAIM,
+            execs: DEFAULT_EXECS_PER_CLAIM,
+        }
     }
 }
 
@@ -458,7 +465,11 @@ pub struct ExecTimeouts {
 
 impl Default for ExecTimeouts {
     fn default() -> Self {
-        ExecTimeouts { default: Duration::from_secs(300), max: Duration::from_secs(3600) }
+        use sandboxd_api::config::{DEFAULT_EXEC_MAX_TIMEOUT_SECS, DEFAULT_EXEC_TIMEOUT_SECS};
+        ExecTimeouts {
+            default: Duration::from_secs(DEFAULT_EXEC_TIMEOUT_SECS),
+            max: Duration::from_secs(DEFAULT_EXEC_MAX_TIMEOUT_SECS),
+        }
     }
 }
 
@@ -477,13 +488,14 @@ pub struct HttpLimits {
 
 impl Default for HttpLimits {
     fn default() -> Self {
+        use sandboxd_api::config as d;
         HttpLimits {
-            max_connections: 4096,
+            max_connections: d::DEFAULT_MAX_CONNECTIONS,
             // Longer than the SDK's keep_alive (30 s): the SDK drops a parked keep-alive
             // connection before the server would, so a reused one is never closed under it.
-            header_timeout: Duration::from_secs(60),
-            body_timeout: Duration::from_secs(30),
-            relay_idle: Duration::from_secs(3600),
+            header_timeout: Duration::from_secs(d::DEFAULT_HEADER_TIMEOUT_SECS),
+            body_timeout: Duration::from_secs(d::DEFAULT_BODY_TIMEOUT_SECS),
+            relay_idle: Duration::from_secs(d::DEFAULT_RELAY_IDLE_TIMEOUT_SECS),
         }
     }
 }
@@ -504,7 +516,7 @@ pub struct Limits {
 }
 
 /// The default lease horizon: 7 days.
-pub const DEFAULT_MAX_LIFETIME: Duration = Duration::from_secs(7 * 24 * 3600);
+pub const DEFAULT_MAX_LIFETIME: Duration = Duration::from_secs(sandboxd_api::config::DEFAULT_MAX_LIFETIME_SECS);
 
 impl Limits {
     /// Defaults with `budget` (tests and tools; the daemon derives its budget from the host).

@@ -329,9 +329,9 @@ impl Collector for Scrape {
             let mut f = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
             for p in &g.pools {
                 let labels = [
-                    ("template", escape(p.key.template())),
-                    ("net", p.key.net().to_string()),
-                    ("size", p.key.size().to_string()),
+                    ("template", escape(&p.key.template)),
+                    ("net", p.key.net.to_string()),
+                    ("size", p.key.size.to_string()),
                 ];
                 ConstGauge::new(int(pick(p) as u64)).encode(f.encode_family(&labels)?)?;
             }

@@ -30,7 +30,6 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use vmm::{Driver, DriverError, Vm};
@@ -88,66 +87,8 @@ pub struct ClaimRequest {
     pub claim_ref: Option<String>,
 }
 
-/// A granted claim (the `200` body of `POST /v1/claim`).
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct Grant {
-    /// Sandbox id.
-    pub id: String,
-    /// Sandbox token.
-    pub token: String,
-    /// Lease end, RFC 3339.
-    pub deadline: String,
-    /// Where to send sandbox-scoped calls (empty: the address dialled).
-    pub owner_addr: String,
-    /// Content digest of the template, when the catalog knows it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub template_digest: Option<String>,
-}
-
-/// `GET /v1/info`.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct Info {
-    /// Pools.
-    pub pools: Vec<PoolInfo>,
-    /// Live claims.
-    pub claimed: usize,
-    /// Hibernated claims (always 0 here).
-    pub hibernated: usize,
-    /// Archived claims (always 0 here).
-    pub archived: usize,
-    /// The node refuses claims.
-    pub draining: bool,
-    /// Some pool cannot fill.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub at_capacity: bool,
-    /// Why (the first pool's reason).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub at_capacity_reason: Option<String>,
-    /// Peers (a lone node has none).
-    pub peers: Vec<String>,
-    /// The advertised address.
-    #[serde(skip_serializing_if = "String::is_empty")]
-    pub advertise_addr: String,
-    /// The node budget and what warm + refilling + claimed VMs hold of it.
-    pub budget: BudgetInfo,
-}
-
-/// `budget` in `GET /v1/info`.
-#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
-pub struct BudgetInfo {
-    /// `max_vms`.
-    pub max_vms: usize,
-    /// `max_memory_mib`.
-    pub max_memory_mib: u64,
-    /// `max_disk_mib`.
-    pub max_disk_mib: u64,
-    /// VMs held or booting.
-    pub vms: usize,
-    /// Their memory, MiB.
-    pub memory_mib: u64,
-    /// Their writable disks at most, MiB.
-    pub disk_mib: u64,
-}
+/// The wire bodies the node answers with: a grant, `GET /v1/info` and its budget.
+pub use sandboxd_api::{BudgetInfo, Grant, Info};
 
 /// One sandboxd node.
 pub struct Node {

@@ -27,7 +27,7 @@ struct H {
 const ROOT: &str = "root-token-0123456789abcdef012345";
 
 fn pool(template: &str, warm: usize) -> PoolConfig {
-    serde_json::from_value(json!({"template": template, "warm": warm})).expect("pool config")
+    PoolConfig::warm(template, warm)
 }
 
 fn opts(dir: &TempDir, pools: &[(&str, usize)], token: Option<&str>) -> NodeOptions {
@@ -102,8 +102,13 @@ async fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// A pool's wire key as `template|net|size`.
+fn key_str(k: &sandboxd_api::Key) -> String {
+    format!("{}|{}|{}", k.template, k.net, k.size)
+}
+
 fn warm(node: &Node, template: &str) -> usize {
-    node.info().pools.iter().find(|p| p.key.template() == template).map_or(0, |p| p.warm)
+    node.info().pools.iter().find(|p| p.key.template == template).map_or(0, |p| p.warm)
 }
 
 async fn wait_warm(node: &Node, template: &str, n: usize) {
@@ -394,7 +399,7 @@ async fn put_pools_replaces_and_persists() {
     assert!(h.dir.path().join("data/pools.json").exists());
     // pools.json overrides the config file's pools after a restart.
     let (node2, _) = h.restart(&[("base", 2)]).await;
-    let keys: Vec<String> = node2.info().pools.iter().map(|p| p.key.to_string()).collect();
+    let keys: Vec<String> = node2.info().pools.iter().map(|p| key_str(&p.key)).collect();
     assert_eq!(keys, vec!["rt|none|medium"]);
 }
 

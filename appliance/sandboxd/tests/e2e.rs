@@ -16,7 +16,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use sandboxd_api::{ClaimRequest, PoolConfig, PoolList};
 use test_infra::sandboxd::{qemu_pids, wait_for, Harness};
 
 /// Serializes the tests: each boots several TCG VMs.
@@ -27,7 +27,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn sandboxd(pools: serde_json::Value) -> Harness {
+fn sandboxd(pools: Vec<PoolConfig>) -> Harness {
     Harness::new(Path::new(env!("CARGO_BIN_EXE_sandboxd")), pools)
 }
 
@@ -35,22 +35,26 @@ fn sandboxd(pools: serde_json::Value) -> Harness {
 #[test]
 fn restart_after_kill9_keeps_claims_and_leaks_nothing() {
     let _serial = serial();
-    let mut h = sandboxd(json!([{"template": "base", "warm": 2}]));
+    let mut h = sandboxd(vec![PoolConfig::warm("base", 2)]);
     h.wait_full("base");
     h.assert_vms(2, "a full pool of 2");
     let mut claims = Vec::new();
     for n in 0..2 {
-        let (id, token) = h.claim(json!({"template": "base", "ttl_seconds": 600, "claim_ref": format!("r{n}")}));
+        let (id, token) = h.claim(&ClaimRequest {
+            ttl_seconds: Some(600),
+            claim_ref: Some(format!("r{n}")),
+            ..ClaimRequest::new("base")
+        });
         // Leave a mark in the guest: after the restart it proves the claim kept its VM.
         let (s, v) = h.exec(&id, &token, &["sh", "-c", &format!("echo {id} > /tmp/mark")]);
         assert_eq!(s, 200, "exec before the restart: {v}");
         claims.push((id, token));
     }
     // Raise the target so a refill is surely in flight at the kill (`pools.json` keeps it).
-    h.root("PUT", "/v1/pools", Some(json!({"pools": [{"template": "base", "warm": 3}]})));
+    let pools = PoolList { pools: vec![PoolConfig::warm("base", 3)] };
+    h.root("PUT", "/v1/pools", Some(serde_json::to_value(pools).expect("pools")));
     let refilling = wait_for("a refill in flight", Duration::from_secs(5), || {
-        let p = h.pool("base");
-        let r = p["refilling"].as_u64().unwrap_or(0);
+        let r = h.pool("base").refilling;
         (r > 0).then_some(r)
     });
     h.kill9();
@@ -66,12 +70,12 @@ fn restart_after_kill9_keeps_claims_and_leaks_nothing() {
     }
     let want: BTreeSet<String> = claims.iter().map(|(id, _)| id.clone()).collect();
     assert_eq!(h.sandbox_ids(), want);
-    assert_eq!(h.info()["claimed"], 2);
+    assert_eq!(h.info().claimed, 2);
     // A wrong token still answers 404 after the restart (the journal kept the tokens).
     let (s, _) = h.exec(&claims[0].0, &claims[1].1, &["true"]);
     assert_eq!(s, 404);
     h.wait_full("base");
-    assert_eq!(h.pool("base")["target"], 3, "the PUT target survives the restart");
+    assert_eq!(h.pool("base").target, 3, "the PUT target survives the restart");
     h.assert_vms(2 + 3, "after the restart: 2 claims + 3 warm");
     // Release one claim: its VM goes, the other keeps answering.
     let (s, v) = h.call("POST", &format!("/v1/sandboxes/{}/release", claims[0].0), Some(&claims[0].1), None);
@@ -87,13 +91,13 @@ fn restart_after_kill9_keeps_claims_and_leaks_nothing() {
 #[test]
 fn short_lease_is_reaped_and_its_vm_destroyed() {
     let _serial = serial();
-    let h = sandboxd(json!([{"template": "base", "warm": 1}]));
+    let h = sandboxd(vec![PoolConfig::warm("base", 1)]);
     h.wait_full("base");
     h.assert_vms(1, "a full pool of 1");
     let before = h.vm_dirs();
     let claimed_vm = before.iter().next().cloned().expect("one warm VM");
     let t0 = Instant::now();
-    let (id, token) = h.claim(json!({"template": "base", "ttl_seconds": 2}));
+    let (id, token) = h.claim(&ClaimRequest { ttl_seconds: Some(2), ..ClaimRequest::new("base") });
     let (s, v) = h.exec(&id, &token, &["echo", "leased"]);
     assert_eq!((s, v["stdout"].as_str()), (200, Some("leased\n")), "{v}");
     wait_for("the lease to be reaped", Duration::from_secs(12), || (!h.sandbox_ids().contains(&id)).then_some(()));

@@ -6,11 +6,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sandboxd::config::PoolConfig;
+use sandboxd::config::{NetworkConfig, PoolConfig};
 use sandboxd::node::{ClaimRequest, Node, NodeOptions};
 use sandboxd::pool::PoolKey;
 use sandboxd::test_utils::{fake_catalog, FakeDriver};
-use serde_json::json;
 use test_infra::netns::Netns;
 use vmm::Driver as _;
 
@@ -42,17 +41,22 @@ fn links(ns: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+fn egress_pool(warm: usize) -> PoolConfig {
+    PoolConfig { net: Some("egress".into()), ..PoolConfig::warm("base", warm) }
+}
+
 fn opts(data: &std::path::Path, ns: &str, uplink: Option<&str>) -> NodeOptions {
     let mut o = NodeOptions::new(data, fake_catalog());
     o.timing = sandboxd::test_utils::fast_timing();
-    o.pools = vec![
-        serde_json::from_value::<PoolConfig>(json!({"template": "base", "net": "egress", "warm": 2})).expect("pool"),
-        serde_json::from_value::<PoolConfig>(json!({"template": "base", "warm": 1})).expect("pool"),
-    ];
-    let mut section: sandboxd::config::NetworkConfig =
-        serde_json::from_value(json!({"netns": ns, "cidr": "10.91.0.0/24", "bridge": "sbxbr0"})).expect("network");
-    section.uplink = uplink.map(str::to_owned);
-    o.network = Some(section.net_config(data).expect("net config"));
+    o.pools = vec![egress_pool(2), PoolConfig::warm("base", 1)];
+    let section = NetworkConfig {
+        netns: Some(ns.to_owned()),
+        cidr: Some("10.91.0.0/24".into()),
+        bridge: Some("sbxbr0".into()),
+        uplink: uplink.map(str::to_owned),
+        ..NetworkConfig::default()
+    };
+    o.network = Some(sandboxd::config::net_config(&section, data).expect("net config"));
     if uplink.is_none() {
         o.pools.truncate(0);
     }
@@ -149,10 +153,7 @@ async fn without_an_uplink_egress_is_refused_naming_the_key() {
         node.claim(ClaimRequest { key: egress, ttl: Duration::from_secs(60), claim_ref: None }).expect_err("refused");
     assert!(matches!(e, sandboxd::claims::ClaimError::Egress), "{e:?}");
     assert!(e.to_string().contains("network.uplink"), "{e}");
-    let put = node
-        .put_pools(vec![serde_json::from_value(json!({"template": "base", "net": "egress", "warm": 1})).expect("pool")])
-        .await
-        .expect_err("an egress pool without an uplink");
+    let put = node.put_pools(vec![egress_pool(1)]).await.expect_err("an egress pool without an uplink");
     assert!(vmm::error_chain(&put).contains("network.uplink"), "{}", vmm::error_chain(&put));
     node.shutdown();
 }

@@ -27,8 +27,19 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use sandboxd_api::{ClaimRequest, Config, ExecRequest, PoolConfig, PoolList, RenewRequest};
+use serde_json::Value;
 use test_infra::sandboxd::{free_port, http, wait_for, Harness, TOKEN};
+
+/// A request body.
+fn to_body(b: impl serde::Serialize) -> Value {
+    serde_json::to_value(b).expect("body")
+}
+
+/// `PUT /v1/pools` with one `base` pool of `warm`.
+fn base_pools(warm: usize) -> Value {
+    to_body(PoolList { pools: vec![PoolConfig::warm("base", warm)] })
+}
 
 /// How long one run of the SDK suite may take.
 const SDK_TIMEOUT: Duration = Duration::from_secs(600);
@@ -75,14 +86,15 @@ fn refused(config: &Path, args: &[&str]) -> (i32, String) {
 fn open_listen_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
-    let write = |name: &str, v: Value| {
+    let write = |name: &str, c: Config| {
         let p = dir.path().join(name);
-        std::fs::write(&p, serde_json::to_vec(&v).expect("json")).expect("write");
+        std::fs::write(&p, serde_json::to_vec(&c).expect("json")).expect("write");
         p
     };
     let port = free_port();
+    let on = |ip: [u8; 4]| std::net::SocketAddr::from((ip, port));
     // From the config file.
-    let cfg = write("open.json", json!({"listen": format!("0.0.0.0:{port}"), "data_dir": data}));
+    let cfg = write("open.json", Config { listen: on([0, 0, 0, 0]), data_dir: data.clone(), ..Config::default() });
     let (code, err) = refused(&cfg, &[]);
     println!("{err}");
     assert_eq!(code, 1, "{err}");
@@ -95,12 +107,12 @@ fn open_listen_is_refused() {
         assert!(err.contains(want), "stderr lacks {want:?}:\n{err}");
     }
     // From the flag, over a loopback config.
-    let cfg = write("loop.json", json!({"listen": format!("127.0.0.1:{port}"), "data_dir": data}));
+    let cfg = write("loop.json", Config { listen: on([127, 0, 0, 1]), data_dir: data.clone(), ..Config::default() });
     let (code, err) = refused(&cfg, &["--listen", &format!("0.0.0.0:{port}")]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("set by the --listen flag"), "{err}");
     // The default listen address.
-    let cfg = write("default.json", json!({"data_dir": data}));
+    let cfg = write("default.json", Config { data_dir: data.clone(), ..Config::default() });
     let (code, err) = refused(&cfg, &[]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("(the default 0.0.0.0:7777)"), "{err}");
@@ -110,7 +122,14 @@ fn open_listen_is_refused() {
     std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).expect("chmod");
     let cfg = write(
         "token.json",
-        json!({"listen": format!("0.0.0.0:{port}"), "data_dir": data, "api_token_file": token, "max_vms": 1, "max_memory_mib": 512}),
+        Config {
+            listen: on([0, 0, 0, 0]),
+            data_dir: data.clone(),
+            api_token_file: Some(token.clone()),
+            max_vms: Some(1),
+            max_memory_mib: Some(512),
+            ..Config::default()
+        },
     );
     let (code, err) = refused(&cfg, &[]);
     assert_eq!(code, 1, "{err}");
@@ -212,7 +231,7 @@ fn sdk_plain_and_tls_then_limits() {
              /tmp/sdkvenv/bin/pip install cocoonstack-sandbox==0.1.19)"
         )
     });
-    let mut h = Harness::with_tls(bin(), json!([{"template": "base", "warm": 2}]), json!({}));
+    let mut h = Harness::with_tls(bin(), vec![PoolConfig::warm("base", 2)], |_| {});
     let tls_origin = format!("https://{}", h.tls_addr.clone().expect("tls addr"));
     let cert = h.cert.clone().expect("cert");
     h.wait_full("base");
@@ -227,7 +246,7 @@ fn sdk_plain_and_tls_then_limits() {
 
     step("2. data dir and journal modes");
     // A PUT of the same pools leaves a pools.json to check too.
-    h.root("PUT", "/v1/pools", Some(json!({"pools": [{"template": "base", "warm": 2}]})));
+    h.root("PUT", "/v1/pools", Some(base_pools(2)));
     let data = h.dir.path().join("data");
     assert_eq!(mode(&data), 0o700, "data dir");
     let mut files = Vec::new();
@@ -257,7 +276,12 @@ fn sdk_plain_and_tls_then_limits() {
     };
     wait_for("2,000 connections open on sandboxd", Duration::from_secs(30), || (open() >= 2000).then_some(()));
     let t = Instant::now();
-    let (s, c) = h.call("POST", "/v1/claim", Some(TOKEN), Some(json!({"template": "base", "ttl_seconds": 60})));
+    let (s, c) = h.call(
+        "POST",
+        "/v1/claim",
+        Some(TOKEN),
+        Some(to_body(ClaimRequest { ttl_seconds: Some(60), ..ClaimRequest::new("base") })),
+    );
     let took = t.elapsed();
     println!("claim with 2,000 idle connections open: {took:?}");
     assert_eq!(s, 200, "{c}");
@@ -270,31 +294,30 @@ fn sdk_plain_and_tls_then_limits() {
     step("4. PUT /v1/pools with warm: 100000 is refused, nothing is persisted");
     let pools_json = data.join("pools.json");
     let before = std::fs::read(&pools_json).expect("pools.json");
-    let (s, v) =
-        h.call("PUT", "/v1/pools", Some(TOKEN), Some(json!({"pools": [{"template": "base", "warm": 100_000}]})));
+    let (s, v) = h.call("PUT", "/v1/pools", Some(TOKEN), Some(base_pools(100_000)));
     println!("{s} {v}");
     assert_eq!(s, 422, "{v}");
     let msg = v["error"].as_str().expect("msg");
     assert!(msg.contains("100000 VMs") && msg.contains("max_vms"), "{msg}");
-    let (s, _) = h.call("PUT", "/v1/pools", None, Some(json!({"pools": [{"template": "base", "warm": 1}]})));
+    let (s, _) = h.call("PUT", "/v1/pools", None, Some(base_pools(1)));
     assert_eq!(s, 401, "PUT /v1/pools without the root token");
     assert_eq!(std::fs::read(&pools_json).expect("pools.json"), before);
-    assert_eq!(h.pool("base")["target"], 2);
+    assert_eq!(h.pool("base").target, 2);
 
     step("5. restart with small caps and short timeouts");
-    h.update_config(json!({
-        "max_agent_relays_per_claim": 2,
-        "max_port_relays_per_claim": 1,
-        "max_execs_per_claim": 1,
-        "header_timeout_secs": 2,
-        "relay_idle_timeout_secs": 3,
-    }));
+    h.update_config(|c| {
+        c.max_agent_relays_per_claim = 2;
+        c.max_port_relays_per_claim = 1;
+        c.max_execs_per_claim = 1;
+        c.header_timeout_secs = 2;
+        c.relay_idle_timeout_secs = 3;
+    });
     h.kill9();
     h.start();
     assert_eq!(std::fs::read(&pools_json).expect("pools.json"), before, "pools.json changed by the restart");
-    assert_eq!(h.pool("base")["target"], 2, "the old pools are in force after the restart");
+    assert_eq!(h.pool("base").target, 2, "the old pools are in force after the restart");
     h.wait_full("base");
-    let (id, token) = h.claim(json!({"template": "base", "ttl_seconds": 600}));
+    let (id, token) = h.claim(&ClaimRequest { ttl_seconds: Some(600), ..ClaimRequest::new("base") });
     let agent = format!("/v1/sandboxes/{id}/agent");
     let (c1, _, r1) = upgrade(&h.addr, &agent, "silkd", &token);
     let (c2, _, r2) = upgrade(&h.addr, &agent, "silkd", &token);
@@ -322,7 +345,7 @@ fn sdk_plain_and_tls_then_limits() {
     let refused = wait_for("a second exec to be refused", Duration::from_secs(60), || {
         let long = {
             let (addr, id, token) = (h.addr.clone(), id.clone(), token.clone());
-            let body = json!({"argv": ["sleep", "3"]});
+            let body = to_body(ExecRequest::new(["sleep", "3"]));
             std::thread::spawn(move || {
                 http(&addr, "POST", &format!("/v1/sandboxes/{id}/exec"), Some(&token), Some(&body))
             })
@@ -381,17 +404,16 @@ fn sdk_plain_and_tls_then_limits() {
     assert_eq!(s, 204);
 
     step("6. restart with max_lifetime_secs = 5: a claim-and-renew loop stops at the horizon");
-    h.update_config(json!({"max_lifetime_secs": 5}));
+    h.update_config(|c| c.max_lifetime_secs = 5);
     h.kill9();
     h.start();
     h.wait_full("base");
     let t0 = Instant::now();
-    let v = h.root("POST", "/v1/claim", Some(json!({"template": "base", "ttl_seconds": 600})));
-    let (id, token) = (v["id"].as_str().expect("id").to_string(), v["token"].as_str().expect("token").to_string());
+    let (id, token) = h.claim(&ClaimRequest { ttl_seconds: Some(600), ..ClaimRequest::new("base") });
     let renew = format!("/v1/sandboxes/{id}/renew");
     let mut renewed = 0;
     let (refused_after, v) = loop {
-        let (s, v) = h.call("POST", &renew, Some(&token), Some(json!({"ttl_seconds": 2})));
+        let (s, v) = h.call("POST", &renew, Some(&token), Some(to_body(RenewRequest { ttl_seconds: Some(2) })));
         match s {
             200 => renewed += 1,
             409 => break (t0.elapsed(), v),

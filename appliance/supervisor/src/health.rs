@@ -1,11 +1,12 @@
 //! The appliance's health snapshot ([`Health`]) and the probes that fill it:
 //! * services: from the supervisor;
-//! * sandboxd: `GET /healthz` (is it answering) and `GET /v1/info` (each pool's warm count and
-//!   target; `GET /v1/pools` only lists the configured pools, without warm counts), with the
-//!   root token, over HTTPS verified against sandboxd's certificate when it serves TLS;
-//! * virtual nodes: with each node's own kubeconfig (`<state>/<svc>/pki/kubeconfig`, written
-//!   by the join), the Node's `Ready` condition and its `kube-node-lease` Lease renewed within
-//!   [`LEASE_FRESH`].
+//! * sandboxd: `GET /healthz` (is it answering) and `GET /v1/info` ([`sandboxd_api::Info`]: each
+//!   pool's warm count and target; `GET /v1/pools` only lists the configured pools, without
+//!   warm counts), with the root token, over HTTPS verified against sandboxd's certificate when
+//!   it serves TLS;
+//! * virtual nodes: with each node's own kubeconfig (`<state>/<svc>/pki/kubeconfig`,
+//!   [`foundation::KUBECONFIG_FILE`], written by the join), the Node's `Ready` condition and
+//!   its `kube-node-lease` Lease renewed within [`LEASE_FRESH`].
 //!
 //! "API server unreachable" (connect error, timeout, TLS failure) is kept apart from "reachable
 //! but NotReady" ([`Health::api_reachable`]): the update gate treats an offline box by the
@@ -28,8 +29,6 @@ use crate::supervise::ServiceStatus;
 pub const LEASE_FRESH: Duration = Duration::from_secs(40);
 /// Per-request limit of the probes.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
-/// The kubeconfig the join writes into a node's credentials directory.
-pub const KUBECONFIG_FILE: &str = "kubeconfig";
 
 /// Why a node probe failed (kept as text in [`NodeHealth::error`]).
 #[derive(Debug, thiserror::Error)]
@@ -211,24 +210,6 @@ impl Prober {
 
     /// sandboxd's pools from `GET /v1/info` (empty when sandboxd is not configured).
     pub async fn pools(&self) -> Result<Vec<PoolHealth>, String> {
-        #[derive(Deserialize)]
-        struct Key {
-            template: String,
-            #[serde(default)]
-            net: String,
-            #[serde(default)]
-            size: String,
-        }
-        #[derive(Deserialize)]
-        struct Row {
-            key: Key,
-            warm: usize,
-            target: usize,
-        }
-        #[derive(Deserialize)]
-        struct Info {
-            pools: Vec<Row>,
-        }
         let Some(ep) = &self.sandboxd else { return Ok(Vec::new()) };
         let r = http::send(
             ep,
@@ -244,7 +225,8 @@ impl Prober {
         if !r.status.is_success() {
             return Err(format!("sandboxd answered GET /v1/info with {}", r.status));
         }
-        let info: Info = serde_json::from_slice(&r.body).map_err(|e| format!("sandboxd's GET /v1/info: {e}"))?;
+        let info: sandboxd_api::Info =
+            serde_json::from_slice(&r.body).map_err(|e| format!("sandboxd's GET /v1/info: {e}"))?;
         Ok(info
             .pools
             .into_iter()
@@ -288,7 +270,7 @@ impl Prober {
             api_reachable: false,
             error: None,
         };
-        let kubeconfig = t.pki_dir.join(KUBECONFIG_FILE);
+        let kubeconfig = t.pki_dir.join(foundation::KUBECONFIG_FILE);
         if !kubeconfig.exists() {
             h.error = Some(format!("not joined yet (no {})", kubeconfig.display()));
             return h;

@@ -1,9 +1,10 @@
 //! The child table: which services run, with which program, flags, environment and generated
-//! files, derived from validated [`Settings`].
+//! files, derived from validated [`Settings`]. The providers' flags and environment are typed
+//! sets (`services/providers.rs`); sandboxd's config is a [`sandboxd_api::Config`].
 //!
 //! | service | program | configured by |
 //! |---|---|---|
-//! | `sandboxd` | `<bin>/sandboxd --config <run>/sandboxd.json` | a JSON config generated here (`data_dir = <state>/sandboxd`, catalog, pools, budget, the root token file, the TLS pair when it serves TLS, `network` from the `vm_*` keys when any is set) |
+//! | `sandboxd` | `<bin>/sandboxd --config <run>/sandboxd.json` | a [`sandboxd_api::Config`] generated here (`data_dir = <state>/sandboxd`, catalog, pools, budget, the root token file, the TLS pair when it serves TLS, `network` from the `vm_*` keys when any is set) |
 //! | `vk-sandbox` | `<bin>/vk-sandbox` | flags: node name, sandboxd URL (`https://` with `--sandboxd-ca-file` = sandboxd's certificate when it serves TLS) and root token file, `--state-path <state>/vk-sandbox/claims.json`, join flags |
 //! | `vk-cocoon` | `<bin>/vk-cocoon` | join flags; env `VK_NODE_NAME`, `VK_NODE_POOL`, `COCOON_ROOT_DIR=<state>/vk-cocoon`, `CHRYSALIS_IMAGES=<state>/images` |
 //!
@@ -23,6 +24,10 @@ use serde::Serialize;
 use crate::config::Settings;
 use crate::secrets::Secrets;
 
+mod providers;
+
+use providers::{JoinFlags, VkCocoonEnv, VkSandboxFlags};
+
 /// Environment variables a child must not inherit.
 pub const SCRUBBED_ENV: [&str; 6] =
     ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"];
@@ -38,6 +43,15 @@ pub enum ServicesError {
         /// The cause.
         #[source]
         source: std::io::Error,
+    },
+    /// A generated file could not be rendered (a path that is not UTF-8).
+    #[error("rendering {}", .path.display())]
+    Render {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: serde_json::Error,
     },
 }
 
@@ -99,7 +113,8 @@ impl Layout {
         self.state_dir.join("logs")
     }
 
-    /// `<state>/<svc>/pki`: a virtual node's credentials (its kubeconfig is `kubeconfig` there).
+    /// `<state>/<svc>/pki`: a virtual node's credentials (its kubeconfig is
+    /// [`foundation::KUBECONFIG_FILE`] there).
     pub fn pki_dir(&self, svc: ServiceName) -> PathBuf {
         self.state_dir.join(svc.as_str()).join("pki")
     }
@@ -116,7 +131,27 @@ pub struct GeneratedFile {
     /// Where.
     pub path: PathBuf,
     /// What.
-    pub contents: Vec<u8>,
+    pub contents: Contents,
+}
+
+/// What a generated file holds, typed until it is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Contents {
+    /// sandboxd's config, written as pretty JSON.
+    SandboxdConfig(Box<sandboxd_api::Config>),
+}
+
+impl Contents {
+    /// The bytes written.
+    pub fn render(&self) -> Result<Vec<u8>, serde_json::Error> {
+        match self {
+            Contents::SandboxdConfig(c) => {
+                let mut bytes = serde_json::to_vec_pretty(c)?;
+                bytes.push(b'\n');
+                Ok(bytes)
+            }
+        }
+    }
 }
 
 /// How to run one service.
@@ -143,7 +178,8 @@ impl ServiceSpec {
             foundation::private_dir(d).map_err(|source| ServicesError::Write { path: d.clone(), source })?;
         }
         for f in &self.files {
-            foundation::write_secret(&f.path, &f.contents)
+            let bytes = f.contents.render().map_err(|source| ServicesError::Render { path: f.path.clone(), source })?;
+            foundation::write_secret(&f.path, &bytes)
                 .map_err(|source| ServicesError::Write { path: f.path.clone(), source })?;
         }
         Ok(())
@@ -160,43 +196,45 @@ pub fn local_addr(listen: SocketAddr) -> SocketAddr {
     SocketAddr::new(ip, listen.port())
 }
 
-/// sandboxd's generated config (the schema of `sandboxd::config::Config`): always a root token
-/// (configured or minted), the TLS pair when it serves TLS, the budget keys when set, the
-/// `network` section ([`crate::config::SandboxdNetwork`]) when a `[sandboxd] vm_*` key is set.
-pub fn sandboxd_config(settings: &Settings, layout: &Layout, secrets: &Secrets) -> serde_json::Value {
+/// sandboxd's generated config: always a root token (configured or minted), the TLS pair when
+/// it serves TLS, the budget keys when set, the `network` section (from
+/// [`crate::config::SandboxdNetwork`]) when a `[sandboxd] vm_*` key is set; every other key at
+/// sandboxd's default.
+pub fn sandboxd_config(settings: &Settings, layout: &Layout, secrets: &Secrets) -> sandboxd_api::Config {
     let sb = &settings.config.sandboxd;
-    let mut v = serde_json::json!({
-        "listen": settings.sandboxd_listen.to_string(),
-        "data_dir": layout.state_dir.join("sandboxd"),
-        "refill_concurrency": sb.refill_concurrency,
-        "boot_timeout_secs": sb.boot_timeout_secs,
-        "catalog": sb.catalog.clone().unwrap_or_else(|| layout.default_catalog.clone()),
-        "pools": sb.pools.iter().map(|p| serde_json::json!({
-            "template": p.template, "size": p.size, "net": p.net, "warm": p.warm,
-        })).collect::<Vec<_>>(),
-    });
-    v["api_token_file"] = serde_json::json!(secrets.sandboxd_token_file);
-    if let Some(t) = &secrets.sandboxd_tls {
-        v["tls_cert_file"] = serde_json::json!(t.cert);
-        v["tls_key_file"] = serde_json::json!(t.key);
+    let tls = secrets.sandboxd_tls.as_ref();
+    sandboxd_api::Config {
+        listen: settings.sandboxd_listen,
+        data_dir: layout.state_dir.join("sandboxd"),
+        api_token_file: Some(secrets.sandboxd_token_file.clone()),
+        tls_cert_file: tls.map(|t| t.cert.clone()),
+        tls_key_file: tls.map(|t| t.key.clone()),
+        advertise_addr: sb.advertise_addr.clone(),
+        pools: sb
+            .pools
+            .iter()
+            .map(|p| sandboxd_api::PoolConfig {
+                net: Some(p.net.clone()),
+                size: Some(p.size.clone()),
+                ..sandboxd_api::PoolConfig::warm(p.template.as_str(), p.warm)
+            })
+            .collect(),
+        network: settings.sandboxd_network.as_ref().map(|n| sandboxd_api::NetworkConfig {
+            bridge: Some(n.bridge.clone()),
+            cidr: Some(n.cidr.to_string()),
+            uplink: n.uplink.clone(),
+            refuse: n.refuse.clone(),
+            netns: None,
+        }),
+        refill_concurrency: sb.refill_concurrency,
+        boot_timeout_secs: sb.boot_timeout_secs,
+        catalog: Some(sb.catalog.clone().unwrap_or_else(|| layout.default_catalog.clone())),
+        max_vms: sb.max_vms.map(|v| usize::try_from(v).unwrap_or(usize::MAX)),
+        max_memory_mib: sb.max_memory_mib,
+        max_disk_mib: sb.max_disk_mib,
+        max_lifetime_secs: sb.max_lifetime_secs.unwrap_or(sandboxd_api::config::DEFAULT_MAX_LIFETIME_SECS),
+        ..sandboxd_api::Config::default()
     }
-    if let Some(a) = &sb.advertise_addr {
-        v["advertise_addr"] = serde_json::json!(a);
-    }
-    for (k, val) in [
-        ("max_vms", sb.max_vms),
-        ("max_memory_mib", sb.max_memory_mib),
-        ("max_disk_mib", sb.max_disk_mib),
-        ("max_lifetime_secs", sb.max_lifetime_secs),
-    ] {
-        if let Some(n) = val {
-            v[k] = serde_json::json!(n);
-        }
-    }
-    if let Some(net) = &settings.sandboxd_network {
-        v["network"] = serde_json::json!(net);
-    }
-    v
 }
 
 /// The URL a local client (vk-sandbox, the health probe) reaches sandboxd at.
@@ -205,17 +243,8 @@ pub fn sandboxd_url(settings: &Settings, secrets: &Secrets) -> String {
     format!("{scheme}://{}", local_addr(settings.sandboxd_listen))
 }
 
-fn join_args(settings: &Settings, layout: &Layout, svc: ServiceName) -> Vec<String> {
-    let mut a = Vec::new();
-    if let Some(cl) = &settings.config.cluster {
-        a.extend(["--join-server".into(), cl.endpoint.clone(), "--join-api-server".into(), cl.endpoint.clone()]);
-        a.extend(["--join-token-file".into(), cl.bootstrap_token_file.display().to_string()]);
-        for h in &cl.ca_cert_hashes {
-            a.extend(["--join-ca-hash".into(), h.clone()]);
-        }
-    }
-    a.extend(["--credentials-dir".into(), layout.pki_dir(svc).display().to_string()]);
-    a
+fn join_flags<'a>(settings: &'a Settings, layout: &Layout, svc: ServiceName) -> JoinFlags<'a> {
+    JoinFlags { cluster: settings.config.cluster.as_ref(), credentials_dir: layout.pki_dir(svc) }
 }
 
 /// The enabled services, in start order.
@@ -225,34 +254,28 @@ pub fn plan(settings: &Settings, layout: &Layout, secrets: &Secrets) -> Vec<Serv
     let mut out = Vec::new();
     if settings.config.sandboxd.enabled {
         let cfg_path = layout.run_dir.join("sandboxd.json");
-        let json = sandboxd_config(settings, layout, secrets);
+        let config = Box::new(sandboxd_config(settings, layout, secrets));
         out.push(ServiceSpec {
             name: ServiceName::Sandboxd,
             program: layout.bin_dir.join("sandboxd"),
             args: vec!["--config".into(), cfg_path.display().to_string()],
             env: common(),
             dirs: vec![layout.state_dir.join("sandboxd")],
-            files: vec![GeneratedFile { path: cfg_path, contents: format!("{json:#}\n").into_bytes() }],
+            files: vec![GeneratedFile { path: cfg_path, contents: Contents::SandboxdConfig(config) }],
         });
     }
     if settings.vk_sandbox {
         let svc = ServiceName::VkSandbox;
         let dir = layout.state_dir.join(svc.as_str());
-        let mut args = vec![
-            "--node-name".to_string(),
-            settings.vk_sandbox_name().to_string(),
-            "--sandboxd-url".into(),
-            sandboxd_url(settings, secrets),
-            "--state-path".into(),
-            dir.join("claims.json").display().to_string(),
-            // The root token: also what lets vk-sandbox take over a claim granted just before a crash.
-            "--sandboxd-token-file".into(),
-            secrets.sandboxd_token_file.display().to_string(),
-        ];
-        if let Some(t) = &secrets.sandboxd_tls {
-            args.extend(["--sandboxd-ca-file".into(), t.cert.display().to_string()]);
+        let args = VkSandboxFlags {
+            node_name: settings.vk_sandbox_name(),
+            sandboxd_url: sandboxd_url(settings, secrets),
+            state_path: dir.join("claims.json"),
+            sandboxd_token_file: &secrets.sandboxd_token_file,
+            sandboxd_ca_file: secrets.sandboxd_tls.as_ref().map(|t| t.cert.as_path()),
+            join: join_flags(settings, layout, svc),
         }
-        args.extend(join_args(settings, layout, svc));
+        .args();
         out.push(ServiceSpec {
             name: svc,
             program: layout.bin_dir.join(svc.as_str()),
@@ -264,33 +287,26 @@ pub fn plan(settings: &Settings, layout: &Layout, secrets: &Secrets) -> Vec<Serv
     }
     if settings.vk_cocoon {
         let svc = ServiceName::VkCocoon;
-        let mut env = common();
-        env.extend([
-            ("VK_NODE_NAME".to_string(), settings.vk_cocoon_name().to_string()),
-            ("VK_NODE_POOL".to_string(), settings.config.vk_cocoon.pool.clone()),
-            ("COCOON_ROOT_DIR".to_string(), layout.state_dir.join(svc.as_str()).display().to_string()),
-            ("CHRYSALIS_IMAGES".to_string(), layout.state_dir.join("images").display().to_string()),
-        ]);
         let cocoon = &settings.config.vk_cocoon;
-        if let Some(v) = cocoon.shared_namespaces_env() {
-            env.push(("VK_SHARED_NAMESPACES".to_string(), v));
-        }
-        if let Some(v) = &cocoon.legacy_namespace {
-            env.push(("VK_LEGACY_NAMESPACE".to_string(), v.clone()));
-        }
-        if !cocoon.vm_host_allow.is_empty() {
-            env.push(("VK_NET_HOST_ALLOW".to_string(), cocoon.vm_host_allow.join(",")));
-        }
-        if let Some(v) = &cocoon.vm_uplink {
-            env.push(("VK_NET_UPLINK".to_string(), v.clone()));
-        }
-        if !cocoon.vm_refuse.is_empty() {
-            env.push(("VK_NET_REFUSE".to_string(), cocoon.vm_refuse.join(",")));
-        }
+        let mut env = common();
+        env.extend(
+            VkCocoonEnv {
+                node_name: settings.vk_cocoon_name(),
+                node_pool: &cocoon.pool,
+                root_dir: layout.state_dir.join(svc.as_str()),
+                images: layout.state_dir.join("images"),
+                shared_namespaces: cocoon.shared_namespaces_env(),
+                legacy_namespace: cocoon.legacy_namespace.as_deref(),
+                host_allow: &cocoon.vm_host_allow,
+                uplink: cocoon.vm_uplink.as_deref(),
+                refuse: &cocoon.vm_refuse,
+            }
+            .vars(),
+        );
         out.push(ServiceSpec {
             name: svc,
             program: layout.bin_dir.join(svc.as_str()),
-            args: join_args(settings, layout, svc),
+            args: join_flags(settings, layout, svc).args(),
             env,
             dirs: vec![layout.state_dir.join(svc.as_str()), layout.pki_dir(svc), layout.state_dir.join("images")],
             files: Vec::new(),
@@ -332,6 +348,15 @@ mod tests {
         super::plan(s, l, &plain())
     }
 
+    /// The config as written to `sandboxd.json`.
+    fn written(spec: &ServiceSpec) -> serde_json::Value {
+        serde_json::from_slice(&spec.files[0].contents.render().unwrap()).unwrap()
+    }
+
+    fn json(c: &sandboxd_api::Config) -> serde_json::Value {
+        serde_json::to_value(c).unwrap()
+    }
+
     fn flag<'a>(args: &'a [String], name: &str) -> Vec<&'a str> {
         args.windows(2).filter(|w| w[0] == name).map(|w| w[1].as_str()).collect()
     }
@@ -346,7 +371,7 @@ mod tests {
         assert_eq!(sb.program, PathBuf::from("/bin/sandboxd"));
         assert_eq!(sb.args, ["--config", "/run/c/sandboxd.json"]);
         assert!(sb.env.contains(&("CHRYSALIS_STATE".into(), "/state".into())));
-        let json: serde_json::Value = serde_json::from_slice(&sb.files[0].contents).unwrap();
+        let json = written(sb);
         assert_eq!(json["data_dir"], "/state/sandboxd");
         assert_eq!(json["catalog"], "/cat.json");
         assert_eq!(json["listen"], "0.0.0.0:7777");
@@ -361,7 +386,7 @@ mod tests {
             "[sandboxd]\nvm_uplink = \"eno1\"\nvm_refuse = [\"203.0.113.0/24\", \"198.51.100.7\"]\n\
              [[sandboxd.pools]]\ntemplate = \"rt\"\nnet = \"egress\"\nwarm = 2\n",
         );
-        let j = sandboxd_config(&s, &layout(), &plain());
+        let j = json(&sandboxd_config(&s, &layout(), &plain()));
         assert_eq!(
             j["network"],
             serde_json::json!({"bridge": "chrysalis1", "cidr": "10.89.0.0/24", "uplink": "eno1",
@@ -369,11 +394,10 @@ mod tests {
         );
         assert_eq!(j["pools"][0]["net"], "egress");
         let s = settings("[sandboxd]\nvm_bridge = \"sbx0\"\nvm_cidr = \"10.90.0.0/16\"\n");
-        let j = sandboxd_config(&s, &layout(), &plain());
+        let j = json(&sandboxd_config(&s, &layout(), &plain()));
         assert_eq!(j["network"], serde_json::json!({"bridge": "sbx0", "cidr": "10.90.0.0/16"}));
         let plan = plan(&s, &layout());
-        let written: serde_json::Value = serde_json::from_slice(&plan[0].files[0].contents).unwrap();
-        assert_eq!(written["network"], j["network"]);
+        assert_eq!(written(&plan[0])["network"], j["network"]);
     }
 
     #[test]
@@ -382,7 +406,7 @@ mod tests {
             "[sandboxd]\nlisten = \"127.0.0.1:7000\"\napi_token_file = \"/t\"\ncatalog = \"/c.json\"\nrefill_concurrency = 2\n\
              [[sandboxd.pools]]\ntemplate = \"base\"\nwarm = 2\n",
         );
-        let j = sandboxd_config(&s, &layout(), &Secrets::plain("/t"));
+        let j = json(&sandboxd_config(&s, &layout(), &Secrets::plain("/t")));
         assert_eq!(j["pools"], serde_json::json!([{"template": "base", "size": "small", "net": "none", "warm": 2}]));
         assert_eq!(j["api_token_file"], "/t");
         assert_eq!(j["catalog"], "/c.json");
@@ -403,7 +427,7 @@ mod tests {
             minted: true,
         };
         let secrets = Secrets { sandboxd_tls: Some(cert.clone()), api_tls: Some(cert), ..plain() };
-        let j = sandboxd_config(&s, &layout(), &secrets);
+        let j = json(&sandboxd_config(&s, &layout(), &secrets));
         assert_eq!(j["tls_cert_file"], "/state/tls/cert.pem");
         assert_eq!(j["tls_key_file"], "/state/tls/key.pem");
         assert_eq!(j["api_token_file"], "/state/secrets/sandboxd-token");

@@ -1,5 +1,6 @@
 //! The sandboxd HTTP client (`shared/spec/virtual-node.md` §2.3, shapes in
-//! `shared/spec/sandboxd.md` §5.1): claim, release, list, info. One pooled HTTP/1.1 client
+//! `shared/spec/sandboxd.md` §5.1): claim, release, list, info. Bodies are [`sandboxd_api`]
+//! types, the ones sandboxd itself serves. One pooled HTTP/1.1 client
 //! (64 idle connections per host, 90 s idle), every call bounded by 10 s including its body.
 //!
 //! `https://` URLs are verified against a trust file (`--sandboxd-ca-file`: sandboxd's own
@@ -22,7 +23,11 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use k8s_openapi::jiff::Timestamp;
-use serde::{Deserialize, Serialize};
+use sandboxd_api::{ClaimReply, ClaimRequest, ErrorBody, SandboxList};
+
+/// A granted claim (its token is the release credential: `Debug` leaves it out), the info
+/// answer and a listing row, as sandboxd sends them.
+pub use sandboxd_api::{Grant, Info, SandboxRow};
 
 use crate::annotations::ClaimSpec;
 
@@ -83,92 +88,27 @@ pub enum SandboxdError {
     },
 }
 
-/// A granted claim. Its token is the release credential: never logged, never exposed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Grant {
-    pub id: String,
-    pub token: String,
-    /// Lease end (absent if sandboxd's value did not parse).
-    pub deadline: Option<Timestamp>,
-    /// Where the claim is served (`host:port` or an origin); empty = the address dialled.
-    pub owner_addr: String,
+/// A lease end in sandboxd's answers, parsed (`None` when sandboxd's value does not parse).
+pub trait Deadline {
+    /// The lease end.
+    fn deadline_time(&self) -> Option<Timestamp>;
 }
 
-impl std::fmt::Debug for Grant {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grant")
-            .field("id", &self.id)
-            .field("token", &"<redacted>")
-            .field("deadline", &self.deadline)
-            .field("owner_addr", &self.owner_addr)
-            .finish()
-    }
-}
-
-/// One row of `GET /v1/sandboxes` (no tokens).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct Listed {
-    pub id: String,
-    #[serde(default)]
-    pub deadline: String,
-    #[serde(default)]
-    pub claimed_at: Option<String>,
-    #[serde(default)]
-    pub claim_ref: Option<String>,
-    #[serde(default)]
-    pub hibernated: bool,
-}
-
-impl Listed {
-    /// The lease end, if it parses.
-    pub fn deadline(&self) -> Option<Timestamp> {
+impl Deadline for Grant {
+    fn deadline_time(&self) -> Option<Timestamp> {
         self.deadline.parse().ok()
     }
 }
 
-/// `GET /v1/info`, the parts this provider reads (unknown fields ignored).
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-pub struct Info {
-    #[serde(default)]
-    pub pools: Vec<serde_json::Value>,
-    #[serde(default)]
-    pub claimed: u64,
-    #[serde(default)]
-    pub draining: bool,
-    #[serde(default)]
-    pub advertise_addr: String,
+impl Deadline for SandboxRow {
+    fn deadline_time(&self) -> Option<Timestamp> {
+        self.deadline.parse().ok()
+    }
 }
 
-#[derive(Serialize)]
-struct ClaimBody<'a> {
-    template: &'a str,
-    #[serde(skip_serializing_if = "str::is_empty")]
-    net: &'a str,
-    #[serde(skip_serializing_if = "str::is_empty")]
-    size: &'a str,
-    ttl_seconds: u64,
-    claim_ref: &'a str,
-}
-
-/// The `200` of `POST /v1/claim`: a grant or a redirect (unknown fields accepted).
-#[derive(Deserialize)]
-struct ClaimReply {
-    #[serde(default)]
-    id: String,
-    #[serde(default)]
-    token: String,
-    #[serde(default)]
-    deadline: String,
-    #[serde(default)]
-    owner_addr: String,
-    #[serde(default)]
-    redirect: Vec<String>,
-}
-
-#[derive(Deserialize)]
-struct ListReply {
-    #[serde(default)]
-    sandboxes: Vec<Listed>,
+/// A listed sandbox's first grant, parsed.
+pub fn claimed_at(row: &SandboxRow) -> Option<Timestamp> {
+    row.claimed_at.parse().ok()
 }
 
 /// The client of the node's sandboxd.
@@ -202,11 +142,7 @@ fn query_escape(v: &str) -> String {
 
 /// sandboxd's `{"error": …}` text, else the body itself (trimmed, ≤ 300 chars).
 fn error_text(body: &[u8]) -> String {
-    #[derive(Deserialize)]
-    struct E {
-        error: String,
-    }
-    match serde_json::from_slice::<E>(body) {
+    match serde_json::from_slice::<ErrorBody>(body) {
         Ok(e) => e.error,
         Err(_) => String::from_utf8_lossy(body).trim().chars().take(300).collect(),
     }
@@ -325,12 +261,13 @@ impl SandboxdClient {
     #[tracing::instrument(skip_all, fields(template = %spec.template, claim_ref))]
     pub async fn claim(&self, spec: &ClaimSpec, claim_ref: &str) -> Result<Grant, SandboxdError> {
         const WHAT: &str = "claim";
-        let body = ClaimBody {
-            template: &spec.template,
-            net: &spec.net,
-            size: &spec.size,
-            ttl_seconds: spec.ttl_seconds,
-            claim_ref,
+        let non_empty = |s: &str| Some(s.to_owned()).filter(|s| !s.is_empty());
+        let body = ClaimRequest {
+            net: non_empty(&spec.net),
+            size: non_empty(&spec.size),
+            ttl_seconds: Some(i64::try_from(spec.ttl_seconds).unwrap_or(i64::MAX)),
+            claim_ref: Some(claim_ref.to_owned()),
+            ..ClaimRequest::new(spec.template.as_str())
         };
         let body = serde_json::to_vec(&body).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
         let (status, bytes) =
@@ -347,17 +284,17 @@ impl SandboxdClient {
         if !status.is_success() {
             return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
         }
-        let reply: ClaimReply =
+        let ClaimReply { grant: reply, redirect } =
             serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
         if reply.id.is_empty() {
-            if reply.redirect.is_empty() {
+            if redirect.is_empty() {
                 return Err(SandboxdError::Status {
                     what: WHAT,
                     status: status.as_u16(),
                     message: "a grant without an id and without a redirect".into(),
                 });
             }
-            return Err(no_capacity(format!("no warm VM here (sandboxd redirects to {})", reply.redirect.join(", "))));
+            return Err(no_capacity(format!("no warm VM here (sandboxd redirects to {})", redirect.join(", "))));
         }
         if reply.token.is_empty() {
             // A grant without its credential: the VM cannot be released by us; say so loudly.
@@ -368,12 +305,7 @@ impl SandboxdClient {
                 message: format!("claim {} was granted without a token", reply.id),
             });
         }
-        Ok(Grant {
-            deadline: reply.deadline.parse().ok(),
-            id: reply.id,
-            token: reply.token,
-            owner_addr: reply.owner_addr,
-        })
+        Ok(reply)
     }
 
     /// `POST /v1/sandboxes/{id}/release` with the claim's token: `204` and `404` both mean the
@@ -390,7 +322,7 @@ impl SandboxdClient {
     }
 
     /// `GET /v1/sandboxes[?claim_ref=]`. A failure is an error, never an empty list.
-    pub async fn list(&self, claim_ref: Option<&str>) -> Result<Vec<Listed>, SandboxdError> {
+    pub async fn list(&self, claim_ref: Option<&str>) -> Result<Vec<SandboxRow>, SandboxdError> {
         const WHAT: &str = "list";
         let path = match claim_ref {
             Some(r) if !r.is_empty() => format!("/v1/sandboxes?claim_ref={}", query_escape(r)),
@@ -400,22 +332,15 @@ impl SandboxdClient {
         if !status.is_success() {
             return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
         }
-        let reply: ListReply =
+        let reply: SandboxList =
             serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
         Ok(reply.sandboxes)
     }
 
     /// `GET /v1/sandboxes/{id}` with the node token: the row and, when that token is sandboxd's
     /// root token, the claim's token. `None` when sandboxd does not know the id.
-    pub async fn get(&self, id: &str) -> Result<Option<(Listed, Option<String>)>, SandboxdError> {
+    pub async fn get(&self, id: &str) -> Result<Option<(SandboxRow, Option<String>)>, SandboxdError> {
         const WHAT: &str = "get";
-        #[derive(Deserialize)]
-        struct Row {
-            #[serde(flatten)]
-            row: Listed,
-            #[serde(default)]
-            token: Option<String>,
-        }
         let path = format!("/v1/sandboxes/{}", query_escape(id).replace('/', "%2F"));
         let (status, bytes) = self.send(WHAT, Method::GET, &path, self.node_token.as_deref(), None, BODY_LIMIT).await?;
         if status == StatusCode::NOT_FOUND {
@@ -424,8 +349,10 @@ impl SandboxdClient {
         if !status.is_success() {
             return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
         }
-        let r: Row = serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
-        Ok(Some((r.row, r.token.filter(|t| !t.is_empty()))))
+        let mut row: SandboxRow =
+            serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
+        let token = row.token.take().filter(|t| !t.is_empty());
+        Ok(Some((row, token)))
     }
 
     /// `GET /v1/info`.
@@ -473,7 +400,7 @@ mod tests {
         let c = SandboxdClient::new(&fake.url(), Some("node-secret".into())).unwrap();
         let g = c.claim(&spec("rt:24.04"), "default/sb-1").await.unwrap();
         assert!(g.id.starts_with("sb_") && !g.token.is_empty(), "{g:?}");
-        assert!(g.deadline.is_some());
+        assert!(g.deadline_time().is_some());
         assert_eq!(g.owner_addr, fake.owner_addr());
         assert!(!format!("{g:?}").contains(&g.token), "the token leaked into Debug");
         let body = fake.last_claim_body().unwrap();
@@ -583,7 +510,7 @@ mod tests {
         let only_b = c.list(Some("ns/b")).await.unwrap();
         assert_eq!(only_b.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), [b.id.as_str()]);
         assert_eq!(only_b[0].claim_ref.as_deref(), Some("ns/b"));
-        assert!(only_b[0].deadline().is_some());
+        assert!(only_b[0].deadline_time().is_some());
         assert_ne!(a.id, b.id);
         fake.set_list_fails(true);
         assert!(matches!(c.list(None).await, Err(SandboxdError::Status { status: 500, .. })));

@@ -1,5 +1,6 @@
 //! An in-process fake sandboxd (axum on a loopback port) with settable failures, for the
-//! client and provider unit tests. It speaks the shapes of `shared/spec/sandboxd.md` §5.1:
+//! client and provider unit tests. It speaks the shapes of `shared/spec/sandboxd.md` §5.1
+//! through sandboxd's own body types ([`sandboxd_api`]):
 //! node routes check the node token when one is set; release checks the claim's own token and
 //! answers `404` for an unknown id or a wrong token.
 #![allow(clippy::unwrap_used)] // test support: a poisoned lock or a failed bind is the failure report
@@ -13,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use sandboxd_api::{ClaimReply, ClaimRequest, ErrorBody, Grant, Info, Key, SandboxList, SandboxRow};
 
 /// How the fake answers `POST /v1/claim`.
 #[derive(Debug, Clone)]
@@ -67,7 +69,7 @@ impl Drop for FakeSandboxd {
 type S = State<Arc<Mutex<FakeState>>>;
 
 fn err(status: u16, msg: &str) -> Response {
-    (StatusCode::from_u16(status).unwrap(), Json(serde_json::json!({ "error": msg }))).into_response()
+    (StatusCode::from_u16(status).unwrap(), Json(ErrorBody::new(msg))).into_response()
 }
 
 fn bearer(h: &HeaderMap) -> Option<String> {
@@ -94,24 +96,42 @@ async fn claim(State(s): S, h: HeaderMap, Json(body): Json<serde_json::Value>) -
     match st.claim_mode.clone() {
         ClaimMode::Grant => {}
         ClaimMode::TooMany => return err(429, "no warm VM for this pool"),
-        ClaimMode::Redirect => return Json(serde_json::json!({ "redirect": ["10.0.0.9:7777"] })).into_response(),
+        ClaimMode::Redirect => {
+            return Json(ClaimReply { redirect: vec!["10.0.0.9:7777".into()], ..ClaimReply::default() }).into_response()
+        }
         ClaimMode::Fail(code, msg) => return err(code, msg),
     }
     st.next += 1;
     let id = format!("sb_{:016x}", st.next);
     let token = format!("{:032x}", st.next * 7919);
-    let ttl = match body["ttl_seconds"].as_i64().unwrap_or(0) {
+    let Ok(req) = serde_json::from_value::<ClaimRequest>(body) else {
+        return err(400, "invalid request body");
+    };
+    let ttl = match req.ttl_seconds.unwrap_or(0) {
         0 => 300,
         t => t.min(86_400),
     };
     let deadline = Timestamp::now() + SignedDuration::from_secs(ttl);
-    let claim_ref = body["claim_ref"].as_str().map(str::to_owned);
-    st.claims.insert(id.clone(), FakeClaim { token: token.clone(), claim_ref, deadline });
-    Json(serde_json::json!({
-        "id": id, "token": token, "deadline": deadline.to_string(), "owner_addr": st.owner_addr,
-        "net_route": "ignored",
-    }))
-    .into_response()
+    st.claims.insert(id.clone(), FakeClaim { token: token.clone(), claim_ref: req.claim_ref, deadline });
+    let grant =
+        Grant { id, token, deadline: deadline.to_string(), owner_addr: st.owner_addr.clone(), template_digest: None };
+    // A field this client does not know (vk-sandbox's `net_route`) is read past.
+    let mut v = serde_json::to_value(grant).unwrap();
+    v["net_route"] = "ignored".into();
+    Json(v).into_response()
+}
+
+/// The listing row of a held claim (no token).
+fn row(id: &str, c: &FakeClaim) -> SandboxRow {
+    SandboxRow {
+        id: id.to_owned(),
+        key: Key { template: "rt".into(), net: "none".into(), size: "small".into() },
+        deadline: c.deadline.to_string(),
+        claimed_at: c.deadline.to_string(),
+        hibernated: false,
+        claim_ref: c.claim_ref.clone(),
+        token: None,
+    }
 }
 
 async fn release(State(s): S, Path(id): Path<String>, h: HeaderMap) -> Response {
@@ -141,24 +161,15 @@ async fn list(State(s): S, h: HeaderMap, Query(q): Query<BTreeMap<String, String
         return err(500, "list failed");
     }
     let want = q.get("claim_ref").filter(|r| !r.is_empty());
-    let rows: Vec<_> = st
+    let sandboxes = st
         .claims
         .iter()
         .filter(|(_, c)| want.is_none() || c.claim_ref.as_ref() == want)
-        .map(|(id, c)| {
-            let mut row = serde_json::json!({
-                "id": id, "key": {"template": "rt", "net": "none", "size": "small"},
-                "deadline": c.deadline.to_string(), "claimed_at": c.deadline.to_string(), "hibernated": false,
-            });
-            if let Some(r) = &c.claim_ref {
-                row["claim_ref"] = serde_json::json!(r);
-            }
-            row
-        })
+        .map(|(id, c)| row(id, c))
         .collect();
-    let mut body = serde_json::json!({ "sandboxes": rows });
+    let mut body = serde_json::to_value(SandboxList { sandboxes }).unwrap();
     if st.list_padding > 0 {
-        body["padding"] = serde_json::json!("x".repeat(st.list_padding));
+        body["padding"] = "x".repeat(st.list_padding).into();
     }
     Json(body).into_response()
 }
@@ -171,16 +182,10 @@ async fn get_one(State(s): S, Path(id): Path<String>, h: HeaderMap) -> Response 
     let Some(c) = st.claims.get(&id) else {
         return err(404, "sandbox not found");
     };
-    let mut row = serde_json::json!({
-        "id": id, "key": {"template": "rt", "net": "none", "size": "small"},
-        "deadline": c.deadline.to_string(), "claimed_at": c.deadline.to_string(), "hibernated": false,
-    });
-    if let Some(r) = &c.claim_ref {
-        row["claim_ref"] = serde_json::json!(r);
-    }
+    let mut row = row(&id, c);
     // sandboxd adds the token only for the root token (none configured: never).
     if st.node_token.is_some() {
-        row["token"] = serde_json::json!(c.token);
+        row.token = Some(c.token.clone());
     }
     Json(row).into_response()
 }
@@ -190,10 +195,7 @@ async fn info(State(s): S, h: HeaderMap) -> Response {
     if let Some(r) = node_auth(&st, &h) {
         return r;
     }
-    Json(serde_json::json!({
-        "pools": [], "claimed": st.claims.len(), "hibernated": 0, "archived": 0, "draining": false, "peers": [],
-    }))
-    .into_response()
+    Json(Info { claimed: st.claims.len(), ..Info::default() }).into_response()
 }
 
 impl FakeSandboxd {

@@ -5,6 +5,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime};
 
+use sandboxd_api::PoolConfig;
 use serde_json::{json, Value};
 use test_infra::ensure;
 use test_infra::sandboxd::free_port;
@@ -17,7 +18,7 @@ const NODE: &str = "vk-e2e";
 /// The pool every scenario but the seed's claims from.
 const BASE: &str = "base";
 const RT: &str = "ghcr.io/cocoonstack/sandbox/rt:24.04";
-const BASE_WARM: u32 = 6;
+const BASE_WARM: usize = 6;
 
 type Env = NodeEnv;
 
@@ -52,10 +53,10 @@ fn env_up() -> Result<Env, String> {
     NodeEnv::up(NodeSpec {
         port: PORT,
         node_name: NODE,
-        pools: json!([
-            {"template": RT, "net": "none", "size": "small", "warm": 1},
-            {"template": BASE, "warm": BASE_WARM},
-        ]),
+        pools: vec![
+            PoolConfig { net: Some("none".into()), size: Some("small".into()), ..PoolConfig::warm(RT, 1) },
+            PoolConfig::warm(BASE, BASE_WARM),
+        ],
         sandboxd_bin: sibling_bin("sandboxd")?,
         provider_bin: sibling_bin("vk-sandbox")?,
         extra_args: Vec::new(),
@@ -149,8 +150,8 @@ fn seed_example(env: &mut Env, ns: &str) -> Outcome {
     let claims = env.claims_in(ns);
     let key = format!("{ns}/sandboxd-example");
     let rows = claims.get(&key).ok_or(format!("sandboxd has no claim with claim_ref {key}: {claims:?}"))?;
-    ensure!(rows.len() == 1 && rows[0]["id"] == id.as_str(), "claims for {key}: {rows:?}, pod says {id}");
-    ensure!(rows[0]["template"] == RT || rows[0]["key"]["template"] == RT, "claimed from the wrong pool: {}", rows[0]);
+    ensure!(rows.len() == 1 && rows[0].id == id, "claims for {key}: {rows:?}, pod says {id}");
+    ensure!(rows[0].key.template == RT, "claimed from the wrong pool: {:?}", rows[0]);
     // The Sandbox becomes Ready once the provider pushed Running.
     poll("Sandbox Ready", RUNNING, || {
         let s = env.get(&["sandbox", "sandboxd-example", "-n", ns])?;
@@ -255,7 +256,7 @@ fn ttl_rules(env: &mut Env, ns: &str) -> Outcome {
     let claims = env.claims_in(ns);
     let left = |name: &str| -> Result<i64, String> {
         let rows = claims.get(&format!("{ns}/{name}")).ok_or(format!("no claim for {name}: {claims:?}"))?;
-        secs_until(rows[0]["deadline"].as_str().ok_or("no deadline")?)
+        secs_until(&rows[0].deadline)
     };
     let (absent, zero, six) = (left("ttl-absent")?, left("ttl-zero")?, left("ttl-600")?);
     ensure!((86_000..=86_400).contains(&absent), "absent ttl → {absent}s left, want ≈ 86400");
@@ -400,7 +401,7 @@ fn kill9_mid_burst(env: &mut Env, ns: &str) -> Outcome {
         let pod = env.pod(ns, n)?.ok_or("pod gone")?;
         let id = annotation(&pod, "sandbox.cocoonstack.io/claim-id").ok_or(format!("{n} has no claim-id"))?;
         let rows = &claims[&format!("{ns}/{n}")];
-        ensure!(rows[0]["id"] == id, "{n}: pod says {id}, sandboxd says {}", rows[0]["id"]);
+        ensure!(rows[0].id == id, "{n}: pod says {id}, sandboxd says {}", rows[0].id);
         ensure!(seen.insert(id.to_string()), "claim {id} backs two pods");
     }
     eprintln!("kill -9 after {at_kill} of {N} claims; converged to {N} claims, no duplicates");

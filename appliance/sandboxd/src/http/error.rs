@@ -1,10 +1,12 @@
 //! The one HTTP error type: every failure a handler can answer, mapped to a status by one
 //! exhaustive match (a new variant must choose its status to compile). Bodies are
-//! `{"error":"<message>"}` with a `Content-Length`; internals are logged, not echoed.
+//! [`sandboxd_api::ErrorBody`], `{"error":"<message>"}`, with a `Content-Length`; internals are
+//! logged, not echoed.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use sandboxd_api::ErrorBody;
 
 use crate::claims::ClaimError;
 use crate::limits::CapError;
@@ -106,7 +108,7 @@ impl IntoResponse for ApiError {
         } else {
             tracing::debug!(status = status.as_u16(), error = %self, "request refused");
         }
-        (status, Json(serde_json::json!({ "error": self.to_string() }))).into_response()
+        (status, Json(ErrorBody::new(self.to_string()))).into_response()
     }
 }
 

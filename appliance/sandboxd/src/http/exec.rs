@@ -1,29 +1,28 @@
 //! `POST /v1/sandboxes/{id}/exec` (spec §7): a buffered exec over one silkd connection.
 //!
-//! `{argv, cwd?, env?, timeout_seconds?}` (strict) → `{exit_code, stdout, stderr}` (lossy UTF-8).
+//! [`ExecRequest`] `{argv, cwd?, env?, timeout_seconds?}` (strict) → [`ExecResult`]
+//! `{exit_code, stdout, stderr}` (lossy UTF-8).
 //! `400` empty argv / negative timeout / a timeout over `exec_max_timeout_secs` / unknown field /
 //! silkd `bad_request`; `413` output over 8 MiB; `429` at `max_execs_per_claim` concurrent
 //! calls; `504` past the timeout (absent or 0 = `exec_default_timeout_secs`, not "none": every
 //! exec ends); `502` unreachable or any other silkd error. On timeout or cap the child is killed
 //! via silkd (on a second connection) first.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
-use serde::Deserialize;
+use axum::response::Response;
+use sandboxd_api::{ExecRequest, ExecResult};
 use silkd_client::{AgentConn, ClientError, OutputBuffer, Stream};
 use vmm::{Vm, AGENT_PORT};
 use wire::{ErrorKind, Request as Frame, Response as Reply};
 
 use super::auth;
 use super::error::ApiError;
-use super::read_json;
+use super::{read_json, sorted_json};
 use crate::limits::Use;
 use crate::metrics::inc;
 use crate::node::Node;
@@ -32,19 +31,6 @@ use crate::node::Node;
 pub const MAX_OUTPUT: usize = silkd_client::DEFAULT_OUTPUT_CAP;
 /// How long the kill after a timeout may take.
 const KILL_BUDGET: Duration = Duration::from_secs(5);
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ExecBody {
-    #[serde(default)]
-    argv: Vec<String>,
-    #[serde(default)]
-    cwd: Option<String>,
-    #[serde(default)]
-    env: Option<BTreeMap<String, String>>,
-    #[serde(default)]
-    timeout_seconds: Option<f64>,
-}
 
 enum Outcome {
     Exit(i32),
@@ -58,7 +44,7 @@ pub(super) async fn exec(
     body: Body,
 ) -> Result<Response, ApiError> {
     let claim = auth::sandbox_route(&node, &headers, &id)?;
-    let b: ExecBody = read_json(&node, body, None).await?;
+    let b: ExecRequest = read_json(&node, body, None).await?;
     if b.argv.is_empty() {
         return Err(ApiError::BadRequest("argv must not be empty".into()));
     }
@@ -123,12 +109,11 @@ pub(super) async fn exec(
     match result {
         Some(Ok(Outcome::Exit(code))) => {
             let (out, err) = output.into_parts();
-            Ok(Json(serde_json::json!({
-                "exit_code": code,
-                "stdout": String::from_utf8_lossy(&out),
-                "stderr": String::from_utf8_lossy(&err),
-            }))
-            .into_response())
+            sorted_json(&ExecResult {
+                exit_code: code,
+                stdout: String::from_utf8_lossy(&out).into_owned(),
+                stderr: String::from_utf8_lossy(&err).into_owned(),
+            })
         }
         Some(Ok(Outcome::TooLarge)) => Err(ApiError::TooLarge("exec output exceeds 8 MiB".into())),
         Some(Err(e)) => Err(agent_err(e)),

@@ -4,7 +4,8 @@
 //! size cap and a deadline ([`read_json`]).
 //!
 //! Handlers are thin: authenticate ([`auth`]), decode, call [`crate::node::Node`], encode.
-//! Every failure is an [`ApiError`] whose status comes from one exhaustive match.
+//! Every body, both ways, is a [`sandboxd_api`] type; every failure is an [`ApiError`] whose
+//! status comes from one exhaustive match.
 
 pub mod auth;
 pub mod error;
@@ -19,9 +20,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post, put};
 use axum::Router;
 use serde::de::DeserializeOwned;
+use serde::Serialize;
 use tokio::net::TcpListener;
 
 pub use error::ApiError;
@@ -93,6 +96,14 @@ pub(crate) async fn read_json<T: DeserializeOwned>(node: &Node, body: Body, empt
     serde_json::from_slice(&bytes).map_err(|e| ApiError::BadRequest(format!("invalid request body: {e}")))
 }
 
+/// A JSON response whose object keys are sorted, as [`serde_json::Value`] writes them: the
+/// bodies sandboxd has always built as values (listings, stats, the pool list, exec results)
+/// keep their exact bytes. (Nothing here can fail to become a value: string keys only.)
+pub(crate) fn sorted_json<T: Serialize>(body: &T) -> Result<Response, ApiError> {
+    let value = serde_json::to_value(body).map_err(|e| ApiError::internal("encode", e))?;
+    Ok(axum::Json(value).into_response())
+}
+
 /// The server options of a node's listener: HTTP/1.1 only (upgrades), the node's limits, TLS
 /// when given.
 pub fn serve_options(node: &Node, tls: Option<Arc<rustls::ServerConfig>>) -> httpd::ServeOptions {
@@ -138,4 +149,17 @@ pub async fn serve_as(
         router = router.layer(axum::Extension(OwnerAddr(o)));
     }
     httpd::serve(listener, router, opts, stats, shutdown).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn sorted_json_keeps_the_byte_order_of_value_bodies() {
+        let body = sandboxd_api::ExecResult { exit_code: 0, stdout: "hi\n".into(), stderr: String::new() };
+        let resp = sorted_json(&body).expect("encode");
+        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.expect("body");
+        assert_eq!(&bytes[..], br#"{"exit_code":0,"stderr":"","stdout":"hi\n"}"#);
+    }
 }

@@ -1,5 +1,5 @@
 //! Thin handlers of the control routes: claim, release, renew, listings, info, drain, pools,
-//! peers, metrics.
+//! peers, metrics. Request and response bodies are [`sandboxd_api`] types.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,13 +9,12 @@ use axum::extract::{Extension, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::Deserialize;
+use sandboxd_api as api;
 
 use super::auth;
 use super::error::ApiError;
-use super::read_json;
+use super::{read_json, sorted_json};
 use crate::claims::{self, ClaimError};
-use crate::config::PoolConfig;
 use crate::node::{ClaimRequest, Node};
 use crate::pool::PoolKey;
 
@@ -30,23 +29,6 @@ fn owner_addr(node: &Node, over: Option<&Extension<OwnerAddr>>) -> String {
     over.map_or_else(|| node.advertise_addr().to_string(), |Extension(OwnerAddr(a))| a.clone())
 }
 
-/// `POST /v1/claim` body. Unknown fields are accepted (vk-sandbox sends `metadata`, …).
-#[derive(Debug, Deserialize)]
-struct ClaimBody {
-    #[serde(default)]
-    template: String,
-    #[serde(default)]
-    net: Option<String>,
-    #[serde(default)]
-    size: Option<String>,
-    #[serde(default)]
-    ttl_seconds: Option<i64>,
-    #[serde(default)]
-    claim_ref: Option<String>,
-    #[serde(default)]
-    volumes: Option<Vec<serde_json::Value>>,
-}
-
 pub(super) async fn claim(
     State(node): Node_,
     over: Option<Extension<OwnerAddr>>,
@@ -54,7 +36,7 @@ pub(super) async fn claim(
     body: Body,
 ) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
-    let b: ClaimBody = read_json(&node, body, None).await?;
+    let b: api::ClaimRequest = read_json(&node, body, None).await?;
     let req = (|| {
         let key = PoolKey::parse(&b.template, b.net.as_deref(), b.size.as_deref())?;
         if b.volumes.as_ref().is_some_and(|v| !v.is_empty()) {
@@ -78,12 +60,6 @@ pub(super) async fn release(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[derive(Debug, Default, Deserialize)]
-struct RenewBody {
-    #[serde(default)]
-    ttl_seconds: Option<i64>,
-}
-
 pub(super) async fn renew(
     State(node): Node_,
     Path(id): Path<String>,
@@ -91,9 +67,9 @@ pub(super) async fn renew(
     body: Body,
 ) -> Result<Response, ApiError> {
     auth::sandbox_route(&node, &headers, &id)?;
-    let b: RenewBody = read_json(&node, body, Some(RenewBody::default())).await?;
+    let b: api::RenewRequest = read_json(&node, body, Some(api::RenewRequest::default())).await?;
     let deadline = node.renew(&id, claims::ttl(b.ttl_seconds)?)?;
-    Ok(Json(serde_json::json!({ "deadline": deadline })).into_response())
+    Ok(Json(api::Renewed { deadline }).into_response())
 }
 
 pub(super) async fn list(
@@ -102,8 +78,8 @@ pub(super) async fn list(
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
-    let rows = node.list(q.get("claim_ref").map(String::as_str));
-    Ok(Json(serde_json::json!({ "sandboxes": rows })).into_response())
+    let sandboxes = node.list(q.get("claim_ref").map(String::as_str));
+    sorted_json(&api::SandboxList { sandboxes })
 }
 
 pub(super) async fn get_one(
@@ -130,7 +106,7 @@ pub(super) async fn owner(
         ApiError::NotFound(_) => ApiError::NotFound("not owned here".into()),
         other => other,
     })?;
-    Ok(Json(serde_json::json!({ "owner_addr": owner_addr(&node, over.as_ref()) })).into_response())
+    Ok(Json(api::Owner { owner_addr: owner_addr(&node, over.as_ref()) }).into_response())
 }
 
 pub(super) async fn stats(
@@ -141,16 +117,15 @@ pub(super) async fn stats(
     auth::node_route(&node, &headers)?;
     let claim = node.sandbox(&id).ok_or_else(ApiError::no_sandbox)?;
     let size = claim.rec.key.size();
-    Ok(Json(serde_json::json!({
-        "id": id,
-        "cpu_count": size.vcpus(),
-        "mem_total_bytes": size.memory_mib() * 1024 * 1024,
-        "mem_used_bytes": 0,
-        "mem_used_measured": false,
-        "hibernated": false,
-        "measured_at": claims::rfc3339(claims::unix_ms(std::time::SystemTime::now())),
-    }))
-    .into_response())
+    sorted_json(&api::Stats {
+        id,
+        cpu_count: size.vcpus(),
+        mem_total_bytes: size.memory_mib() * 1024 * 1024,
+        mem_used_bytes: 0,
+        mem_used_measured: false,
+        hibernated: false,
+        measured_at: claims::rfc3339(claims::unix_ms(std::time::SystemTime::now())),
+    })
 }
 
 pub(super) async fn info(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
@@ -168,30 +143,24 @@ pub(super) async fn uncordon(State(node): Node_, headers: HeaderMap) -> Result<R
     Ok(Json(node.uncordon()).into_response())
 }
 
-/// `PUT /v1/pools` body, decoded strictly.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PoolsBody {
-    pools: Vec<PoolConfig>,
-}
-
 pub(super) async fn put_pools(State(node): Node_, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     auth::root_only(&node, &headers, "PUT /v1/pools")?;
-    let b: PoolsBody = read_json(&node, body, None).await?;
+    let b: api::PoolList = read_json(&node, body, None).await?;
     Ok(Json(node.put_pools(b.pools).await?).into_response())
 }
 
 pub(super) async fn get_pools(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
-    Ok(Json(serde_json::json!({ "pools": node.pool_configs() })).into_response())
+    sorted_json(&api::PoolList { pools: node.pool_configs() })
 }
 
 pub(super) async fn peers(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
-    Ok(Json(serde_json::json!({ "peers": [] })).into_response())
+    Ok(Json(api::Peers::default()).into_response())
 }
 
 pub(super) async fn metrics(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], node.render_metrics()).into_response())
+    Ok(([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], node.render_metrics())
+        .into_response())
 }

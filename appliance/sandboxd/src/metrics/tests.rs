@@ -17,7 +17,7 @@ fn scrape() -> String {
     m.claim_duration.observe(Duration::from_micros(80));
     m.claim_duration.observe(Duration::from_millis(3));
     let pool = PoolInfo {
-        key: PoolKey::parse("base", None, None).expect("key"),
+        key: PoolKey::parse("base", None, None).expect("key").into(),
         warm: 2,
         refilling: 1,
         target: 3,

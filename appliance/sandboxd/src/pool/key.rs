@@ -9,6 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use sandboxd_api::Key;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use vmm::SizeClass;
@@ -67,27 +68,14 @@ impl fmt::Display for Net {
 
 pub use vmm::catalog::valid_template;
 
-/// A pool key. Serialises as `{"template","net","size"}` (the API's `key` object).
+/// A pool key. Serialises as `{"template","net","size"}` (the API's `key` object,
+/// [`sandboxd_api::Key`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(try_from = "RawKey", into = "RawKey")]
+#[serde(try_from = "Key", into = "Key")]
 pub struct PoolKey {
     template: String,
     net: Net,
     size: SizeClass,
-}
-
-/// The unvalidated shape of a key on the wire; empty / absent `net` and `size` take defaults.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct RawKey {
-    /// Template name.
-    #[serde(default)]
-    pub template: String,
-    /// `none` or `egress`.
-    #[serde(default)]
-    pub net: Option<String>,
-    /// A size class.
-    #[serde(default)]
-    pub size: Option<String>,
 }
 
 impl PoolKey {
@@ -149,16 +137,18 @@ impl fmt::Display for PoolKey {
     }
 }
 
-impl TryFrom<RawKey> for PoolKey {
+/// Validates a wire key (empty `net` and `size` take their defaults).
+impl TryFrom<Key> for PoolKey {
     type Error = KeyError;
-    fn try_from(r: RawKey) -> Result<Self, Self::Error> {
-        PoolKey::parse(&r.template, r.net.as_deref(), r.size.as_deref())
+    fn try_from(k: Key) -> Result<Self, Self::Error> {
+        PoolKey::parse(&k.template, Some(&k.net), Some(&k.size))
     }
 }
 
-impl From<PoolKey> for RawKey {
-    fn from(k: PoolKey) -> RawKey {
-        RawKey { template: k.template, net: Some(k.net.as_str().to_string()), size: Some(k.size.as_str().to_string()) }
+/// The wire key, every axis written out.
+impl From<PoolKey> for Key {
+    fn from(k: PoolKey) -> Key {
+        Key { template: k.template, net: k.net.as_str().to_string(), size: k.size.as_str().to_string() }
     }
 }
 

@@ -15,12 +15,12 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use vmm::{Snapshot, Vm};
 
-pub use key::{valid_template, KeyError, Net, PoolKey, RawKey};
+pub use key::{valid_template, KeyError, Net, PoolKey};
+pub use sandboxd_api::PoolInfo;
 
 /// Refill failures in a row before backing off.
 pub const BACKOFF_AFTER: u32 = 8;
@@ -71,27 +71,6 @@ pub struct PoolState {
     pub budget_blocked: Option<String>,
     /// The pool was removed; in-flight refills destroy their VM.
     pub retired: bool,
-}
-
-/// A pool's row in `GET /v1/info`.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct PoolInfo {
-    /// The key.
-    pub key: PoolKey,
-    /// Warm VMs.
-    pub warm: usize,
-    /// Refills in flight.
-    pub refilling: usize,
-    /// Warm target.
-    pub target: usize,
-    /// A golden snapshot exists.
-    pub golden: bool,
-    /// The pool cannot fill right now.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub at_capacity: bool,
-    /// Why.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub at_capacity_reason: Option<String>,
 }
 
 impl Pool {
@@ -151,11 +130,11 @@ impl Pool {
         std::mem::take(&mut s.warm)
     }
 
-    /// The pool's info row.
+    /// The pool's row in `GET /v1/info`.
     pub fn info(&self) -> PoolInfo {
         let s = self.lock();
         PoolInfo {
-            key: self.key.clone(),
+            key: self.key.clone().into(),
             warm: s.warm.len(),
             refilling: s.refilling,
             target: s.target,

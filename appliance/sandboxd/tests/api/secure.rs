@@ -18,7 +18,7 @@ use tokio::net::TcpStream;
 use tower::ServiceExt as _;
 
 use super::relay::{frame, head, read_error, serve, SWITCHING};
-use super::{call, deadline_secs_from_now, start, start_with, wait_for, wait_warm, warm, H, ROOT};
+use super::{call, deadline_secs_from_now, key_str, start, start_with, wait_for, wait_warm, warm, H, ROOT};
 
 /// One request through the router, with an optional `Upgrade` header.
 async fn req(
@@ -200,7 +200,7 @@ async fn put_pools_over_the_budget_is_refused_and_nothing_is_persisted() {
     assert_eq!(h.node.info().pools.iter().map(|p| p.target).collect::<Vec<_>>(), vec![3]);
     let (node2, _) = h.restart(&[("base", 2)]).await;
     assert_eq!(
-        node2.info().pools.iter().map(|p| (p.key.to_string(), p.target)).collect::<Vec<_>>(),
+        node2.info().pools.iter().map(|p| (key_str(&p.key), p.target)).collect::<Vec<_>>(),
         vec![("base|none|small".to_string(), 3)]
     );
 }

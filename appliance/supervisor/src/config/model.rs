@@ -224,7 +224,7 @@ pub const VK_COCOON_VM_BRIDGE: &str = vmnet::config::DEFAULT_BRIDGE;
 pub const VK_COCOON_VM_CIDR: &str = vmnet::config::DEFAULT_CIDR;
 
 /// sandboxd's `network` section as rendered into its JSON config (the schema of
-/// `sandboxd::config::NetworkConfig`), from the validated `[sandboxd] vm_*` keys. Bridge and
+/// `sandboxd_api::NetworkConfig`), from the validated `[sandboxd] vm_*` keys. Bridge and
 /// range are always written out, so what the supervisor checked against vk-cocoon's is what
 /// sandboxd uses.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -14,7 +14,7 @@ use super::error::SandboxProviderError;
 use super::table::{listed_ids, SandboxProvider};
 use crate::annotations;
 use crate::authority::{self, Lookup, Verdict};
-use crate::sandboxd::Listed;
+use crate::sandboxd::{claimed_at, Deadline as _, SandboxRow};
 use crate::state::ClaimRecord;
 use crate::status;
 
@@ -50,13 +50,14 @@ impl SandboxProvider {
                     .claim(&spec, &key)
                     .await
                     .map_err(|source| SandboxProviderError::Claim { key: key.clone(), source: Box::new(source) })?;
+                let deadline = grant.deadline_time();
                 ClaimRecord {
                     id: grant.id,
                     token: grant.token,
                     address: grant.owner_addr,
                     pod_uid: uid_of(pod),
                     claimed_at: Some(Timestamp::now()),
-                    deadline: grant.deadline,
+                    deadline,
                     owner: authority::controller_owner(pod),
                 }
             }
@@ -121,7 +122,7 @@ impl SandboxProvider {
             }
             match listed.get(id.as_str()) {
                 Some(row) => {
-                    if let (Some(c), Some(d)) = (g.claims.get_mut(key), row.deadline()) {
+                    if let (Some(c), Some(d)) = (g.claims.get_mut(key), row.deadline_time()) {
                         c.deadline = Some(d);
                     }
                     tracing::info!(claim = %id, "claim past its cached deadline is still listed; deadline refreshed");
@@ -231,7 +232,7 @@ impl SandboxProvider {
             let g = self.lock();
             g.claims.values().chain(g.releasing.iter()).map(|c| c.id.clone()).collect()
         };
-        let mut strays: Vec<Listed> =
+        let mut strays: Vec<SandboxRow> =
             rows.into_iter().filter(|r| r.claim_ref.as_deref() == Some(key) && !known.contains(&r.id)).collect();
         if strays.is_empty() {
             return Ok(None);
@@ -259,12 +260,8 @@ impl SandboxProvider {
                     token,
                     address: String::new(),
                     pod_uid: uid_of(pod),
-                    claimed_at: row
-                        .claimed_at
-                        .as_deref()
-                        .and_then(|t| t.parse().ok())
-                        .or_else(|| Some(Timestamp::now())),
-                    deadline: row.deadline(),
+                    claimed_at: claimed_at(&row).or_else(|| Some(Timestamp::now())),
+                    deadline: row.deadline_time(),
                     owner: authority::controller_owner(pod),
                 });
             } else if let Err(e) = self.release_detached(&row.id, &token).await {

@@ -14,6 +14,7 @@ use vnode::PodKey;
 
 use super::table::{listed_ids, OrphanClass, Recheck, SandboxProvider};
 use crate::authority::{self, Verdict};
+use crate::sandboxd::Deadline as _;
 use crate::sandboxd::SandboxdError;
 use crate::state::ClaimRecord;
 use crate::status;
@@ -41,7 +42,7 @@ impl SandboxProvider {
                 g.quarantined.remove(&key);
                 match listed.get(id.as_str()) {
                     Some(row) => {
-                        if let (Some(c), Some(d)) = (g.claims.get_mut(&key), row.deadline()) {
+                        if let (Some(c), Some(d)) = (g.claims.get_mut(&key), row.deadline_time()) {
                             c.deadline = Some(d);
                         }
                         tracing::info!(pod = %key, claim = %id, "sandboxd vouches for a claim from a previous run");
@@ -108,7 +109,7 @@ impl SandboxProvider {
                     continue;
                 }
                 if let Some(row) = listed.get(id.as_str()) {
-                    if let (Some(c), Some(d)) = (g.claims.get_mut(&key), row.deadline()) {
+                    if let (Some(c), Some(d)) = (g.claims.get_mut(&key), row.deadline_time()) {
                         changed |= c.deadline != Some(d);
                         c.deadline = Some(d);
                     }

@@ -12,7 +12,7 @@ use vnode::kit::{Locked, Notifier};
 use super::config::ProviderConfig;
 use super::error::SandboxProviderError;
 use crate::authority::OwnerLookup;
-use crate::sandboxd::{Listed, SandboxdClient, SandboxdError};
+use crate::sandboxd::{SandboxRow, SandboxdClient, SandboxdError};
 use crate::state::{ClaimRecord, StateError, StateFile, StateStore};
 
 /// When a pod-less preserved claim's owner is read again, and the delay that led there.
@@ -81,7 +81,7 @@ impl Inner {
 }
 
 /// A listing by sandbox id.
-pub(super) fn listed_ids(rows: &[Listed]) -> BTreeMap<&str, &Listed> {
+pub(super) fn listed_ids(rows: &[SandboxRow]) -> BTreeMap<&str, &SandboxRow> {
     rows.iter().map(|r| (r.id.as_str(), r)).collect()
 }
 
