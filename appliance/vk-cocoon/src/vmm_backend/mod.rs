@@ -254,19 +254,21 @@ impl VmmBackend {
         let vm =
             self.driver.boot(&spec).await.map_err(|e| failed("booting", format!("VM {id} from {}", req.image), e))?;
         self.lock_attached().insert(vm.id.clone());
-        if let Err(e) = self.complete(id, &vm, vm.spec.clone()) {
-            let _ = self.driver.kill(&vm).await;
-            return Err(e);
-        }
+        self.complete(id, &vm).await?;
         self.await_agent(id, &vm).await?;
-        Ok(VmInfo {
-            id: id.to_owned(),
-            name: req.name.clone(),
-            namespace: Some(req.namespace.clone()),
-            ip: Some(lease.ip.to_string()),
-            state: VmState::Running,
-            hypervisor: req.hypervisor,
-        })
+        Ok(running(id, &req.name, &req.namespace, &lease, req.hypervisor))
+    }
+}
+
+/// The [`VmInfo`] of a VM just booted or restored.
+fn running(id: &str, name: &str, namespace: &str, lease: &vmnet::Lease, hypervisor: Hypervisor) -> VmInfo {
+    VmInfo {
+        id: id.to_owned(),
+        name: name.to_owned(),
+        namespace: Some(namespace.to_owned()),
+        ip: Some(lease.ip.to_string()),
+        state: VmState::Running,
+        hypervisor,
     }
 }
 

@@ -59,13 +59,22 @@ impl VmmBackend {
         }
     }
 
-    /// Records `vm` as the current instance of `id`, booted from `spec` (its name set to `id`).
-    pub(super) fn complete(&self, id: &str, vm: &vmm::Vm, mut spec: vmm::BootSpec) -> Result<Record, BackendError> {
+    /// Records the freshly started `vm` as the current instance of `id`, with the spec it was
+    /// booted from (its name set to `id`) for a later cold boot; if that fails, kills it.
+    pub(super) async fn complete(&self, id: &str, vm: &vmm::Vm) -> Result<(), BackendError> {
+        let mut spec = vm.spec.clone();
         spec.name = id.to_owned();
-        self.records.complete(&vm_id(id)?, &vm.id, spec).map_err(|e| match e {
-            RecordStoreError::Missing { .. } => BackendError::NotFound { what: format!("record of VM {id}") },
-            e => failed("writing the VM record", id.to_owned(), e),
-        })
+        let done = vm_id(id).and_then(|vid| {
+            self.records.complete(&vid, &vm.id, spec).map_err(|e| match e {
+                RecordStoreError::Missing { .. } => BackendError::NotFound { what: format!("record of VM {id}") },
+                e => failed("writing the VM record", id.to_owned(), e),
+            })
+        });
+        if let Err(e) = done {
+            let _ = self.driver.kill(vm).await;
+            return Err(e);
+        }
+        Ok(())
     }
 
     pub(super) async fn listing(&self) -> Result<Listing, BackendError> {
@@ -162,10 +171,7 @@ impl VmmBackend {
         self.prune(id).await;
         let vm = self.driver.boot(&spec).await.map_err(|e| failed("starting (cold boot)", id.to_owned(), e))?;
         self.lock_attached().insert(vm.id.clone());
-        if let Err(e) = self.complete(id, &vm, spec) {
-            let _ = self.driver.kill(&vm).await;
-            return Err(e);
-        }
+        self.complete(id, &vm).await?;
         self.await_agent(id, &vm).await?;
         tracing::info!(vm = id, instance = %vm.id, "stopped VM booted again");
         Ok(VmInfo { state: VmState::Running, ip: Some(lease.ip.to_string()), ..current })

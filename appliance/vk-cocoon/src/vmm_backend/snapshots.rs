@@ -6,8 +6,8 @@ use silkd_client::AgentConn;
 use vmm::{AfterSnapshot, RestoreOptions, VmId, AGENT_PORT};
 use vmnet::VmPolicy;
 
-use super::{blocking, failed, image_error, VmmBackend, VmmBackendError, AGENT_CALL};
-use crate::backend::{BackendError, CloneRequest, SnapshotInfo, SnapshotRef, VmInfo, VmState};
+use super::{blocking, failed, image_error, running, VmmBackend, VmmBackendError, AGENT_CALL};
+use crate::backend::{BackendError, CloneRequest, SnapshotInfo, SnapshotRef, VmInfo};
 
 impl VmmBackend {
     /// Gives a fresh clone its own kernel RNG state (host randomness + a forced CRNG reseed),
@@ -76,18 +76,8 @@ impl VmmBackend {
             let _ = self.driver.kill(&vm).await;
             return Err(e);
         }
-        if let Err(e) = self.complete(id, &vm, vm.spec.clone()) {
-            let _ = self.driver.kill(&vm).await;
-            return Err(e);
-        }
-        Ok(VmInfo {
-            id: id.to_owned(),
-            name: req.name.clone(),
-            namespace: Some(req.namespace.clone()),
-            ip: Some(lease.ip.to_string()),
-            state: VmState::Running,
-            hypervisor: req.hypervisor,
-        })
+        self.complete(id, &vm).await?;
+        Ok(running(id, &req.name, &req.namespace, &lease, req.hypervisor))
     }
 
     /// `snapshot_save`: the driver snapshots into a store scratch directory (the VM is

@@ -6,7 +6,7 @@
 //! the current instance and the spec a later cold boot uses) → … → [`RecordStore::delete`].
 //!
 //! Guarantees: every write is atomic (`foundation::write_new` for a claim,
-//! `foundation::write_atomic` after), so a reader sees the old record or the new one; a
+//! [`write_json_atomic`] after, as for `vm.json`), so a reader sees the old record or the new one; a
 //! missing record reads as `None`, a corrupt one is an error (never skipped).
 
 use std::marker::PhantomData;
@@ -17,6 +17,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::driver::{BootSpec, VmId};
+use crate::record::{read_json, write_json_atomic, RecordError};
 
 /// Whether a record's VM was ever completely created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -64,26 +65,10 @@ pub enum RecordStoreError {
         /// The id.
         id: VmId,
     },
-    /// Filesystem error.
-    #[error("{what} {}", path.display())]
-    Io {
-        /// The operation.
-        what: &'static str,
-        /// The file or directory.
-        path: PathBuf,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A record that is not valid JSON for its type.
-    #[error("VM record {} is corrupt", path.display())]
-    Corrupt {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        #[source]
-        source: serde_json::Error,
-    },
+    /// Reading or writing a record (or its directory) failed, or a record is not valid JSON
+    /// for its type.
+    #[error(transparent)]
+    Record(#[from] RecordError),
 }
 
 /// The records of one service's VMs in one directory.
@@ -101,7 +86,7 @@ impl<M> Clone for RecordStore<M> {
 
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> RecordStoreError {
     let path = path.to_path_buf();
-    move |source| RecordStoreError::Io { what, path, source }
+    move |source| RecordError::Io { what, path, source }.into()
 }
 
 impl<M: Serialize + DeserializeOwned> RecordStore<M> {
@@ -132,7 +117,9 @@ impl<M: Serialize + DeserializeOwned> RecordStore<M> {
             created_at_epoch_secs: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         };
         let path = self.path(id.as_str());
-        match foundation::write_new(&path, &self.encode(&rec, &path)?, foundation::PUBLIC_FILE) {
+        let bytes =
+            serde_json::to_vec_pretty(&rec).map_err(|source| RecordError::Parse { path: path.clone(), source })?;
+        match foundation::write_new(&path, &bytes, foundation::PUBLIC_FILE) {
             Ok(()) => Ok(rec),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(RecordStoreError::InUse { id: id.clone() }),
             Err(e) => Err(io("placing", &path)(e)),
@@ -145,19 +132,16 @@ impl<M: Serialize + DeserializeOwned> RecordStore<M> {
         rec.state = RecordState::Created;
         rec.vmm_id = Some(vmm_id.clone());
         rec.spec = Some(spec);
-        let path = self.path(id.as_str());
-        foundation::write_atomic(&path, &self.encode(&rec, &path)?, foundation::PUBLIC_FILE)
-            .map_err(io("placing", &path))?;
+        write_json_atomic(&self.path(id.as_str()), &rec)?;
         Ok(rec)
     }
 
     /// The record of `id`, if there is one.
     pub fn load(&self, id: &str) -> Result<Option<OwnedRecord<M>>, RecordStoreError> {
-        let path = self.path(id);
-        match std::fs::read(&path) {
-            Ok(b) => serde_json::from_slice(&b).map(Some).map_err(|source| RecordStoreError::Corrupt { path, source }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(io("reading", &path)(e)),
+        match read_json(&self.path(id)) {
+            Ok(rec) => Ok(Some(rec)),
+            Err(RecordError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -184,9 +168,5 @@ impl<M: Serialize + DeserializeOwned> RecordStore<M> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(io("deleting", &path)(e)),
         }
-    }
-
-    fn encode(&self, rec: &OwnedRecord<M>, path: &Path) -> Result<Vec<u8>, RecordStoreError> {
-        serde_json::to_vec_pretty(rec).map_err(|source| RecordStoreError::Corrupt { path: path.to_path_buf(), source })
     }
 }

@@ -244,7 +244,10 @@ fn records_claim_exclusively_complete_list_and_delete() {
     store.delete("vc-a").unwrap();
     assert_eq!(store.load("vc-a").unwrap(), None);
     std::fs::write(store.dir().join("vc-d.json"), b"{").unwrap();
-    assert!(matches!(store.list(), Err(RecordStoreError::Corrupt { .. })), "a corrupt record is never skipped");
+    assert!(
+        matches!(store.list(), Err(RecordStoreError::Record(crate::record::RecordError::Parse { .. }))),
+        "a corrupt record is never skipped"
+    );
 }
 
 #[test]
