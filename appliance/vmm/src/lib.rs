@@ -27,6 +27,8 @@ pub mod qemu;
 pub mod record;
 pub mod size;
 pub mod sockdir;
+#[cfg(test)]
+mod test_utils;
 
 pub use accel::{Accel, AccelPreference};
 pub use agent::CONTROL_PORT;

@@ -2,7 +2,7 @@
 #![allow(clippy::unwrap_used)] // in a test, a panic is the failure report
 
 use std::collections::{BTreeMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -10,7 +10,7 @@ use async_trait::async_trait;
 
 use super::*;
 use crate::driver::{AfterSnapshot, Backend, BootSpec, Snapshot};
-use crate::{Accel, AccelPreference, SizeClass};
+use crate::Accel;
 
 /// A driver holding listed VMs in memory: `list` fails while `fail_list`, `attach` of an id in
 /// `fail_attach` fails, `kill` forgets the VM.
@@ -23,36 +23,11 @@ struct MemDriver {
 }
 
 fn spec(name: &str) -> BootSpec {
-    BootSpec {
-        name: name.into(),
-        kernel: PathBuf::from("/k"),
-        initrd: PathBuf::from("/i"),
-        rootfs: None,
-        overlay_base: None,
-        cmdline: String::new(),
-        size: SizeClass::Small,
-        accel: AccelPreference::Auto,
-        nic: None,
-        rng: false,
-    }
+    crate::test_utils::boot_spec(name)
 }
 
 fn vm(id: &str, state: VmState) -> Vm {
-    Vm {
-        id: VmId::new(id).unwrap(),
-        backend: Backend::Qemu,
-        accel: Accel::Tcg,
-        pid: 1,
-        pid_start_time: 0,
-        dir: PathBuf::from("/vms").join(id),
-        control_socket: PathBuf::from("/q"),
-        vsock_socket: PathBuf::from("/v"),
-        console_log: PathBuf::from("/c"),
-        spec: spec(id),
-        restored_from: None,
-        created_at_epoch_secs: 0,
-        state,
-    }
+    crate::test_utils::vm(Path::new("/vms"), id, state)
 }
 
 fn id(s: &str) -> VmId {
@@ -201,7 +176,7 @@ async fn adopt_attaches_the_live_reports_the_gone_and_the_half_created() {
     ];
     let got = adopt(&d, &l, wanted).await;
     let attached: Vec<(&str, &str, u32)> = got.attached.iter().map(|(k, v)| (*k, v.id.as_str(), v.pid)).collect();
-    assert_eq!(attached, [("a", "sbx-a-00000001", 2), ("b", "sbx-b-00000002", 1)], "a failed attach keeps the listed");
+    assert_eq!(attached, [("a", "sbx-a-00000001", 2), ("b", "sbx-b-00000002", 0)], "a failed attach keeps the listed");
     assert_eq!(*d.attached.lock().unwrap(), [id("sbx-a-00000001")]);
     assert_eq!(got.half_created.iter().map(|(k, _)| *k).collect::<Vec<_>>(), ["c"]);
     assert_eq!(got.gone, [("d", id("sbx-d-00000004"))]);
