@@ -1,8 +1,9 @@
 //! The restart reconcile: make the journal and the hypervisors agree, then let refill start.
 //!
-//! Expected flow ([`reconcile`]): list the driver's VMs; re-adopt each journaled claim whose VM
-//! is listed (attach), drop the claims whose VM is gone or half-created; destroy every `sbx-`
-//! VM no claim or pool names; release the network leases no listed VM holds; prune the records
+//! Expected flow ([`reconcile`]), on `vmm::owned`: list the driver's VMs ([`Listing`]);
+//! re-adopt each journaled claim whose VM is listed ([`owned::adopt`]: attach), drop the claims
+//! whose VM is gone or half-created; destroy every `sbx-` VM no claim or pool names (the
+//! [`OWNERSHIP`] sweep); release the network leases no listed VM holds; prune the records
 //! of VMs that died on their own; then mark the node reconciled ([`Refill::mark_reconciled`]),
 //! which wakes every pool.
 //!
@@ -10,17 +11,18 @@
 //! nothing; it is retried in the background ([`retry`]), never read as empty, and refill (whose
 //! new VMs could be mistaken for unowned ones) waits until a reconcile succeeds.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
-use vmm::{DriverError, Vm, VmId};
+use vmm::owned::{self, Listing};
+use vmm::{DriverError, VmId};
 
 use crate::metrics::inc;
 use crate::refill::Refill;
 use crate::store::ClaimStore;
-use crate::vms::Vms;
+use crate::vms::{Vms, OWNERSHIP};
 
 /// What a reconcile did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -56,44 +58,34 @@ pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileR
     let vms = &refill.vms;
     let span = tracing::info_span!("reconcile");
     async {
-        let live: HashMap<VmId, Vm> = vms.driver.list().await?.into_iter().map(|v| (v.id.clone(), v)).collect();
+        let listing = Listing::of(vms.driver.as_ref()).await?;
         let mut report = ReconcileReport::default();
         let pending: Vec<(String, VmId)> =
             store.lock().iter().filter(|c| c.vm.is_none()).map(|c| (c.rec.id.clone(), c.rec.vm.clone())).collect();
+        let adoption = owned::adopt(vms.driver.as_ref(), &listing, pending).await;
         let mut last_gen = None;
-        for (id, vm_id) in pending {
-            match live.get(&vm_id) {
-                // A claim only ever takes a VM that finished booting; a half-created one under
-                // a claimed id is not that VM, so the claim cannot be honoured.
-                Some(listed) if listed.state == vmm::VmState::Creating => {
-                    tracing::warn!(claim = %id, vm = %vm_id, "claimed VM is half-created; dropping the claim");
-                    if let Some((_, gen)) = store.lock().remove(&id) {
-                        last_gen = Some(gen);
-                    }
-                    vms.destroy(listed).await;
-                    report.dropped += 1;
-                }
-                Some(listed) => {
-                    let vm = match vms.driver.attach(&vm_id).await {
-                        Ok(vm) => vm,
-                        Err(e) => {
-                            tracing::warn!(claim = %id, vm = %vm_id, error = %vmm::error_chain(&e), "attach failed; keeping the listed record");
-                            listed.clone()
-                        }
-                    };
-                    tracing::info!(claim = %id, vm = %vm_id, "re-adopted");
-                    store.lock().set_vm(&id, vm);
-                    report.adopted += 1;
-                }
-                None => {
-                    tracing::info!(claim = %id, vm = %vm_id, "VM gone; dropping the claim");
-                    if let Some((_, gen)) = store.lock().remove(&id) {
-                        last_gen = Some(gen);
-                    }
-                    vms.ledger.forget(&vm_id);
-                    report.dropped += 1;
-                }
+        for (id, vm) in adoption.attached {
+            tracing::info!(claim = %id, vm = %vm.id, "re-adopted");
+            store.lock().set_vm(&id, vm);
+            report.adopted += 1;
+        }
+        // A claim only ever takes a VM that finished booting; a half-created one under a
+        // claimed id is not that VM, so the claim cannot be honoured.
+        for (id, listed) in adoption.half_created {
+            tracing::warn!(claim = %id, vm = %listed.id, "claimed VM is half-created; dropping the claim");
+            if let Some((_, gen)) = store.lock().remove(&id) {
+                last_gen = Some(gen);
             }
+            vms.destroy(&listed).await;
+            report.dropped += 1;
+        }
+        for (id, vm_id) in adoption.gone {
+            tracing::info!(claim = %id, vm = %vm_id, "VM gone; dropping the claim");
+            if let Some((_, gen)) = store.lock().remove(&id) {
+                last_gen = Some(gen);
+            }
+            vms.ledger.forget(&vm_id);
+            report.dropped += 1;
         }
         if let Some(gen) = last_gen {
             if let Err(e) = store.commit(gen) {
@@ -104,15 +96,10 @@ pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileR
         for p in vms.pools.all() {
             named.extend(p.warm_ids());
         }
-        for vm in live.values() {
-            if vm.id.as_str().starts_with("sbx-") && !named.contains(&vm.id) {
-                tracing::info!(vm = %vm.id, "destroying an unowned sandbox VM");
-                vms.destroy(vm).await;
-                report.destroyed += 1;
-            }
-        }
+        let swept = OWNERSHIP.sweep(&listing, |vm| named.contains(&vm.id), vms.as_ref()).await;
+        report.destroyed = swept.len();
         // Destroyed VMs gave their leases back; leases of VMs gone while we were down go now.
-        report.leases_released = sweep_leases(vms, &live).await;
+        report.leases_released = sweep_leases(vms, &listing).await;
         // Half-created VMs are listed (state `creating`) and were destroyed above when
         // unowned; records of VMs that died on their own are removed here.
         if let Err(e) = vms.driver.prune().await {
@@ -135,9 +122,10 @@ pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileR
 /// Releases every lease (and deletes its TAP) that no listed VM holds: leftovers of VMs
 /// destroyed or half-made while sandboxd was down. A lease whose TAP a listed VM names
 /// (alive, creating, or one whose kill failed) is kept.
-async fn sweep_leases(vms: &Vms, live: &HashMap<VmId, Vm>) -> usize {
+async fn sweep_leases(vms: &Vms, listing: &Listing) -> usize {
     let Some(net) = &vms.net else { return 0 };
-    let held: HashSet<&str> = live.values().filter_map(|v| v.spec.nic.as_ref()).map(|n| n.tap.as_str()).collect();
+    let held: HashSet<&str> =
+        listing.vms().iter().filter_map(|v| v.spec.nic.as_ref()).map(|n| n.tap.as_str()).collect();
     let leases = match net.leases() {
         Ok(l) => l,
         Err(e) => {

@@ -47,7 +47,7 @@ use crate::limits::Reservation;
 use crate::metrics::{inc, Metrics};
 use crate::options::Timing;
 use crate::pool::{Net, Pool};
-use crate::vms::{disk_mib, Vms};
+use crate::vms::{disk_mib, Vms, OWNERSHIP};
 
 /// Clone failures in a row after which the golden is dropped and rebuilt.
 const CLONE_FAILURES_TO_REBUILD: u32 = 3;
@@ -373,7 +373,7 @@ fn spec_for(cx: &Refill, pool: &Pool, id_prefix: String) -> Result<BootSpec, Ref
 }
 
 fn vm_prefix(pool: &Pool) -> String {
-    format!("sbx-{}", &pool.hash[..12])
+    format!("{}{}", OWNERSHIP.prefix(), &pool.hash[..12])
 }
 
 async fn probe(cx: &Refill, vm: Vm, budget: std::time::Duration) -> Result<Vm, RefillError> {
@@ -404,13 +404,7 @@ async fn nic_for(cx: &Refill, pool: &Pool, key: &VmId) -> Result<Option<(vmnet::
         return Err(RefillError::Network { what: "creating the TAP", source });
     }
     tracing::debug!(vm = %key, ip = %lease.ip, tap = %lease.tap, "NIC ready");
-    let nic = NicSpec {
-        tap: lease.tap.clone(),
-        mac: lease.mac.to_string(),
-        netns: net.config().netns.clone(),
-        ip_cidr: net.ip_cidr(&lease),
-        gateway: net.gateway().to_string(),
-    };
+    let nic = net.nic_spec(&lease);
     Ok(Some((lease, nic)))
 }
 
@@ -563,7 +557,7 @@ async fn build_golden(cx: Arc<Refill>, pool: Arc<Pool>, reservation: Reservation
 }
 
 async fn golden_inner(cx: &Refill, pool: &Pool) -> Result<Snapshot, RefillError> {
-    let spec = spec_for(cx, pool, format!("sbx-gb-{}", pool.hash))?;
+    let spec = spec_for(cx, pool, format!("{}gb-{}", OWNERSHIP.prefix(), pool.hash))?;
     let vm = boot_with_nic(cx, pool, spec, "booting the golden").await?;
     let vm = probe(cx, vm, cx.timing.cold_probe).await?;
     let made = async {

@@ -12,12 +12,17 @@
 use std::sync::Arc;
 
 use tracing::Instrument as _;
+use vmm::owned::Ownership;
 use vmm::{Catalog, Driver, Vm, VmId};
 
 use crate::claims::Claim;
 use crate::limits::Ledger;
 use crate::metrics::{inc, Metrics};
 use crate::pool::Pools;
+
+/// The VMs sandboxd owns: every id it makes starts with `sbx-` (pool VMs, goldens); the
+/// restart reconcile destroys the ones nothing names.
+pub const OWNERSHIP: Ownership = Ownership::new("sbx-");
 
 /// The driver, the VM network, the budget ledger, the counters and the pools.
 pub struct Vms {
@@ -111,6 +116,14 @@ impl Vms {
         }
         .instrument(span)
         .await;
+    }
+}
+
+/// The restart reconcile's sweep ends a VM as every other job does: [`Vms::destroy`].
+#[async_trait::async_trait]
+impl vmm::owned::Destroy for Vms {
+    async fn destroy(&self, vm: &Vm) {
+        Vms::destroy(self, vm).await;
     }
 }
 

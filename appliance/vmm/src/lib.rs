@@ -8,7 +8,9 @@
 //! - [`console`]: the serial console, drained into a size-capped log; tails read by seeking;
 //! - [`catalog`], [`size`], [`accel`], [`record`]: templates, size classes, KVM/TCG probe, `vm.json`;
 //! - [`jail`]: the unprivileged user, cgroup leaf, session and descriptors every hypervisor runs with;
-//! - [`lifecycle`]: the `creating` → `running` record that keeps every started hypervisor findable.
+//! - [`lifecycle`]: the `creating` → `running` record that keeps every started hypervisor findable;
+//! - [`owned`]: VM ownership for the services on top (prefix, per-VM records, adopt after a
+//!   restart, the orphan sweep), once.
 
 pub mod accel;
 pub mod agent;
@@ -19,11 +21,14 @@ pub mod disk;
 pub mod driver;
 pub mod jail;
 pub mod lifecycle;
+pub mod owned;
 pub mod peer;
 pub mod qemu;
 pub mod record;
 pub mod size;
 pub mod sockdir;
+#[cfg(test)]
+mod test_utils;
 
 pub use accel::{Accel, AccelPreference};
 pub use agent::CONTROL_PORT;

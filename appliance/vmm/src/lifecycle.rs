@@ -372,39 +372,10 @@ fn vm_dirs(vms_dir: &Path) -> Result<Vec<PathBuf>, DriverError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::accel::{Accel, AccelPreference};
-    use crate::driver::BootSpec;
-    use crate::size::SizeClass;
     use std::process::{Child, Command};
 
     fn vm(vms: &Path, id: &str) -> Vm {
-        let dir = vms.join(id);
-        Vm {
-            id: VmId::new(id).expect("id"),
-            backend: Backend::Qemu,
-            accel: Accel::Tcg,
-            pid: 0,
-            pid_start_time: 0,
-            control_socket: dir.join("qmp.sock"),
-            vsock_socket: dir.join("vsock.sock"),
-            console_log: dir.join("console.log"),
-            dir,
-            spec: BootSpec {
-                name: "base".into(),
-                kernel: "/k".into(),
-                initrd: "/i".into(),
-                rootfs: None,
-                overlay_base: None,
-                cmdline: String::new(),
-                size: SizeClass::Small,
-                accel: AccelPreference::Auto,
-                nic: None,
-                rng: true,
-            },
-            restored_from: None,
-            created_at_epoch_secs: 1,
-            state: VmState::Running,
-        }
+        crate::test_utils::vm(vms, id, VmState::Running)
     }
 
     /// A shell whose `$0` names `dir` (like a hypervisor naming its VM directory); it waits

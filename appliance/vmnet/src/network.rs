@@ -1,7 +1,7 @@
 //! [`Network`]: the bridge, the lease table and the TAPs of one [`NetConfig`].
 //!
 //! Typical use by the provider, per VM: [`Network::allocate`] → [`Network::create_tap`] → boot
-//! QEMU with the lease's TAP/MAC/IP (`vmm::NicSpec`) → pod IP = `lease.ip`; on delete
+//! QEMU with the lease's NIC ([`Network::nic_spec`]) → pod IP = `lease.ip`; on delete
 //! [`Network::delete_tap`] → [`Network::release`]. A clone gets its own lease and TAP, is restored
 //! with them, and then runs [`Network::net_config_argv`] in the guest (the snapshot still carries
 //! the parent's MAC and IP).
@@ -154,6 +154,18 @@ impl Network {
         lease.ip_cidr(self.cfg.prefix_len())
     }
 
+    /// The NIC a VM holding `lease` boots or is restored with: the lease's TAP and MAC, its
+    /// address in this range, the gateway, and the network's netns.
+    pub fn nic_spec(&self, lease: &Lease) -> vmm::NicSpec {
+        vmm::NicSpec {
+            tap: lease.tap.clone(),
+            mac: lease.mac.to_string(),
+            netns: self.cfg.netns.clone(),
+            ip_cidr: self.ip_cidr(lease),
+            gateway: self.gateway().to_string(),
+        }
+    }
+
     /// The argv that re-addresses a clone's `eth0` through the agent:
     /// `[/.chrysalis/guest-init, net-config, <ip/prefix>, <gateway>, <mac>]`.
     pub fn net_config_argv(&self, lease: &Lease) -> Vec<String> {
@@ -288,6 +300,12 @@ mod tests {
                 a.mac.to_string()
             ]
         );
+        let nic = net.nic_spec(&a);
+        assert_eq!(
+            (nic.tap.as_str(), nic.mac.clone(), nic.ip_cidr.as_str(), nic.gateway.as_str(), nic.netns.as_deref()),
+            (a.tap.as_str(), a.mac.to_string(), "10.88.0.2/24", "10.88.0.1", None)
+        );
+        assert!(nic.validate().is_ok(), "{nic:?}");
         assert_eq!(net.release("vm-a").expect("release"), Some(a));
         assert_eq!(net.release("vm-a").expect("release"), None);
         assert_eq!(net.lookup("vm-a").expect("lookup"), None);
