@@ -2,7 +2,7 @@
 //! cluster CA (`discovery`), then the kubelet TLS bootstrap of a `system:node:<name>` client
 //! certificate (`bootstrap`). Both talk to the apiserver through `kube::Client`s that `api`
 //! builds for each step (no trust, a pinned CA; anonymous, the bootstrap token, the node's
-//! certificate). See `shared/spec/appliance.md` §2.1–§2.3.
+//! certificate). See `docs/appliance.md` §2.1–§2.3.
 
 #![forbid(unsafe_code)]
 

@@ -1,4 +1,4 @@
-//! `POST /v1/claim` and `POST /v1/sandboxes/{id}/renew` (spec §5.1).
+//! `POST /v1/claim` and `POST /v1/sandboxes/{id}/renew` (`docs/sandboxd.md` §5.1).
 
 use serde::{Deserialize, Serialize};
 

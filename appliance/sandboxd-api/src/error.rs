@@ -1,4 +1,4 @@
-//! The one error body (spec §4): every refusal of every route is `{"error": "<message>"}`
+//! The one error body (`docs/sandboxd.md` §4): every refusal of every route is `{"error": "<message>"}`
 //! with the status saying which kind.
 
 use serde::{Deserialize, Serialize};

@@ -1,4 +1,4 @@
-//! `POST /v1/sandboxes/{id}/exec` (spec §7): a buffered exec.
+//! `POST /v1/sandboxes/{id}/exec` (`docs/sandboxd.md` §7): a buffered exec.
 
 use std::collections::BTreeMap;
 

@@ -1,4 +1,4 @@
-//! The node's view (spec §5.1): `GET /v1/info` (also the answer of `POST/DELETE /v1/drain`
+//! The node's view (`docs/sandboxd.md` §5.1): `GET /v1/info` (also the answer of `POST/DELETE /v1/drain`
 //! and `PUT /v1/pools`), `GET/PUT /v1/pools`, `GET /v1/peers`.
 
 use serde::{Deserialize, Serialize};

@@ -1,4 +1,4 @@
-//! sandboxd's contracts as types: the bodies of its HTTP API (`shared/spec/sandboxd.md` §4–§7)
+//! sandboxd's contracts as types: the bodies of its HTTP API (`docs/sandboxd.md` §4–§7)
 //! and the schema of its JSON config ([`config`]). sandboxd serves and reads them; vk-sandbox
 //! (its client), the supervisor (which writes sandboxd's config and reads `GET /v1/info`),
 //! xtask and the test harness build and parse them through the same types, never through

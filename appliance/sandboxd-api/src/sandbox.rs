@@ -1,4 +1,4 @@
-//! Per-sandbox reads (spec §5.1): `GET /v1/sandboxes[?claim_ref=]`, `GET /v1/sandboxes/{id}`,
+//! Per-sandbox reads (`docs/sandboxd.md` §5.1): `GET /v1/sandboxes[?claim_ref=]`, `GET /v1/sandboxes/{id}`,
 //! `…/owner`, `…/stats`.
 
 use serde::{Deserialize, Serialize};

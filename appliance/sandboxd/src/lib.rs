@@ -1,5 +1,5 @@
 //! sandboxd: a warm pool of pre-booted microVMs behind the sandboxd HTTP API
-//! (the sandboxd contract, `shared/spec/sandboxd.md` §0–§8), wire-compatible with the public
+//! (the sandboxd contract, `docs/sandboxd.md` §0–§8), wire-compatible with the public
 //! Python SDK. The bodies of that API and the config file's schema are types of their own
 //! crate, [`sandboxd_api`], shared with its clients.
 //!

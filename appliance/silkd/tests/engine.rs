@@ -1,4 +1,4 @@
-//! The proto 2 connection model (spec §9.3) over a Unix socket.
+//! The proto 2 connection model (`docs/sandboxd.md` §9.3) over a Unix socket.
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! The Pod contract's keys (cocoon-common, `virtual-node.md` §3.3; `runtime-backends.md`):
+//! The Pod contract's keys (cocoon-common, `docs/virtual-node.md` §3.3; `docs/runtime-backends.md`):
 //! what a Pod asks vk-cocoon for, parsed into a typed [`VmSpec`], and the keys vk-cocoon writes
 //! back. Parsing is pure; every refusal names the annotation and what to change.
 //!

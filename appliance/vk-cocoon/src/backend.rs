@@ -21,7 +21,7 @@
 //!   provider leaves them running, and a new provider finds them with [`VmBackend::list`].
 //! * **Idempotent teardown.** [`VmBackend::remove`], [`VmBackend::snapshot_rm`] and
 //!   [`VmBackend::release_ip`] succeed when the thing is already gone.
-//! * **A failed listing is an error, never an empty list** (`virtual-node.md` §5 pitfall 2).
+//! * **A failed listing is an error, never an empty list** (`docs/virtual-node.md` §5 pitfall 2).
 //! * Calls may run concurrently for different VMs; the provider never runs two calls for one
 //!   VM at once except [`VmBackend::inspect`] / [`VmBackend::probe_agent`] next to others.
 

@@ -1,4 +1,4 @@
-//! vk-cocoon's configuration: the environment of `virtual-node.md` §3.1 (no flags besides the
+//! vk-cocoon's configuration: the environment of `docs/virtual-node.md` §3.1 (no flags besides the
 //! shared join flags), parsed into a typed [`CocoonConfig`]. Every error names its variable.
 //!
 //! Variables of upstream vk-cocoon that have no meaning here (a registry, the `cocoon` CLI,

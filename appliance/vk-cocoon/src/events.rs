@@ -1,4 +1,4 @@
-//! Pod events the provider records itself (`virtual-node.md` §3.8), besides the runtime's
+//! Pod events the provider records itself (`docs/virtual-node.md` §3.8), besides the runtime's
 //! `Provider*` events. Every Warning here also sets `vm.cocoonstack.io/lifecycle-state=failed`
 //! on the Pod (done by the caller), except a `NamespaceRefused` of a DeletePod. [`EventSink`] decouples the provider from the API client:
 //! [`KubeEvents`] writes through `vnode`'s recorder; tests use [`RecordedEvents`].

@@ -1,4 +1,4 @@
-//! The vk-cocoon provider (`shared/spec/virtual-node.md` §3): every Pod bound to this virtual
+//! The vk-cocoon provider (`docs/virtual-node.md` §3): every Pod bound to this virtual
 //! node gets one microVM of its own, booted from an image (`mode: run`) or cloned from a
 //! snapshot (`mode: clone`), on the `vnode` runtime.
 //!

@@ -1,5 +1,5 @@
 //! `vk-cocoon`: the virtual node whose Pods each boot or clone one microVM
-//! (`shared/spec/virtual-node.md` §3). A thin binary: environment → [`CocoonConfig`] → the
+//! (`docs/virtual-node.md` §3). A thin binary: environment → [`CocoonConfig`] → the
 //! [`CocoonProvider`] under the `vnode` runtime.
 //!
 //! Start-up: parse the environment (errors name the variable; inapplicable upstream variables

@@ -1,4 +1,4 @@
-//! The Node vk-cocoon registers (`virtual-node.md` §3.2): labels, taint, capacity measured
+//! The Node vk-cocoon registers (`docs/virtual-node.md` §3.2): labels, taint, capacity measured
 //! from the host, conditions and addresses, as a [`vnode::NodeConfig`] + [`vnode::RuntimeConfig`].
 //!
 //! * Labels: `cocoonstack.io/pool=<pool>` and, when set, `cocoonstack.io/snapshot-cpu-class`

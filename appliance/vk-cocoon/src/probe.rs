@@ -1,4 +1,4 @@
-//! Readiness probes (`virtual-node.md` §3.5): TCP to `vm.cocoonstack.io/probe-port` when set,
+//! Readiness probes (`docs/virtual-node.md` §3.5): TCP to `vm.cocoonstack.io/probe-port` when set,
 //! else one guest-agent round trip (`info`); an unmanaged Pod without a port is ready when it
 //! has an IP (no backend call for a VM that is not ours).
 //!

@@ -1,4 +1,4 @@
-//! Start-up reconcile (`virtual-node.md` §3.8): before the node registers, the backend's VMs
+//! Start-up reconcile (`docs/virtual-node.md` §3.8): before the node registers, the backend's VMs
 //! are matched with the node's Pods, so that a provider restarted after a crash (even
 //! `kill -9`: the hypervisors are daemonized and keep running) takes its VMs back instead of
 //! booting new ones.

@@ -1,4 +1,4 @@
-//! Pod status shapes (`virtual-node.md` §3.5): what the provider pushes for a Pod backed by a
+//! Pod status shapes (`docs/virtual-node.md` §3.5): what the provider pushes for a Pod backed by a
 //! VM. Pure functions.
 //!
 //! * **Running**: `podIP` = the VM's IP, `hostIP` = the node's IP, `startTime` = when the VM

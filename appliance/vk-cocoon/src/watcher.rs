@@ -1,4 +1,4 @@
-//! The VM watcher (`virtual-node.md` §3.5): every `watch_interval`, one listing of the backend
+//! The VM watcher (`docs/virtual-node.md` §3.5): every `watch_interval`, one listing of the backend
 //! compared with the tracked managed Pods. A failed listing skips the pass (never read as
 //! "every VM is gone").
 //!

@@ -1,4 +1,4 @@
-//! The Pod contract's input annotations (`shared/spec/virtual-node.md` §2.4, prefix
+//! The Pod contract's input annotations (`docs/virtual-node.md` §2.4, prefix
 //! `sandbox.cocoonstack.io/`): which runtime the Pod asks for and which warm pool it claims
 //! from. Parsing is pure; every refusal tells the pod author what to change.
 

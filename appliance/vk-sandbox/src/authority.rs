@@ -1,4 +1,4 @@
-//! Delete authority (`shared/spec/virtual-node.md` §2.7, §5 pitfalls 1 and 4): **pod deletion
+//! Delete authority (`docs/virtual-node.md` §2.7, §5 pitfalls 1 and 4): **pod deletion
 //! is not VM authority**. Deleting a Pod releases (destroys) its VM only when the Pod's
 //! controller owner confirms the workload is over.
 //!

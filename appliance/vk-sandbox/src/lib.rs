@@ -1,4 +1,4 @@
-//! The vk-sandbox provider (`shared/spec/virtual-node.md` §2): Pods bound to this virtual node
+//! The vk-sandbox provider (`docs/virtual-node.md` §2): Pods bound to this virtual node
 //! become claims on the node's sandboxd warm pool.
 //!
 //! Code map: [`annotations`] (the Pod contract's inputs), [`sandboxd`] (the HTTP client),

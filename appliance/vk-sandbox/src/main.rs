@@ -1,5 +1,5 @@
 //! `vk-sandbox`: the virtual node whose Pods are claims on this machine's sandboxd warm pool
-//! (`shared/spec/virtual-node.md` §2). A thin binary: flags → configuration → the
+//! (`docs/virtual-node.md` §2). A thin binary: flags → configuration → the
 //! [`vk_sandbox::SandboxProvider`] under the `vnode` runtime.
 //!
 //! Start-up: parse and validate flags; read the sandboxd token; open the claims state (fatal

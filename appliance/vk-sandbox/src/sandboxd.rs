@@ -1,5 +1,5 @@
-//! The sandboxd HTTP client (`shared/spec/virtual-node.md` §2.3, shapes in
-//! `shared/spec/sandboxd.md` §5.1): claim, release, list, info. Bodies are [`sandboxd_api`]
+//! The sandboxd HTTP client (`docs/virtual-node.md` §2.3, shapes in
+//! `docs/sandboxd.md` §5.1): claim, release, list, info. Bodies are [`sandboxd_api`]
 //! types, the ones sandboxd itself serves. One pooled HTTP/1.1 client
 //! (64 idle connections per host, 90 s idle), every call bounded by 10 s including its body.
 //!

@@ -1,4 +1,4 @@
-//! The claims state file (`shared/spec/virtual-node.md` §2.8): the only durable copy of each
+//! The claims state file (`docs/virtual-node.md` §2.8): the only durable copy of each
 //! claim's release credential, so a restart never orphans authority over a live VM.
 //!
 //! Shape: `{"claims":{"ns/name":{id, token, address, podUID, claimedAt, deadline, owner?}}}`,

@@ -1,4 +1,4 @@
-//! Pod status shapes (`shared/spec/virtual-node.md` §2.6): what the provider pushes for a Pod
+//! Pod status shapes (`docs/virtual-node.md` §2.6): what the provider pushes for a Pod
 //! backed by a claim. Nothing here is reported by a kubelet — there is no container runtime on
 //! this node — so every field is synthesized from the claim record. Pure functions.
 

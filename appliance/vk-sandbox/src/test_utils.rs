@@ -1,5 +1,5 @@
 //! An in-process fake sandboxd (axum on a loopback port) with settable failures, for the
-//! client and provider unit tests. It speaks the shapes of `shared/spec/sandboxd.md` §5.1
+//! client and provider unit tests. It speaks the shapes of `docs/sandboxd.md` §5.1
 //! through sandboxd's own body types ([`sandboxd_api`]):
 //! node routes check the node token when one is set; release checks the claim's own token and
 //! answers `404` for an unknown id or a wrong token.

@@ -18,7 +18,7 @@ pub use wire::CONTROL_PORT;
 
 /// Longest accepted handshake reply line, newline included.
 pub const MAX_HANDSHAKE_LINE: usize = 64;
-/// Longest accepted silkd reply frame (spec §9.2).
+/// Longest accepted silkd reply frame (`docs/sandboxd.md` §9.2).
 pub const MAX_FRAME: usize = 8 * 1024 * 1024;
 
 /// Errors dialling a guest port or talking to silkd.

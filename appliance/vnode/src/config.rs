@@ -58,7 +58,7 @@ impl Default for NodeConfig {
     }
 }
 
-/// The runtime's knobs (`virtual-node.md` §1, §2.1, §5 #5).
+/// The runtime's knobs (`docs/virtual-node.md` §1, §2.1, §5 #5).
 #[derive(Debug, Clone)]
 pub struct RuntimeConfig {
     /// Token-bucket rate of each pod queue: `< 0` = per-key backoff only (no bucket), `0` =

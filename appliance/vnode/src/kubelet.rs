@@ -1,4 +1,4 @@
-//! The kubelet HTTPS endpoint (`virtual-node.md` §1.3): `/healthz` → `ok`, `/pods` → the
+//! The kubelet HTTPS endpoint (`docs/virtual-node.md` §1.3): `/healthz` → `ok`, `/pods` → the
 //! provider's pods as a `PodList`; `/containerLogs`, `/exec`, `/attach`, `/portForward`,
 //! `/runningpods/`, `/stats/summary`, `/metrics/resource` and anything else → `501`.
 //!

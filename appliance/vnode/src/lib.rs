@@ -1,4 +1,4 @@
-//! The virtual-kubelet node runtime (`shared/spec/virtual-node.md` §1): everything a virtual
+//! The virtual-kubelet node runtime (`docs/virtual-node.md` §1): everything a virtual
 //! node does that does not depend on what backs its Pods. A provider (vk-sandbox, vk-cocoon)
 //! implements [`Provider`]; [`run`] registers the Node, keeps its Lease and status fresh,
 //! runs the pod controller (informer on `spec.nodeName`, rate-limited per-pod queues, the

@@ -1,4 +1,4 @@
-//! The Pod status shapes every provider pushes (`shared/spec/virtual-node.md` §2.6, §3.5). No
+//! The Pod status shapes every provider pushes (`docs/virtual-node.md` §2.6, §3.5). No
 //! kubelet reports anything on a virtual node, so a provider synthesizes the whole status from
 //! what backs the Pod (a claim, a VM); these builders are the part that does not depend on what
 //! that is. Pure functions.

@@ -1,4 +1,4 @@
-//! The sync rules of `virtual-node.md` §1.2, as a pure decision on one Pod from the informer:
+//! The sync rules of `docs/virtual-node.md` §1.2, as a pure decision on one Pod from the informer:
 //!
 //! 1. `deletionTimestamp` set and no container running → force-delete from the API, no
 //!    provider call;

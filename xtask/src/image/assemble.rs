@@ -312,7 +312,7 @@ fn copy_sparse(src: &Path, dst: &mut fs::File, offset: u64) -> Result<()> {
     }
 }
 
-/// The slot command line written straight from appliance.md: a test oracle for
+/// The slot command line written straight from the README (the appliance section): a test oracle for
 /// `update::slot_cmdline`, which the image build uses (one format for images and updates).
 #[cfg(test)]
 pub fn slot_cmdline(

@@ -1,4 +1,4 @@
-//! Authentication (spec §3): the root token from the config's token file, and per-sandbox
+//! Authentication (`docs/sandboxd.md` §3): the root token from the config's token file, and per-sandbox
 //! bearer tokens. All comparisons are constant-time; sandbox routes look up by id, then
 //! compare, and answer `404` for both an unknown id and a wrong token.
 //!

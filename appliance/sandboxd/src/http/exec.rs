@@ -1,4 +1,4 @@
-//! `POST /v1/sandboxes/{id}/exec` (spec §7): a buffered exec over one silkd connection.
+//! `POST /v1/sandboxes/{id}/exec` (`docs/sandboxd.md` §7): a buffered exec over one silkd connection.
 //!
 //! [`ExecRequest`] `{argv, cwd?, env?, timeout_seconds?}` (strict) → [`ExecResult`]
 //! `{exit_code, stdout, stderr}` (lossy UTF-8).

@@ -1,4 +1,4 @@
-//! The HTTP API (spec §4–§7): [`app`] builds the axum `Router` (tests drive it with
+//! The HTTP API (`docs/sandboxd.md` §4–§7): [`app`] builds the axum `Router` (tests drive it with
 //! `tower::ServiceExt::oneshot`), [`serve`] runs it on a listener through [`httpd::serve`]
 //! (connection cap, head/idle timeout, TLS, HTTP/1.1 upgrades); every body is read under a
 //! size cap and a deadline ([`read_json`]).

@@ -1,4 +1,4 @@
-//! Upgrade relays (spec §6, §7): `GET …/agent` (`Upgrade: silkd`, a raw splice to silkd) and
+//! Upgrade relays (`docs/sandboxd.md` §6, §7): `GET …/agent` (`Upgrade: silkd`, a raw splice to silkd) and
 //! `GET …/ports/{port}` (`Upgrade: tcp`, raw bytes ↔ silkd `port_forward` frames).
 //!
 //! Rules kept here:

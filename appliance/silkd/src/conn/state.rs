@@ -2,7 +2,7 @@
 //! vsock connection state machine): it decides what each inbound frame means and when an
 //! RPC ends, and the driver in [`super`] does the IO.
 //!
-//! Rules (spec §9.3):
+//! Rules (`docs/sandboxd.md` §9.3):
 //! - RPCs run back to back; an RPC ends at its terminal reply ([`Response::ends_rpc`]).
 //! - Continuation frames (`stdin`, `stdin_close`, `data`, `data_end`) feed the RPC in
 //!   flight while its input is open, and are silently dropped otherwise — except the frame

@@ -1,5 +1,5 @@
 //! [`CocoonProvider`]: the [`vnode::Provider`] that gives each Pod bound to this node one
-//! microVM of its own (`virtual-node.md` §3.4–§3.7), through a [`VmBackend`].
+//! microVM of its own (`docs/virtual-node.md` §3.4–§3.7), through a [`VmBackend`].
 //!
 //! # Expected flow
 //! * **CreatePod** (key `ns/name`): a tracked entry of an older Pod under the key is retired

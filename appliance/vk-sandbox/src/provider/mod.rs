@@ -1,5 +1,5 @@
 //! [`SandboxProvider`]: the [`vnode::Provider`] that turns each Pod bound to this node into one
-//! sandboxd claim (`shared/spec/virtual-node.md` §2.5–§2.8).
+//! sandboxd claim (`docs/virtual-node.md` §2.5–§2.8).
 //!
 //! # Expected flow
 //! * **CreatePod** (key `ns/name`): runtime check → settle a quarantined row (list; a failed

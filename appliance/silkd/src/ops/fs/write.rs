@@ -9,7 +9,7 @@
 //! - The parent directory must exist (`not_found` otherwise); a directory, device or FIFO
 //!   at `path` is `bad_request`.
 //! - A bad feed (input ends without `data_end`, or a `stdin` frame) is `bad_request`; the
-//!   temp file is removed and the target is untouched. No fsync (spec §9.5).
+//!   temp file is removed and the target is untouched. No fsync (`docs/sandboxd.md` §9.5).
 
 use super::feed;
 use super::{base_name, blocking, io_err, resolve, temp_path};
