@@ -44,6 +44,7 @@ pub mod config;
 pub mod health;
 mod health_task;
 pub mod http;
+pub mod layout;
 pub mod logs;
 pub mod metrics;
 pub mod notify;

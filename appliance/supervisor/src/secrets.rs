@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::config::Settings;
-use crate::services::Layout;
+use crate::layout::Layout;
 
 /// `<state>/secrets`: the minted tokens.
 pub const SECRETS_DIR: &str = "secrets";

@@ -30,6 +30,7 @@ use crate::entries::{self, BootEntry, EntriesError, EntryName, Esp};
 use crate::floor::FloorError;
 use crate::keys::{KeysError, TrustedKeys};
 use crate::slots::{Slot, SlotsConfig, SlotsError};
+pub use crate::state::{Phase, Progress};
 
 /// Errors of an apply.
 #[derive(Debug, thiserror::Error)]
@@ -90,46 +91,6 @@ pub enum ApplyError {
         #[source]
         source: std::io::Error,
     },
-}
-
-/// The step an apply is at.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Phase {
-    /// No apply has run since the updater started.
-    #[default]
-    Idle,
-    /// Reading and verifying the manifest.
-    Verifying,
-    /// Receiving the kernel.
-    Kernel,
-    /// Writing the root image to the slot.
-    Root,
-    /// Reading the slot back.
-    ReadBack,
-    /// Installing the kernel and writing the entry.
-    Arming,
-    /// Armed: reboot to try the new slot.
-    Done,
-    /// Failed (see `error`); no entry points at the other slot.
-    Failed,
-}
-
-/// The progress of the current (or last) apply.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Progress {
-    /// The step.
-    pub phase: Phase,
-    /// The slot being written.
-    pub slot: Option<Slot>,
-    /// The bundle's version, once verified.
-    pub version: Option<String>,
-    /// Bytes done in this step (root write or read-back).
-    pub bytes_done: u64,
-    /// Bytes of this step.
-    pub bytes_total: u64,
-    /// Why it failed.
-    pub error: Option<String>,
 }
 
 /// What an apply did.

@@ -17,7 +17,6 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::apply::Progress;
 use crate::cmdline::{set_param, BootInfo};
 use crate::entries::{self, EntriesError, EntryName, Esp, SlotEntry};
 use crate::slots::Slot;
@@ -403,6 +402,46 @@ pub fn rollback(esp: &Esp, boot: &BootInfo, floor: u64) -> Result<RolledBack, St
     esp.sync()?;
     tracing::info!(slot = %other, generation, "rolled back: the other slot boots next");
     Ok(RolledBack { slot: other, generation, entry: name.file_name(), version: body.chrysalis_version() })
+}
+
+/// The step an apply is at.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    /// No apply has run since the updater started.
+    #[default]
+    Idle,
+    /// Reading and verifying the manifest.
+    Verifying,
+    /// Receiving the kernel.
+    Kernel,
+    /// Writing the root image to the slot.
+    Root,
+    /// Reading the slot back.
+    ReadBack,
+    /// Installing the kernel and writing the entry.
+    Arming,
+    /// Armed: reboot to try the new slot.
+    Done,
+    /// Failed (see `error`); no entry points at the other slot.
+    Failed,
+}
+
+/// The progress of the current (or last) apply.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// The step.
+    pub phase: Phase,
+    /// The slot being written.
+    pub slot: Option<Slot>,
+    /// The bundle's version, once verified.
+    pub version: Option<String>,
+    /// Bytes done in this step (root write or read-back).
+    pub bytes_done: u64,
+    /// Bytes of this step.
+    pub bytes_total: u64,
+    /// Why it failed.
+    pub error: Option<String>,
 }
 
 #[cfg(test)]

@@ -11,8 +11,8 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-use crate::driver::AgentInfo;
 use crate::peer::{ConnectError, PeerCheck};
+use serde::{Deserialize, Serialize};
 
 pub use wire::CONTROL_PORT;
 
@@ -172,6 +172,23 @@ fn parse_info(line: &[u8]) -> Result<AgentInfo, DialError> {
         return Err(DialError::BadReply(format!("expected info, got {:?}: {}", r.kind, r.rest)));
     }
     serde_json::from_value(r.rest).map_err(|e| DialError::BadReply(format!("info fields: {e}")))
+}
+
+/// silkd's `info` reply, as the host sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentInfo {
+    /// silkd version string.
+    pub version: String,
+    /// Connection-model version (2 = RPCs back to back on one connection).
+    pub proto: u32,
+    /// Guest uptime in seconds.
+    pub uptime_secs: u64,
+    /// Processes tracked by silkd.
+    #[serde(default)]
+    pub procs: u64,
+    /// Persistent shell sessions.
+    #[serde(default)]
+    pub sessions: u64,
 }
 
 #[cfg(test)]

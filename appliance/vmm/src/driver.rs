@@ -17,7 +17,6 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::str::FromStr;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -26,8 +25,10 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 pub use crate::accel::{Accel, AccelPreference};
+pub use crate::agent::AgentInfo;
 use crate::agent::DialError;
 use crate::catalog::{Catalog, CatalogError};
+pub use crate::id::{VmId, VmIdError};
 use crate::record::RecordError;
 pub use crate::size::SizeClass;
 
@@ -50,84 +51,6 @@ impl fmt::Display for Backend {
             Backend::Qemu => "qemu",
             Backend::CloudHypervisor => "cloud-hypervisor",
         })
-    }
-}
-
-/// A VM id: 1..=63 chars of `[a-z0-9-]`, starting with a letter or digit. Used as a directory name.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub struct VmId(String);
-
-/// Why a string is not a [`VmId`].
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum VmIdError {
-    /// Empty or longer than 63 characters.
-    #[error("vm id must be 1..=63 characters, got {0}")]
-    Length(usize),
-    /// A character outside `[a-z0-9-]`, or a leading `-`.
-    #[error("vm id {0:?} may only hold [a-z0-9-] and must not start with '-'")]
-    Charset(String),
-}
-
-impl VmId {
-    /// Validates `s` as a VM id.
-    pub fn new(s: impl Into<String>) -> Result<Self, VmIdError> {
-        let s = s.into();
-        if s.is_empty() || s.len() > 63 {
-            return Err(VmIdError::Length(s.len()));
-        }
-        let ok = s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') && !s.starts_with('-');
-        if !ok {
-            return Err(VmIdError::Charset(s));
-        }
-        Ok(VmId(s))
-    }
-
-    /// A fresh id `<prefix>-<8 hex>`; `prefix` is sanitised to the id charset and shortened.
-    pub fn generate(prefix: &str) -> Self {
-        let mut p: String = prefix
-            .chars()
-            .map(|c| c.to_ascii_lowercase())
-            .map(|c| if c.is_ascii_lowercase() || c.is_ascii_digit() { c } else { '-' })
-            .take(40)
-            .collect();
-        p = p.trim_matches('-').to_string();
-        if p.is_empty() {
-            p.push_str("vm");
-        }
-        let suffix: u32 = rand::random();
-        VmId(format!("{p}-{suffix:08x}"))
-    }
-
-    /// The id as a string slice.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for VmId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl FromStr for VmId {
-    type Err = VmIdError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        VmId::new(s)
-    }
-}
-
-impl TryFrom<String> for VmId {
-    type Error = VmIdError;
-    fn try_from(s: String) -> Result<Self, Self::Error> {
-        VmId::new(s)
-    }
-}
-
-impl From<VmId> for String {
-    fn from(id: VmId) -> String {
-        id.0
     }
 }
 
@@ -348,23 +271,6 @@ pub enum AfterSnapshot {
     Paused,
     /// Resume it.
     Resumed,
-}
-
-/// silkd's `info` reply, as the host sees it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AgentInfo {
-    /// silkd version string.
-    pub version: String,
-    /// Connection-model version (2 = RPCs back to back on one connection).
-    pub proto: u32,
-    /// Guest uptime in seconds.
-    pub uptime_secs: u64,
-    /// Processes tracked by silkd.
-    #[serde(default)]
-    pub procs: u64,
-    /// Persistent shell sessions.
-    #[serde(default)]
-    pub sessions: u64,
 }
 
 /// Errors of every [`Driver`] operation.

@@ -19,6 +19,7 @@ pub mod cloud_hypervisor;
 pub mod console;
 pub mod disk;
 pub mod driver;
+pub mod id;
 pub mod jail;
 pub mod lifecycle;
 pub mod owned;

@@ -253,11 +253,11 @@ pub fn vm_processes(dir: &Path, recorded: Option<(u32, u64)>, pidfile: Option<&s
 /// SIGKILLs `procs` and waits for all of them to go; true if all are gone within `timeout`.
 pub async fn kill_all(procs: &[(u32, u64)], timeout: Duration) -> bool {
     for (pid, st) in procs {
-        crate::qemu::process::signal(*pid, *st, libc::SIGKILL);
+        record::signal(*pid, *st, libc::SIGKILL);
     }
     let mut all = true;
     for (pid, st) in procs {
-        all &= crate::qemu::process::wait_gone(*pid, *st, timeout).await;
+        all &= record::wait_gone(*pid, *st, timeout).await;
     }
     all
 }
@@ -265,7 +265,7 @@ pub async fn kill_all(procs: &[(u32, u64)], timeout: Duration) -> bool {
 /// The same as [`kill_all`], blocking (for `Drop` guards).
 pub fn kill_all_blocking(procs: &[(u32, u64)], timeout: Duration) -> bool {
     for (pid, st) in procs {
-        crate::qemu::process::signal(*pid, *st, libc::SIGKILL);
+        record::signal(*pid, *st, libc::SIGKILL);
     }
     let deadline = std::time::Instant::now() + timeout;
     while procs.iter().any(|(p, st)| record::is_alive(*p, *st)) {

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use tokio::net::UnixStream;
 
-use crate::driver::VmId;
+use crate::id::VmId;
 
 /// Who must answer a VM's socket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,6 +2,7 @@
 //! and the pid + start-time liveness check that defeats pid reuse.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -82,6 +83,43 @@ pub fn pid_state(pid: u32) -> Option<char> {
 /// Whether `pid` is alive (not a zombie) and is the same process that started at `start_time`.
 pub fn is_alive(pid: u32, start_time: u64) -> bool {
     pid != 0 && pid_start_time(pid) == Some(start_time) && !matches!(pid_state(pid), Some('Z') | Some('X') | None)
+}
+
+/// Reaps `pid` if it happens to be our child (no-op otherwise).
+fn reap(pid: u32) {
+    let mut status = 0;
+    // SAFETY: waitpid with WNOHANG on a specific pid only reads into `status`.
+    unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
+}
+
+/// Sends `sig` to `pid` if it is still the process that started at `start_time`.
+pub fn signal(pid: u32, start_time: u64, sig: libc::c_int) -> bool {
+    if !is_alive(pid, start_time) {
+        return false;
+    }
+    // SAFETY: kill(2) with a positive pid and a valid signal number has no memory effects.
+    unsafe { libc::kill(pid as libc::pid_t, sig) == 0 }
+}
+
+/// Waits until `pid` (with `start_time`) is gone; true if it is gone within `timeout`.
+pub async fn wait_gone(pid: u32, start_time: u64, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        reap(pid);
+        if !is_alive(pid, start_time) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// SIGKILLs the process and waits for it to disappear; true if it is gone.
+pub async fn kill_and_wait(pid: u32, start_time: u64, timeout: Duration) -> bool {
+    signal(pid, start_time, libc::SIGKILL);
+    wait_gone(pid, start_time, timeout).await
 }
 
 #[cfg(test)]

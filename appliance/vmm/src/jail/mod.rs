@@ -401,7 +401,7 @@ impl JailSettings {
     /// After a driver pruned the VMs `pruned`: removes their cgroup leaves, and the empty
     /// leaves older than `grace` of VMs whose directories are gone too (killed and removed
     /// outside a driver). Nothing to do when the jail is off.
-    pub fn release_leaves(&self, pruned: &[crate::driver::VmId], grace: std::time::Duration) {
+    pub fn release_leaves(&self, pruned: &[crate::id::VmId], grace: std::time::Duration) {
         let Some(jail) = self.resolve().ok().flatten() else { return };
         for id in pruned {
             jail.cgroups.leaf_of(id.as_str()).remove();

@@ -9,7 +9,6 @@ use super::qmp::Qmp;
 use crate::driver::DriverError;
 use crate::jail::output::{spawn_logged, OutputDrain, OutputError};
 use crate::jail::SpawnPlan;
-use crate::record;
 
 /// How long QEMU may take to set the VM up (until QMP answers).
 pub const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -90,39 +89,4 @@ pub fn write_pidfile(path: &Path, pid: u32) -> Result<(), DriverError> {
     std::fs::write(path, format!("{pid}\n")).map_err(|e| DriverError::io(format!("writing {}", path.display()), e))
 }
 
-/// Reaps `pid` if it happens to be our child (no-op otherwise).
-fn reap(pid: u32) {
-    let mut status = 0;
-    // SAFETY: waitpid with WNOHANG on a specific pid only reads into `status`.
-    unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
-}
-
-/// Sends `sig` to `pid` if it is still the process that started at `start_time`.
-pub fn signal(pid: u32, start_time: u64, sig: libc::c_int) -> bool {
-    if !record::is_alive(pid, start_time) {
-        return false;
-    }
-    // SAFETY: kill(2) with a positive pid and a valid signal number has no memory effects.
-    unsafe { libc::kill(pid as libc::pid_t, sig) == 0 }
-}
-
-/// Waits until `pid` (with `start_time`) is gone; true if it is gone within `timeout`.
-pub async fn wait_gone(pid: u32, start_time: u64, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        reap(pid);
-        if !record::is_alive(pid, start_time) {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-/// SIGKILLs the process and waits for it to disappear; true if it is gone.
-pub async fn kill_and_wait(pid: u32, start_time: u64, timeout: Duration) -> bool {
-    signal(pid, start_time, libc::SIGKILL);
-    wait_gone(pid, start_time, timeout).await
-}
+pub use crate::record::{kill_and_wait, signal, wait_gone};
