@@ -1,8 +1,8 @@
 //! The state every connection shares: the process table, the shell sessions, and the
 //! start time `info` reports uptime from.
 
-use crate::ops::session::SessionTable;
 use crate::procs::ProcTable;
+use crate::sessions::{SessionTable, IDLE_TTL};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,7 +32,7 @@ impl Agent {
             loop {
                 tick.tick().await;
                 let Some(agent) = weak.upgrade() else { return };
-                let reaped = agent.sessions.reap_idle(crate::ops::session::IDLE_TTL);
+                let reaped = agent.sessions.reap_idle(IDLE_TTL);
                 if reaped > 0 {
                     tracing::info!(reaped, "reaped idle sessions");
                 }

@@ -1,5 +1,9 @@
 //! The typed failure of an op, rendered as one `error{kind, message}` frame.
 
+use std::path::PathBuf;
+
+use agent_mux::AGENT_PORT_NAME;
+
 use wire::ErrorKind;
 
 /// Why an op failed. `Display` is the `message` of the `error` frame.
@@ -47,4 +51,27 @@ impl From<crate::rpc::RpcClosed> for OpError {
     fn from(_: crate::rpc::RpcClosed) -> Self {
         Self::internal("client connection closed")
     }
+}
+
+/// Why a listener could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error("bad listen spec {0:?}: expected vsock:<port>, unix:<path> or mux:auto|<device>")]
+    BadSpec(String),
+    #[error("bind {what}: {source}")]
+    Bind {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("accept on {what}: {source}")]
+    Accept {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no virtio port named {AGENT_PORT_NAME} under /sys/class/virtio-ports")]
+    NoMuxPort,
+    #[error("agent mux on {0}: {1}")]
+    Mux(PathBuf, String),
 }

@@ -16,6 +16,7 @@ pub mod mux;
 pub mod ops;
 pub mod procs;
 pub mod rpc;
+pub mod sessions;
 pub mod sys;
 
 pub use agent::Agent;

@@ -27,28 +27,7 @@ pub enum Listen {
     Mux(Option<PathBuf>),
 }
 
-/// Why a listener could not run.
-#[derive(Debug, thiserror::Error)]
-pub enum ListenError {
-    #[error("bad listen spec {0:?}: expected vsock:<port>, unix:<path> or mux:auto|<device>")]
-    BadSpec(String),
-    #[error("bind {what}: {source}")]
-    Bind {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("accept on {what}: {source}")]
-    Accept {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("no virtio port named {AGENT_PORT_NAME} under /sys/class/virtio-ports")]
-    NoMuxPort,
-    #[error("agent mux on {0}: {1}")]
-    Mux(PathBuf, String),
-}
+pub use crate::error::ListenError;
 
 impl FromStr for Listen {
     type Err = ListenError;

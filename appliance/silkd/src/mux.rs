@@ -7,7 +7,7 @@
 //! the engine: foreground ops see the client gone; sessions and detached processes live on.
 
 use crate::agent::Agent;
-use crate::listen::ListenError;
+use crate::error::ListenError;
 use agent_mux::guest::{Handler, HandlerFuture};
 use agent_mux::port::PortDevice;
 use agent_mux::MuxStream;

@@ -16,7 +16,7 @@ use crate::rpc::Input;
 use wire::{DecodeError, ErrorKind, Request, Response};
 
 /// The message of the error that answers a continuation frame opening a connection.
-pub const STRAY_MESSAGE: &str = "stray data/stdin frame";
+pub use crate::ops::STRAY_MESSAGE;
 
 /// What the driver must do with one inbound frame.
 #[derive(Debug, PartialEq)]

@@ -1,6 +1,9 @@
 //! One module per op family. Each op is `async fn(&mut Rpc, …) -> Result<(), OpError>`;
 //! [`dispatch`] routes a request to its op.
 
+/// The answer to a data or stdin frame that belongs to no running op.
+pub const STRAY_MESSAGE: &str = "stray data/stdin frame";
+
 pub mod entropy;
 pub mod exec;
 pub mod fs;
@@ -26,7 +29,7 @@ pub async fn dispatch(rpc: &mut Rpc, agent: &Arc<Agent>, req: Request) -> Result
             exec::exec(rpc, agent, exec::ExecRequest { argv, cwd, env, user, detach, session }).await
         }
         Request::Stdin { .. } | Request::StdinClose | Request::Data { .. } | Request::DataEnd => {
-            Err(OpError::bad_request(crate::conn::state::STRAY_MESSAGE))
+            Err(OpError::bad_request(STRAY_MESSAGE))
         }
         Request::Ps => proc::ps(rpc, agent).await,
         Request::Kill { pid, signal } => proc::kill(rpc, agent, pid, signal).await,

@@ -24,118 +24,20 @@
 
 use super::pump::CHUNK;
 use crate::agent::Agent;
-use crate::error::OpError;
-use crate::rpc::{Rpc, RpcClosed};
-use crate::sys::{self, Env};
-use nix::sys::signal::Signal;
-use std::collections::BTreeMap;
-use std::process::Stdio;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::{Child, ChildStdin, ChildStdout};
-use wire::Response;
+use crate::sessions::{lock, SessionIo};
+pub use crate::sessions::{Session, SessionTable, IDLE_TTL};
 
-/// Sessions with no command for this long are reaped.
-pub const IDLE_TTL: Duration = Duration::from_secs(30 * 60);
 /// Cap on the bytes after an end marker scanned for its exit code line.
 const CODE_LINE_MAX: usize = 64;
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The guarded data stays consistent across a panic elsewhere; keep serving.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-struct SessionIo {
-    stdin: ChildStdin,
-    stdout: ChildStdout,
-    child: Child,
-}
-
-/// One persistent shell.
-pub struct Session {
-    pub id: String,
-    pub pid: u32,
-    io: tokio::sync::Mutex<SessionIo>,
-    last_used: Mutex<Instant>,
-}
-
-impl std::fmt::Debug for Session {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Session").field("id", &self.id).field("pid", &self.pid).finish()
-    }
-}
-
-impl Session {
-    fn touch(&self) {
-        *lock(&self.last_used) = Instant::now();
-    }
-
-    fn kill(&self) {
-        if let Err(err) = sys::signal_group(self.pid, Signal::SIGKILL) {
-            tracing::debug!(id = %self.id, %err, "session already gone");
-        }
-    }
-}
-
-/// Every live session, by id.
-#[derive(Debug, Default)]
-pub struct SessionTable {
-    map: Mutex<BTreeMap<String, Arc<Session>>>,
-}
-
-impl SessionTable {
-    pub fn len(&self) -> usize {
-        lock(&self.map).len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub fn get(&self, id: &str) -> Option<Arc<Session>> {
-        lock(&self.map).get(id).cloned()
-    }
-
-    pub fn ids(&self) -> Vec<String> {
-        lock(&self.map).keys().cloned().collect()
-    }
-
-    /// Removes and kills a session; `false` if there was none.
-    pub fn remove(&self, id: &str) -> bool {
-        let removed = lock(&self.map).remove(id);
-        match removed {
-            Some(s) => {
-                s.kill();
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn remove_exact(&self, session: &Arc<Session>) {
-        let mut map = lock(&self.map);
-        if map.get(&session.id).is_some_and(|s| Arc::ptr_eq(s, session)) {
-            map.remove(&session.id);
-        }
-    }
-
-    /// Kills sessions idle for longer than `ttl` (one running a command is never idle).
-    pub fn reap_idle(&self, ttl: Duration) -> usize {
-        let mut map = lock(&self.map);
-        let idle: Vec<String> = map
-            .iter()
-            .filter(|(_, s)| s.io.try_lock().is_ok() && lock(&s.last_used).elapsed() > ttl)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in &idle {
-            if let Some(s) = map.remove(id) {
-                s.kill();
-            }
-        }
-        idle.len()
-    }
-}
+use crate::error::OpError;
+use crate::rpc::{Rpc, RpcClosed};
+use crate::sys::{self, Env};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use wire::Response;
 
 /// POSIX single-quoting.
 fn shell_quote(s: &str) -> String {
