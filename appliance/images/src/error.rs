@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::reference::Digest;
+use crate::reference::{BadRef, Digest};
 
 /// Errors of the image library.
 #[derive(Debug, thiserror::Error)]
@@ -100,5 +100,11 @@ impl ImageError {
     /// Shorthand for [`ImageError::NotFound`].
     pub(crate) fn not_found(reference: impl ToString) -> ImageError {
         ImageError::NotFound { reference: reference.to_string() }
+    }
+}
+
+impl From<BadRef> for ImageError {
+    fn from(e: BadRef) -> Self {
+        ImageError::BadRef { reference: e.reference, reason: e.reason }
     }
 }

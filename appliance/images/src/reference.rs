@@ -12,7 +12,16 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 
-use crate::error::ImageError;
+/// A string that is not a valid `repo[:tag]` reference or `sha256:<hex>` digest (it becomes
+/// [`crate::ImageError::BadRef`] where a store operation meets it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid reference {reference:?}: {reason}")]
+pub struct BadRef {
+    /// The string.
+    pub reference: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
 
 /// The tag a bare `repo` means.
 pub const DEFAULT_TAG: &str = "latest";
@@ -31,8 +40,8 @@ impl Digest {
     pub const PREFIX: &'static str = "sha256:";
 
     /// Parses `sha256:<64 lowercase hex>`.
-    pub fn parse(s: &str) -> Result<Self, ImageError> {
-        let bad = |reason: &str| ImageError::BadRef { reference: s.to_string(), reason: reason.to_string() };
+    pub fn parse(s: &str) -> Result<Self, BadRef> {
+        let bad = |reason: &str| BadRef { reference: s.to_string(), reason: reason.to_string() };
         let hex = s.strip_prefix(Self::PREFIX).ok_or_else(|| bad("a digest starts with sha256:"))?;
         Self::from_hex(hex).ok_or_else(|| bad("a sha256 digest has 64 lowercase hex digits"))
     }
@@ -71,14 +80,14 @@ impl fmt::Display for Digest {
 }
 
 impl FromStr for Digest {
-    type Err = ImageError;
+    type Err = BadRef;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Digest::parse(s)
     }
 }
 
 impl TryFrom<String> for Digest {
-    type Error = ImageError;
+    type Error = BadRef;
     fn try_from(s: String) -> Result<Self, Self::Error> {
         Digest::parse(&s)
     }
@@ -113,8 +122,8 @@ fn tag_ok(t: &str) -> bool {
 
 impl Reference {
     /// Parses and validates `repo[:tag]`.
-    pub fn parse(s: &str) -> Result<Self, ImageError> {
-        let bad = |reason: &str| ImageError::BadRef { reference: s.to_string(), reason: reason.to_string() };
+    pub fn parse(s: &str) -> Result<Self, BadRef> {
+        let bad = |reason: &str| BadRef { reference: s.to_string(), reason: reason.to_string() };
         if Digest::looks_like(s) {
             return Err(bad("a digest is not a name"));
         }
@@ -157,14 +166,14 @@ impl fmt::Display for Reference {
 }
 
 impl FromStr for Reference {
-    type Err = ImageError;
+    type Err = BadRef;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Reference::parse(s)
     }
 }
 
 impl TryFrom<String> for Reference {
-    type Error = ImageError;
+    type Error = BadRef;
     fn try_from(s: String) -> Result<Self, Self::Error> {
         Reference::parse(&s)
     }
@@ -213,7 +222,7 @@ mod tests {
             "é",
             "sha256:0000000000000000000000000000000000000000000000000000000000000000",
         ] {
-            assert!(matches!(Reference::parse(s), Err(ImageError::BadRef { .. })), "{s:?} must be refused");
+            assert!(matches!(Reference::parse(s), Err(BadRef { .. })), "{s:?} must be refused");
         }
         assert!(Reference::parse(&format!("a:{}", "t".repeat(129))).is_err());
         assert!(Reference::parse(&format!("a:{}", "t".repeat(128))).is_ok());

@@ -19,7 +19,6 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 
-
 use crate::config::Settings;
 pub use crate::layout::{Layout, ServiceName};
 use crate::secrets::Secrets;

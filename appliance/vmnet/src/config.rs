@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use ipnet::Ipv4Net;
 use serde::{Deserialize, Serialize};
 
-use crate::filter::FilterPolicy;
 use crate::VmnetError;
 
 /// The default bridge name.
@@ -67,7 +66,7 @@ fn default_table() -> String {
 }
 
 fn default_tap_prefix() -> String {
-    crate::ipam::TAP_PREFIX.to_string()
+    TAP_PREFIX.to_string()
 }
 
 /// True for a usable nft table name of ours: `[a-z][a-z0-9_]{0,31}`.
@@ -171,6 +170,43 @@ impl NetConfig {
         }
         Ok(())
     }
+}
+
+/// Prefix of every TAP name this crate makes (the default [`NetConfig::tap_prefix`]).
+pub const TAP_PREFIX: &str = "ct-";
+
+/// A transport protocol of the allow-list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Proto {
+    /// TCP.
+    Tcp,
+    /// UDP.
+    Udp,
+}
+
+/// One host service VMs may reach at their gateway: `tcp/PORT` or `udp/PORT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct HostPort {
+    /// The protocol.
+    pub proto: Proto,
+    /// The port (1-65535).
+    pub port: u16,
+}
+
+/// What the node lets its VMs reach (see the module doc). Default: nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FilterPolicy {
+    /// Host services VMs may reach at their gateway (`VK_NET_HOST_ALLOW`).
+    #[serde(default)]
+    pub host_allow: Vec<HostPort>,
+    /// The interface egress traffic leaves by, masqueraded (`VK_NET_UPLINK`); `None`: no VM has
+    /// a route out.
+    #[serde(default)]
+    pub uplink: Option<String>,
+    /// Destinations refused on top of [`crate::filter::ALWAYS_REFUSED`] (`VK_NET_REFUSE`).
+    #[serde(default)]
+    pub refuse: Vec<Ipv4Net>,
 }
 
 #[cfg(test)]

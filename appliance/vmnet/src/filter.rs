@@ -41,10 +41,11 @@ use std::net::Ipv4Addr;
 use std::str::FromStr;
 
 use ipnet::Ipv4Net;
-use serde::{Deserialize, Serialize};
 
+use crate::config::TAP_PREFIX;
 use crate::config::{valid_ifname, NetConfig};
-use crate::ipam::{Lease, TAP_PREFIX};
+pub use crate::config::{FilterPolicy, HostPort, Proto};
+use crate::ipam::Lease;
 
 /// The default name of both tables ([`NetConfig::table`]).
 pub const TABLE: &str = crate::config::DEFAULT_TABLE;
@@ -104,15 +105,6 @@ pub enum FilterError {
     },
 }
 
-/// A transport protocol of the allow-list.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Proto {
-    /// TCP.
-    Tcp,
-    /// UDP.
-    Udp,
-}
-
 impl Proto {
     fn as_str(self) -> &'static str {
         match self {
@@ -120,16 +112,6 @@ impl Proto {
             Proto::Udp => "udp",
         }
     }
-}
-
-/// One host service VMs may reach at their gateway: `tcp/PORT` or `udp/PORT`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub struct HostPort {
-    /// The protocol.
-    pub proto: Proto,
-    /// The port (1-65535).
-    pub port: u16,
 }
 
 impl fmt::Display for HostPort {
@@ -196,21 +178,6 @@ pub fn parse_refuse(s: &str) -> Result<Vec<Ipv4Net>, FilterError> {
 /// True for a usable shared-group name.
 pub fn valid_group(g: &str) -> bool {
     !g.is_empty() && g.len() <= 253 && g.bytes().all(|b| b.is_ascii_graphic())
-}
-
-/// What the node lets its VMs reach (see the module doc). Default: nothing.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FilterPolicy {
-    /// Host services VMs may reach at their gateway (`VK_NET_HOST_ALLOW`).
-    #[serde(default)]
-    pub host_allow: Vec<HostPort>,
-    /// The interface egress traffic leaves by, masqueraded (`VK_NET_UPLINK`); `None`: no VM has
-    /// a route out.
-    #[serde(default)]
-    pub uplink: Option<String>,
-    /// Destinations refused on top of [`ALWAYS_REFUSED`] (`VK_NET_REFUSE`).
-    #[serde(default)]
-    pub refuse: Vec<Ipv4Net>,
 }
 
 impl FilterPolicy {

@@ -34,8 +34,7 @@ use sha2::{Digest, Sha256};
 use crate::config::NetConfig;
 use crate::VmnetError;
 
-/// Prefix of every TAP name this crate makes.
-pub const TAP_PREFIX: &str = "ct-";
+pub use crate::config::TAP_PREFIX;
 
 /// An Ethernet MAC address; text form `02:ab:cd:ef:01:23`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
