@@ -11,6 +11,7 @@ pub mod bootstrap;
 pub mod discovery;
 pub mod jws;
 pub mod kubeconfig;
+#[cfg(any(test, feature = "test-utils"))]
 pub mod tls;
 pub mod token;
 

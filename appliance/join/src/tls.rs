@@ -2,7 +2,8 @@
 //! the handshake signatures: for clients of self-signed endpoints in tests (vnode's kubelet
 //! port tests). The join itself never uses it: its one unverified read (the first
 //! `cluster-info` fetch) goes through kube's `accept_invalid_certs` and is trusted only once
-//! its JWS verifies.
+//! its JWS verifies. Compiled only for tests (`cfg(test)` or the `test-utils` feature, which
+//! only dev-dependencies enable).
 
 use std::sync::Arc;
 
