@@ -24,9 +24,7 @@ impl Protocol {
     /// (comma-separated; several headers may be joined with ',').
     pub fn negotiate(offered: &str) -> Option<Protocol> {
         let offers = || offered.split(',').map(str::trim);
-        [Protocol::V5, Protocol::V4]
-            .into_iter()
-            .find(|protocol| offers().any(|offer| offer == protocol.name()))
+        [Protocol::V5, Protocol::V4].into_iter().find(|protocol| offers().any(|offer| offer == protocol.name()))
     }
 
     /// The subprotocol's name, as echoed in the upgrade response.
@@ -116,9 +114,7 @@ pub fn parse(protocol: Protocol, msg: &[u8]) -> Result<Inbound, ChannelError> {
             if data.len() > MAX_RESIZE_BYTES {
                 return Err(ChannelError::ResizeTooLarge(data.len()));
             }
-            serde_json::from_slice(data)
-                .map(Inbound::Resize)
-                .map_err(ChannelError::BadResize)
+            serde_json::from_slice(data).map(Inbound::Resize).map_err(ChannelError::BadResize)
         }
         CLOSE if protocol == Protocol::V5 => match data {
             [STDIN] => Ok(Inbound::StdinClosed),
@@ -207,10 +203,7 @@ pub fn status_exit(code: i32) -> Vec<u8> {
         message: format!("command terminated with non-zero exit code {code}"),
         reason: Some(StatusReason::NonZeroExitCode),
         details: Some(StatusDetails {
-            causes: vec![StatusCause {
-                reason: CauseType::ExitCode,
-                message: code.to_string(),
-            }],
+            causes: vec![StatusCause { reason: CauseType::ExitCode, message: code.to_string() }],
         }),
     })
 }
@@ -235,10 +228,7 @@ mod tests {
     fn negotiation_prefers_v5_and_ignores_unknown_protocols() {
         let offered = "v5.channel.k8s.io, v4.channel.k8s.io,v3.channel.k8s.io";
         assert_eq!(Protocol::negotiate(offered), Some(Protocol::V5));
-        assert_eq!(
-            Protocol::negotiate("v3.channel.k8s.io , v4.channel.k8s.io"),
-            Some(Protocol::V4)
-        );
+        assert_eq!(Protocol::negotiate("v3.channel.k8s.io , v4.channel.k8s.io"), Some(Protocol::V4));
         assert_eq!(Protocol::negotiate("channel.k8s.io, base64.channel.k8s.io"), None);
         assert_eq!(Protocol::negotiate(""), None);
         assert_eq!(Protocol::V5.name(), "v5.channel.k8s.io");
@@ -259,27 +249,15 @@ mod tests {
         assert_eq!(parse(Protocol::V4, &[CLOSE, STDIN])?, Inbound::Ignored);
         assert_eq!(parse(Protocol::V4, &[STDOUT, 1])?, Inbound::Ignored);
         let resize = frame(RESIZE, br#"{"Width":80,"Height":24}"#);
-        assert_eq!(
-            parse(Protocol::V4, &resize)?,
-            Inbound::Resize(TermSize {
-                width: 80,
-                height: 24
-            })
-        );
+        assert_eq!(parse(Protocol::V4, &resize)?, Inbound::Resize(TermSize { width: 80, height: 24 }));
         Ok(())
     }
 
     #[test]
     fn refuses_malformed_messages() {
         assert!(matches!(parse(Protocol::V5, &[]), Err(ChannelError::Empty)));
-        assert!(matches!(
-            parse(Protocol::V5, &[CLOSE]),
-            Err(ChannelError::BadClose(1))
-        ));
-        assert!(matches!(
-            parse(Protocol::V5, &frame(RESIZE, b"{\"Width\":-1}")),
-            Err(ChannelError::BadResize(_))
-        ));
+        assert!(matches!(parse(Protocol::V5, &[CLOSE]), Err(ChannelError::BadClose(1))));
+        assert!(matches!(parse(Protocol::V5, &frame(RESIZE, b"{\"Width\":-1}")), Err(ChannelError::BadResize(_))));
     }
 
     #[test]
@@ -300,10 +278,7 @@ mod tests {
 
     #[test]
     fn statuses_have_the_shapes_client_go_decodes() {
-        assert_eq!(
-            json(&status_success()),
-            serde_json::json!({"metadata": {}, "status": "Success"})
-        );
+        assert_eq!(json(&status_success()), serde_json::json!({"metadata": {}, "status": "Success"}));
         assert_eq!(status_exit(0), status_success());
         assert_eq!(
             json(&status_exit(3)),
@@ -315,10 +290,7 @@ mod tests {
                 "details": {"causes": [{"reason": "ExitCode", "message": "3"}]},
             })
         );
-        assert_eq!(
-            json(&status_exit(-9))["details"]["causes"][0]["message"],
-            "255"
-        );
+        assert_eq!(json(&status_exit(-9))["details"]["causes"][0]["message"], "255");
         assert_eq!(
             json(&status_error("no such container")),
             serde_json::json!({

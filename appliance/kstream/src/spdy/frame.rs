@@ -85,11 +85,7 @@ pub enum Frame {
         headers: Headers,
     },
     /// Accepts a stream.
-    SynReply {
-        stream_id: u32,
-        fin: bool,
-        headers: Headers,
-    },
+    SynReply { stream_id: u32, fin: bool, headers: Headers },
     /// Ends a stream abnormally; `status` is one of [`rst`].
     RstStream { stream_id: u32, status: u32 },
     /// Connection settings.
@@ -99,19 +95,11 @@ pub enum Frame {
     /// The sender opens no more streams; `status` is one of [`goaway`].
     GoAway { last_good_stream_id: u32, status: u32 },
     /// More headers on a stream.
-    Headers {
-        stream_id: u32,
-        fin: bool,
-        headers: Headers,
-    },
+    Headers { stream_id: u32, fin: bool, headers: Headers },
     /// Flow-control credit.
     WindowUpdate { stream_id: u32, delta: u32 },
     /// A stream's bytes; `fin` half-closes the sender's side.
-    Data {
-        stream_id: u32,
-        fin: bool,
-        data: Bytes,
-    },
+    Data { stream_id: u32, fin: bool, data: Bytes },
 }
 
 /// Reads frames from the peer; decompresses every header block in order, whether or not the
@@ -156,25 +144,14 @@ impl FrameDecoder {
                 let stream_id = p.get_u32() & ID_MASK;
                 let headers = self.headers.decompress(&p)?;
                 if kind == TYPE_SYN_REPLY {
-                    Frame::SynReply {
-                        stream_id,
-                        fin,
-                        headers,
-                    }
+                    Frame::SynReply { stream_id, fin, headers }
                 } else {
-                    Frame::Headers {
-                        stream_id,
-                        fin,
-                        headers,
-                    }
+                    Frame::Headers { stream_id, fin, headers }
                 }
             }
             TYPE_RST_STREAM => {
                 need(&p, 8, true)?;
-                Frame::RstStream {
-                    stream_id: p.get_u32() & ID_MASK,
-                    status: p.get_u32(),
-                }
+                Frame::RstStream { stream_id: p.get_u32() & ID_MASK, status: p.get_u32() }
             }
             TYPE_SETTINGS => {
                 need(&p, 4, false)?;
@@ -185,17 +162,10 @@ impl FrameDecoder {
                 let entries = (0..count)
                     .map(|_| {
                         let word = p.get_u32();
-                        Setting {
-                            flags: (word >> 24) as u8,
-                            id: word & 0xff_ffff,
-                            value: p.get_u32(),
-                        }
+                        Setting { flags: (word >> 24) as u8, id: word & 0xff_ffff, value: p.get_u32() }
                     })
                     .collect();
-                Frame::Settings {
-                    clear: flags & FLAG_CLEAR_SETTINGS != 0,
-                    entries,
-                }
+                Frame::Settings { clear: flags & FLAG_CLEAR_SETTINGS != 0, entries }
             }
             TYPE_PING => {
                 need(&p, 4, true)?;
@@ -203,17 +173,11 @@ impl FrameDecoder {
             }
             TYPE_GOAWAY => {
                 need(&p, 8, true)?;
-                Frame::GoAway {
-                    last_good_stream_id: p.get_u32() & ID_MASK,
-                    status: p.get_u32(),
-                }
+                Frame::GoAway { last_good_stream_id: p.get_u32() & ID_MASK, status: p.get_u32() }
             }
             TYPE_WINDOW_UPDATE => {
                 need(&p, 8, true)?;
-                Frame::WindowUpdate {
-                    stream_id: p.get_u32() & ID_MASK,
-                    delta: p.get_u32() & ID_MASK,
-                }
+                Frame::WindowUpdate { stream_id: p.get_u32() & ID_MASK, delta: p.get_u32() & ID_MASK }
             }
             // Section 2.2.1: a control frame of an unknown type is ignored.
             _ => return Ok(None),
@@ -243,11 +207,7 @@ impl Decoder for FrameDecoder {
             let flags = head[4];
             let len = u32::from_be_bytes([0, head[5], head[6], head[7]]) as usize;
             let control = word & 0x8000_0000 != 0;
-            let cap = if control {
-                self.max_control
-            } else {
-                self.max_data
-            };
+            let cap = if control { self.max_control } else { self.max_data };
             if len > cap {
                 return Err(SpdyError::FrameTooLarge { len, cap });
             }
@@ -258,11 +218,7 @@ impl Decoder for FrameDecoder {
             src.advance(HEADER_LEN);
             let payload = src.split_to(len).freeze();
             if !control {
-                return Ok(Some(Frame::Data {
-                    stream_id: word & ID_MASK,
-                    fin: flags & FLAG_FIN != 0,
-                    data: payload,
-                }));
+                return Ok(Some(Frame::Data { stream_id: word & ID_MASK, fin: flags & FLAG_FIN != 0, data: payload }));
             }
             let version = ((word >> 16) & 0x7fff) as u16;
             if version != VERSION {
@@ -283,9 +239,7 @@ pub struct FrameEncoder {
 impl FrameEncoder {
     /// An encoder for a fresh connection.
     pub fn new() -> Result<FrameEncoder, SpdyError> {
-        Ok(FrameEncoder {
-            headers: HeaderCompressor::new()?,
-        })
+        Ok(FrameEncoder { headers: HeaderCompressor::new()? })
     }
 }
 
@@ -295,10 +249,7 @@ fn put_control(dst: &mut BytesMut, kind: u16, flags: u8, payload: &[u8]) -> Resu
 
 fn put_head(dst: &mut BytesMut, word: u32, flags: u8, payload: &[u8]) -> Result<(), SpdyError> {
     if payload.len() > MAX_LENGTH {
-        return Err(SpdyError::FrameTooLarge {
-            len: payload.len(),
-            cap: MAX_LENGTH,
-        });
+        return Err(SpdyError::FrameTooLarge { len: payload.len(), cap: MAX_LENGTH });
     }
     dst.reserve(HEADER_LEN + payload.len());
     dst.put_u32(word);
@@ -322,15 +273,7 @@ impl Encoder<Frame> for FrameEncoder {
     fn encode(&mut self, frame: Frame, dst: &mut BytesMut) -> Result<(), SpdyError> {
         let mut p = BytesMut::new();
         match frame {
-            Frame::SynStream {
-                stream_id,
-                associated_to,
-                priority,
-                slot,
-                fin,
-                unidirectional,
-                headers,
-            } => {
+            Frame::SynStream { stream_id, associated_to, priority, slot, fin, unidirectional, headers } => {
                 p.put_u32(stream_id & ID_MASK);
                 p.put_u32(associated_to & ID_MASK);
                 p.put_u8((priority & 0x7) << 5);
@@ -339,20 +282,12 @@ impl Encoder<Frame> for FrameEncoder {
                 let flags = flag(fin, FLAG_FIN) | flag(unidirectional, FLAG_UNIDIRECTIONAL);
                 put_control(dst, TYPE_SYN_STREAM, flags, &p)
             }
-            Frame::SynReply {
-                stream_id,
-                fin,
-                headers,
-            } => {
+            Frame::SynReply { stream_id, fin, headers } => {
                 p.put_u32(stream_id & ID_MASK);
                 p.put_slice(&self.headers.compress(&headers)?);
                 put_control(dst, TYPE_SYN_REPLY, flag(fin, FLAG_FIN), &p)
             }
-            Frame::Headers {
-                stream_id,
-                fin,
-                headers,
-            } => {
+            Frame::Headers { stream_id, fin, headers } => {
                 p.put_u32(stream_id & ID_MASK);
                 p.put_slice(&self.headers.compress(&headers)?);
                 put_control(dst, TYPE_HEADERS, flag(fin, FLAG_FIN), &p)
@@ -371,10 +306,7 @@ impl Encoder<Frame> for FrameEncoder {
                 put_control(dst, TYPE_SETTINGS, flag(clear, FLAG_CLEAR_SETTINGS), &p)
             }
             Frame::Ping { id } => put_control(dst, TYPE_PING, 0, &id.to_be_bytes()),
-            Frame::GoAway {
-                last_good_stream_id,
-                status,
-            } => {
+            Frame::GoAway { last_good_stream_id, status } => {
                 p.put_u32(last_good_stream_id & ID_MASK);
                 p.put_u32(status);
                 put_control(dst, TYPE_GOAWAY, 0, &p)
@@ -384,11 +316,7 @@ impl Encoder<Frame> for FrameEncoder {
                 p.put_u32(delta & ID_MASK);
                 put_control(dst, TYPE_WINDOW_UPDATE, 0, &p)
             }
-            Frame::Data {
-                stream_id,
-                fin,
-                data,
-            } => put_head(dst, stream_id & ID_MASK, flag(fin, FLAG_FIN), &data),
+            Frame::Data { stream_id, fin, data } => put_head(dst, stream_id & ID_MASK, flag(fin, FLAG_FIN), &data),
         }
     }
 }

@@ -51,63 +51,20 @@ fn every_frame_type_round_trips() -> Result<(), SpdyError> {
             unidirectional: false,
             headers: headers(&[("a", "b\0c")]),
         },
-        Frame::SynReply {
-            stream_id: 1,
-            fin: false,
-            headers: Headers::new(),
-        },
-        Frame::SynReply {
-            stream_id: 3,
-            fin: true,
-            headers: h.clone(),
-        },
-        Frame::RstStream {
-            stream_id: 5,
-            status: rst::CANCEL,
-        },
+        Frame::SynReply { stream_id: 1, fin: false, headers: Headers::new() },
+        Frame::SynReply { stream_id: 3, fin: true, headers: h.clone() },
+        Frame::RstStream { stream_id: 5, status: rst::CANCEL },
         Frame::Settings {
             clear: true,
-            entries: vec![
-                Setting {
-                    flags: 1,
-                    id: 7,
-                    value: 65536,
-                },
-                Setting {
-                    flags: 0,
-                    id: 4,
-                    value: 100,
-                },
-            ],
+            entries: vec![Setting { flags: 1, id: 7, value: 65536 }, Setting { flags: 0, id: 4, value: 100 }],
         },
-        Frame::Settings {
-            clear: false,
-            entries: vec![],
-        },
+        Frame::Settings { clear: false, entries: vec![] },
         Frame::Ping { id: 0xdead_beef },
-        Frame::GoAway {
-            last_good_stream_id: 9,
-            status: goaway::PROTOCOL_ERROR,
-        },
-        Frame::Headers {
-            stream_id: 1,
-            fin: true,
-            headers: h,
-        },
-        Frame::WindowUpdate {
-            stream_id: 1,
-            delta: 1 << 20,
-        },
-        Frame::Data {
-            stream_id: 1,
-            fin: false,
-            data: Bytes::from_static(b"hello"),
-        },
-        Frame::Data {
-            stream_id: 1,
-            fin: true,
-            data: Bytes::new(),
-        },
+        Frame::GoAway { last_good_stream_id: 9, status: goaway::PROTOCOL_ERROR },
+        Frame::Headers { stream_id: 1, fin: true, headers: h },
+        Frame::WindowUpdate { stream_id: 1, delta: 1 << 20 },
+        Frame::Data { stream_id: 1, fin: false, data: Bytes::from_static(b"hello") },
+        Frame::Data { stream_id: 1, fin: true, data: Bytes::new() },
     ])
 }
 
@@ -116,19 +73,11 @@ fn every_frame_type_round_trips() -> Result<(), SpdyError> {
 #[test]
 fn decodes_a_go_syn_stream() -> Result<(), SpdyError> {
     let hex = "800300010000003e0000000100000000000078f9e3c6a7c202253a48f95b044eea160616060c0c0c9c4590f8ca04a5634603704a2c294a4dcc851636aca9a0a800000000ffff";
-    let wire: Vec<u8> = (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap_or_default())
-        .collect();
+    let wire: Vec<u8> =
+        (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap_or_default()).collect();
     let mut src = BytesMut::from(&wire[..]);
     let frame = FrameDecoder::new(&Limits::default()).decode(&mut src)?;
-    let Some(Frame::SynStream {
-        stream_id: 1,
-        fin: false,
-        headers,
-        ..
-    }) = frame
-    else {
+    let Some(Frame::SynStream { stream_id: 1, fin: false, headers, .. }) = frame else {
         panic!("not a SYN_STREAM: {frame:?}");
     };
     assert_eq!(headers.get("streamtype"), Some("error"));
@@ -152,16 +101,10 @@ fn malformed_frames_are_refused() -> Result<(), SpdyError> {
     let limits = Limits::default();
     let mut src = BytesMut::new();
     put_control(&mut src, TYPE_PING, 0, &[0, 0, 0, 1, 2])?;
-    assert!(matches!(
-        FrameDecoder::new(&limits).decode(&mut src),
-        Err(SpdyError::BadFrame(_))
-    ));
+    assert!(matches!(FrameDecoder::new(&limits).decode(&mut src), Err(SpdyError::BadFrame(_))));
     let mut src = BytesMut::new();
     put_head(&mut src, 0x8000_0000 | 2 << 16 | 6, 0, &[0; 4])?;
-    assert!(matches!(
-        FrameDecoder::new(&limits).decode(&mut src),
-        Err(SpdyError::Version(2))
-    ));
+    assert!(matches!(FrameDecoder::new(&limits).decode(&mut src), Err(SpdyError::Version(2))));
     let mut src = BytesMut::new();
     put_control(&mut src, TYPE_SETTINGS, 0, &[0, 0, 0, 2, 0, 0, 0, 1])?;
     assert!(FrameDecoder::new(&limits).decode(&mut src).is_err());
@@ -170,31 +113,19 @@ fn malformed_frames_are_refused() -> Result<(), SpdyError> {
 
 #[test]
 fn data_frame_over_the_cap_is_refused_from_its_header() -> Result<(), SpdyError> {
-    let limits = Limits {
-        max_frame_size: 16,
-        ..Limits::default()
-    };
+    let limits = Limits { max_frame_size: 16, ..Limits::default() };
     let mut src = BytesMut::new();
     put_head(&mut src, 1, 0, &[0; 17])?;
     src.truncate(HEADER_LEN);
-    assert!(matches!(
-        FrameDecoder::new(&limits).decode(&mut src),
-        Err(SpdyError::FrameTooLarge { len: 17, cap: 16 })
-    ));
+    assert!(matches!(FrameDecoder::new(&limits).decode(&mut src), Err(SpdyError::FrameTooLarge { len: 17, cap: 16 })));
     Ok(())
 }
 
 #[test]
 fn header_block_over_the_cap_is_refused() -> Result<(), SpdyError> {
-    let limits = Limits {
-        max_header_block: 32,
-        ..Limits::default()
-    };
+    let limits = Limits { max_header_block: 32, ..Limits::default() };
     let mut src = BytesMut::new();
     put_control(&mut src, TYPE_SYN_STREAM, 0, &[0; 33])?;
-    assert!(matches!(
-        FrameDecoder::new(&limits).decode(&mut src),
-        Err(SpdyError::FrameTooLarge { len: 33, cap: 32 })
-    ));
+    assert!(matches!(FrameDecoder::new(&limits).decode(&mut src), Err(SpdyError::FrameTooLarge { len: 33, cap: 32 })));
     Ok(())
 }

@@ -34,10 +34,7 @@ impl Headers {
 
     /// The first value of `name` (any case).
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .and_then(|(_, v)| v.split(VALUE_SEPARATOR).next())
+        self.0.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).and_then(|(_, v)| v.split(VALUE_SEPARATOR).next())
     }
 
     /// All entries, in order; a value sent several times holds its values NUL-separated.
@@ -87,9 +84,7 @@ fn put_len(out: &mut Vec<u8>, len: usize) {
 }
 
 fn take_len(rest: &mut &[u8]) -> Result<usize, SpdyError> {
-    let (len, tail) = rest
-        .split_first_chunk::<4>()
-        .ok_or(SpdyError::BadHeaderBlock("truncated length"))?;
+    let (len, tail) = rest.split_first_chunk::<4>().ok_or(SpdyError::BadHeaderBlock("truncated length"))?;
     *rest = tail;
     Ok(u32::from_be_bytes(*len) as usize)
 }
@@ -112,8 +107,7 @@ pub(crate) struct HeaderCompressor {
 impl HeaderCompressor {
     pub(crate) fn new() -> Result<HeaderCompressor, SpdyError> {
         let mut zlib = Compress::new(Compression::default(), true);
-        zlib.set_dictionary(&HEADER_DICTIONARY)
-            .map_err(|e| SpdyError::Compress(e.to_string()))?;
+        zlib.set_dictionary(&HEADER_DICTIONARY).map_err(|e| SpdyError::Compress(e.to_string()))?;
         Ok(HeaderCompressor { zlib })
     }
 
@@ -151,10 +145,7 @@ pub(crate) struct HeaderDecompressor {
 
 impl HeaderDecompressor {
     pub(crate) fn new(max_bytes: usize) -> HeaderDecompressor {
-        HeaderDecompressor {
-            zlib: Decompress::new(true),
-            max_bytes,
-        }
+        HeaderDecompressor { zlib: Decompress::new(true), max_bytes }
     }
 
     /// Decompresses and parses one block; refuses a block that inflates past `max_bytes`.
@@ -163,18 +154,11 @@ impl HeaderDecompressor {
         let mut consumed = 0;
         loop {
             let (in_before, out_before) = (self.zlib.total_in(), out.len());
-            match self
-                .zlib
-                .decompress_vec(&block[consumed..], &mut out, FlushDecompress::Sync)
-            {
+            match self.zlib.decompress_vec(&block[consumed..], &mut out, FlushDecompress::Sync) {
                 Ok(Status::Ok | Status::BufError) => {}
-                Ok(Status::StreamEnd) => {
-                    return Err(SpdyError::BadHeaderBlock("compression stream ended"))
-                }
+                Ok(Status::StreamEnd) => return Err(SpdyError::BadHeaderBlock("compression stream ended")),
                 Err(e) if e.needs_dictionary().is_some() => {
-                    self.zlib
-                        .set_dictionary(&HEADER_DICTIONARY)
-                        .map_err(|e| SpdyError::Decompress(e.to_string()))?;
+                    self.zlib.set_dictionary(&HEADER_DICTIONARY).map_err(|e| SpdyError::Decompress(e.to_string()))?;
                 }
                 Err(e) => return Err(SpdyError::Decompress(e.to_string())),
             }
@@ -190,10 +174,7 @@ impl HeaderDecompressor {
                 // Grow towards one byte past the cap, which is enough to tell a bomb.
                 let room = (out.capacity() * 2).min(self.max_bytes + 1) - out.len();
                 out.reserve_exact(room.max(1));
-            } else if consumed < block.len()
-                && self.zlib.total_in() == in_before
-                && out.len() == out_before
-            {
+            } else if consumed < block.len() && self.zlib.total_in() == in_before && out.len() == out_before {
                 return Err(SpdyError::Decompress("no progress in header block".into()));
             }
         }
@@ -213,19 +194,13 @@ mod tests {
     }
 
     fn sorted(h: &Headers) -> Vec<(String, String)> {
-        let mut v: Vec<_> = h
-            .iter()
-            .map(|(n, v)| (n.to_owned(), v.to_owned()))
-            .collect();
+        let mut v: Vec<_> = h.iter().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
         v.sort();
         v
     }
 
     fn unhex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap_or_default())
-            .collect()
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap_or_default()).collect()
     }
 
     #[test]
@@ -254,7 +229,9 @@ mod tests {
     /// only the set of headers is compared.
     #[test]
     fn reads_blocks_compressed_by_the_go_framer() -> Result<(), SpdyError> {
-        let first = unhex("78f9e3c6a7c202253a48f95b044eea160616060c0c0c9c4590f8ca04a5634603704a2c294a4dcc851636aca9a0a800000000ffff");
+        let first = unhex(
+            "78f9e3c6a7c202253a48f95b044eea160616060c0c0c9c4590f8ca04a5634603704a2c294a4dcc851636aca9a0a800000000ffff",
+        );
         let second = unhex("826a469502954389848d04000000ffff");
         let mut d = HeaderDecompressor::new(4096);
         assert_eq!(sorted(&d.decompress(&first)?), sorted(&sample()));
@@ -271,10 +248,7 @@ mod tests {
         let block = HeaderCompressor::new()?.compress(&big)?;
         assert!(block.len() < 1000, "compresses well: {}", block.len());
         let mut d = HeaderDecompressor::new(16 * 1024);
-        assert!(matches!(
-            d.decompress(&block),
-            Err(SpdyError::HeadersTooLarge(16384))
-        ));
+        assert!(matches!(d.decompress(&block), Err(SpdyError::HeadersTooLarge(16384))));
         Ok(())
     }
 
@@ -283,12 +257,8 @@ mod tests {
         assert!(Headers::decode(&[0, 0, 0, 1, 0, 0, 0, 9]).is_err());
         assert!(Headers::decode(&[0, 0, 0, 1, 0, 0, 0, 1, b'A', 0, 0, 0, 0]).is_err());
         assert!(Headers::decode(&[0, 0, 0, 0, 7]).is_err());
-        let dup = [
-            0, 0, 0, 2, 0, 0, 0, 1, b'a', 0, 0, 0, 0, 0, 0, 0, 1, b'a', 0, 0, 0, 0,
-        ];
+        let dup = [0, 0, 0, 2, 0, 0, 0, 1, b'a', 0, 0, 0, 0, 0, 0, 0, 1, b'a', 0, 0, 0, 0];
         assert!(Headers::decode(&dup).is_err());
-        assert!(HeaderDecompressor::new(64)
-            .decompress(b"not zlib at all")
-            .is_err());
+        assert!(HeaderDecompressor::new(64).decompress(b"not zlib at all").is_err());
     }
 }

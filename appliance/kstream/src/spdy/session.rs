@@ -179,10 +179,7 @@ impl<S: AsyncRead + AsyncWrite + Send + Unpin + 'static> Session<S> {
     }
 
     async fn go_away(&self, status: u32) {
-        let frame = Frame::GoAway {
-            last_good_stream_id: self.last_stream_id,
-            status,
-        };
+        let frame = Frame::GoAway { last_good_stream_id: self.last_stream_id, status };
         let _ = tokio::time::timeout(GOAWAY_WRITE_TIMEOUT, self.shared.send(frame)).await;
     }
 
@@ -192,9 +189,7 @@ impl<S: AsyncRead + AsyncWrite + Send + Unpin + 'static> Session<S> {
             let abandoned = std::mem::take(&mut lock(&self.shared.table).abandoned);
             for stream_id in abandoned {
                 let status = rst::CANCEL;
-                self.shared
-                    .send(Frame::RstStream { stream_id, status })
-                    .await?;
+                self.shared.send(Frame::RstStream { stream_id, status }).await?;
             }
             let deadline = *lock(&self.shared.last_activity) + self.limits.idle_timeout;
             let next = tokio::select! {
@@ -227,29 +222,16 @@ impl<S: AsyncRead + AsyncWrite + Send + Unpin + 'static> Session<S> {
 
     async fn handle(&mut self, frame: Frame) -> Result<Option<Stream>, SpdyError> {
         match frame {
-            Frame::SynStream {
-                stream_id,
-                fin,
-                headers,
-                ..
-            } => return self.open(stream_id, fin, headers).await,
-            Frame::Data {
-                stream_id,
-                fin,
-                data,
-            } => self.receive(stream_id, data, fin).await?,
-            Frame::Headers {
-                stream_id,
-                fin: true,
-                ..
-            } => self.receive(stream_id, Bytes::new(), true).await?,
+            Frame::SynStream { stream_id, fin, headers, .. } => return self.open(stream_id, fin, headers).await,
+            Frame::Data { stream_id, fin, data } => self.receive(stream_id, data, fin).await?,
+            Frame::Headers { stream_id, fin: true, .. } => self.receive(stream_id, Bytes::new(), true).await?,
             Frame::RstStream { stream_id, status } => {
                 if let Some(entry) = lock(&self.shared.table).entries.remove(&stream_id) {
                     let _ = entry.tx.send(Inbound::Reset(status));
                 }
             }
             // Odd ids are the peer's own probes; even ones would answer ours, and we send none.
-            Frame::Ping { id } if id % 2 == 1 => self.shared.send(Frame::Ping { id }).await?,
+            Frame::Ping { id } if id & 1 == 1 => self.shared.send(Frame::Ping { id }).await?,
             Frame::GoAway { .. } => self.goaway_received = true,
             // No flow control (see the module docs); we open no streams to be replied to.
             Frame::Ping { .. }
@@ -261,26 +243,17 @@ impl<S: AsyncRead + AsyncWrite + Send + Unpin + 'static> Session<S> {
         Ok(None)
     }
 
-    async fn open(
-        &mut self,
-        stream_id: u32,
-        fin: bool,
-        headers: Headers,
-    ) -> Result<Option<Stream>, SpdyError> {
-        if stream_id % 2 == 0 || stream_id <= self.last_stream_id {
+    async fn open(&mut self, stream_id: u32, fin: bool, headers: Headers) -> Result<Option<Stream>, SpdyError> {
+        if stream_id & 1 == 0 || stream_id <= self.last_stream_id {
             self.go_away(goaway::PROTOCOL_ERROR).await;
-            return Err(SpdyError::Protocol(
-                "the peer's stream ids must be odd and increasing",
-            ));
+            return Err(SpdyError::Protocol("the peer's stream ids must be odd and increasing"));
         }
         self.last_stream_id = stream_id;
         let open = lock(&self.shared.table).entries.len();
         if self.goaway_received || open >= self.limits.max_streams {
             tracing::debug!(stream_id, open, "SPDY stream refused");
             let status = rst::REFUSED_STREAM;
-            self.shared
-                .send(Frame::RstStream { stream_id, status })
-                .await?;
+            self.shared.send(Frame::RstStream { stream_id, status }).await?;
             return Ok(None);
         }
         let (tx, rx) = mpsc::unbounded_channel();
@@ -288,26 +261,12 @@ impl<S: AsyncRead + AsyncWrite + Send + Unpin + 'static> Session<S> {
         if fin {
             let _ = tx.send(Inbound::Fin);
         }
-        let entry = Entry {
-            tx,
-            budget: budget.clone(),
-            remote_closed: fin,
-            local_closed: false,
-        };
+        let entry = Entry { tx, budget: budget.clone(), remote_closed: fin, local_closed: false };
         lock(&self.shared.table).entries.insert(stream_id, entry);
-        let core = Arc::new(Core {
-            id: stream_id,
-            shared: self.shared.clone(),
-            local_closed: AtomicBool::new(false),
-        });
+        let core = Arc::new(Core { id: stream_id, shared: self.shared.clone(), local_closed: AtomicBool::new(false) });
         Ok(Some(Stream {
             headers,
-            reader: StreamReader {
-                core: core.clone(),
-                rx,
-                budget,
-                done: false,
-            },
+            reader: StreamReader { core: core.clone(), rx, budget, done: false },
             writer: StreamWriter { core },
         }))
     }
@@ -319,17 +278,9 @@ impl<S: AsyncRead + AsyncWrite + Send + Unpin + 'static> Session<S> {
         };
         let Ok(budget) = budget else {
             let status = rst::STREAM_ALREADY_CLOSED;
-            return self
-                .shared
-                .send(Frame::RstStream { stream_id, status })
-                .await;
+            return self.shared.send(Frame::RstStream { stream_id, status }).await;
         };
-        self.pending = Some(Delivery {
-            stream_id,
-            budget,
-            data,
-            fin,
-        });
+        self.pending = Some(Delivery { stream_id, budget, data, fin });
         self.deliver().await;
         Ok(())
     }
@@ -365,13 +316,7 @@ impl<S: AsyncRead + AsyncWrite + Send + Unpin + 'static> Session<S> {
                 }
                 Err(_reader_gone) => false,
             };
-        let Some(Delivery {
-            stream_id,
-            data,
-            fin,
-            ..
-        }) = self.pending.take()
-        else {
+        let Some(Delivery { stream_id, data, fin, .. }) = self.pending.take() else {
             return;
         };
         let mut table = lock(&self.shared.table);
@@ -425,11 +370,7 @@ impl Stream {
 
     /// Accepts the stream (SYN_REPLY, no headers); the peer waits for it before it writes.
     pub async fn reply(&self) -> Result<(), SpdyError> {
-        let frame = Frame::SynReply {
-            stream_id: self.id(),
-            fin: false,
-            headers: Headers::new(),
-        };
+        let frame = Frame::SynReply { stream_id: self.id(), fin: false, headers: Headers::new() };
         self.writer.core.shared.send(frame).await
     }
 
@@ -502,11 +443,7 @@ impl StreamWriter {
             return Err(SpdyError::StreamGone);
         }
         for chunk in data.chunks(shared.max_frame_size) {
-            let frame = Frame::Data {
-                stream_id: self.core.id,
-                fin: false,
-                data: Bytes::copy_from_slice(chunk),
-            };
+            let frame = Frame::Data { stream_id: self.core.id, fin: false, data: Bytes::copy_from_slice(chunk) };
             shared.send(frame).await?;
         }
         Ok(())
@@ -517,11 +454,7 @@ impl StreamWriter {
         if self.core.local_closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        let frame = Frame::Data {
-            stream_id: self.core.id,
-            fin: true,
-            data: Bytes::new(),
-        };
+        let frame = Frame::Data { stream_id: self.core.id, fin: true, data: Bytes::new() };
         self.core.shared.send(frame).await?;
         self.core.shared.local_closed(self.core.id);
         Ok(())
@@ -530,18 +463,12 @@ impl StreamWriter {
     /// Ends the stream abnormally (RST_STREAM with `status`, one of [`super::rst`]).
     pub async fn reset(&self, status: u32) -> Result<(), SpdyError> {
         self.core.local_closed.store(true, Ordering::Release);
-        let removed = lock(&self.core.shared.table)
-            .entries
-            .remove(&self.core.id)
-            .is_some();
+        let removed = lock(&self.core.shared.table).entries.remove(&self.core.id).is_some();
         if !removed {
             return Ok(());
         }
         let stream_id = self.core.id;
-        self.core
-            .shared
-            .send(Frame::RstStream { stream_id, status })
-            .await
+        self.core.shared.send(Frame::RstStream { stream_id, status }).await
     }
 
     /// The stream's id.

@@ -77,10 +77,7 @@ async fn dropping_an_unfinished_stream_resets_it() -> Result<(), SpdyError> {
 
 #[tokio::test]
 async fn streams_over_the_cap_are_refused() -> Result<(), SpdyError> {
-    let limits = Limits {
-        max_streams: 1,
-        ..Limits::default()
-    };
+    let limits = Limits { max_streams: 1, ..Limits::default() };
     let (mut client, mut rx) = start(limits);
     client.open(1, &[]).await?;
     let _first = accepted(&mut rx).await;
@@ -91,11 +88,7 @@ async fn streams_over_the_cap_are_refused() -> Result<(), SpdyError> {
 
 #[tokio::test]
 async fn a_slow_reader_stops_the_session_at_its_budget() -> Result<(), SpdyError> {
-    let limits = Limits {
-        max_pending_bytes: 8,
-        max_frame_size: 8,
-        ..Limits::default()
-    };
+    let limits = Limits { max_pending_bytes: 8, max_frame_size: 8, ..Limits::default() };
     let (mut client, mut rx) = start(limits);
     client.open(1, &[]).await?;
     let (mut reader, _writer) = accepted(&mut rx).await.split();
@@ -115,24 +108,17 @@ async fn bad_stream_ids_end_the_session() -> Result<(), SpdyError> {
     let (mut client, mut rx) = start(Limits::default());
     client.open(2, &[]).await?;
     assert!(matches!(rx.recv().await, Some(Err(SpdyError::Protocol(_)))));
-    client
-        .expect(|f| matches!(f, Frame::GoAway { status: goaway::PROTOCOL_ERROR, .. }))
-        .await;
+    client.expect(|f| matches!(f, Frame::GoAway { status: goaway::PROTOCOL_ERROR, .. })).await;
     Ok(())
 }
 
 #[tokio::test]
 async fn an_idle_session_goes_away() -> Result<(), SpdyError> {
-    let limits = Limits {
-        idle_timeout: Duration::from_millis(100),
-        ..Limits::default()
-    };
+    let limits = Limits { idle_timeout: Duration::from_millis(100), ..Limits::default() };
     let (mut client, mut rx) = start(limits);
     client.open(1, &[]).await?;
     let (mut reader, _writer) = accepted(&mut rx).await.split();
-    client
-        .expect(|f| matches!(f, Frame::GoAway { status: goaway::OK, .. }))
-        .await;
+    client.expect(|f| matches!(f, Frame::GoAway { status: goaway::OK, .. })).await;
     assert!(matches!(reader.read().await, Err(SpdyError::SessionClosed)));
     Ok(())
 }

@@ -82,25 +82,18 @@ impl Client {
     }
 
     pub(crate) async fn expect_reply(&mut self, id: u32) {
-        self.expect(|f| matches!(f, Frame::SynReply { stream_id, .. } if *stream_id == id))
-            .await;
+        self.expect(|f| matches!(f, Frame::SynReply { stream_id, .. } if *stream_id == id)).await;
     }
 
     pub(crate) async fn expect_rst(&mut self, id: u32) -> u32 {
-        match self
-            .expect(|f| matches!(f, Frame::RstStream { stream_id, .. } if *stream_id == id))
-            .await
-        {
+        match self.expect(|f| matches!(f, Frame::RstStream { stream_id, .. } if *stream_id == id)).await {
             Frame::RstStream { status, .. } => status,
             _ => unreachable!("matched a RST_STREAM"),
         }
     }
 
     pub(crate) async fn expect_data(&mut self, id: u32) -> (Bytes, bool) {
-        match self
-            .expect(|f| matches!(f, Frame::Data { stream_id, .. } if *stream_id == id))
-            .await
-        {
+        match self.expect(|f| matches!(f, Frame::Data { stream_id, .. } if *stream_id == id)).await {
             Frame::Data { data, fin, .. } => (data, fin),
             _ => unreachable!("matched a data frame"),
         }
