@@ -1,4 +1,5 @@
 use super::*;
+use crate::spdy::test_client::unhex;
 
 fn headers(pairs: &[(&str, &str)]) -> Headers {
     let mut h = Headers::new();
@@ -73,8 +74,7 @@ fn every_frame_type_round_trips() -> Result<(), SpdyError> {
 #[test]
 fn decodes_a_go_syn_stream() -> Result<(), SpdyError> {
     let hex = "800300010000003e0000000100000000000078f9e3c6a7c202253a48f95b044eea160616060c0c0c9c4590f8ca04a5634603704a2c294a4dcc851636aca9a0a800000000ffff";
-    let wire: Vec<u8> =
-        (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap_or_default()).collect();
+    let wire = unhex(hex);
     let mut src = BytesMut::from(&wire[..]);
     let frame = FrameDecoder::new(&Limits::default()).decode(&mut src)?;
     let Some(Frame::SynStream { stream_id: 1, fin: false, headers, .. }) = frame else {

@@ -184,6 +184,7 @@ impl HeaderDecompressor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spdy::test_client::unhex;
 
     fn sample() -> Headers {
         let mut h = Headers::new();
@@ -197,10 +198,6 @@ mod tests {
         let mut v: Vec<_> = h.iter().map(|(n, v)| (n.to_owned(), v.to_owned())).collect();
         v.sort();
         v
-    }
-
-    fn unhex(s: &str) -> Vec<u8> {
-        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap_or_default()).collect()
     }
 
     #[test]

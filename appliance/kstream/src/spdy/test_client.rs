@@ -111,3 +111,8 @@ impl Client {
         }
     }
 }
+
+/// Bytes from a hex string (fixtures captured from the Go implementation).
+pub(crate) fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap_or_default()).collect()
+}
