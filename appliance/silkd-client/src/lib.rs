@@ -22,6 +22,8 @@
 
 mod port;
 mod session;
+#[cfg(test)]
+mod test_utils;
 
 pub use port::{port_stream, PortStream};
 pub use session::{start_session, SessionEvent, SessionInput, SessionOutput, SessionSpec, TermSize};

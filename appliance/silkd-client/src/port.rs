@@ -155,3 +155,122 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_utils::FakeAgent;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_guest_error_ends_the_stream_with_an_io_error_after_the_data_before_it() {
+        let (conn, mut agent) = FakeAgent::pair(64 * 1024);
+        let fake = tokio::spawn(async move {
+            agent.accept(80).await;
+            agent.send(&Response::Data { data: Bytes64(b"partial".to_vec()) }).await.expect("data");
+            let refusal = Response::error(wire::ErrorKind::Internal, "port_forward: connection reset");
+            agent.send(&refusal).await.expect("error");
+            agent
+        });
+        let mut stream = port_stream(conn, 80).await.expect("ready");
+        let mut got = [0u8; 7];
+        stream.read_exact(&mut got).await.expect("the data before the error");
+        assert_eq!(&got, b"partial");
+        let err = stream.read(&mut [0u8; 16]).await.expect_err("the error, not a clean end of file");
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted);
+        assert!(err.to_string().contains("connection reset"), "{err}");
+        let _agent = fake.await.expect("fake agent");
+        let err = stream.write_all(&[0u8; 512 * 1024]).await.expect_err("writes fail too");
+        assert!(err.to_string().contains("connection reset"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_breaks_mid_stream_is_an_error() {
+        let (conn, mut agent) = FakeAgent::pair(64 * 1024);
+        let fake = tokio::spawn(async move { agent.accept(81).await });
+        let mut stream = port_stream(conn, 81).await.expect("ready");
+        fake.await.expect("fake agent");
+        let err = stream.read(&mut [0u8; 16]).await.expect_err("a dropped connection is not a clean end");
+        assert!(err.to_string().contains("closed the connection"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn outbound_bytes_go_in_bounded_chunks_then_data_end() {
+        let (conn, mut agent) = FakeAgent::pair(64 * 1024);
+        let fake = tokio::spawn(async move {
+            agent.accept(82).await;
+            let mut got = Vec::new();
+            loop {
+                match agent.recv().await {
+                    Some(Request::Data { data }) => {
+                        assert!(data.0.len() <= PUMP_CHUNK, "a {}-byte frame", data.0.len());
+                        got.extend(data.0);
+                    }
+                    Some(Request::DataEnd) => break,
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            agent.send(&Response::Done).await.expect("done");
+            got
+        });
+        let mut stream = port_stream(conn, 82).await.expect("ready");
+        let payload = vec![9u8; 5 * PUMP_CHUNK + 17];
+        stream.write_all(&payload).await.expect("write");
+        stream.shutdown().await.expect("shutdown");
+        let mut rest = Vec::new();
+        stream.read_to_end(&mut rest).await.expect("`done` is a clean end of file");
+        assert!(rest.is_empty());
+        assert_eq!(fake.await.expect("fake agent"), payload);
+    }
+
+    #[tokio::test]
+    async fn a_caller_that_stops_reading_stalls_the_guest_and_dropping_the_stream_hangs_up() {
+        const FRAME: usize = 4096;
+        let (conn, mut agent) = FakeAgent::pair(64 * 1024);
+        let (sent_tx, mut sent_rx) = tokio::sync::watch::channel(0usize);
+        let fake = tokio::spawn(async move {
+            agent.accept(83).await;
+            let frame = Response::Data { data: Bytes64(vec![b'x'; FRAME]) };
+            let mut sent = 0;
+            while agent.send(&frame).await.is_ok() {
+                sent += 1;
+                let _ = sent_tx.send(sent);
+            }
+            sent
+        });
+        let stream = port_stream(conn, 83).await.expect("ready");
+        // Wait until the flood stalls: no progress for 200 ms.
+        loop {
+            match tokio::time::timeout(Duration::from_millis(200), sent_rx.changed()).await {
+                Ok(Ok(())) => continue,
+                Ok(Err(_)) => panic!("the fake agent stopped on its own"),
+                Err(_) => break,
+            }
+        }
+        // The pump's buffer, its read buffer, one frame in the splitter and the transport.
+        let held = *sent_rx.borrow() * FRAME;
+        let bound = PUMP_BUFFER + 256 * 1024 + 2 * 8 * 1024 + 64 * 1024 + 2 * FRAME;
+        assert!(held <= bound, "{held} bytes went out to a caller that reads nothing (bound {bound})");
+        assert!(!fake.is_finished(), "the guest is stalled, not gone");
+        drop(stream);
+        let sent = tokio::time::timeout(Duration::from_secs(10), fake).await.expect("hung up").expect("fake agent");
+        assert!(sent * FRAME <= bound + FRAME);
+    }
+
+    #[tokio::test]
+    async fn dropping_the_stream_hangs_up_even_if_the_guest_never_closes() {
+        let (conn, mut agent) = FakeAgent::pair(64 * 1024);
+        let fake = tokio::spawn(async move {
+            agent.accept(84).await;
+            let mut seen = Vec::new();
+            while let Some(req) = agent.recv().await {
+                seen.push(req);
+            }
+            seen
+        });
+        let stream = port_stream(conn, 84).await.expect("ready");
+        drop(stream);
+        let seen = tokio::time::timeout(Duration::from_secs(10), fake).await.expect("hung up").expect("fake agent");
+        assert!(seen.iter().all(|r| *r == Request::DataEnd), "{seen:?}");
+    }
+}

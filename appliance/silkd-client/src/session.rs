@@ -143,3 +143,85 @@ where
     let output = SessionOutput { rd: Box::new(rd), splitter, buf, tty: tty.is_some(), exited: false };
     Ok((pid, input, output))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_utils::FakeAgent;
+    use wire::{Bytes64, DecodeError, MAX_FRAME};
+
+    fn tty_spec() -> SessionSpec {
+        SessionSpec { argv: vec!["top".into()], tty: Some(TermSize { cols: 90, rows: 20 }), ..SessionSpec::default() }
+    }
+
+    #[tokio::test]
+    async fn a_tty_session_is_pty_open_with_argv_and_its_output_is_all_stdout() {
+        let (conn, mut agent) = FakeAgent::pair(64 * 1024);
+        let fake = tokio::spawn(async move {
+            let req = agent.recv().await;
+            agent.send(&Response::Started { pid: 9 }).await.expect("started");
+            agent.send(&Response::Stderr { data: Bytes64(b"e".to_vec()) }).await.expect("stderr");
+            agent.send(&Response::Exit { code: 0 }).await.expect("exit");
+            req
+        });
+        let (pid, _input, mut output) = start_session(conn, tty_spec()).await.expect("started");
+        assert_eq!(pid, 9);
+        assert_eq!(output.next().await.expect("event"), Some(SessionEvent::Stdout(b"e".to_vec())));
+        assert_eq!(output.next().await.expect("event"), Some(SessionEvent::Exit(0)));
+        let want =
+            Request::PtyOpen { argv: Some(vec!["top".into()]), cols: 90, rows: 20, cwd: None, env: None, user: None };
+        assert_eq!(fake.await.expect("fake agent"), Some(want));
+    }
+
+    #[tokio::test]
+    async fn a_tty_session_without_argv_opens_the_login_shell() {
+        let (conn, mut agent) = FakeAgent::pair(64 * 1024);
+        let fake = tokio::spawn(async move {
+            let req = agent.recv().await;
+            agent.send(&Response::error(wire::ErrorKind::Internal, "no")).await.expect("error");
+            req
+        });
+        let spec = SessionSpec { argv: Vec::new(), ..tty_spec() };
+        let got = start_session(conn, spec).await.map(|(pid, ..)| pid);
+        assert!(matches!(got, Err(ClientError::Agent { .. })), "{got:?}");
+        assert!(matches!(fake.await.expect("fake agent"), Some(Request::PtyOpen { argv: None, .. })));
+    }
+
+    #[tokio::test]
+    async fn an_oversized_output_frame_is_refused_without_holding_it() {
+        let (conn, mut agent) = FakeAgent::pair(64 * 1024);
+        let fake = tokio::spawn(async move {
+            agent.recv().await;
+            agent.send(&Response::Started { pid: 9 }).await.expect("started");
+            // A frame one byte past the cap, sent in pieces; the client must stop at the cap.
+            let piece = vec![b'x'; 1024 * 1024];
+            let mut sent = 0;
+            while sent <= MAX_FRAME {
+                if agent.send_raw(&piece).await.is_err() {
+                    break;
+                }
+                sent += piece.len();
+            }
+        });
+        let (_, input, mut output) = start_session(conn, tty_spec()).await.expect("started");
+        let got = output.next().await;
+        assert!(matches!(got, Err(ClientError::Decode(DecodeError::TooLarge))), "{got:?}");
+        assert!(output.splitter.buffered() <= MAX_FRAME);
+        // Both halves gone: the connection closes and the fake's write fails.
+        drop((input, output));
+        fake.await.expect("fake agent");
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_ends_before_the_exit_is_closed() {
+        let (conn, mut agent) = FakeAgent::pair(64 * 1024);
+        let fake = tokio::spawn(async move {
+            agent.recv().await;
+            agent.send(&Response::Started { pid: 9 }).await.expect("started");
+        });
+        let spec = SessionSpec { argv: vec!["true".into()], ..SessionSpec::default() };
+        let (_, _input, mut output) = start_session(conn, spec).await.expect("started");
+        fake.await.expect("fake agent");
+        assert!(matches!(output.next().await, Err(ClientError::Closed)));
+    }
+}
