@@ -69,7 +69,7 @@ async fn drive(driver: &std::sync::Arc<dyn Driver>, vm: &vmm::Vm, args: &VmRunAr
 async fn interactive(mut conn: AgentConn<vmm::AgentStream>) -> Result<i32> {
     use nix::sys::termios;
     let (cols, rows) = terminal_size();
-    conn.send(&Request::PtyOpen { cols, rows, cwd: None, env: None, user: None }).await?;
+    conn.send(&Request::PtyOpen { argv: None, cols, rows, cwd: None, env: None, user: None }).await?;
     match conn.recv().await? {
         Response::Started { .. } => {}
         other => bail!("pty_open answered {}", other.type_name()),

@@ -12,14 +12,63 @@
 //! callers that run their own exec loop (sandboxd's `/exec`). After `OutputTooLarge` the
 //! connection is mid-RPC: drop it (silkd kills a foreground child once its output can no
 //! longer be sent).
+//!
+//! Streaming calls hand the connection over: [`start_session`] (an interactive exec or a
+//! command on a pty, as `kubectl exec`/`attach` need) returns an input and an output half,
+//! and [`port_stream`] turns a `port_forward` into a plain byte stream. Neither collects
+//! output: each hands on one frame's worth at a time, so a slow reader stalls the guest.
 
 #![forbid(unsafe_code)]
+
+mod port;
+mod session;
+#[cfg(test)]
+mod test_utils;
+
+pub use port::{port_stream, PortStream};
+pub use session::{start_session, SessionEvent, SessionInput, SessionOutput, SessionSpec, TermSize};
 
 use std::collections::BTreeMap;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use wire::codec::{decode_response, encode_request, FrameSplitter};
 pub use wire::ErrorKind;
 use wire::{Bytes64, DecodeError, EncodeError, Request, Response};
+
+/// The largest payload this client puts in one `stdin` or `data` frame.
+pub const INPUT_CHUNK: usize = 256 * 1024;
+
+/// Reads the next reply frame from `rd`, through `splitter` (whose bytes survive between
+/// calls) and the scratch `buf`; an `error` frame is returned as a frame.
+async fn read_frame<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    splitter: &mut FrameSplitter,
+    buf: &mut [u8],
+) -> Result<Response, ClientError> {
+    loop {
+        if let Some(frame) = splitter.next_frame() {
+            return Ok(decode_response(&frame?)?);
+        }
+        let n = rd.read(buf).await?;
+        if n == 0 {
+            return Err(ClientError::Closed);
+        }
+        splitter.push(&buf[..n]);
+    }
+}
+
+/// Writes one request frame to `wr`.
+async fn write_frame<W: AsyncWrite + Unpin>(wr: &mut W, req: &Request) -> Result<(), ClientError> {
+    wr.write_all(&encode_request(req)?).await?;
+    Ok(())
+}
+
+/// Writes `data` as `stdin` frames of at most [`INPUT_CHUNK`] bytes.
+async fn write_stdin<W: AsyncWrite + Unpin>(wr: &mut W, data: &[u8]) -> Result<(), ClientError> {
+    for chunk in data.chunks(INPUT_CHUNK) {
+        write_frame(wr, &Request::Stdin { data: Bytes64(chunk.to_vec()) }).await?;
+    }
+    Ok(())
+}
 
 /// Bytes of host randomness sent to each clone (512 bits, twice the CRNG key).
 pub const HOST_RESEED_BYTES: usize = 64;
@@ -159,25 +208,20 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
         self.stream
     }
 
+    /// The stream, with the frame bytes already read from it and the read buffer (for a
+    /// streaming call that takes the connection over).
+    fn into_parts(self) -> (S, FrameSplitter, Vec<u8>) {
+        (self.stream, self.splitter, self.buf)
+    }
+
     /// Sends one request frame.
     pub async fn send(&mut self, req: &Request) -> Result<(), ClientError> {
-        let bytes = encode_request(req)?;
-        self.stream.write_all(&bytes).await?;
-        Ok(())
+        write_frame(&mut self.stream, req).await
     }
 
     /// Reads one reply frame; an `error` frame is returned as a frame, not an `Err`.
     pub async fn recv_frame(&mut self) -> Result<Response, ClientError> {
-        loop {
-            if let Some(frame) = self.splitter.next_frame() {
-                return Ok(decode_response(&frame?)?);
-            }
-            let n = self.stream.read(&mut self.buf).await?;
-            if n == 0 {
-                return Err(ClientError::Closed);
-            }
-            self.splitter.push(&self.buf[..n]);
-        }
+        read_frame(&mut self.stream, &mut self.splitter, &mut self.buf).await
     }
 
     /// Reads one reply frame; an `error` frame becomes [`ClientError::Agent`].
@@ -219,28 +263,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
         let mut output = OutputBuffer::new(self.output_cap);
         let (mut reader, mut writer) = tokio::io::split(&mut self.stream);
         let feed = async {
-            for chunk in stdin.chunks(256 * 1024) {
-                let bytes = encode_request(&Request::Stdin { data: Bytes64(chunk.to_vec()) })?;
-                writer.write_all(&bytes).await?;
-            }
-            writer.write_all(&encode_request(&Request::StdinClose)?).await?;
-            Ok::<(), ClientError>(())
+            write_stdin(&mut writer, stdin).await?;
+            write_frame(&mut writer, &Request::StdinClose).await
         };
         let splitter = &mut self.splitter;
         let buf = &mut self.buf;
         let read = async {
             loop {
-                let frame = loop {
-                    if let Some(frame) = splitter.next_frame() {
-                        break decode_response(&frame?)?;
-                    }
-                    let n = reader.read(buf).await?;
-                    if n == 0 {
-                        return Err(ClientError::Closed);
-                    }
-                    splitter.push(&buf[..n]);
-                };
-                match frame {
+                match read_frame(&mut reader, splitter, buf).await? {
                     Response::Started { .. } => {}
                     Response::Stdout { data } => output.push(Stream::Stdout, &data.0)?,
                     Response::Stderr { data } => output.push(Stream::Stderr, &data.0)?,
@@ -321,6 +351,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
         let mut data = [0u8; HOST_RESEED_BYTES];
         rand::RngCore::fill_bytes(&mut rand::rng(), &mut data);
         self.reseed(&data).await
+    }
+
+    /// `pty_resize`: sets the terminal size of the pty whose child is `pid` (a pid from
+    /// [`start_session`] with a tty). Send it on a second connection: the session's own is
+    /// taken by the session. A pid without a pty is [`ClientError::Agent`] `not_found`.
+    pub async fn pty_resize(&mut self, pid: u32, cols: u16, rows: u16) -> Result<(), ClientError> {
+        self.send(&Request::PtyResize { pid, cols, rows }).await?;
+        self.expect_done().await
     }
 
     /// Waits for `done`.

@@ -208,3 +208,27 @@ async fn port_forward_without_listener_is_not_found() {
     assert!(c.try_recv(Duration::from_millis(200)).await.is_none());
     assert_eq!(ty(&c.call("info", json!({})).await), "info");
 }
+
+#[tokio::test]
+async fn pty_open_with_argv_runs_that_command_on_the_terminal() {
+    let server = Server::start().await;
+    let mut c = server.connect().await;
+    let argv = json!(["sh", "-c", "stty size; tty; read line; echo \"got $line\"; exit 7"]);
+    c.send("pty_open", json!({"argv": argv, "cols": 100, "rows": 30})).await;
+    let started = c.recv().await;
+    assert_eq!(ty(&started), "started", "{started}");
+    let text = pty_read_until(&mut c, "30 100").await;
+    assert!(!text.contains("$ "), "a login shell ran instead of the command: {text:?}");
+    c.send("stdin", json!({"data": common::b64(b"hello\n")})).await;
+    let frames = c.recv_until(&["exit"]).await;
+    let (out, _, code) = collect(&frames);
+    let text = format!("{text}{}", String::from_utf8_lossy(&out));
+    assert!(text.contains("/dev/pts/"), "not a real tty: {text:?}");
+    assert!(text.contains("got hello"), "{text:?}");
+    assert_eq!(code, 7);
+
+    let empty = c.call("pty_open", json!({"argv": []})).await;
+    assert_eq!(empty["kind"], "bad_request", "{empty}");
+    let missing = c.call("pty_open", json!({"argv": ["/no/such/program"]})).await;
+    assert_eq!(missing["kind"], "not_found", "{missing}");
+}

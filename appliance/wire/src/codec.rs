@@ -299,6 +299,18 @@ mod tests {
     }
 
     #[test]
+    fn pty_open_argv_is_an_optional_extension() {
+        let shell = decode_request(br#"{"v":1,"op":"pty_open","argv":null}"#).expect("null argv");
+        assert_eq!(shell, Request::PtyOpen { argv: None, cols: 80, rows: 24, cwd: None, env: None, user: None });
+        let enc = encode_request(&shell).expect("small");
+        assert_eq!(enc, b"{\"v\":1,\"op\":\"pty_open\",\"cols\":80,\"rows\":24}\n", "argv omitted when absent");
+        let cmd =
+            Request::PtyOpen { argv: Some(vec!["top".into()]), cols: 1, rows: 2, cwd: None, env: None, user: None };
+        let enc = encode_request(&cmd).expect("small");
+        assert_eq!(decode_request(&enc), Ok(cmd));
+    }
+
+    #[test]
     fn unknown_op_and_garbage_are_typed() {
         assert_eq!(decode_request(br#"{"v":1,"op":"teleport"}"#), Err(DecodeError::UnknownOp("teleport".into())));
         assert!(matches!(decode_request(b"not json"), Err(DecodeError::Parse(_))));

@@ -122,7 +122,12 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         recursive: Option<bool>,
     },
+    /// A pseudo-terminal: `started` → `stdout`… → `exit`; input `stdin`/`stdin_close`.
     PtyOpen {
+        /// Chrysalis extension: the command to run under the pty instead of the user's login
+        /// shell (absent: the login shell). `kubectl exec -t` runs its command this way.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        argv: Option<Vec<String>>,
         #[serde(default = "default_cols")]
         cols: u16,
         #[serde(default = "default_rows")]

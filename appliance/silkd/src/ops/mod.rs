@@ -50,7 +50,9 @@ pub async fn dispatch(rpc: &mut Rpc, agent: &Arc<Agent>, req: Request) -> Result
         Request::FsFind { path, pattern, glob } => fs::fs_find(rpc, path, pattern, glob).await,
         Request::FsReplace { files, pattern, replacement } => fs::fs_replace(rpc, files, pattern, replacement).await,
         Request::FsWatch { path, recursive } => fs::fs_watch(rpc, path, recursive.unwrap_or(false)).await,
-        Request::PtyOpen { cols, rows, cwd, env, user } => pty::pty_open(rpc, agent, cols, rows, cwd, env, user).await,
+        Request::PtyOpen { argv, cols, rows, cwd, env, user } => {
+            pty::pty_open(rpc, agent, pty::PtyRequest { argv, cols, rows, cwd, env, user }).await
+        }
         Request::PtyResize { pid, cols, rows } => pty::pty_resize(rpc, agent, pid, cols, rows).await,
         Request::PortForward { port } => port::port_forward(rpc, port).await,
         Request::Reseed { data } => entropy::reseed(rpc, data.0).await,

@@ -1,14 +1,16 @@
-//! `pty_open` and `pty_resize`: a login shell under a real pseudo-terminal.
+//! `pty_open` and `pty_resize`: a login shell (or a given command) under a real
+//! pseudo-terminal.
 //!
-//! `pty_open {cols, rows, cwd?, env?, user?}` → `started{pid}`, `stdout` chunks (the pty
-//! merges both streams), input as `stdin` frames, then `exit{code}`. The shell is the
-//! user's passwd shell (silkd's own user's without `user`), started as a login shell
-//! (`argv[0]` = `-<name>`), session leader with the pty as controlling terminal. Its
-//! environment is the exec environment plus `HOME`, `USER` and `SHELL` of that user (a
-//! login shell needs them). When the client's input ends (it hung up, or sent its next
-//! request) the shell's process group gets SIGHUP, as on a terminal hangup, and SIGKILL
-//! [`HANGUP_GRACE`] later if it is still there (a shell that traps or ignores SIGHUP does not
-//! outlive its client).
+//! `pty_open {argv?, cols, rows, cwd?, env?, user?}` → `started{pid}`, `stdout` chunks (the
+//! pty merges both streams), input as `stdin` frames, then `exit{code}`. Without `argv` the
+//! program is the user's passwd shell (silkd's own user's without `user`), started as a login
+//! shell (`argv[0]` = `-<name>`); with `argv` (a Chrysalis extension, what `kubectl exec -t`
+//! needs) it is that command, looked up on `PATH` like `exec`'s. Either way the child is a
+//! session leader with the pty as controlling terminal, and its environment is the exec
+//! environment plus `HOME`, `USER` and `SHELL` of that user (a login shell needs them). When
+//! the client's input ends (it hung up, or sent its next request) the child's process group
+//! gets SIGHUP, as on a terminal hangup, and SIGKILL [`HANGUP_GRACE`] later if it is still
+//! there (a program that traps or ignores SIGHUP does not outlive its client).
 
 use super::pump::{pump_child, Sink};
 use crate::agent::Agent;
@@ -91,16 +93,24 @@ fn open_pty(cols: u16, rows: u16) -> io::Result<(OwnedFd, OwnedFd)> {
     Ok((master, slave))
 }
 
+/// The fields of a `pty_open` request.
+#[derive(Debug, Default)]
+pub struct PtyRequest {
+    /// The command to run; `None` runs the user's login shell.
+    pub argv: Option<Vec<String>>,
+    pub cols: u16,
+    pub rows: u16,
+    pub cwd: Option<String>,
+    pub env: Option<Env>,
+    pub user: Option<String>,
+}
+
 /// `pty_open`.
-pub async fn pty_open(
-    rpc: &mut Rpc,
-    agent: &Arc<Agent>,
-    cols: u16,
-    rows: u16,
-    cwd: Option<String>,
-    env: Option<Env>,
-    user: Option<String>,
-) -> Result<(), OpError> {
+pub async fn pty_open(rpc: &mut Rpc, agent: &Arc<Agent>, req: PtyRequest) -> Result<(), OpError> {
+    let PtyRequest { argv, cols, rows, cwd, env, user } = req;
+    if argv.as_ref().is_some_and(Vec::is_empty) {
+        return Err(OpError::bad_request("pty_open: argv must not be empty when given"));
+    }
     sys::check_env(env.as_ref())?;
     super::exec::check_cwd("pty_open", cwd.as_deref())?;
     let switch = user.as_deref().map(sys::lookup_user).transpose()?;
@@ -115,8 +125,19 @@ pub async fn pty_open(
         full_env.entry("HOME".into()).or_insert_with(|| who.home.clone());
         full_env.entry("USER".into()).or_insert_with(|| who.name.clone());
     }
-    let mut cmd = Command::new(&shell);
-    cmd.arg0(format!("-{name}")).env_clear().envs(full_env);
+    let (mut cmd, what) = match &argv {
+        Some(argv) => {
+            let mut cmd = Command::new(&argv[0]);
+            cmd.args(&argv[1..]);
+            (cmd, argv.clone())
+        }
+        None => {
+            let mut cmd = Command::new(&shell);
+            cmd.arg0(format!("-{name}"));
+            (cmd, vec![shell.clone(), "-l".into()])
+        }
+    };
+    cmd.env_clear().envs(full_env);
     match cwd.as_deref().or(who.as_ref().map(|u| u.home.as_str())) {
         Some(dir) if std::path::Path::new(dir).is_dir() => {
             cmd.current_dir(dir);
@@ -131,12 +152,16 @@ pub async fn pty_open(
         &mut cmd,
         ChildSetup { user: switch.as_ref().map(|u| (u.uid, u.gid, u.groups.clone())), controlling_tty: true },
     );
-    let mut child = cmd.spawn().map_err(|e| OpError::io(&format!("pty_open {shell}"), &e))?;
+    let mut child = cmd.spawn().map_err(|e| match e.kind() {
+        // A NUL byte in argv or env: the request can never succeed.
+        io::ErrorKind::InvalidInput => OpError::bad_request(format!("pty_open: {e}")),
+        _ => OpError::io(&format!("pty_open {}", what[0]), &e),
+    })?;
     // The parent's copies of the slave must go, or the master never sees the end.
     drop(cmd);
     drop(slave);
     let Some(pid) = child.id() else {
-        return Err(OpError::internal("pty_open: shell vanished before it was tracked"));
+        return Err(OpError::internal("pty_open: child vanished before it was tracked"));
     };
     let master = Arc::new(master);
     // SAFETY: the fd is owned by `master`, an `Arc<OwnedFd>` the AsyncFd holds a clone of,
@@ -144,8 +169,8 @@ pub async fn pty_open(
     let fd = unsafe { AsyncFd::register(Arc::clone(&master)) }
         .map_err(|e| OpError::internal(format!("pty_open: register pty master: {e}")))?;
     let master_io = Master { fd: Arc::new(fd) };
-    let rec = agent.procs.insert(pid, vec![shell.clone(), "-l".into()], ProcKind::Pty, Some(master));
-    tracing::info!(pid, %shell, cols, rows, "pty opened");
+    tracing::info!(pid, program = %what[0], cols, rows, "pty opened");
+    let rec = agent.procs.insert(pid, what, ProcKind::Pty, Some(master));
     let sink = Sink::Frames(rpc.sender());
     let outcome = match rpc.send(Response::Started { pid }).await {
         Err(closed) => Err(closed),
@@ -164,7 +189,7 @@ pub async fn pty_open(
         Ok(code) => {
             rec.set_exit(code);
             agent.procs.remove(&rec);
-            tracing::info!(pid, code, "pty shell exited");
+            tracing::info!(pid, code, "pty child exited");
             rpc.send(Response::Exit { code }).await?;
             Ok(())
         }
