@@ -234,7 +234,8 @@ async fn a_guest_flooding_its_serial_console_is_held_to_the_cap() -> Result<()> 
     eprintln!("2 MiB through the serial console in {:?}", t0.elapsed());
     assert!(console_on_disk(&log) <= cap, "{} bytes on disk, cap {cap}", console_on_disk(&log));
     let tail = vmm::console::tail(&log, cap as usize)?;
-    assert!(tail.len() as u64 >= cap / 2, "at least half the cap is kept: {}", tail.len());
+    // Half the cap on disk, less the lines' stamps (31 bytes per 16 KiB of an unbroken line).
+    assert!(tail.len() as u64 >= cap / 2 - 1024, "about half the cap is kept: {}", tail.len());
     assert!(tail.ends_with(b"flood-done-1\r\n") || tail.ends_with(b"flood-done-1\n"), "the newest bytes are kept");
     drop(conn);
 

@@ -699,6 +699,9 @@ mod exec {
     }
 }
 
+#[path = "api/console.rs"]
+mod console;
+
 #[path = "api/relay.rs"]
 mod relay;
 

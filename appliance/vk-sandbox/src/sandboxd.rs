@@ -1,5 +1,6 @@
 //! The sandboxd HTTP client (`docs/virtual-node.md` §2.3, shapes in
-//! `docs/sandboxd.md` §5.1): claim, release, list, info. Bodies are [`sandboxd_api`]
+//! `docs/sandboxd.md` §5.1): claim, release, list, info, and the console as a container log
+//! (§7.1, streamed: only the answer's head is bounded by the per-call time). Bodies are [`sandboxd_api`]
 //! types, the ones sandboxd itself serves. One pooled HTTP/1.1 client
 //! (64 idle connections per host, 90 s idle), every call bounded by 10 s including its body.
 //!
@@ -13,16 +14,20 @@
 //! `redirect`) is the typed [`SandboxdError::NoCapacity`]; other failures carry sandboxd's
 //! `{"error": …}` text.
 
+use std::io;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::{Stream, TryStreamExt as _};
 use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
 use hyper::{Method, Request, StatusCode};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use k8s_openapi::jiff::Timestamp;
+use kstream::logs::LogQuery;
 use sandboxd_api::{ClaimReply, ClaimRequest, ErrorBody, SandboxList};
 
 /// A granted claim (its token is the release credential: `Debug` leaves it out), the info
@@ -85,6 +90,13 @@ pub enum SandboxdError {
         what: &'static str,
         #[source]
         source: serde_json::Error,
+    },
+    /// A query that does not encode.
+    #[error("sandboxd {what}: the query does not encode")]
+    Query {
+        what: &'static str,
+        #[source]
+        source: serde_urlencoded::ser::Error,
     },
 }
 
@@ -221,6 +233,37 @@ impl SandboxdClient {
         &self.host_port
     }
 
+    fn request(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        bearer: Option<&str>,
+        body: Option<Vec<u8>>,
+    ) -> Result<Request<Full<Bytes>>, SandboxdError> {
+        let uri = format!("{}{}", self.base, path_and_query);
+        let mut req = Request::builder().method(method).uri(&uri);
+        if let Some(t) = bearer {
+            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        if body.is_some() {
+            req = req.header(hyper::header::CONTENT_TYPE, "application/json");
+        }
+        req.body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|_| SandboxdError::Url { url: uri, reason: "cannot build a request for it" })
+    }
+
+    /// A whole body, under `limit` bytes.
+    async fn collect(what: &'static str, body: Incoming, limit: usize) -> Result<Bytes, SandboxdError> {
+        let bytes = Limited::new(body, limit).collect().await.map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                SandboxdError::TooLarge { what, limit }
+            } else {
+                SandboxdError::Body { what, source: e }
+            }
+        })?;
+        Ok(bytes.to_bytes())
+    }
+
     async fn send(
         &self,
         what: &'static str,
@@ -230,28 +273,11 @@ impl SandboxdClient {
         body: Option<Vec<u8>>,
         limit: usize,
     ) -> Result<(StatusCode, Bytes), SandboxdError> {
-        let uri = format!("{}{}", self.base, path_and_query);
-        let mut req = Request::builder().method(method).uri(&uri);
-        if let Some(t) = bearer {
-            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"));
-        }
-        if body.is_some() {
-            req = req.header(hyper::header::CONTENT_TYPE, "application/json");
-        }
-        let req = req
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))
-            .map_err(|_| SandboxdError::Url { url: uri.clone(), reason: "cannot build a request for it" })?;
+        let req = self.request(method, path_and_query, bearer, body)?;
         let call = async {
             let resp = self.http.request(req).await.map_err(|source| SandboxdError::Transport { what, source })?;
             let status = resp.status();
-            let bytes = Limited::new(resp.into_body(), limit).collect().await.map_err(|e| {
-                if e.is::<http_body_util::LengthLimitError>() {
-                    SandboxdError::TooLarge { what, limit }
-                } else {
-                    SandboxdError::Body { what, source: e }
-                }
-            })?;
-            Ok((status, bytes.to_bytes()))
+            Ok((status, Self::collect(what, resp.into_body(), limit).await?))
         };
         let timeout = self.timeout;
         tokio::time::timeout(timeout, call).await.map_err(|_| SandboxdError::Timeout { what, timeout })?
@@ -353,6 +379,37 @@ impl SandboxdClient {
             serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
         let token = row.token.take().filter(|t| !t.is_empty());
         Ok(Some((row, token)))
+    }
+
+    /// `GET /v1/sandboxes/{id}/console?<query>` with the node token (sandboxd's root token: a
+    /// sandbox route): the sandbox's serial console as a container log, `query` applied by
+    /// sandboxd. The answer's head (and an error's body) must come within the per-call bound;
+    /// the body then streams for as long as sandboxd sends it (with `follow`, until the VM is
+    /// destroyed). A refusal is [`SandboxdError::Status`] (`400` for a query sandboxd refuses,
+    /// `404` for an unknown sandbox).
+    pub async fn console(
+        &self,
+        id: &str,
+        query: &LogQuery,
+    ) -> Result<impl Stream<Item = io::Result<Bytes>> + Send + 'static, SandboxdError> {
+        const WHAT: &str = "console";
+        let q = serde_urlencoded::to_string(query).map_err(|source| SandboxdError::Query { what: WHAT, source })?;
+        let path = format!("/v1/sandboxes/{}/console?{q}", query_escape(id).replace('/', "%2F"));
+        let req = self.request(Method::GET, &path, self.node_token.as_deref(), None)?;
+        let head = async {
+            let resp =
+                self.http.request(req).await.map_err(|source| SandboxdError::Transport { what: WHAT, source })?;
+            let status = resp.status();
+            if !status.is_success() {
+                let bytes = Self::collect(WHAT, resp.into_body(), BODY_LIMIT).await?;
+                return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
+            }
+            Ok(resp.into_body())
+        };
+        let timeout = self.timeout;
+        let body =
+            tokio::time::timeout(timeout, head).await.map_err(|_| SandboxdError::Timeout { what: WHAT, timeout })??;
+        Ok(body.into_data_stream().map_err(io::Error::other))
     }
 
     /// `GET /v1/info`.
@@ -534,6 +591,41 @@ mod tests {
         let c = SandboxdClient::new(&open.url(), None).unwrap();
         let g = c.claim(&spec("rt"), "ns/a").await.unwrap();
         assert_eq!(c.get(&g.id).await.unwrap().unwrap().1, None, "a token without the root token");
+    }
+
+    #[tokio::test]
+    async fn console_streams_past_the_call_bound_with_the_query_sent() {
+        use futures::StreamExt as _;
+        let fake = FakeSandboxd::start(Some("node-secret")).await;
+        let c = SandboxdClient::new(&fake.url(), Some("node-secret".into()))
+            .unwrap()
+            .with_timeout(Duration::from_millis(300));
+        let g = c.claim(&spec("rt"), "ns/a").await.unwrap();
+        let q = LogQuery {
+            follow: true,
+            tail_lines: Some(10),
+            since_time: Some("2024-01-02T03:04:05Z".into()),
+            ..LogQuery::default()
+        };
+        let body = c.console(&g.id, &q).await.unwrap();
+        // The body outlives the per-call bound: the last line comes 500 ms after the head.
+        let chunks: Vec<io::Result<Bytes>> = body.collect().await;
+        let text: String = chunks.into_iter().map(|c| String::from_utf8(c.unwrap().to_vec()).unwrap()).collect();
+        assert_eq!(
+            text,
+            "query follow=true&previous=false&timestamps=false&tailLines=10&sinceTime=2024-01-02T03%3A04%3A05Z\n\
+             line-1\nline-2\n"
+        );
+        // sandboxd's refusals keep its words.
+        let bad = LogQuery { tail_lines: Some(-1), ..LogQuery::default() };
+        match c.console(&g.id, &bad).await.map(|_| ()) {
+            Err(e @ SandboxdError::Status { status: 400, .. }) => assert!(e.to_string().contains("tailLines"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        match c.console("sb_ffffffffffffffff", &LogQuery::default()).await.map(|_| ()) {
+            Err(SandboxdError::Status { status: 404, .. }) => {}
+            other => panic!("{other:?}"),
+        }
     }
 
     #[tokio::test]

@@ -13,6 +13,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures::StreamExt as _;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use sandboxd_api::{ClaimReply, ClaimRequest, ErrorBody, Grant, Info, Key, SandboxList, SandboxRow};
 
@@ -190,6 +191,40 @@ async fn get_one(State(s): S, Path(id): Path<String>, h: HeaderMap) -> Response 
     Json(row).into_response()
 }
 
+/// `GET …/console`: a sandbox route (the claim's token or the node token); the query decoded
+/// and checked as sandboxd does; the body echoes the raw query, sends `line-1`, and `line-2`
+/// half a second later.
+async fn console(
+    State(s): S,
+    Path(id): Path<String>,
+    h: HeaderMap,
+    raw: axum::extract::RawQuery,
+    q: Result<Query<kstream::logs::LogQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    {
+        let st = s.lock().unwrap();
+        let Some(tok) = bearer(&h) else {
+            return err(401, "missing bearer token");
+        };
+        match st.claims.get(&id) {
+            Some(c) if c.token == tok || st.node_token.as_deref() == Some(tok.as_str()) => {}
+            _ => return err(404, "sandbox not found"),
+        }
+    }
+    let Ok(Query(q)) = q else {
+        return err(400, "invalid console query");
+    };
+    if let Err(e) = q.validate() {
+        return err(400, &e.to_string());
+    }
+    let head = format!("query {}\n", raw.0.unwrap_or_default());
+    let chunks = futures::stream::iter([head, "line-1\n".to_owned()]).chain(futures::stream::once(async {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        "line-2\n".to_owned()
+    }));
+    axum::body::Body::from_stream(chunks.map(Ok::<_, std::io::Error>)).into_response()
+}
+
 async fn info(State(s): S, h: HeaderMap) -> Response {
     let st = s.lock().unwrap();
     if let Some(r) = node_auth(&st, &h) {
@@ -228,6 +263,7 @@ impl FakeSandboxd {
             .route("/v1/sandboxes/{id}/release", post(release))
             .route("/v1/sandboxes", get(list))
             .route("/v1/sandboxes/{id}", get(get_one))
+            .route("/v1/sandboxes/{id}/console", get(console))
             .route("/v1/info", get(info))
             .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | node ([`node_route`]): claim, list, per-id read, stats, info, drain, `GET /v1/pools`, peers, metrics | root, else `401` | open |
 //! | root-only ([`root_only`]): `PUT /v1/pools` (persisted, outlives the session) | root, else `401` | `403` |
-//! | sandbox ([`sandbox_route`]): release, renew, owner, agent, ports, exec | the sandbox's token or root, else `404` (`401` without a header) | the sandbox's token |
+//! | sandbox ([`sandbox_route`]): release, renew, owner, agent, ports, exec, console | the sandbox's token or root, else `404` (`401` without a header) | the sandbox's token |
 
 use axum::http::{header, HeaderMap};
 use subtle::ConstantTimeEq as _;

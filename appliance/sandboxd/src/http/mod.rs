@@ -8,6 +8,7 @@
 //! status comes from one exhaustive match.
 
 pub mod auth;
+mod console;
 pub mod error;
 mod exec;
 mod relay;
@@ -53,6 +54,7 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/v1/sandboxes/{id}/renew", post(routes::renew))
         .route("/v1/sandboxes/{id}/owner", get(routes::owner))
         .route("/v1/sandboxes/{id}/stats", get(routes::stats))
+        .route("/v1/sandboxes/{id}/console", get(console::console))
         .route("/v1/sandboxes/{id}/agent", get(relay::agent))
         .route("/v1/sandboxes/{id}/ports/{port}", get(relay::ports))
         .route("/v1/sandboxes/{id}/exec", post(exec::exec))

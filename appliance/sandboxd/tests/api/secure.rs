@@ -85,6 +85,7 @@ fn routes(id: &str) -> Vec<Route> {
         ("GET", format!("/v1/sandboxes/{id}/agent"), None, Some("silkd"), Sandbox),
         ("GET", format!("/v1/sandboxes/{id}/ports/7"), None, Some("tcp"), Sandbox),
         ("POST", format!("/v1/sandboxes/{id}/exec"), Some(json!({"argv": ["echo", "x"]})), None, Sandbox),
+        ("GET", format!("/v1/sandboxes/{id}/console?tailLines=5"), None, None, Sandbox),
     ]
 }
 

@@ -27,12 +27,29 @@
 //! [`CappedLog`] keeps at most `cap` bytes on disk, newest last, in two files:
 //! `console.log` (being written) and `console.log.1` (the previous segment), each at most
 //! `cap / 2`. When `console.log` is full it becomes `console.log.1` (replacing the older one)
-//! and a new `console.log` starts. `cat console.log.1 console.log` is the retained console.
-//! [`tail`] and [`tail_text`] are the one way to read it: they seek to the end of the two
-//! files and read at most what they were asked for.
+//! and a new `console.log` starts. Every line is stamped with the host's time when its first
+//! byte arrived ([`record`]: `2006-01-02T15:04:05.000000000Z text`), so the console can serve
+//! as a Pod's container log with the kubelet's options. Nobody reads the files directly:
+//! [`tail`], [`tail_text`] and [`tail_string`] give the text without stamps from a bounded
+//! window at the end (error messages, diagnostics, tests), and [`read_log`] gives the lines a
+//! [`kstream::logs::ValidLogQuery`] asks for, following the log if asked.
+//!
+//! Modules, lowest first: [`segments`] (the two files), [`record`] (the stamp format),
+//! [`capped`] (the writer), [`tail`] (the text at the end), [`follow`] (container-log reads);
+//! this file drains the hypervisor's socket into the writer.
 
-use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Seek, SeekFrom, Write};
+pub mod capped;
+pub mod follow;
+pub mod record;
+pub mod segments;
+pub mod tail;
+
+pub use capped::{CappedLog, MIN_CONSOLE_CAP};
+pub use follow::read_log;
+pub use segments::{rotated_path, ROTATED_SUFFIX};
+pub use tail::{tail, tail_string, tail_text, TAIL_TEXT_MAX};
+
+use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -46,17 +63,8 @@ use crate::peer::{ConnectError, PeerCheck};
 /// boot log many times over, and at most 1 GiB on a node running a thousand VMs.
 pub const DEFAULT_CONSOLE_CAP: u64 = 1 << 20;
 
-/// The smallest cap [`CappedLog`] accepts (two segments of at least one byte).
-pub const MIN_CONSOLE_CAP: u64 = 2;
-
 /// File name of the console socket in a VM's socket directory.
 pub const CONSOLE_SOCKET: &str = "console.sock";
-
-/// Suffix of the previous segment: `console.log` → `console.log.1`.
-pub const ROTATED_SUFFIX: &str = ".1";
-
-/// How many bytes [`tail_text`] reads at most.
-pub const TAIL_TEXT_MAX: usize = 64 * 1024;
 
 /// How much one read from the console socket takes.
 const CHUNK: usize = 64 * 1024;
@@ -67,141 +75,6 @@ const REDIAL: Duration = Duration::from_millis(500);
 /// How long [`ConsoleDrain::dial`] waits after refusing a socket served by someone else (each
 /// refusal is logged).
 pub const REFUSED_REDIAL: Duration = Duration::from_secs(5);
-
-/// The previous segment of the log at `path`: `<path>.1`.
-pub fn rotated_path(path: &Path) -> PathBuf {
-    let mut s = path.as_os_str().to_owned();
-    s.push(ROTATED_SUFFIX);
-    PathBuf::from(s)
-}
-
-/// A log of at most `cap` bytes on disk in two files (see the module docs). Reopening an
-/// existing log continues it (and trims files left larger than a segment).
-#[derive(Debug)]
-pub struct CappedLog {
-    path: PathBuf,
-    file: File,
-    len: u64,
-    segment: u64,
-    cap: u64,
-}
-
-impl CappedLog {
-    /// Opens (or creates) the log at `path` keeping at most `cap` bytes (at least
-    /// [`MIN_CONSOLE_CAP`]; a smaller cap is raised to it).
-    pub fn open(path: &Path, cap: u64) -> io::Result<Self> {
-        let cap = cap.max(MIN_CONSOLE_CAP);
-        let segment = cap / 2;
-        let old = rotated_path(path);
-        keep_tail(&old, segment)?;
-        let file = append(path)?;
-        let len = file.metadata()?.len();
-        let mut log = CappedLog { path: path.to_path_buf(), file, len, segment, cap };
-        if len > segment {
-            log.rotate()?;
-            keep_tail(&old, segment)?;
-        }
-        Ok(log)
-    }
-
-    /// Appends `buf`, rotating as needed; of a `buf` longer than the cap only its newest
-    /// `cap` bytes are written (the rest would be rotated away at once).
-    pub fn write(&mut self, buf: &[u8]) -> io::Result<()> {
-        let cap = usize::try_from(self.cap).unwrap_or(usize::MAX);
-        let mut buf = &buf[buf.len().saturating_sub(cap)..];
-        while !buf.is_empty() {
-            if self.len >= self.segment {
-                self.rotate()?;
-            }
-            let room = usize::try_from(self.segment - self.len).unwrap_or(usize::MAX);
-            let (now, rest) = buf.split_at(room.min(buf.len()));
-            self.file.write_all(now)?;
-            self.len += now.len() as u64;
-            buf = rest;
-        }
-        Ok(())
-    }
-
-    /// The log's path (the current segment).
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// The cap, in bytes.
-    pub fn cap(&self) -> u64 {
-        self.cap
-    }
-
-    fn rotate(&mut self) -> io::Result<()> {
-        std::fs::rename(&self.path, rotated_path(&self.path))?;
-        self.file = append(&self.path)?;
-        self.len = 0;
-        Ok(())
-    }
-}
-
-/// Opens `path` for appending, creating it 0600 (the guest's output is nobody else's to read;
-/// the VM user may search a cloud-hypervisor VM's directory).
-fn append(path: &Path) -> io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    OpenOptions::new().create(true).append(true).mode(0o600).open(path)
-}
-
-/// Shrinks the file at `path` (if any) to its last `max` bytes.
-fn keep_tail(path: &Path, max: u64) -> io::Result<()> {
-    let len = match std::fs::metadata(path) {
-        Ok(m) => m.len(),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    if len <= max {
-        return Ok(());
-    }
-    let tail = read_tail(path, usize::try_from(max).unwrap_or(usize::MAX))?;
-    foundation::write_atomic(path, &tail, foundation::SECRET_FILE)
-}
-
-/// The last `max` bytes of one file (fewer if it is shorter; empty if it is missing).
-fn read_tail(path: &Path, max: usize) -> io::Result<Vec<u8>> {
-    let mut f = match File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e),
-    };
-    let len = f.metadata()?.len();
-    let want = len.min(max as u64);
-    f.seek(SeekFrom::Start(len - want))?;
-    let mut out = Vec::with_capacity(want as usize);
-    f.take(want).read_to_end(&mut out)?;
-    Ok(out)
-}
-
-/// The newest `max` bytes of the console log at `path` (both segments), reading only them.
-/// A missing log is empty.
-pub fn tail(path: &Path, max: usize) -> io::Result<Vec<u8>> {
-    let newest = read_tail(path, max)?;
-    if newest.len() >= max {
-        return Ok(newest);
-    }
-    let mut out = read_tail(&rotated_path(path), max - newest.len())?;
-    out.extend_from_slice(&newest);
-    Ok(out)
-}
-
-/// The last `lines` lines of the console log at `path` as text (lossy UTF-8), from at most its
-/// last [`TAIL_TEXT_MAX`] bytes; empty when the log cannot be read. For error messages.
-pub fn tail_text(path: &Path, lines: usize) -> String {
-    let bytes = tail(path, TAIL_TEXT_MAX).unwrap_or_default();
-    let text = String::from_utf8_lossy(&bytes);
-    let last: Vec<&str> = text.lines().rev().take(lines).collect();
-    last.into_iter().rev().collect::<Vec<_>>().join("\n")
-}
-
-/// The newest `max` bytes of the console log at `path` as text (lossy UTF-8); empty when the
-/// log cannot be read. For tests and tools that search the retained console.
-pub fn tail_string(path: &Path, max: usize) -> String {
-    String::from_utf8_lossy(&tail(path, max).unwrap_or_default()).into_owned()
-}
 
 /// A task draining one VM's console socket into its [`CappedLog`]. Dropping it stops the task
 /// (and, for [`ConsoleDrain::listen`], closes the listener).
@@ -314,77 +187,6 @@ mod tests {
     fn on_disk(path: &Path) -> u64 {
         let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
         size(path) + size(&rotated_path(path))
-    }
-
-    /// A deterministic byte stream: byte `i` is `i % 251`.
-    fn stream(from: usize, len: usize) -> Vec<u8> {
-        (from..from + len).map(|i| (i % 251) as u8).collect()
-    }
-
-    #[test]
-    fn a_log_fed_past_its_cap_stays_under_it_and_keeps_the_newest_bytes() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("console.log");
-        let cap = 1000;
-        let mut log = CappedLog::open(&path, cap).expect("open");
-        let mut written = 0;
-        for size in [1, 7, 300, 499, 500, 501, 999, 1000, 1001, 5000, 3, 64 * 1024] {
-            log.write(&stream(written, size)).expect("write");
-            written += size;
-            assert!(on_disk(&path) <= cap, "{} bytes on disk after {written} written", on_disk(&path));
-            assert!(std::fs::metadata(&path).expect("current").len() <= cap / 2);
-        }
-        // The newest half-cap at least is always retained, in order.
-        let kept = tail(&path, cap as usize).expect("tail");
-        assert!(kept.len() as u64 >= cap / 2, "kept {}", kept.len());
-        assert_eq!(kept, stream(written - kept.len(), kept.len()), "the newest bytes, in order");
-        assert_eq!(tail(&path, 10).expect("tail 10"), stream(written - 10, 10));
-    }
-
-    #[test]
-    fn reopening_continues_the_log_and_trims_oversized_files() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("console.log");
-        // Files left by an unbounded writer (an older version): far over the cap.
-        std::fs::write(&path, stream(0, 10_000)).expect("seed");
-        std::fs::write(rotated_path(&path), vec![b'o'; 20_000]).expect("seed old");
-        let mut log = CappedLog::open(&path, 1000).expect("open");
-        assert!(on_disk(&path) <= 1000, "{}", on_disk(&path));
-        assert_eq!(tail(&path, 500).expect("tail"), stream(9_500, 500), "the newest bytes survive the trim");
-        log.write(b"more").expect("write");
-        drop(log);
-        let mut log = CappedLog::open(&path, 1000).expect("reopen");
-        log.write(b"!").expect("write");
-        assert!(tail(&path, 1000).expect("tail").ends_with(b"more!"));
-        assert!(on_disk(&path) <= 1000);
-    }
-
-    #[test]
-    fn tail_reads_across_both_segments_and_a_missing_log_is_empty() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("console.log");
-        assert_eq!(tail(&path, 100).expect("missing"), b"");
-        assert_eq!(tail_text(&path, 5), "");
-        std::fs::write(rotated_path(&path), b"one\ntwo\n").expect("old");
-        std::fs::write(&path, b"three\nfour\n").expect("new");
-        assert_eq!(tail(&path, 100).expect("tail"), b"one\ntwo\nthree\nfour\n");
-        assert_eq!(tail(&path, 8).expect("tail"), b"ee\nfour\n");
-        assert_eq!(tail(&path, 13).expect("tail"), b"o\nthree\nfour\n");
-        assert_eq!(tail_text(&path, 3), "two\nthree\nfour");
-        assert_eq!(tail_string(&path, 9), "ree\nfour\n");
-        std::fs::write(&path, [0xff, b'\n', b'x']).expect("binary");
-        assert_eq!(tail_text(&path, 1), "x");
-    }
-
-    #[test]
-    fn tail_text_reads_at_most_its_window() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("console.log");
-        let mut big = vec![b'a'; 3 * TAIL_TEXT_MAX];
-        big.extend_from_slice(b"\nlast line");
-        std::fs::write(&path, &big).expect("write");
-        let t = tail_text(&path, 1_000_000);
-        assert!(t.len() <= TAIL_TEXT_MAX && t.ends_with("\nlast line"), "{}", t.len());
     }
 
     async fn wait_for(path: &Path, pred: impl Fn(&[u8]) -> bool) -> Vec<u8> {
