@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::{NodeCondition, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use rustls::pki_types::CertificateDer;
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -26,8 +26,11 @@ pub struct NodeConfig {
     pub taints: Vec<Taint>,
     /// capacity = allocatable (`cpu`, `memory`, `pods`, …). Zero allocatable rejects every pod.
     pub capacity: BTreeMap<String, Quantity>,
-    /// `InternalIP` address (listed first) when known; `Hostname` (= `name`) always follows.
-    pub internal_ip: Option<String>,
+    /// The address the API server dials for logs, exec, attach and port-forward: published as
+    /// the Node's only address, `InternalIP`. Without one the Node lists `Hostname` (= `name`),
+    /// which works only where the API server can resolve that name
+    /// ([`crate::host_ip`] finds this host's address).
+    pub internal_ip: Option<IpAddr>,
     /// `status.daemonEndpoints.kubeletEndpoint.port`.
     pub kubelet_port: u16,
     /// `status.nodeInfo.kubeletVersion`.

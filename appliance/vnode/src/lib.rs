@@ -12,7 +12,8 @@
 //! it: client certificates against the cluster CA, `TokenReview`, `SubjectAccessReview`), [`error`];
 //! [`session`] (a provider binary's join flags, API client and renewal-restart loop);
 //! [`pod_status`] (the Pod status shapes providers push, pure); [`kit`] (the provider kit: the
-//! locked pod table, the notifier, background loops, error reporting).
+//! locked pod table, the notifier, background loops, error reporting); [`host_ip`] (the node IP a
+//! provider publishes); [`streams`] (what a provider serves logs, exec, attach and port-forward with).
 
 #![forbid(unsafe_code)]
 
@@ -21,6 +22,7 @@ pub mod config;
 mod controller;
 pub mod error;
 pub mod events;
+pub mod host_ip;
 pub mod kit;
 pub mod kubelet;
 pub mod lease;
@@ -134,7 +136,7 @@ async fn run_inner(
         cfg.tls_cert.as_deref(),
         cfg.tls_key.as_deref(),
         &node.name,
-        node.internal_ip.as_deref(),
+        node.internal_ip.map(|ip| ip.to_string()).as_deref(),
         client_ca.tls_verifier(),
     )
     .map_err(VnodeError::KubeletTls)?;

@@ -407,7 +407,7 @@ fn node_config(name: &str, port: u16) -> NodeConfig {
             ("memory".into(), Quantity("8Ti".into())),
             ("pods".into(), Quantity("2000".into())),
         ]),
-        internal_ip: Some("127.0.0.1".into()),
+        internal_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
         kubelet_port: port,
         kubelet_version: "v1.13.0-vnode-e2e".into(),
         ..Default::default()
