@@ -253,7 +253,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let _loops = provider.spawn_loops();
 
     let session = Session::open(&cli.join, &cli.node_name).await?;
-    session.run(setup.node, setup.runtime, provider, terminated(), |client| owners.set_client(client.clone())).await?;
+    session
+        .run(setup.node, setup.runtime, provider.clone(), provider, terminated(), |client| {
+            owners.set_client(client.clone())
+        })
+        .await?;
     Ok(())
 }
 

@@ -3,6 +3,7 @@
 //! Node's extra conditions and ask for an immediate status patch.
 
 use crate::auth::AuthConfig;
+use crate::streams::StreamLimits;
 use k8s_openapi::api::core::v1::{NodeCondition, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use rustls::pki_types::CertificateDer;
@@ -87,6 +88,8 @@ pub struct RuntimeConfig {
     pub kubelet_auth: AuthConfig,
     /// The kubelet port's connection cap and timeouts ([`crate::kubelet::default_limits`]).
     pub kubelet_limits: httpd::Limits,
+    /// The kubelet port's caps on open logs, exec, attach and port-forward sessions.
+    pub stream_limits: StreamLimits,
     /// `spec.leaseDurationSeconds` of the node Lease.
     pub lease_duration: Duration,
     /// How often the Lease is renewed.
@@ -114,6 +117,7 @@ impl Default for RuntimeConfig {
             client_ca: Vec::new(),
             kubelet_auth: AuthConfig::default(),
             kubelet_limits: crate::kubelet::default_limits(),
+            stream_limits: StreamLimits::default(),
             lease_duration: Duration::from_secs(40),
             lease_renew: Duration::from_secs(10),
             status_interval: Duration::from_secs(60),

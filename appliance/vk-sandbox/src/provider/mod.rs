@@ -41,6 +41,7 @@ mod create;
 mod delete;
 mod error;
 mod loops;
+mod streams;
 mod table;
 
 pub use config::ProviderConfig;
