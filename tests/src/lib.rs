@@ -3,6 +3,7 @@
 
 pub mod appliance_vm;
 pub mod cluster;
+pub mod kubelet_streams;
 pub mod netns;
 pub mod provider_process;
 pub mod sandboxd;

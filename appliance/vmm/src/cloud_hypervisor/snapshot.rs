@@ -3,6 +3,21 @@
 use super::*;
 
 impl CloudHypervisor {
+    /// [`Self::start_process`] for a VM whose directory `dir` was made for it: the directory
+    /// is removed when the process cannot start (boot and restore alike).
+    async fn start_process_in(
+        &self,
+        rec: &mut VmRecord,
+        jail: Option<&Jail>,
+        dir: &Path,
+    ) -> Result<VmmProcess, DriverError> {
+        let started = self.start_process(rec, jail).await;
+        if started.is_err() {
+            let _ = self.remove_dir(dir);
+        }
+        started
+    }
+
     /// Builds `<vmdir>/restore/` for a clone of `snapshot`; in a jail it is root's, group the
     /// VM group (0750, its `config.json` 0640), and every snapshot file it links to must be
     /// readable by the VM user.
@@ -77,13 +92,7 @@ impl CloudHypervisor {
             vsock_socket: rec.vm.vsock_socket.clone(),
             rng: spec.rng,
         };
-        let proc = match self.start_process(&mut rec, jail.as_ref()).await {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = self.remove_dir(&dir);
-                return Err(e);
-            }
-        };
+        let proc = self.start_process_in(&mut rec, jail.as_ref(), &dir).await?;
         let api = self.api(&rec.vm);
         let steps = async {
             api.create(plan.to_vm_config()).await.map_err(|e| api_error(&id, e))?;
@@ -193,13 +202,7 @@ impl CloudHypervisor {
                 return Err(e);
             }
         };
-        let proc = match self.start_process(&mut rec, jail.as_ref()).await {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = self.remove_dir(&dir);
-                return Err(e);
-            }
-        };
+        let proc = self.start_process_in(&mut rec, jail.as_ref(), &dir).await?;
         let api = self.api(&rec.vm);
         let slow = self.slow_api(&rec.vm);
         let steps = async {

@@ -1,0 +1,417 @@
+//! `kubectl logs`, `exec`, `attach` and `port-forward` on a sandbox Pod, as a user runs them
+//! (issue #15): the pinned `kubectl`, through the real API server, which proxies the WebSocket
+//! upgrades to the node's kubelet port. Both virtual-node suites (vk-sandbox, vk-cocoon) run
+//! these checks against one of their Running Pods; the Pod's image must have busybox (`base`).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::fd::{AsFd, OwnedFd};
+use std::process::{Child, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+use crate::ensure;
+use crate::suite::{poll, Outcome, VirtualNode};
+
+/// How long one streaming command may take (TCG guests are slow to fork).
+const STEP: Duration = Duration::from_secs(60);
+
+/// A Pod of the suite and the container `kubectl` names.
+pub struct Target<'a> {
+    pub ns: &'a str,
+    pub pod: &'a str,
+    pub container: &'a str,
+}
+
+impl Target<'_> {
+    fn args<'b>(&'b self, verb: &'b str, extra: &[&'b str]) -> Vec<&'b str> {
+        let mut a = vec![verb, "-n", self.ns, self.pod, "-c", self.container];
+        a.extend_from_slice(extra);
+        a
+    }
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// `kubectl exec pod -c c -- argv…` with no stdin; the whole output.
+fn exec(node: &VirtualNode, t: &Target, argv: &[&str]) -> Result<Output, String> {
+    let mut args = t.args("exec", &["--"]);
+    args.extend_from_slice(argv);
+    node.kubectl(&args).map_err(|e| format!("kubectl exec: {e}"))
+}
+
+/// Runs `argv` in the Pod and expects exit 0; its stdout.
+fn exec_ok(node: &VirtualNode, t: &Target, argv: &[&str]) -> Result<String, String> {
+    let out = exec(node, t, argv)?;
+    ensure!(out.status.success(), "kubectl exec {argv:?}: {}", text(&out));
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `kubectl exec`: output, stderr apart from stdout, exit codes, stdin piped through `cat`
+/// (10 MiB, byte-exact), an unknown container.
+pub fn exec_checks(node: &VirtualNode, t: &Target) -> Outcome {
+    ensure!(exec_ok(node, t, &["echo", "hello"])? == "hello\n", "echo through kubectl exec");
+    let out = exec(node, t, &["sh", "-c", "echo out; echo err >&2"])?;
+    ensure!(out.status.success(), "{}", text(&out));
+    ensure!(out.stdout == b"out\n" && out.stderr == b"err\n", "stdout and stderr kept apart: {}", text(&out));
+    let out = exec(node, t, &["sh", "-c", "exit 3"])?;
+    ensure!(out.status.code() == Some(3), "`sh -c 'exit 3'` must make kubectl exit 3: {}", text(&out));
+
+    // 10 MiB of random bytes through `cat`, byte-exact.
+    let data: Vec<u8> = (0..10 << 20).map(|_| rand::random::<u8>()).collect();
+    let mut child = node
+        .cluster
+        .kubectl()
+        .args(t.args("exec", &["-i", "--", "cat"]))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("kubectl exec -i: {e}"))?;
+    let mut stdin = child.stdin.take().ok_or("no stdin")?;
+    let writer = {
+        let data = data.clone();
+        std::thread::spawn(move || stdin.write_all(&data))
+    };
+    let out = wait_with_timeout(child, Duration::from_secs(300))?;
+    writer.join().map_err(|_| "stdin writer panicked")?.map_err(|e| format!("writing stdin: {e}"))?;
+    ensure!(out.status.success(), "kubectl exec -i cat: exit {:?}: {}", out.status.code(), String::from_utf8_lossy(&out.stderr));
+    ensure!(
+        Sha256::digest(&out.stdout) == Sha256::digest(&data),
+        "10 MiB through cat came back different: {} bytes of {}",
+        out.stdout.len(),
+        data.len()
+    );
+
+    let out = node.kubectl(&["exec", "-n", t.ns, t.pod, "-c", "nosuch", "--", "true"]).map_err(|e| e.to_string())?;
+    ensure!(!out.status.success(), "exec into an unknown container succeeded");
+    ensure!(String::from_utf8_lossy(&out.stderr).contains("nosuch"), "the error names the container: {}", text(&out));
+    Ok(())
+}
+
+/// `kubectl logs`: the console (a line the guest writes to /dev/console shows), `--tail`,
+/// `--timestamps`, `--limit-bytes`, `--previous` refused, `-f` sees a new line.
+pub fn logs_checks(node: &VirtualNode, t: &Target) -> Outcome {
+    let mark = format!("chrysalis-log-mark-{}", rand::random::<u32>());
+    exec_ok(node, t, &["sh", "-c", &format!("echo {mark} > /dev/console")])?;
+    let logs = poll("the mark in kubectl logs", STEP, || {
+        let out = node.kubectl(&t.args("logs", &[])).map_err(|e| e.to_string())?;
+        ensure!(out.status.success(), "kubectl logs: {}", text(&out));
+        let s = String::from_utf8_lossy(&out.stdout).into_owned();
+        Ok(s.contains(&mark).then_some(s))
+    })?;
+    ensure!(logs.lines().count() > 1, "the console has more than the mark: {logs}");
+
+    let tail = node.kubectl_ok(&t.args("logs", &["--tail=1"]))?;
+    ensure!(tail.lines().count() == 1, "--tail=1 gave {} lines: {tail:?}", tail.lines().count());
+    let stamped = node.kubectl_ok(&t.args("logs", &["--tail=2", "--timestamps"]))?;
+    for line in stamped.lines() {
+        let stamp = line.split(' ').next().unwrap_or_default();
+        ensure!(stamp.len() >= 20 && stamp.ends_with('Z') && stamp.contains('T'), "no RFC 3339 stamp on {line:?}");
+    }
+    let limited = node.kubectl(&t.args("logs", &["--limit-bytes=10"])).map_err(|e| e.to_string())?;
+    ensure!(limited.status.success() && limited.stdout.len() == 10, "--limit-bytes=10: {}", text(&limited));
+    let since = node.kubectl_ok(&t.args("logs", &["--since=1h"]))?;
+    ensure!(since.contains(&mark), "--since=1h lost the mark");
+
+    let previous = node.kubectl(&t.args("logs", &["--previous"])).map_err(|e| e.to_string())?;
+    ensure!(!previous.status.success(), "--previous succeeded on a VM");
+    ensure!(String::from_utf8_lossy(&previous.stderr).contains("previous"), "--previous: {}", text(&previous));
+
+    // -f: a line written after it started arrives.
+    let mut follow = node
+        .cluster
+        .kubectl()
+        .args(t.args("logs", &["-f", "--tail=0"]))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("kubectl logs -f: {e}"))?;
+    let lines = reader_lines(follow.stdout.take().ok_or("no stdout")?);
+    let late = format!("chrysalis-follow-mark-{}", rand::random::<u32>());
+    let seen = (|| -> Result<bool, String> {
+        let until = Instant::now() + STEP;
+        exec_ok(node, t, &["sh", "-c", &format!("echo {late} > /dev/console")])?;
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            match lines.recv_timeout(left) {
+                Ok(line) if line.contains(&late) => return Ok(true),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        Ok(false)
+    })();
+    let _ = follow.kill();
+    let _ = follow.wait();
+    ensure!(seen?, "kubectl logs -f did not show a line written while it followed");
+    Ok(())
+}
+
+/// Starts `kubectl logs -f` and returns it with its lines; the caller deletes the Pod and
+/// calls [`follow_ends`].
+pub fn follow_start(node: &VirtualNode, t: &Target) -> Result<(Child, mpsc::Receiver<String>), String> {
+    let mut child = node
+        .cluster
+        .kubectl()
+        .args(t.args("logs", &["-f", "--tail=1"]))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("kubectl logs -f: {e}"))?;
+    let lines = reader_lines(child.stdout.take().ok_or("no stdout")?);
+    Ok((child, lines))
+}
+
+/// `kubectl logs -f` ends by itself once its Pod is gone.
+pub fn follow_ends(mut child: Child) -> Outcome {
+    wait_status(&mut child, STEP).map(drop)
+}
+
+/// `kubectl exec -it` under a pseudo-terminal: `stty size` in the guest sees the terminal's
+/// size, then the new size after a resize.
+pub fn exec_tty_checks(node: &VirtualNode, t: &Target) -> Outcome {
+    let (master, slave) = open_pty(30, 100)?;
+    let mut child = node
+        .cluster
+        .kubectl()
+        .args(t.args("exec", &["-it", "--", "sh"]))
+        .stdin(Stdio::from(slave.try_clone().map_err(|e| e.to_string())?))
+        .stdout(Stdio::from(slave.try_clone().map_err(|e| e.to_string())?))
+        .stderr(Stdio::from(slave))
+        .spawn()
+        .map_err(|e| format!("kubectl exec -it: {e}"))?;
+    let out = pty_reader(master.try_clone().map_err(|e| e.to_string())?);
+    let mut input = std::fs::File::from(master.try_clone().map_err(|e| e.to_string())?);
+    let result = (|| -> Outcome {
+        input.write_all(b"stty size\n").map_err(|e| e.to_string())?;
+        wait_for(&out, "30 100", STEP)?;
+        rustix::termios::tcsetwinsize(master.as_fd(), winsize(40, 120)).map_err(|e| e.to_string())?;
+        // kubectl reads the new size on SIGWINCH (the kernel sends it only to a terminal's
+        // foreground group; kubectl is not in one here, so it is sent by hand).
+        let pid = rustix::process::Pid::from_raw(child.id() as i32).ok_or("pid")?;
+        rustix::process::kill_process(pid, rustix::process::Signal::WINCH).map_err(|e| e.to_string())?;
+        let until = Instant::now() + STEP;
+        loop {
+            input.write_all(b"stty size\n").map_err(|e| e.to_string())?;
+            if wait_for(&out, "40 120", Duration::from_secs(3)).is_ok() {
+                break;
+            }
+            ensure!(Instant::now() < until, "stty size never saw the resize to 40x120");
+        }
+        input.write_all(b"exit 7\n").map_err(|e| e.to_string())?;
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = child.kill();
+    }
+    let status = wait_status(&mut child, STEP)?;
+    result?;
+    ensure!(status.code() == Some(7), "kubectl exec -it: `exit 7` gave {:?}", status.code());
+    Ok(())
+}
+
+/// `kubectl port-forward` to a busybox httpd in the guest: a real HTTP request and its body.
+pub fn port_forward_checks(node: &VirtualNode, t: &Target) -> Outcome {
+    let body = format!("chrysalis-port-forward-{}", rand::random::<u32>());
+    exec_ok(
+        node,
+        t,
+        &["sh", "-c", &format!("mkdir -p /tmp/www && echo {body} > /tmp/www/index.html && busybox httpd -p 8080 -h /tmp/www")],
+    )?;
+    let mut pf = node
+        .cluster
+        .kubectl()
+        .args(["port-forward", "-n", t.ns, &format!("pod/{}", t.pod), ":8080"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("kubectl port-forward: {e}"))?;
+    let lines = reader_lines(pf.stdout.take().ok_or("no stdout")?);
+    let result = (|| -> Outcome {
+        // "Forwarding from 127.0.0.1:41235 -> 8080"
+        let line = lines.recv_timeout(STEP).map_err(|_| "kubectl port-forward printed no address")?;
+        let port: u16 = line
+            .split("127.0.0.1:")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|p| p.parse().ok())
+            .ok_or(format!("no local port in {line:?}"))?;
+        for _ in 0..2 {
+            let got = http_get(port)?;
+            ensure!(got.starts_with("HTTP/1") && got.contains(&body), "HTTP through port-forward: {got:?}");
+        }
+        Ok(())
+    })();
+    let _ = pf.kill();
+    let _ = pf.wait();
+    result
+}
+
+/// `kubectl attach`: the live console on stdout; `-i` is refused with a message.
+pub fn attach_checks(node: &VirtualNode, t: &Target) -> Outcome {
+    let mut attach = node
+        .cluster
+        .kubectl()
+        .args(t.args("attach", &[]))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("kubectl attach: {e}"))?;
+    let lines = reader_lines(attach.stdout.take().ok_or("no stdout")?);
+    let mark = format!("chrysalis-attach-mark-{}", rand::random::<u32>());
+    let seen = (|| -> Result<bool, String> {
+        let until = Instant::now() + STEP;
+        // Give the attach a moment to be established, then write until it shows.
+        while Instant::now() < until {
+            exec_ok(node, t, &["sh", "-c", &format!("echo {mark} > /dev/console")])?;
+            if let Ok(line) = lines.recv_timeout(Duration::from_secs(2)) {
+                if line.contains(&mark) {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    })();
+    let _ = attach.kill();
+    let _ = attach.wait();
+    ensure!(seen?, "kubectl attach did not show the console");
+    let out = node.kubectl(&t.args("attach", &["-i"])).map_err(|e| e.to_string())?;
+    ensure!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("exec -it"), "attach -i: {}", text(&out));
+    Ok(())
+}
+
+/// Every check, in an order that leaves the Pod as it found it (an httpd keeps running).
+pub fn all_checks(node: &VirtualNode, t: &Target) -> Outcome {
+    exec_checks(node, t)?;
+    logs_checks(node, t)?;
+    exec_tty_checks(node, t)?;
+    attach_checks(node, t)?;
+    port_forward_checks(node, t)
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn http_get(port: u16) -> Result<String, String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect :{port}: {e}"))?;
+    s.set_read_timeout(Some(STEP)).map_err(|e| e.to_string())?;
+    s.write_all(b"GET /index.html HTTP/1.0\r\nHost: x\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).map_err(|e| format!("reading the reply: {e}"))?;
+    Ok(String::from_utf8_lossy(&got).into_owned())
+}
+
+fn reader_lines(r: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(r).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// The pty's output as it arrives, in chunks.
+fn pty_reader(master: OwnedFd) -> mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut f = std::fs::File::from(master);
+        let mut buf = [0u8; 4096];
+        loop {
+            match f.read(&mut buf) {
+                Ok(n) if n > 0 && tx.send(buf[..n].to_vec()).is_ok() => {}
+                _ => break,
+            }
+        }
+    });
+    rx
+}
+
+fn wait_for(out: &mpsc::Receiver<Vec<u8>>, needle: &str, within: Duration) -> Outcome {
+    let until = Instant::now() + within;
+    let mut seen = Vec::new();
+    while let Some(left) = until.checked_duration_since(Instant::now()) {
+        match out.recv_timeout(left) {
+            Ok(chunk) => {
+                seen.extend_from_slice(&chunk);
+                if String::from_utf8_lossy(&seen).contains(needle) {
+                    return Ok(());
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    Err(format!("{needle:?} not seen on the terminal; it showed {:?}", String::from_utf8_lossy(&seen)))
+}
+
+fn winsize(rows: u16, cols: u16) -> rustix::termios::Winsize {
+    rustix::termios::Winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 }
+}
+
+/// A pseudo-terminal of `rows` x `cols`: (master, slave).
+fn open_pty(rows: u16, cols: u16) -> Result<(OwnedFd, OwnedFd), String> {
+    use rustix::pty::{grantpt, openpt, ptsname, unlockpt, OpenptFlags};
+    let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY).map_err(|e| format!("openpt: {e}"))?;
+    grantpt(&master).map_err(|e| format!("grantpt: {e}"))?;
+    unlockpt(&master).map_err(|e| format!("unlockpt: {e}"))?;
+    let name = ptsname(&master, Vec::new()).map_err(|e| format!("ptsname: {e}"))?;
+    let slave = rustix::fs::open(
+        name.as_c_str(),
+        rustix::fs::OFlags::RDWR | rustix::fs::OFlags::NOCTTY,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| format!("open {name:?}: {e}"))?;
+    rustix::termios::tcsetwinsize(&slave, winsize(rows, cols)).map_err(|e| e.to_string())?;
+    Ok((master, slave))
+}
+
+fn wait_status(child: &mut Child, within: Duration) -> Result<std::process::ExitStatus, String> {
+    let until = Instant::now() + within;
+    loop {
+        if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
+            return Ok(s);
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("kubectl did not end within {within:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits for `child` (its stdout and stderr piped), killing it after `within`.
+fn wait_with_timeout(mut child: Child, within: Duration) -> Result<Output, String> {
+    let mut stdout = child.stdout.take();
+    let mut stderr = child.stderr.take();
+    let out_t = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        if let Some(s) = stdout.as_mut() {
+            let _ = s.read_to_end(&mut v);
+        }
+        v
+    });
+    let err_t = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        if let Some(s) = stderr.as_mut() {
+            let _ = s.read_to_end(&mut v);
+        }
+        v
+    });
+    let status = wait_status(&mut child, within)?;
+    let stdout = out_t.join().map_err(|_| "stdout reader panicked")?;
+    let stderr = err_t.join().map_err(|_| "stderr reader panicked")?;
+    Ok(Output { status, stdout, stderr })
+}
