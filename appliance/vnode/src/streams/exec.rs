@@ -9,7 +9,6 @@
 //! error status; one whose client goes ends at once.
 
 use super::checks::{running_container, RouteError};
-use super::pending::channel::{self, Inbound, Protocol, TermSize};
 use super::pending::logs::LogQuery;
 use super::pending::session::{pty_resize, start_session, SessionEvent, SessionSpec};
 use super::sessions::SessionGuard;
@@ -22,6 +21,7 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use futures::stream::{SplitSink, SplitStream};
 use futures::{SinkExt as _, StreamExt as _};
+use kstream::channel::{self, Inbound, Protocol, TermSize};
 use silkd_client::AgentConn;
 use std::sync::Arc;
 

@@ -151,3 +151,64 @@ async fn port_forward_is_spdy_tunnelled_in_websocket() {
     let (_ws, chosen) = upgrade(srv.addr, "/portForward/ns/vm", PORT_FORWARD).await.expect("upgraded");
     assert_eq!(chosen, PORT_FORWARD);
 }
+
+/// An echo server on every agent connection (`port_stream` hands the connection's bytes to the
+/// port: the stand-in until silkd-client's lands).
+fn echo_agent(streams: &FakeStreams) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<tokio::io::DuplexStream>();
+    *streams.agent.lock().expect("lock") = Some(tx);
+    tokio::spawn(async move {
+        while let Some(conn) = rx.recv().await {
+            tokio::spawn(async move {
+                let (mut r, mut w) = tokio::io::split(conn);
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+}
+
+#[tokio::test]
+async fn port_forward_serves_a_request_through_the_agent() {
+    use bytes::BytesMut;
+    use kstream::spdy::{Frame, FrameDecoder, FrameEncoder, Headers, Limits};
+    use tokio_util::codec::{Decoder as _, Encoder as _};
+
+    let streams = FakeStreams::default();
+    echo_agent(&streams);
+    let srv = Server::start(pods(), streams, StreamLimits::default()).await;
+    let (mut ws, _) = upgrade(srv.addr, "/portForward/ns/vm", PORT_FORWARD).await.expect("upgraded");
+    let mut enc = FrameEncoder::new().expect("encoder");
+    let mut dec = FrameDecoder::new(&Limits::default());
+    let open = |id: u32, kind: &str, fin: bool| {
+        let mut headers = Headers::new();
+        headers.insert("streamtype", kind);
+        headers.insert("port", "8080");
+        headers.insert("requestid", "0");
+        Frame::SynStream { stream_id: id, associated_to: 0, priority: 0, slot: 0, fin, unidirectional: false, headers }
+    };
+    // The error stream (half-closed at once, as client-go does), the data stream, then bytes;
+    // one WebSocket message carries them all: boundaries mean nothing.
+    let mut out = BytesMut::new();
+    for frame in [open(1, "error", true), open(3, "data", false)] {
+        enc.encode(frame, &mut out).expect("encode");
+    }
+    enc.encode(Frame::Data { stream_id: 3, fin: false, data: Bytes::from_static(b"ping") }, &mut out).expect("encode");
+    ws.send(Message::Binary(out.freeze())).await.expect("send");
+    let mut inbound = BytesMut::new();
+    let echoed = loop {
+        if let Some(frame) = dec.decode(&mut inbound).expect("a frame") {
+            match frame {
+                Frame::Data { stream_id: 3, data, .. } if !data.is_empty() => break data,
+                Frame::RstStream { stream_id, status } => panic!("stream {stream_id} reset ({status})"),
+                _ => continue,
+            }
+        }
+        let msg = tokio::time::timeout(Duration::from_secs(10), ws.next()).await.expect("in time");
+        match msg {
+            Some(Ok(Message::Binary(b))) => inbound.extend_from_slice(&b),
+            Some(Ok(_)) => {}
+            other => panic!("the tunnel ended: {other:?}"),
+        }
+    };
+    assert_eq!(&echoed[..], b"ping");
+}
