@@ -11,7 +11,6 @@
 use super::checks::{running_container, RouteError};
 use super::pending::logs::LogQuery;
 use super::pending::session::{pty_resize, start_session, SessionEvent, SessionSpec};
-use super::sessions::SessionGuard;
 use super::upgrade::{accept, Upgrade};
 use super::{AgentIo, PodStreams, Streaming};
 use crate::provider::PodKey;
@@ -76,57 +75,37 @@ enum End {
 type Tx = SplitSink<WebSocket, Message>;
 type Rx = SplitStream<WebSocket>;
 
-/// What both routes check and take before the upgrade: the Pod, the options, a session slot
-/// and the negotiated protocol.
-fn prepare(
-    s: &Streaming,
-    (ns, pod, container): (String, String, String),
-    raw: Option<&str>,
-    headers: &HeaderMap,
-    ws: Upgrade,
-    route: &'static str,
-) -> Result<(PodKey, StreamOptions, SessionGuard, axum::extract::ws::WebSocketUpgrade, Protocol), RouteError> {
-    let opts = StreamOptions::parse(raw)?;
-    let key = PodKey::new(ns, pod);
-    running_container(s.provider.as_ref(), &key, &container)?;
-    let (ws, protocol) = accept(ws, headers, route, SPEAKS, Protocol::negotiate, Protocol::name, s.sessions.limits())?;
-    let guard = s.sessions.open(&key)?;
-    Ok((key, opts, guard, ws, protocol))
-}
+/// `EXEC` for [`channel_route`]: the route is `/exec`, else `/attach`.
+pub(super) const EXEC: bool = true;
+pub(super) const ATTACH: bool = false;
 
-pub(super) async fn exec(
+/// `/exec` (`EXEC`) or `/attach`: the checks (options, Pod, container, protocol, a session
+/// slot), then the upgrade, then the session until either side ends.
+pub(super) async fn channel_route<const IS_EXEC: bool>(
     State(s): State<Streaming>,
-    Path(path): Path<(String, String, String)>,
+    Path((ns, pod, container)): Path<(String, String, String)>,
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
     ws: Upgrade,
 ) -> Result<Response, RouteError> {
-    let (key, opts, guard, ws, protocol) = prepare(&s, path, raw.as_deref(), &headers, ws, "exec")?;
-    if opts.command.is_empty() {
+    let route = if IS_EXEC { "exec" } else { "attach" };
+    let opts = StreamOptions::parse(raw.as_deref())?;
+    if IS_EXEC && opts.command.is_empty() {
         return Err(RouteError::Query("exec needs a command (query parameter command, repeated)".into()));
     }
+    let key = PodKey::new(ns, pod);
+    running_container(s.provider.as_ref(), &key, &container)?;
+    let (ws, protocol) = accept(ws, &headers, route, SPEAKS, Protocol::negotiate, Protocol::name, s.sessions.limits())?;
+    let guard = s.sessions.open(&key)?;
     let streams = s.streams.clone();
     Ok(ws.on_upgrade(move |socket| async move {
         let _guard = guard;
         let (mut tx, rx) = socket.split();
-        let end = run_exec(&streams, &key, &opts, protocol, &mut tx, rx).await;
-        finish(&mut tx, end).await;
-    }))
-}
-
-pub(super) async fn attach(
-    State(s): State<Streaming>,
-    Path(path): Path<(String, String, String)>,
-    RawQuery(raw): RawQuery,
-    headers: HeaderMap,
-    ws: Upgrade,
-) -> Result<Response, RouteError> {
-    let (key, opts, guard, ws, _) = prepare(&s, path, raw.as_deref(), &headers, ws, "attach")?;
-    let streams = s.streams.clone();
-    Ok(ws.on_upgrade(move |socket| async move {
-        let _guard = guard;
-        let (mut tx, rx) = socket.split();
-        let end = run_attach(&streams, &key, &opts, &mut tx, rx).await;
+        let end = if IS_EXEC {
+            run_exec(&streams, &key, &opts, protocol, &mut tx, rx).await
+        } else {
+            run_attach(&streams, &key, &opts, &mut tx, rx).await
+        };
         finish(&mut tx, end).await;
     }))
 }

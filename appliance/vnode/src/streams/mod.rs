@@ -82,8 +82,14 @@ pub fn routes(provider: Arc<dyn Provider>, streams: Arc<dyn PodStreams>, limits:
     let state = Streaming { provider, streams, sessions: Arc::new(sessions::Sessions::new(limits)) };
     Router::new()
         .route("/containerLogs/{ns}/{pod}/{container}", get(logs::container_logs))
-        .route("/exec/{ns}/{pod}/{container}", get(exec::exec).post(exec::exec))
-        .route("/attach/{ns}/{pod}/{container}", get(exec::attach).post(exec::attach))
+        .route(
+            "/exec/{ns}/{pod}/{container}",
+            get(exec::channel_route::<{ exec::EXEC }>).post(exec::channel_route::<{ exec::EXEC }>),
+        )
+        .route(
+            "/attach/{ns}/{pod}/{container}",
+            get(exec::channel_route::<{ exec::ATTACH }>).post(exec::channel_route::<{ exec::ATTACH }>),
+        )
         .route("/portForward/{ns}/{pod}", get(portforward::port_forward).post(portforward::port_forward))
         .with_state(state)
 }
