@@ -79,53 +79,12 @@ mod tests {
     use crate::auth::x509::testing::{stranger, Ca, Leaf};
     use crate::auth::x509::ClientCa;
     use crate::auth::AuthConfig;
-    use crate::provider::{PodKey, PodNotifier, ProviderError};
+    use crate::streams::tests::{FakeProvider, FakeStreams};
     use rustls::pki_types::pem::PemObject as _;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
     use std::sync::atomic::Ordering;
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    struct OnePod;
-
-    #[async_trait::async_trait]
-    impl Provider for OnePod {
-        async fn create_pod(&self, _: &Pod) -> Result<(), ProviderError> {
-            Ok(())
-        }
-        async fn update_pod(&self, _: &Pod) -> Result<(), ProviderError> {
-            Ok(())
-        }
-        async fn delete_pod(&self, _: &Pod) -> Result<(), ProviderError> {
-            Ok(())
-        }
-        fn get_pod(&self, _: &PodKey) -> Option<Pod> {
-            None
-        }
-        fn get_pods(&self) -> Vec<Pod> {
-            let mut p = Pod::default();
-            p.metadata.name = Some("p1".into());
-            p.metadata.namespace = Some("ns".into());
-            vec![p]
-        }
-        fn notify_pods(&self, _: PodNotifier) {}
-    }
-
-    struct NoStreams;
-
-    #[async_trait::async_trait]
-    impl PodStreams for NoStreams {
-        async fn dial_agent(&self, _: &PodKey) -> Result<crate::streams::AgentIo, crate::StreamError> {
-            Err(crate::StreamError::Unavailable("none".into()))
-        }
-        async fn container_logs(
-            &self,
-            _: &PodKey,
-            _: &crate::streams::ValidLogQuery,
-        ) -> Result<crate::streams::LogBody, crate::StreamError> {
-            Err(crate::StreamError::Unavailable("none".into()))
-        }
-    }
 
     /// A running endpoint: its address, the fake API server behind it and the CA it trusts.
     struct Endpoint {
@@ -159,7 +118,12 @@ mod tests {
             let server = tokio::spawn(serve(
                 listener,
                 tls,
-                router(Arc::new(OnePod), Arc::new(NoStreams), crate::streams::StreamLimits::default(), auth),
+                router(
+                    Arc::new(FakeProvider::default().with("ns", "p1", "Running")),
+                    Arc::new(FakeStreams::default()),
+                    crate::streams::StreamLimits::default(),
+                    auth,
+                ),
                 limits,
                 stats.clone(),
                 cancel.clone(),

@@ -95,4 +95,4 @@ pub fn routes(provider: Arc<dyn Provider>, streams: Arc<dyn PodStreams>, limits:
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -16,10 +16,10 @@ use tokio_util::sync::CancellationToken;
 
 /// Pods by key.
 #[derive(Default)]
-pub(super) struct FakeProvider(Mutex<Vec<Pod>>);
+pub(crate) struct FakeProvider(Mutex<Vec<Pod>>);
 
 impl FakeProvider {
-    pub(super) fn with(self, ns: &str, name: &str, phase: &str) -> Self {
+    pub(crate) fn with(self, ns: &str, name: &str, phase: &str) -> Self {
         let mut p = Pod::default();
         p.metadata.namespace = Some(ns.into());
         p.metadata.name = Some(name.into());
@@ -56,7 +56,7 @@ impl Provider for FakeProvider {
 /// What the fake streams serve: each log request gets the next scripted body (chunks, then
 /// either the end or, with `hold`, a stream that stays open until the test drops its sender).
 #[derive(Default)]
-pub(super) struct FakeStreams {
+pub(crate) struct FakeStreams {
     pub(super) logs: Mutex<Vec<Vec<&'static str>>>,
     pub(super) held: Mutex<Vec<mpsc::Sender<Bytes>>>,
     pub(super) queries: Mutex<Vec<ValidLogQuery>>,
