@@ -132,7 +132,7 @@ async fn run(cli: Cli, cfg: CocoonConfig) -> anyhow::Result<()> {
     let node_name = cfg.node_name.clone();
     let events_for = provider.clone();
     session
-        .run(node_cfg, runtime, provider, &mut stop, move |client| {
+        .run(node_cfg, runtime, provider.clone(), provider, &mut stop, move |client| {
             events_for.set_events(Arc::new(KubeEvents(vnode::events::Recorder::new(
                 client.clone(),
                 node_name.clone(),

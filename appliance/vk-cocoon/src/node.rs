@@ -141,7 +141,7 @@ pub fn setup(cfg: &CocoonConfig, host: &HostResources) -> Result<(vnode::NodeCon
             time_added: None,
         }],
         capacity: capacity(cfg, host)?,
-        internal_ip: Some(cfg.node_ip.to_string()),
+        internal_ip: Some(cfg.node_ip),
         kubelet_port: cfg.kubelet_port,
         kubelet_version: concat!("v", env!("CARGO_PKG_VERSION"), "-vk-cocoon").to_owned(),
         provider_id: cfg.provider_id.clone(),
@@ -179,7 +179,7 @@ mod tests {
         assert!(!n.labels.keys().any(|k| k.contains("node-role.kubernetes.io")), "NodeRestriction refuses it");
         let t = &n.taints[0];
         assert_eq!((t.key.as_str(), t.value.as_deref(), t.effect.as_str()), (TAINT_KEY, Some("cocoon"), "NoSchedule"));
-        assert_eq!(n.internal_ip.as_deref(), Some("192.0.2.7"));
+        assert_eq!(n.internal_ip, Some("192.0.2.7".parse().expect("ip")));
         assert_eq!(n.kubelet_port, 10250);
         assert_eq!(n.provider_id.as_deref(), Some("p://x"));
         assert!(n.kubelet_version.ends_with("-vk-cocoon"));

@@ -49,7 +49,8 @@ struct Cli {
     /// Node name (with --join-server, also the system:node:<name> identity).
     #[arg(long, env = "VK_NODE_NAME", default_value = "vk-sandboxd")]
     node_name: String,
-    /// Node InternalIP; empty = none advertised.
+    /// Node InternalIP, the address the API server dials for logs and exec (a name is resolved
+    /// once at start); empty = this host's first non-loopback IPv4.
     #[arg(long, env = "VK_NODE_IP", default_value = "")]
     node_ip: String,
     /// Kubelet HTTPS endpoint, `[host]:port` (":10260" = all interfaces).
@@ -200,7 +201,7 @@ fn node_setup(cli: &Cli) -> anyhow::Result<NodeSetup> {
             time_added: None,
         }],
         capacity,
-        internal_ip: (!cli.node_ip.trim().is_empty()).then(|| cli.node_ip.trim().to_owned()),
+        internal_ip: vnode::host_ip::node_ip(&cli.node_ip).context("--node-ip")?,
         kubelet_port: listen_addr.port(),
         kubelet_version: concat!("v", env!("CARGO_PKG_VERSION"), "-vk-sandbox").to_owned(),
         provider_id: None,
@@ -252,7 +253,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let _loops = provider.spawn_loops();
 
     let session = Session::open(&cli.join, &cli.node_name).await?;
-    session.run(setup.node, setup.runtime, provider, terminated(), |client| owners.set_client(client.clone())).await?;
+    session
+        .run(setup.node, setup.runtime, provider.clone(), provider, terminated(), |client| {
+            owners.set_client(client.clone())
+        })
+        .await?;
     Ok(())
 }
 
@@ -375,7 +380,7 @@ mod tests {
         let cli = Cli::try_parse_from(["vk-sandbox", "--listen-addr", ":10333", "--node-ip", "10.0.0.5"]).unwrap();
         let s = node_setup(&cli).unwrap();
         assert_eq!(s.node.kubelet_port, 10333);
-        assert_eq!(s.node.internal_ip.as_deref(), Some("10.0.0.5"));
+        assert_eq!(s.node.internal_ip, Some("10.0.0.5".parse().unwrap()));
         assert_eq!(s.node.labels["sandbox.cocoonstack.io/runtime"], "sandboxd");
         let t = &s.node.taints[0];
         assert_eq!(

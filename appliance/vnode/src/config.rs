@@ -3,11 +3,12 @@
 //! Node's extra conditions and ask for an immediate status patch.
 
 use crate::auth::AuthConfig;
+use crate::streams::StreamLimits;
 use k8s_openapi::api::core::v1::{NodeCondition, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use rustls::pki_types::CertificateDer;
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -26,8 +27,11 @@ pub struct NodeConfig {
     pub taints: Vec<Taint>,
     /// capacity = allocatable (`cpu`, `memory`, `pods`, …). Zero allocatable rejects every pod.
     pub capacity: BTreeMap<String, Quantity>,
-    /// `InternalIP` address (listed first) when known; `Hostname` (= `name`) always follows.
-    pub internal_ip: Option<String>,
+    /// The address the API server dials for logs, exec, attach and port-forward: published as
+    /// the Node's only address, `InternalIP`. Without one the Node lists `Hostname` (= `name`),
+    /// which works only where the API server can resolve that name
+    /// ([`crate::host_ip`] finds this host's address).
+    pub internal_ip: Option<IpAddr>,
     /// `status.daemonEndpoints.kubeletEndpoint.port`.
     pub kubelet_port: u16,
     /// `status.nodeInfo.kubeletVersion`.
@@ -84,6 +88,8 @@ pub struct RuntimeConfig {
     pub kubelet_auth: AuthConfig,
     /// The kubelet port's connection cap and timeouts ([`crate::kubelet::default_limits`]).
     pub kubelet_limits: httpd::Limits,
+    /// The kubelet port's caps on open logs, exec, attach and port-forward sessions.
+    pub stream_limits: StreamLimits,
     /// `spec.leaseDurationSeconds` of the node Lease.
     pub lease_duration: Duration,
     /// How often the Lease is renewed.
@@ -111,6 +117,7 @@ impl Default for RuntimeConfig {
             client_ca: Vec::new(),
             kubelet_auth: AuthConfig::default(),
             kubelet_limits: crate::kubelet::default_limits(),
+            stream_limits: StreamLimits::default(),
             lease_duration: Duration::from_secs(40),
             lease_renew: Duration::from_secs(10),
             status_interval: Duration::from_secs(60),

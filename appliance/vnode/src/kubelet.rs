@@ -1,6 +1,7 @@
 //! The kubelet HTTPS endpoint (`docs/virtual-node.md` §1.3): `/healthz` → `ok`, `/pods` → the
-//! provider's pods as a `PodList`; `/containerLogs`, `/exec`, `/attach`, `/portForward`,
-//! `/runningpods/`, `/stats/summary`, `/metrics/resource` and anything else → `501`.
+//! provider's pods as a `PodList`; `/containerLogs`, `/exec`, `/attach`, `/portForward` →
+//! [`crate::streams`]; `/runningpods/`, `/stats/summary`, `/metrics/resource` and anything else
+//! → `501`.
 //!
 //! Every route, `/healthz` included, sits behind [`auth::guard`] (authenticate, then a
 //! `SubjectAccessReview`), as on a kubelet's authenticated port. Served through
@@ -10,6 +11,7 @@
 use crate::auth::{self, KubeletAuth};
 use crate::error::VnodeError;
 use crate::provider::Provider;
+use crate::streams::{PodStreams, StreamLimits};
 use axum::extract::State;
 use axum::http::{StatusCode, Uri};
 use axum::response::IntoResponse;
@@ -28,13 +30,19 @@ pub fn default_limits() -> httpd::Limits {
     httpd::Limits { max_connections: 1024, ..httpd::Limits::default() }
 }
 
-/// The routes, over `provider`, each behind `auth`.
-pub fn router(provider: Arc<dyn Provider>, auth: Arc<KubeletAuth>) -> Router {
+/// The routes, over `provider` and its `streams` (within `limits`), each behind `auth`.
+pub fn router(
+    provider: Arc<dyn Provider>,
+    streams: Arc<dyn PodStreams>,
+    limits: StreamLimits,
+    auth: Arc<KubeletAuth>,
+) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/pods", get(pods))
         .fallback(not_implemented)
-        .with_state(provider)
+        .with_state(provider.clone())
+        .merge(crate::streams::routes(provider, streams, limits))
         .layer(axum::middleware::from_fn_with_state(auth, auth::guard))
 }
 
@@ -71,37 +79,12 @@ mod tests {
     use crate::auth::x509::testing::{stranger, Ca, Leaf};
     use crate::auth::x509::ClientCa;
     use crate::auth::AuthConfig;
-    use crate::provider::{PodKey, PodNotifier, ProviderError};
+    use crate::streams::tests::{FakeProvider, FakeStreams};
     use rustls::pki_types::pem::PemObject as _;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
     use std::sync::atomic::Ordering;
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    struct OnePod;
-
-    #[async_trait::async_trait]
-    impl Provider for OnePod {
-        async fn create_pod(&self, _: &Pod) -> Result<(), ProviderError> {
-            Ok(())
-        }
-        async fn update_pod(&self, _: &Pod) -> Result<(), ProviderError> {
-            Ok(())
-        }
-        async fn delete_pod(&self, _: &Pod) -> Result<(), ProviderError> {
-            Ok(())
-        }
-        fn get_pod(&self, _: &PodKey) -> Option<Pod> {
-            None
-        }
-        fn get_pods(&self) -> Vec<Pod> {
-            let mut p = Pod::default();
-            p.metadata.name = Some("p1".into());
-            p.metadata.namespace = Some("ns".into());
-            vec![p]
-        }
-        fn notify_pods(&self, _: PodNotifier) {}
-    }
 
     /// A running endpoint: its address, the fake API server behind it and the CA it trusts.
     struct Endpoint {
@@ -135,7 +118,12 @@ mod tests {
             let server = tokio::spawn(serve(
                 listener,
                 tls,
-                router(Arc::new(OnePod), auth),
+                router(
+                    Arc::new(FakeProvider::default().with("ns", "p1", "Running")),
+                    Arc::new(FakeStreams::default()),
+                    crate::streams::StreamLimits::default(),
+                    auth,
+                ),
                 limits,
                 stats.clone(),
                 cancel.clone(),
@@ -237,12 +225,20 @@ mod tests {
             call(ep.addr, "GET", "/healthz", Some(&apiserver), None, &rustls::version::TLS12).await,
             (200, "ok".into())
         );
-        for path in ["/containerLogs/ns/p/c", "/runningpods/", "/stats/summary", "/anything"] {
+        for path in ["/runningpods/", "/stats/summary", "/anything"] {
             let (status, body) = get(ep.addr, path, Some(&apiserver), None).await;
             assert_eq!(status, 501, "{path}: {body}");
             assert!(body.contains("not implemented"), "{path}: {body}");
         }
-        assert_eq!(call(ep.addr, "POST", "/exec/ns/p/c", Some(&apiserver), None, &rustls::version::TLS13).await.0, 501);
+        // The streaming routes are served: the pod is not on this node.
+        let (status, body) = get(ep.addr, "/containerLogs/ns/p/c", Some(&apiserver), None).await;
+        assert_eq!((status, body.as_str()), (404, "pod ns/p is not on this node (check its spec.nodeName)\n"));
+        assert_eq!(
+            call(ep.addr, "POST", "/exec/ns/p/c?stdout=1&command=ls", Some(&apiserver), None, &rustls::version::TLS13)
+                .await
+                .0,
+            404
+        );
         // Authenticated by the CA but without a grant: 403 naming the attributes.
         let (status, body) = get(ep.addr, "/pods", Some(&unbound), None).await;
         assert_eq!(status, 403);

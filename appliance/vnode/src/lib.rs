@@ -12,7 +12,8 @@
 //! it: client certificates against the cluster CA, `TokenReview`, `SubjectAccessReview`), [`error`];
 //! [`session`] (a provider binary's join flags, API client and renewal-restart loop);
 //! [`pod_status`] (the Pod status shapes providers push, pure); [`kit`] (the provider kit: the
-//! locked pod table, the notifier, background loops, error reporting).
+//! locked pod table, the notifier, background loops, error reporting); [`host_ip`] (the node IP a
+//! provider publishes); [`streams`] (what a provider serves logs, exec, attach and port-forward with).
 
 #![forbid(unsafe_code)]
 
@@ -21,6 +22,7 @@ pub mod config;
 mod controller;
 pub mod error;
 pub mod events;
+pub mod host_ip;
 pub mod kit;
 pub mod kubelet;
 pub mod lease;
@@ -32,12 +34,14 @@ pub mod queue;
 mod registration;
 pub mod session;
 pub mod status;
+pub mod streams;
 pub mod sync;
 pub mod tls;
 
 pub use config::{NodeConfig, NodeHandle, RuntimeConfig};
 pub use error::VnodeError;
 pub use provider::{error_chain, PodKey, PodNotifier, Provider, ProviderError};
+pub use streams::{PodStreams, StreamError};
 
 use controller::Controller;
 use registration::Registrar;
@@ -49,7 +53,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
-/// Runs the virtual node until `shutdown` resolves.
+/// Runs the virtual node until `shutdown` resolves; `streams` serves the kubelet port's logs,
+/// exec, attach and port-forward.
 ///
 /// Returns `Ok(())` after a clean stop (workers finish the item they hold, within
 /// `cfg.shutdown_grace`; the Node, its Lease and the Pods are left as they are), or a
@@ -66,10 +71,11 @@ pub async fn run(
     node: NodeConfig,
     cfg: RuntimeConfig,
     provider: Arc<dyn Provider>,
+    streams: Arc<dyn PodStreams>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), VnodeError> {
     let span = tracing::info_span!("vnode", node = %node.name);
-    run_inner(client, node, cfg, provider, shutdown).instrument(span).await
+    run_inner(client, node, cfg, provider, streams, shutdown).instrument(span).await
 }
 
 fn validate(node: &NodeConfig) -> Result<(), VnodeError> {
@@ -122,6 +128,7 @@ async fn run_inner(
     node: NodeConfig,
     cfg: RuntimeConfig,
     provider: Arc<dyn Provider>,
+    streams: Arc<dyn PodStreams>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), VnodeError> {
     validate(&node)?;
@@ -134,7 +141,7 @@ async fn run_inner(
         cfg.tls_cert.as_deref(),
         cfg.tls_key.as_deref(),
         &node.name,
-        node.internal_ip.as_deref(),
+        node.internal_ip.map(|ip| ip.to_string()).as_deref(),
         client_ca.tls_verifier(),
     )
     .map_err(VnodeError::KubeletTls)?;
@@ -157,7 +164,7 @@ async fn run_inner(
         kubelet::serve(
             listener,
             tls,
-            kubelet::router(provider.clone(), kubelet_auth),
+            kubelet::router(provider.clone(), streams, cfg.stream_limits, kubelet_auth),
             cfg.kubelet_limits,
             Arc::new(httpd::ConnStats::default()),
             cancel.clone(),

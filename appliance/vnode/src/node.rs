@@ -117,15 +117,28 @@ pub fn go_arch() -> &'static str {
     }
 }
 
+/// The features the Node declares in `status.declaredFeatures`. `ExtendWebSocketsToKubelet`
+/// tells the API server (1.37: `pkg/registry/core/pod/rest/subresources.go`) that this kubelet
+/// speaks WebSocket itself, so it proxies kubectl's exec, attach and port-forward upgrades
+/// unchanged instead of translating them to SPDY, which we do not serve.
+pub const DECLARED_FEATURES: &[&str] = &["ExtendWebSocketsToKubelet"];
+
+/// The Node's addresses: the node IP alone as `InternalIP` when known. The API server dials
+/// the first address of its preferred types (`--kubelet-preferred-address-types`, `Hostname`
+/// first by default), and the node name rarely resolves there, so no `Hostname` is listed
+/// beside an IP; without an IP the name is all there is.
+pub fn addresses(cfg: &NodeConfig) -> Vec<NodeAddress> {
+    match cfg.internal_ip {
+        Some(ip) => vec![NodeAddress { type_: "InternalIP".into(), address: ip.to_string() }],
+        None => vec![NodeAddress { type_: "Hostname".into(), address: cfg.name.clone() }],
+    }
+}
+
 /// The Node's status with the given (already stamped) conditions.
 pub fn status(cfg: &NodeConfig, conditions: Vec<NodeCondition>) -> NodeStatus {
-    let mut addresses = Vec::new();
-    if let Some(ip) = cfg.internal_ip.as_deref().filter(|ip| !ip.is_empty()) {
-        addresses.push(NodeAddress { type_: "InternalIP".into(), address: ip.into() });
-    }
-    addresses.push(NodeAddress { type_: "Hostname".into(), address: cfg.name.clone() });
     NodeStatus {
-        addresses: Some(addresses),
+        addresses: Some(addresses(cfg)),
+        declared_features: Some(DECLARED_FEATURES.iter().map(|f| f.to_string()).collect()),
         capacity: Some(cfg.capacity.clone()),
         allocatable: Some(cfg.capacity.clone()),
         conditions: Some(conditions),
@@ -219,7 +232,7 @@ mod tests {
                 ("memory".into(), Quantity("8Ti".into())),
                 ("pods".into(), Quantity("2000".into())),
             ]),
-            internal_ip: Some("10.0.0.7".into()),
+            internal_ip: Some("10.0.0.7".parse().expect("ip")),
             kubelet_port: 10260,
             kubelet_version: "v1.2.3".into(),
             provider_id: Some("chrysalis://box-1".into()),
@@ -243,7 +256,8 @@ mod tests {
         assert_eq!(st.capacity, st.allocatable);
         assert_eq!(st.capacity.as_ref().expect("capacity")["pods"], Quantity("2000".into()));
         let addrs: Vec<_> = st.addresses.iter().flatten().map(|a| (a.type_.as_str(), a.address.as_str())).collect();
-        assert_eq!(addrs, [("InternalIP", "10.0.0.7"), ("Hostname", "vk-test")]);
+        assert_eq!(addrs, [("InternalIP", "10.0.0.7")], "no Hostname the API server would dial first");
+        assert_eq!(st.declared_features.as_deref(), Some(&["ExtendWebSocketsToKubelet".to_string()][..]));
         assert_eq!(st.daemon_endpoints.as_ref().and_then(|d| d.kubelet_endpoint.as_ref()).map(|e| e.port), Some(10260));
         assert_eq!(st.node_info.as_ref().map(|i| i.kubelet_version.as_str()), Some("v1.2.3"));
         assert_eq!(st.phase.as_deref(), Some("Running"));
@@ -252,11 +266,19 @@ mod tests {
     #[test]
     fn without_an_ip_only_the_hostname_is_listed() {
         let mut c = cfg();
-        c.internal_ip = Some(String::new());
-        let st = status(&c, vec![]);
-        assert_eq!(st.addresses.expect("addresses").len(), 1);
         c.internal_ip = None;
-        assert_eq!(status(&c, vec![]).addresses.expect("addresses")[0].type_, "Hostname");
+        let addrs = status(&c, vec![]).addresses.expect("addresses");
+        assert_eq!(addrs, [NodeAddress { type_: "Hostname".into(), address: "vk-test".into() }]);
+        c.internal_ip = Some("fd00::7".parse().expect("ip"));
+        assert_eq!(addresses(&c), [NodeAddress { type_: "InternalIP".into(), address: "fd00::7".into() }]);
+    }
+
+    #[test]
+    fn the_status_patch_declares_websockets_to_the_kubelet() {
+        let c = cfg();
+        let patch = status_patch(&status(&c, vec![]), &[]);
+        assert_eq!(patch["status"]["declaredFeatures"], serde_json::json!(["ExtendWebSocketsToKubelet"]));
+        assert_eq!(patch["status"]["addresses"], serde_json::json!([{"type": "InternalIP", "address": "10.0.0.7"}]));
     }
 
     #[test]

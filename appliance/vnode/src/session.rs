@@ -28,7 +28,7 @@ use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::CertificateDer;
 use tokio::sync::Notify;
 
-use crate::{NodeConfig, Provider, RuntimeConfig, VnodeError};
+use crate::{NodeConfig, PodStreams, Provider, RuntimeConfig, VnodeError};
 
 /// The join flags. The binary sets the `credentials_dir` default with
 /// `#[command(mut_arg("credentials_dir", |a| a.default_value("/var/lib/<binary>/pki")))]`;
@@ -285,6 +285,7 @@ impl Session {
         node: NodeConfig,
         mut runtime: RuntimeConfig,
         provider: Arc<dyn Provider>,
+        streams: Arc<dyn PodStreams>,
         stop: impl Future<Output = ()>,
         mut on_client: impl FnMut(&kube::Client),
     ) -> Result<(), SessionError> {
@@ -301,8 +302,14 @@ impl Session {
                 let s = stop_run.clone();
                 async move { s.notified().await }
             };
-            let mut running =
-                std::pin::pin!(crate::run(client, node.clone(), runtime.clone(), provider.clone(), shutdown));
+            let mut running = std::pin::pin!(crate::run(
+                client,
+                node.clone(),
+                runtime.clone(),
+                provider.clone(),
+                streams.clone(),
+                shutdown,
+            ));
             let new = tokio::select! {
                 r = &mut running => {
                     r.map_err(SessionError::Runtime)?;

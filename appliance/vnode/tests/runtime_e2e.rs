@@ -49,6 +49,23 @@ const NODE: &str = "vk-vnode-e2e";
 const CLAIM: &str = "sandbox.cocoonstack.io/claim-id";
 const POD_IP: &str = "10.77.0.9";
 
+/// Streams nothing (the kubelet port's streams are tested in `vnode::streams`).
+struct NoStreams;
+
+#[async_trait::async_trait]
+impl vnode::PodStreams for NoStreams {
+    async fn dial_agent(&self, _: &PodKey) -> Result<vnode::streams::AgentIo, vnode::StreamError> {
+        Err(vnode::StreamError::Unavailable("no streams in this test".into()))
+    }
+    async fn container_logs(
+        &self,
+        _: &PodKey,
+        _: &vnode::streams::ValidLogQuery,
+    ) -> Result<vnode::streams::LogBody, vnode::StreamError> {
+        Err(vnode::StreamError::Unavailable("no streams in this test".into()))
+    }
+}
+
 /// In-memory provider: create pushes Running with a pod IP and a claim annotation; a pod with
 /// annotation `test/fail: "yes"` is refused.
 #[derive(Default)]
@@ -407,7 +424,7 @@ fn node_config(name: &str, port: u16) -> NodeConfig {
             ("memory".into(), Quantity("8Ti".into())),
             ("pods".into(), Quantity("2000".into())),
         ]),
-        internal_ip: Some("127.0.0.1".into()),
+        internal_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
         kubelet_port: port,
         kubelet_version: "v1.13.0-vnode-e2e".into(),
         ..Default::default()
@@ -445,10 +462,16 @@ async fn scenario(cluster: &Cluster, state: &Path) {
         ..RuntimeConfig::default()
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let runtime =
-        tokio::spawn(vnode::run(node_client.clone(), node_config(NODE, port), cfg, provider.clone(), async move {
+    let runtime = tokio::spawn(vnode::run(
+        node_client.clone(),
+        node_config(NODE, port),
+        cfg,
+        provider.clone(),
+        Arc::new(NoStreams),
+        async move {
             let _ = stop_rx.await;
-        }));
+        },
+    ));
 
     // Node: labels, taint, addresses, capacity, Ready.
     let nodes: Api<Node> = Api::all(admin.clone());
@@ -687,6 +710,7 @@ async fn scenario(cluster: &Cluster, state: &Path) {
         node_config("someone-else", free_port()),
         RuntimeConfig { listen_addr: ([127, 0, 0, 1], free_port()).into(), ..RuntimeConfig::default() },
         Arc::new(TestProvider::default()),
+        Arc::new(NoStreams),
         std::future::pending(),
     );
     match tokio::time::timeout(Duration::from_secs(30), other).await {
@@ -702,6 +726,7 @@ async fn scenario(cluster: &Cluster, state: &Path) {
         node_config(NODE, port),
         RuntimeConfig { listen_addr: listen, ..RuntimeConfig::default() },
         Arc::new(TestProvider::default()),
+        Arc::new(NoStreams),
         std::future::pending(),
     )
     .await;
@@ -740,6 +765,7 @@ async fn kubelet_port(cluster: &Cluster, state: &Path) {
         node_config(AUTH_NODE, port),
         runtime,
         provider.clone(),
+        Arc::new(NoStreams),
         async move {
             let _ = stop_rx.await;
         },

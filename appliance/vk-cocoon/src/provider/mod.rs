@@ -78,15 +78,16 @@
 //! the entry per Pod, pushes and events). Here: `error.rs` ([`CocoonProviderError`] and the
 //! refusals that also mark the Pod), `create.rs` (CreatePod, UpdatePod), `delete.rs`
 //! (DeletePod), `loops.rs` (the post-clone network loop, the start of the probe loop, the VM
-//! watcher's schedule); this file holds [`CocoonProvider`], the handle the runtime calls. The
-//! lock, the notifier and the loops' handles come from [`vnode::kit`]. Dependencies run one
-//! way: this file → `create` → `delete`, `loops` → `error`, `crate::probe`, [`crate::watcher`]
+//! watcher's schedule), `streams.rs` (the kubelet port's streams, not wired yet); this file
+//! holds [`CocoonProvider`], the handle the runtime calls. The lock, the notifier and the
+//! loops' handles come from [`vnode::kit`]. Dependencies run one way: this file → `create` → `delete`, `loops` → `error`, `crate::probe`, [`crate::watcher`]
 //! → `crate::shared`; nothing below calls back up.
 
 mod create;
 mod delete;
 mod error;
 mod loops;
+mod streams;
 
 pub use crate::shared::{Lifecycle, ProviderConfig};
 pub use error::CocoonProviderError;

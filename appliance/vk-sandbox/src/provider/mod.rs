@@ -33,7 +33,8 @@
 //! # Code map
 //! `config.rs` ([`ProviderConfig`]), `error.rs` ([`SandboxProviderError`]), `table.rs` (the
 //! [`SandboxProvider`] and its table, persisted through [`crate::state`]), `create.rs`
-//! (CreatePod, UpdatePod), `delete.rs` (DeletePod), `loops.rs` (the background loops); the
+//! (CreatePod, UpdatePod), `delete.rs` (DeletePod), `loops.rs` (the background loops),
+//! `streams.rs` (the kubelet port's streams, not wired to the VMs yet); the
 //! table's lock, the notifier and the loops' handles come from [`vnode::kit`].
 
 mod config;
@@ -41,6 +42,7 @@ mod create;
 mod delete;
 mod error;
 mod loops;
+mod streams;
 mod table;
 
 pub use config::ProviderConfig;

@@ -18,6 +18,11 @@
 //! | DELETE | `delete` |
 //! | anything else | none: refused (403) without asking the API server |
 //!
+//! The verb is the method's whatever the route: the WebSocket upgrades of exec, attach and
+//! port-forward, which the API server sends as `GET`, are authorized as `get` on `proxy`, as
+//! the 1.37 kubelet does (`pkg/kubelet/server/auth.go`, `GetRequestAttributes`); the SPDY
+//! clients' `POST` would be `create`.
+//!
 //! The path is the raw request path, the very string the router matches, so what is authorized
 //! is what is served (`/stats/../pods` is authorized as `stats` and routed to nothing).
 
@@ -131,5 +136,10 @@ mod tests {
         let a = Attributes::of(&Method::POST, "/exec/ns/p/c", "vk-1").expect("mapped");
         assert_eq!(a, Attributes { verb: "create", subresource: "proxy", node: "vk-1".into() });
         assert!(Attributes::of(&Method::OPTIONS, "/pods", "vk-1").is_none());
+        // The API server's WebSocket upgrades are GETs: `get` on `proxy`, as the kubelet.
+        for path in ["/exec/ns/p/c", "/attach/ns/p/c", "/portForward/ns/p", "/containerLogs/ns/p/c"] {
+            let a = Attributes::of(&Method::GET, path, "vk-1").expect("mapped");
+            assert_eq!((a.verb, a.subresource), ("get", "proxy"), "{path}");
+        }
     }
 }
