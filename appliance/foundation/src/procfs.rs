@@ -168,8 +168,8 @@ impl Procfs {
         let cpu = parse_stat_cpu(&stat)
             .ok_or_else(|| ProcfsError::Parse { path: stat_path, what: "no aggregate `cpu` line".into() })?;
         let (mem_path, mem) = self.read("meminfo")?;
-        let usage = parse_meminfo(&mem)
-            .map_err(|key| ProcfsError::Parse { path: mem_path, what: format!("no `{key}`") })?;
+        let usage =
+            parse_meminfo(&mem).map_err(|key| ProcfsError::Parse { path: mem_path, what: format!("no `{key}`") })?;
         Ok(NodeUsage { cpu_usage_nanos: cpu, ..usage })
     }
 
@@ -241,7 +241,10 @@ mod tests {
         std::fs::write(tmp.path().join("7/stat"), "7 (ch) S 1 7 7 0 -1 0 0 0 0 0 3 4 0 0 20 0 1 0 99 0 0\n")
             .expect("stat");
         std::fs::write(tmp.path().join("7/status"), "VmRSS:\t10 kB\n").expect("status");
-        assert_eq!(fs.process(7).expect("pid"), ProcessUsage { cpu_usage_nanos: 70_000_000, rss_bytes: 10240, start_ticks: 99 });
+        assert_eq!(
+            fs.process(7).expect("pid"),
+            ProcessUsage { cpu_usage_nanos: 70_000_000, rss_bytes: 10240, start_ticks: 99 }
+        );
         assert!(matches!(fs.process(8), Err(ProcfsError::Read { .. })));
     }
 

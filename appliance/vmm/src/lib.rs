@@ -29,9 +29,9 @@ pub mod qemu;
 pub mod record;
 pub mod size;
 pub mod sockdir;
-pub mod usage;
 #[cfg(test)]
 mod test_utils;
+pub mod usage;
 
 pub use accel::{Accel, AccelPreference};
 pub use agent::CONTROL_PORT;
