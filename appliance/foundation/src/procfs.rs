@@ -51,6 +51,8 @@ pub struct NodeUsage {
     pub memory_available_bytes: u64,
     /// `MemTotal`, bytes.
     pub memory_total_bytes: u64,
+    /// When the node booted (`/proc/stat`'s `btime`), seconds since the Unix epoch; 0 when unknown.
+    pub boot_time_secs: u64,
 }
 
 /// One process's CPU and memory.
@@ -76,6 +78,11 @@ pub fn parse_stat_cpu(text: &str) -> Option<u64> {
     }
     let busy: u64 = ticks.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, t)| *t).sum();
     Some(busy.saturating_mul(NANOS_PER_TICK))
+}
+
+/// `btime` of `/proc/stat`: when the node booted, seconds since the Unix epoch.
+pub fn parse_boot_time(text: &str) -> Option<u64> {
+    text.lines().find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())
 }
 
 /// `/proc/meminfo`'s `key:  <n> kB` in bytes.
@@ -107,6 +114,7 @@ pub fn parse_meminfo(text: &str) -> Result<NodeUsage, &'static str> {
         memory_working_set_bytes: usage.saturating_sub(inactive_file),
         memory_available_bytes: available,
         memory_total_bytes: total,
+        boot_time_secs: 0,
     })
 }
 
@@ -170,7 +178,7 @@ impl Procfs {
         let (mem_path, mem) = self.read("meminfo")?;
         let usage =
             parse_meminfo(&mem).map_err(|key| ProcfsError::Parse { path: mem_path, what: format!("no `{key}`") })?;
-        Ok(NodeUsage { cpu_usage_nanos: cpu, ..usage })
+        Ok(NodeUsage { cpu_usage_nanos: cpu, boot_time_secs: parse_boot_time(&stat).unwrap_or(0), ..usage })
     }
 
     /// The CPU and memory of process `pid`.
@@ -191,7 +199,7 @@ impl Procfs {
 mod tests {
     use super::*;
 
-    const STAT: &str = "cpu  100 5 50 1000 20 3 2 1 7 0\ncpu0 50 2 25 500 10 1 1 0 0 0\nintr 1 2 3\n";
+    const STAT: &str = "cpu  100 5 50 1000 20 3 2 1 7 0\ncpu0 50 2 25 500 10 1 1 0 0 0\nintr 1 2 3\nbtime 1700000000\n";
     const MEMINFO: &str = "MemTotal:       16000000 kB\nMemFree:         4000000 kB\nMemAvailable:    9000000 kB\nBuffers:          100 kB\nInactive(file):  3000000 kB\n";
 
     #[test]
@@ -235,6 +243,7 @@ mod tests {
         std::fs::write(tmp.path().join("meminfo"), MEMINFO).expect("meminfo");
         let n = fs.node().expect("node");
         assert_eq!(n.cpu_usage_nanos, 1_610_000_000);
+        assert_eq!(n.boot_time_secs, 1_700_000_000);
         assert_eq!(n.memory_working_set_bytes, 9_000_000 * 1024);
 
         std::fs::create_dir(tmp.path().join("7")).expect("pid dir");

@@ -84,6 +84,8 @@ pub struct RuntimeConfig {
     pub kubelet_auth: AuthConfig,
     /// The kubelet port's connection cap and timeouts ([`crate::kubelet::default_limits`]).
     pub kubelet_limits: httpd::Limits,
+    /// What `/stats/summary`, `/metrics/resource` and `/metrics` serve ([`crate::stats`]).
+    pub stats: crate::stats::StatsConfig,
     /// `spec.leaseDurationSeconds` of the node Lease.
     pub lease_duration: Duration,
     /// How often the Lease is renewed.
@@ -111,6 +113,7 @@ impl Default for RuntimeConfig {
             client_ca: Vec::new(),
             kubelet_auth: AuthConfig::default(),
             kubelet_limits: crate::kubelet::default_limits(),
+            stats: crate::stats::StatsConfig::default(),
             lease_duration: Duration::from_secs(40),
             lease_renew: Duration::from_secs(10),
             status_interval: Duration::from_secs(60),

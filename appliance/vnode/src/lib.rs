@@ -12,7 +12,9 @@
 //! it: client certificates against the cluster CA, `TokenReview`, `SubjectAccessReview`), [`error`];
 //! [`session`] (a provider binary's join flags, API client and renewal-restart loop);
 //! [`pod_status`] (the Pod status shapes providers push, pure); [`kit`] (the provider kit: the
-//! locked pod table, the notifier, background loops, error reporting).
+//! locked pod table, the notifier, background loops, error reporting); [`stats`] (`kubectl top`:
+//! `/stats/summary`, `/metrics/resource`, and the runtime's own `/metrics`; [`stats::PodMetrics`]
+//! is what a provider measures).
 
 #![forbid(unsafe_code)]
 
@@ -31,6 +33,7 @@ pub mod provider;
 pub mod queue;
 mod registration;
 pub mod session;
+pub mod stats;
 pub mod status;
 pub mod sync;
 pub mod tls;
@@ -38,6 +41,7 @@ pub mod tls;
 pub use config::{NodeConfig, NodeHandle, RuntimeConfig};
 pub use error::VnodeError;
 pub use provider::{error_chain, PodKey, PodNotifier, Provider, ProviderError};
+pub use stats::{PodMetrics, PodUsage, StatsConfig};
 
 use controller::Controller;
 use registration::Registrar;
@@ -157,7 +161,7 @@ async fn run_inner(
         kubelet::serve(
             listener,
             tls,
-            kubelet::router(provider.clone(), kubelet_auth),
+            kubelet::router(provider.clone(), Arc::new(stats::Stats::new(&node.name, cfg.stats.clone())), kubelet_auth),
             cfg.kubelet_limits,
             Arc::new(httpd::ConnStats::default()),
             cancel.clone(),
@@ -203,8 +207,15 @@ async fn run_inner(
     let (store, writer) = kube::runtime::reflector::store();
     let recorder = events::Recorder::new(client.clone(), node.name.clone(), cfg.disable_pod_events);
     let bucket = queue::bucket_spec(cfg.kube_api_qps, cfg.kube_api_burst);
-    let controller =
-        Arc::new(Controller::new(node.name.clone(), client.clone(), provider.clone(), store.clone(), recorder, bucket));
+    let controller = Arc::new(Controller::new(
+        node.name.clone(),
+        client.clone(),
+        provider.clone(),
+        store.clone(),
+        recorder,
+        bucket,
+        cfg.stats.runtime.clone(),
+    ));
     run.controller = Some(controller.clone());
     let (notifier, pushes) = PodNotifier::channel();
     provider.notify_pods(notifier);
