@@ -87,6 +87,7 @@ mod create;
 mod delete;
 mod error;
 mod loops;
+mod metrics;
 
 pub use crate::shared::{Lifecycle, ProviderConfig};
 pub use error::CocoonProviderError;

@@ -133,6 +133,26 @@ pub fn metrics_router(runtime: Arc<RuntimeMetrics>) -> Router {
         .with_state(runtime)
 }
 
+/// The connection cap of a plain-HTTP metrics listener: a few scrapers.
+pub const METRICS_MAX_CONNECTIONS: usize = 64;
+
+/// Binds a plain-HTTP metrics listener on `addr` (vk-cocoon's `VK_METRICS_ADDR`).
+pub async fn bind_metrics(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}
+
+/// Serves [`metrics_router`] on `listener`, plain HTTP/1.1 without authentication (the text
+/// holds counters only), through `httpd::serve`'s limits, until `shutdown`.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    runtime: Arc<RuntimeMetrics>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let limits = httpd::Limits { max_connections: METRICS_MAX_CONNECTIONS, ..httpd::Limits::default() };
+    let opts = httpd::ServeOptions { name: "metrics", limits, protocol: httpd::Protocol::Http1, tls: None };
+    httpd::serve(listener, metrics_router(runtime), opts, Arc::new(httpd::ConnStats::default()), shutdown).await;
+}
+
 async fn summary_route(State(stats): State<Arc<Stats>>) -> Response {
     let node = match stats.node_sample() {
         Ok(n) => n,
