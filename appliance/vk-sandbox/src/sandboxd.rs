@@ -27,7 +27,7 @@ use sandboxd_api::{ClaimReply, ClaimRequest, ErrorBody, SandboxList};
 
 /// A granted claim (its token is the release credential: `Debug` leaves it out), the info
 /// answer and a listing row, as sandboxd sends them.
-pub use sandboxd_api::{Grant, Info, SandboxRow};
+pub use sandboxd_api::{Grant, Info, SandboxRow, Stats};
 
 use crate::annotations::ClaimSpec;
 
@@ -355,6 +355,22 @@ impl SandboxdClient {
         Ok(Some((row, token)))
     }
 
+    /// `GET /v1/sandboxes/{id}/stats` with the node token (`cpu_usage_nanos` and
+    /// `memory_working_set_bytes` are present when sandboxd measured the VM). `None` when
+    /// sandboxd does not know the id.
+    pub async fn stats(&self, id: &str) -> Result<Option<Stats>, SandboxdError> {
+        const WHAT: &str = "stats";
+        let path = format!("/v1/sandboxes/{}/stats", query_escape(id).replace('/', "%2F"));
+        let (status, bytes) = self.send(WHAT, Method::GET, &path, self.node_token.as_deref(), None, BODY_LIMIT).await?;
+        if status == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        if !status.is_success() {
+            return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
+        }
+        serde_json::from_slice(&bytes).map(Some).map_err(|source| SandboxdError::Decode { what: WHAT, source })
+    }
+
     /// `GET /v1/info`.
     pub async fn info(&self) -> Result<Info, SandboxdError> {
         const WHAT: &str = "info";
@@ -519,6 +535,21 @@ mod tests {
             c.info().await.unwrap()
         };
         assert_eq!(info.claimed, 2);
+    }
+
+    #[tokio::test]
+    async fn stats_carry_the_measured_fields_and_404_is_none() {
+        let fake = FakeSandboxd::start(Some("node-token")).await;
+        let c = SandboxdClient::new(&fake.url(), Some("node-token".into())).unwrap();
+        assert!(c.stats("sb_none").await.unwrap().is_none());
+        let grant = c.claim(&spec("rt"), "ns/a").await.unwrap();
+        let s = c.stats(&grant.id).await.unwrap().unwrap();
+        assert_eq!((s.cpu_usage_nanos, s.memory_working_set_bytes), (None, None), "not measured");
+        fake.set_usage(&grant.id, 5, 6);
+        let s = c.stats(&grant.id).await.unwrap().unwrap();
+        assert_eq!((s.cpu_usage_nanos, s.memory_working_set_bytes), (Some(5), Some(6)));
+        let wrong = SandboxdClient::new(&fake.url(), Some("other".into())).unwrap();
+        assert!(matches!(wrong.stats(&grant.id).await, Err(SandboxdError::Status { status: 401, .. })));
     }
 
     #[tokio::test]

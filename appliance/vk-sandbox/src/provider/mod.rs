@@ -41,6 +41,7 @@ mod create;
 mod delete;
 mod error;
 mod loops;
+mod metrics;
 mod table;
 
 pub use config::ProviderConfig;
