@@ -340,17 +340,8 @@ impl SandboxdClient {
     /// `GET /v1/sandboxes/{id}` with the node token: the row and, when that token is sandboxd's
     /// root token, the claim's token. `None` when sandboxd does not know the id.
     pub async fn get(&self, id: &str) -> Result<Option<(SandboxRow, Option<String>)>, SandboxdError> {
-        const WHAT: &str = "get";
         let path = format!("/v1/sandboxes/{}", query_escape(id).replace('/', "%2F"));
-        let (status, bytes) = self.send(WHAT, Method::GET, &path, self.node_token.as_deref(), None, BODY_LIMIT).await?;
-        if status == StatusCode::NOT_FOUND {
-            return Ok(None);
-        }
-        if !status.is_success() {
-            return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
-        }
-        let mut row: SandboxRow =
-            serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
+        let Some(mut row) = self.get_optional::<SandboxRow>("get", &path).await? else { return Ok(None) };
         let token = row.token.take().filter(|t| !t.is_empty());
         Ok(Some((row, token)))
     }
@@ -359,16 +350,24 @@ impl SandboxdClient {
     /// `memory_working_set_bytes` are present when sandboxd measured the VM). `None` when
     /// sandboxd does not know the id.
     pub async fn stats(&self, id: &str) -> Result<Option<Stats>, SandboxdError> {
-        const WHAT: &str = "stats";
         let path = format!("/v1/sandboxes/{}/stats", query_escape(id).replace('/', "%2F"));
-        let (status, bytes) = self.send(WHAT, Method::GET, &path, self.node_token.as_deref(), None, BODY_LIMIT).await?;
+        self.get_optional("stats", &path).await
+    }
+
+    /// `GET path` with the node token, decoded; `None` on `404`.
+    async fn get_optional<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &'static str,
+        path: &str,
+    ) -> Result<Option<T>, SandboxdError> {
+        let (status, bytes) = self.send(what, Method::GET, path, self.node_token.as_deref(), None, BODY_LIMIT).await?;
         if status == StatusCode::NOT_FOUND {
             return Ok(None);
         }
         if !status.is_success() {
-            return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
+            return Err(SandboxdError::Status { what, status: status.as_u16(), message: error_text(&bytes) });
         }
-        serde_json::from_slice(&bytes).map(Some).map_err(|source| SandboxdError::Decode { what: WHAT, source })
+        serde_json::from_slice(&bytes).map(Some).map_err(|source| SandboxdError::Decode { what, source })
     }
 
     /// `GET /v1/info`.
