@@ -11,6 +11,7 @@
 pub mod resource;
 pub mod runtime;
 pub mod summary;
+mod usage;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -22,35 +23,9 @@ use axum::routing::get;
 use axum::Router;
 use foundation::procfs::Procfs;
 
-use crate::provider::PodKey;
 pub use runtime::RuntimeMetrics;
 use summary::{NodeSample, Rates};
-
-/// One container's usage (a VM is one container: the Pod's first).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PodUsage {
-    /// Which Pod.
-    pub pod: PodKey,
-    /// Its UID.
-    pub uid: String,
-    /// The container's name in the Pod spec.
-    pub container: String,
-    /// CPU time used since the VM started, nanoseconds.
-    pub cpu_usage_nanos: u64,
-    /// Memory working set, bytes.
-    pub memory_working_set_bytes: u64,
-    /// When measured.
-    pub measured_at: SystemTime,
-    /// When the VM started, if known.
-    pub started_at: Option<SystemTime>,
-}
-
-/// What a provider measures of its Pods.
-#[async_trait::async_trait]
-pub trait PodMetrics: Send + Sync + 'static {
-    /// The usage of every Pod it can measure now (a Pod it cannot measure is left out).
-    async fn pod_usage(&self) -> Vec<PodUsage>;
-}
+pub use usage::{PodMetrics, PodUsage};
 
 /// How long a provider may take to measure its Pods before a scrape goes on without them.
 pub const POD_USAGE_TIMEOUT: Duration = Duration::from_secs(10);

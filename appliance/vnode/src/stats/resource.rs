@@ -13,7 +13,7 @@ use std::fmt::Write as _;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::summary::NodeSample;
-use super::PodUsage;
+use super::usage::PodUsage;
 
 /// The content type the text is served with.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
-use super::PodUsage;
+use super::usage::PodUsage;
 use crate::provider::PodKey;
 
 /// The whole answer.

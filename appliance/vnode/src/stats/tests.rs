@@ -1,4 +1,5 @@
 use super::*;
+use crate::provider::PodKey;
 use axum::body::Body;
 use axum::http::Request;
 use tower::ServiceExt as _;
