@@ -7,6 +7,7 @@
 //! - [`error_chain`]: an error and its `source()` chain on one line, `a: b: c`.
 //! - [`token`]: read a bearer-token file under the one rule (owner-only, 32+ characters).
 //! - [`quantity`]: Kubernetes resource quantities (`500m`, `1.5Gi`, `1e9`) → exact integers.
+//! - [`procfs`]: the node's and a process's CPU time and memory from `/proc` (`kubectl top`).
 //! - [`tool`]: run an external tool to completion, with its exit status and stderr in the error.
 //! - [`KUBECONFIG_FILE`]: the name of a virtual node's kubeconfig in its credentials directory
 //!   (join writes it; the supervisor's health probe and the tests read it).
@@ -14,12 +15,13 @@
 //!   says so and is counted as skipped.
 //!
 //! The file functions return plain [`std::io::Error`]s; callers wrap them with the path and the
-//! step in their own module error. [`quantity`] and [`tool`] have typed errors of their own.
+//! step in their own module error. [`procfs`], [`quantity`] and [`tool`] have typed errors of their own.
 
 #![forbid(unsafe_code)]
 
 pub mod atomic;
 mod error_chain;
+pub mod procfs;
 pub mod quantity;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -76,6 +76,15 @@ pub struct Stats {
     pub hibernated: bool,
     /// When, RFC 3339.
     pub measured_at: String,
+    /// Chrysalis extension: CPU time the VM has used since it started, nanoseconds, measured
+    /// on the host (its cgroup leaf, or its hypervisor process). Omitted when not measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_usage_nanos: Option<u64>,
+    /// Chrysalis extension: the VM's memory working set on the host, bytes (guest RAM it has
+    /// touched plus the hypervisor's own, minus droppable page cache). Omitted when not
+    /// measured. Not the guest's view: `mem_used_bytes` stays what the SDK reads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_working_set_bytes: Option<u64>,
 }
 
 #[cfg(test)]
@@ -135,13 +144,23 @@ mod tests {
             mem_used_measured: false,
             hibernated: false,
             measured_at: "2030-01-01T00:00:00Z".into(),
+            cpu_usage_nanos: None,
+            memory_working_set_bytes: None,
         };
         let v = serde_json::to_value(&s).expect("ser");
         assert_eq!(
             v,
             json!({"id": "sb_1", "cpu_count": 2, "mem_total_bytes": 1073741824u64, "mem_used_bytes": 0,
-                   "mem_used_measured": false, "hibernated": false, "measured_at": "2030-01-01T00:00:00Z"})
+                   "mem_used_measured": false, "hibernated": false, "measured_at": "2030-01-01T00:00:00Z"}),
+            "the extension fields are omitted when not measured, never null"
         );
         assert_eq!(serde_json::from_value::<Stats>(v).expect("round trip"), s);
+        let measured = Stats { cpu_usage_nanos: Some(2_500_000_000), memory_working_set_bytes: Some(1 << 29), ..s };
+        let v = serde_json::to_value(&measured).expect("ser");
+        assert_eq!(
+            (v["cpu_usage_nanos"].as_u64(), v["memory_working_set_bytes"].as_u64()),
+            (Some(2_500_000_000), Some(1 << 29))
+        );
+        assert_eq!(serde_json::from_value::<Stats>(v).expect("round trip"), measured);
     }
 }

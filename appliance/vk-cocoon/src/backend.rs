@@ -145,6 +145,19 @@ pub struct VmInfo {
     pub hypervisor: Hypervisor,
 }
 
+/// What one running VM uses (for `kubectl top`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmUsage {
+    /// CPU time used since it started, nanoseconds.
+    pub cpu_usage_nanos: u64,
+    /// Memory working set on the host, bytes.
+    pub memory_working_set_bytes: u64,
+    /// When measured.
+    pub measured_at: std::time::SystemTime,
+    /// When its hypervisor started, if known.
+    pub started_at: Option<std::time::SystemTime>,
+}
+
 /// `mode: run`: boot `image` fresh.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunRequest {
@@ -298,6 +311,12 @@ pub trait VmBackend: Send + Sync + 'static {
     /// Returns the VM's network lease (IP, MAC, TAP) to the pool. Called after
     /// [`VmBackend::remove`]; a lease already released (or never taken) is success.
     async fn release_ip(&self, id: &str) -> Result<(), BackendError>;
+
+    /// What the running VMs among `ids` use now, by id; a VM that does not run or cannot be
+    /// measured is left out. The default measures nothing.
+    async fn usage(&self, _ids: &[String]) -> Result<Vec<(String, VmUsage)>, BackendError> {
+        Ok(Vec::new())
+    }
 }
 
 /// One TCP connect to `ip:port` within `timeout` (the default [`VmBackend::probe_tcp`]).

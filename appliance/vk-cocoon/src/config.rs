@@ -72,6 +72,9 @@ pub struct CocoonConfig {
     pub restart_cooldown: Duration,
     /// Variables that were set but do not apply on this node, with their values.
     pub ignored: Vec<(&'static str, String)>,
+    /// `VK_METRICS_ADDR` (`host:port`, or upstream's `:port` for every address): where
+    /// `/metrics` is also served, plain HTTP; unset: only on the kubelet port.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// An environment variable that cannot be used.
@@ -106,7 +109,6 @@ pub const IGNORED: &[(&str, &str)] = &[
     ("VK_STAGING_DIR", "no peer or registry snapshot transfer"),
     ("VK_PEER_ADDR", "no peer snapshot transfer"),
     ("VK_COCOON_SNAPSHOT_DIR", "snapshots are in the local library"),
-    ("VK_METRICS_ADDR", "no metrics endpoint yet"),
     ("VK_NODE_HUGEPAGES", "no hugepages capacity is advertised"),
     ("SNAPSHOT_ZSTD_LEVEL", "no snapshot transfer"),
     ("SNAPSHOT_CHUNK_SIZE_MIB", "no snapshot transfer"),
@@ -159,6 +161,8 @@ pub fn env_help() -> String {
          VK_LEGACY_NAMESPACE    owner of VMs and snapshots recorded without a namespace (before\n                         \
          namespaces were recorded, or chrysalis snapshot save without\n                         \
          --namespace) (default)\n  \
+         VK_METRICS_ADDR        also serve the runtime's /metrics in plain HTTP here, host:port\n                         \
+         or :port (unset: only on the kubelet port, authorized as nodes/metrics)\n  \
          VK_LOG_LEVEL           log filter (info); RUST_LOG wins\n  \
          VK_JOIN_TOKEN_FILE     as --join-token-file\n  \
          KUBECONFIG             used without --join-server/--kubeconfig outside a cluster\n\n\
@@ -262,6 +266,12 @@ impl CocoonConfig {
                 _ => return Err(invalid("VK_RESTART_COOLDOWN", &v, "expected a positive number of seconds")),
             },
         };
+        let metrics_addr = match non_empty(get, "VK_METRICS_ADDR") {
+            None => None,
+            Some(v) => {
+                Some(parse_listen(&v).ok_or_else(|| invalid("VK_METRICS_ADDR", &v, "expected host:port or :port"))?)
+            }
+        };
         let ignored = IGNORED
             .iter()
             .filter_map(|(var, _)| get(var).filter(|v| !v.trim().is_empty()).map(|v| (*var, v)))
@@ -287,7 +297,17 @@ impl CocoonConfig {
             namespaces,
             restart_cooldown,
             ignored,
+            metrics_addr,
         })
+    }
+}
+
+/// A listen address as upstream's Go flags write it: `host:port`, `[v6]:port`, or `:port` for
+/// every address.
+fn parse_listen(v: &str) -> Option<std::net::SocketAddr> {
+    match v.strip_prefix(':') {
+        Some(port) => Some(std::net::SocketAddr::from(([0, 0, 0, 0], port.parse::<u16>().ok()?))),
+        None => v.parse().ok(),
     }
 }
 
@@ -317,6 +337,22 @@ mod tests {
         assert_eq!(c.log_level, "info");
         assert_eq!(c.namespaces, NamespacePolicy::isolated(), "no namespace shares by default");
         assert!(c.ignored.is_empty());
+        assert_eq!(c.metrics_addr, None);
+    }
+
+    #[test]
+    fn the_metrics_address_takes_upstreams_forms() {
+        let any = |p| Some(std::net::SocketAddr::from(([0, 0, 0, 0], p)));
+        assert_eq!(cfg(&[("VK_METRICS_ADDR", ":9091")]).unwrap().metrics_addr, any(9091));
+        assert_eq!(
+            cfg(&[("VK_METRICS_ADDR", "127.0.0.1:9100")]).unwrap().metrics_addr,
+            Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9100)))
+        );
+        assert_eq!(cfg(&[("VK_METRICS_ADDR", "[::1]:9091")]).unwrap().metrics_addr.map(|a| a.port()), Some(9091));
+        for bad in [":x", "9091", "host:9091", ":70000"] {
+            let e = cfg(&[("VK_METRICS_ADDR", bad)]).unwrap_err();
+            assert!(e.to_string().contains("VK_METRICS_ADDR"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -37,5 +37,5 @@ pub mod test_utils;
 pub mod vmm_backend;
 pub mod watcher;
 
-pub use backend::{BackendError, Hypervisor, SnapshotInfo, SnapshotRef, VmBackend, VmInfo, VmState};
+pub use backend::{BackendError, Hypervisor, SnapshotInfo, SnapshotRef, VmBackend, VmInfo, VmState, VmUsage};
 pub use provider::{BackgroundLoops, CocoonProvider, CocoonProviderError, ProviderConfig};

@@ -88,7 +88,7 @@ async fn run(cli: Cli, cfg: CocoonConfig) -> anyhow::Result<()> {
     std::fs::create_dir_all(&cfg.root_dir)
         .with_context(|| format!("COCOON_ROOT_DIR={}: creating the directory", cfg.root_dir.display()))?;
     let host = HostResources::measure(&cfg.root_dir).context("measuring the host")?;
-    let (node_cfg, runtime) = node::setup(&cfg, &host).context("the node's capacity")?;
+    let (node_cfg, mut runtime) = node::setup(&cfg, &host).context("the node's capacity")?;
     tracing::info!(node = %cfg.node_name, ip = %cfg.node_ip, capacity = ?node_cfg.capacity, "node configured");
     let backend = open_backend(&cfg).await?;
     let mut pcfg = ProviderConfig::new(cfg.node_ip.to_string());
@@ -98,6 +98,14 @@ async fn run(cli: Cli, cfg: CocoonConfig) -> anyhow::Result<()> {
     pcfg.restart_cooldown = cfg.restart_cooldown;
     tracing::info!(shared = ?cfg.namespaces.groups(), unrecorded_owner = cfg.namespaces.legacy(), "namespace scoping: a pod uses only VMs and snapshots of its own namespace or of one VK_SHARED_NAMESPACES groups with it");
     let provider = Arc::new(CocoonProvider::new(backend, pcfg));
+    runtime.stats.pod_metrics = Some(provider.clone());
+    if let Some(addr) = cfg.metrics_addr {
+        let listener = vnode::stats::bind_metrics(addr)
+            .await
+            .with_context(|| format!("VK_METRICS_ADDR={addr}: binding the metrics listener"))?;
+        tracing::info!(%addr, "serving /metrics in plain HTTP (VK_METRICS_ADDR)");
+        tokio::spawn(vnode::stats::serve_metrics(listener, runtime.stats.runtime.clone(), std::future::pending()));
+    }
 
     let session = Session::open(&cli.join, &cfg.node_name).await?;
     let mut stop = std::pin::pin!(terminated());

@@ -35,6 +35,8 @@ struct FakeState {
     failures: BTreeMap<&'static str, u32>,
     /// The `ip` new VMs get is `10.88.0.<n>`; `None` → no IP.
     no_ip: bool,
+    /// What `usage` reports, by VM id.
+    usage: BTreeMap<String, crate::backend::VmUsage>,
 }
 
 /// The fake backend. Cheap to share behind an `Arc`.
@@ -81,6 +83,11 @@ impl FakeBackend {
     }
 
     /// Every call so far, `op arg…` (probes, listings and inspections excluded: they are reads, and noisy).
+    /// What [`VmBackend::usage`] reports for VM `id` from now on.
+    pub fn set_usage(&self, id: &str, usage: crate::backend::VmUsage) {
+        self.lock().usage.insert(id.to_owned(), usage);
+    }
+
     pub fn calls(&self) -> Vec<String> {
         self.lock().calls.clone()
     }
@@ -310,5 +317,10 @@ impl VmBackend for FakeBackend {
         self.enter(&mut s, "release_ip", id)?;
         s.leases.remove(id);
         Ok(())
+    }
+
+    async fn usage(&self, ids: &[String]) -> Result<Vec<(String, crate::backend::VmUsage)>, BackendError> {
+        let s = self.lock();
+        Ok(ids.iter().filter_map(|id| s.usage.get(id).map(|u| (id.clone(), *u))).collect())
     }
 }

@@ -225,7 +225,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     if cli.publish_inventory {
         bail!("--publish-inventory is not supported yet: this build does not publish NodeInventory; drop the flag");
     }
-    let setup = node_setup(&cli)?;
+    let mut setup = node_setup(&cli)?;
     let node_token = match non_empty(&cli.sandboxd_token_file) {
         Some(p) => Some(read_trimmed(&p, "the sandboxd token file")?),
         None => None,
@@ -251,6 +251,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     pcfg.orphan_scan_interval = cli.orphan_scan_interval;
     let provider = Arc::new(SandboxProvider::new(sandboxd, owners.clone(), pcfg).context("starting the provider")?);
     let _loops = provider.spawn_loops();
+    setup.runtime.stats.pod_metrics = Some(provider.clone());
 
     let session = Session::open(&cli.join, &cli.node_name).await?;
     session

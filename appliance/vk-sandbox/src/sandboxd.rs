@@ -32,7 +32,7 @@ use sandboxd_api::{ClaimReply, ClaimRequest, ErrorBody, SandboxList};
 
 /// A granted claim (its token is the release credential: `Debug` leaves it out), the info
 /// answer and a listing row, as sandboxd sends them.
-pub use sandboxd_api::{Grant, Info, SandboxRow};
+pub use sandboxd_api::{Grant, Info, SandboxRow, Stats};
 
 use crate::annotations::ClaimSpec;
 
@@ -366,19 +366,34 @@ impl SandboxdClient {
     /// `GET /v1/sandboxes/{id}` with the node token: the row and, when that token is sandboxd's
     /// root token, the claim's token. `None` when sandboxd does not know the id.
     pub async fn get(&self, id: &str) -> Result<Option<(SandboxRow, Option<String>)>, SandboxdError> {
-        const WHAT: &str = "get";
         let path = format!("/v1/sandboxes/{}", query_escape(id).replace('/', "%2F"));
-        let (status, bytes) = self.send(WHAT, Method::GET, &path, self.node_token.as_deref(), None, BODY_LIMIT).await?;
+        let Some(mut row) = self.get_optional::<SandboxRow>("get", &path).await? else { return Ok(None) };
+        let token = row.token.take().filter(|t| !t.is_empty());
+        Ok(Some((row, token)))
+    }
+
+    /// `GET /v1/sandboxes/{id}/stats` with the node token (`cpu_usage_nanos` and
+    /// `memory_working_set_bytes` are present when sandboxd measured the VM). `None` when
+    /// sandboxd does not know the id.
+    pub async fn stats(&self, id: &str) -> Result<Option<Stats>, SandboxdError> {
+        let path = format!("/v1/sandboxes/{}/stats", query_escape(id).replace('/', "%2F"));
+        self.get_optional("stats", &path).await
+    }
+
+    /// `GET path` with the node token, decoded; `None` on `404`.
+    async fn get_optional<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &'static str,
+        path: &str,
+    ) -> Result<Option<T>, SandboxdError> {
+        let (status, bytes) = self.send(what, Method::GET, path, self.node_token.as_deref(), None, BODY_LIMIT).await?;
         if status == StatusCode::NOT_FOUND {
             return Ok(None);
         }
         if !status.is_success() {
-            return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
+            return Err(SandboxdError::Status { what, status: status.as_u16(), message: error_text(&bytes) });
         }
-        let mut row: SandboxRow =
-            serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
-        let token = row.token.take().filter(|t| !t.is_empty());
-        Ok(Some((row, token)))
+        serde_json::from_slice(&bytes).map(Some).map_err(|source| SandboxdError::Decode { what, source })
     }
 
     /// `GET /v1/sandboxes/{id}/console?<query>` with the node token (sandboxd's root token: a
@@ -576,6 +591,21 @@ mod tests {
             c.info().await.unwrap()
         };
         assert_eq!(info.claimed, 2);
+    }
+
+    #[tokio::test]
+    async fn stats_carry_the_measured_fields_and_404_is_none() {
+        let fake = FakeSandboxd::start(Some("node-token")).await;
+        let c = SandboxdClient::new(&fake.url(), Some("node-token".into())).unwrap();
+        assert!(c.stats("sb_none").await.unwrap().is_none());
+        let grant = c.claim(&spec("rt"), "ns/a").await.unwrap();
+        let s = c.stats(&grant.id).await.unwrap().unwrap();
+        assert_eq!((s.cpu_usage_nanos, s.memory_working_set_bytes), (None, None), "not measured");
+        fake.set_usage(&grant.id, 5, 6);
+        let s = c.stats(&grant.id).await.unwrap().unwrap();
+        assert_eq!((s.cpu_usage_nanos, s.memory_working_set_bytes), (Some(5), Some(6)));
+        let wrong = SandboxdClient::new(&fake.url(), Some("other".into())).unwrap();
+        assert!(matches!(wrong.stats(&grant.id).await, Err(SandboxdError::Status { status: 401, .. })));
     }
 
     #[tokio::test]

@@ -51,6 +51,8 @@ struct FakeState {
     claim_bodies: Vec<serde_json::Value>,
     releases: Vec<String>,
     lists: usize,
+    /// Sandbox id → (CPU ns, working-set bytes) its `…/stats` reports.
+    usage: BTreeMap<String, (u64, u64)>,
 }
 
 /// The fake; dropping it stops the server.
@@ -225,6 +227,27 @@ async fn console(
     axum::body::Body::from_stream(chunks.map(Ok::<_, std::io::Error>)).into_response()
 }
 
+async fn stats(State(s): S, Path(id): Path<String>, h: HeaderMap) -> Response {
+    let st = s.lock().unwrap();
+    if let Some(refused) = node_auth(&st, &h) {
+        return refused;
+    }
+    if !st.claims.contains_key(&id) {
+        return err(404, "no such sandbox");
+    }
+    let usage = st.usage.get(&id).copied();
+    Json(sandboxd_api::Stats {
+        id,
+        cpu_count: 1,
+        mem_total_bytes: 512 << 20,
+        measured_at: "2030-01-01T00:00:10Z".into(),
+        cpu_usage_nanos: usage.map(|u| u.0),
+        memory_working_set_bytes: usage.map(|u| u.1),
+        ..Default::default()
+    })
+    .into_response()
+}
+
 async fn info(State(s): S, h: HeaderMap) -> Response {
     let st = s.lock().unwrap();
     if let Some(r) = node_auth(&st, &h) {
@@ -257,6 +280,7 @@ impl FakeSandboxd {
             claim_bodies: Vec::new(),
             releases: Vec::new(),
             lists: 0,
+            usage: BTreeMap::new(),
         }));
         let app = Router::new()
             .route("/v1/claim", post(claim))
@@ -264,6 +288,7 @@ impl FakeSandboxd {
             .route("/v1/sandboxes", get(list))
             .route("/v1/sandboxes/{id}", get(get_one))
             .route("/v1/sandboxes/{id}/console", get(console))
+            .route("/v1/sandboxes/{id}/stats", get(stats))
             .route("/v1/info", get(info))
             .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -296,6 +321,11 @@ impl FakeSandboxd {
     pub fn set_owner_addr(&self, a: &str) {
         self.st().owner_addr = a.to_owned();
     }
+    /// What `…/stats` reports for sandbox `id` (CPU ns, working-set bytes).
+    pub fn set_usage(&self, id: &str, cpu_nanos: u64, working_set: u64) {
+        self.st().usage.insert(id.to_owned(), (cpu_nanos, working_set));
+    }
+
     pub fn set_claim_mode(&self, m: ClaimMode) {
         self.st().claim_mode = m;
     }

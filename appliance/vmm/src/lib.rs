@@ -8,6 +8,7 @@
 //! - [`console`]: the serial console, drained into a size-capped log; tails read by seeking;
 //! - [`catalog`], [`size`], [`accel`], [`record`]: templates, size classes, KVM/TCG probe, `vm.json`;
 //! - [`jail`]: the unprivileged user, cgroup leaf, session and descriptors every hypervisor runs with;
+//! - [`usage`]: a VM's CPU time and memory working set (its cgroup leaf, or its hypervisor process);
 //! - [`lifecycle`]: the `creating` → `running` record that keeps every started hypervisor findable;
 //! - [`owned`]: VM ownership for the services on top (prefix, per-VM records, adopt after a
 //!   restart, the orphan sweep), once.
@@ -30,6 +31,7 @@ pub mod size;
 pub mod sockdir;
 #[cfg(test)]
 mod test_utils;
+pub mod usage;
 
 pub use accel::{Accel, AccelPreference};
 pub use agent::CONTROL_PORT;

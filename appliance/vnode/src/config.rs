@@ -90,6 +90,8 @@ pub struct RuntimeConfig {
     pub kubelet_limits: httpd::Limits,
     /// The kubelet port's caps on open logs, exec, attach and port-forward sessions.
     pub stream_limits: StreamLimits,
+    /// What `/stats/summary`, `/metrics/resource` and `/metrics` serve ([`crate::stats`]).
+    pub stats: crate::stats::StatsConfig,
     /// `spec.leaseDurationSeconds` of the node Lease.
     pub lease_duration: Duration,
     /// How often the Lease is renewed.
@@ -118,6 +120,7 @@ impl Default for RuntimeConfig {
             kubelet_auth: AuthConfig::default(),
             kubelet_limits: crate::kubelet::default_limits(),
             stream_limits: StreamLimits::default(),
+            stats: crate::stats::StatsConfig::default(),
             lease_duration: Duration::from_secs(40),
             lease_renew: Duration::from_secs(10),
             status_interval: Duration::from_secs(60),

@@ -1,7 +1,7 @@
 //! The kubelet HTTPS endpoint (`docs/virtual-node.md` §1.3): `/healthz` → `ok`, `/pods` → the
 //! provider's pods as a `PodList`; `/containerLogs`, `/exec`, `/attach`, `/portForward` →
-//! [`crate::streams`]; `/runningpods/`, `/stats/summary`, `/metrics/resource` and anything else
-//! → `501`.
+//! [`crate::streams`]; `/stats/summary`, `/metrics/resource` and `/metrics` → [`crate::stats`];
+//! `/runningpods/` and anything else → `501`.
 //!
 //! Every route, `/healthz` included, sits behind [`auth::guard`] (authenticate, then a
 //! `SubjectAccessReview`), as on a kubelet's authenticated port. Served through
@@ -11,6 +11,7 @@
 use crate::auth::{self, KubeletAuth};
 use crate::error::VnodeError;
 use crate::provider::Provider;
+use crate::stats::Stats;
 use crate::streams::{PodStreams, StreamLimits};
 use axum::extract::State;
 use axum::http::{StatusCode, Uri};
@@ -30,11 +31,12 @@ pub fn default_limits() -> httpd::Limits {
     httpd::Limits { max_connections: 1024, ..httpd::Limits::default() }
 }
 
-/// The routes, over `provider` and its `streams` (within `limits`), each behind `auth`.
+/// The routes, over `provider`, its `streams` (within `limits`) and `stats`, each behind `auth`.
 pub fn router(
     provider: Arc<dyn Provider>,
     streams: Arc<dyn PodStreams>,
     limits: StreamLimits,
+    stats: Arc<Stats>,
     auth: Arc<KubeletAuth>,
 ) -> Router {
     Router::new()
@@ -43,6 +45,7 @@ pub fn router(
         .fallback(not_implemented)
         .with_state(provider.clone())
         .merge(crate::streams::routes(provider, streams, limits))
+        .merge(crate::stats::routes(stats))
         .layer(axum::middleware::from_fn_with_state(auth, auth::guard))
 }
 
@@ -122,6 +125,7 @@ mod tests {
                     Arc::new(FakeProvider::default().with("ns", "p1", "Running")),
                     Arc::new(FakeStreams::default()),
                     crate::streams::StreamLimits::default(),
+                    Arc::new(Stats::new("vk-t", Default::default())),
                     auth,
                 ),
                 limits,
@@ -225,7 +229,7 @@ mod tests {
             call(ep.addr, "GET", "/healthz", Some(&apiserver), None, &rustls::version::TLS12).await,
             (200, "ok".into())
         );
-        for path in ["/runningpods/", "/stats/summary", "/anything"] {
+        for path in ["/runningpods/", "/anything"] {
             let (status, body) = get(ep.addr, path, Some(&apiserver), None).await;
             assert_eq!(status, 501, "{path}: {body}");
             assert!(body.contains("not implemented"), "{path}: {body}");
@@ -243,8 +247,15 @@ mod tests {
         let (status, body) = get(ep.addr, "/pods", Some(&unbound), None).await;
         assert_eq!(status, 403);
         assert_eq!(body, "Forbidden (user=someone, verb=get, resource=nodes, subresource=proxy)\n");
-        let (status, _) = get(ep.addr, "/metrics/resource", Some(&apiserver), None).await;
-        assert_eq!(status, 403, "no metrics grant");
+        // nodes/stats is granted, nodes/metrics is not.
+        let (status, body) = get(ep.addr, "/stats/summary", Some(&apiserver), None).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains("\"nodeName\":\"vk-t\""), "{body}");
+        for path in ["/metrics/resource", "/metrics"] {
+            let (status, body) = get(ep.addr, path, Some(&apiserver), None).await;
+            assert_eq!(status, 403, "no metrics grant: {path}");
+            assert!(body.contains("subresource=metrics"), "{body}");
+        }
 
         // A service account token: TokenReview, then SubjectAccessReview.
         assert_eq!(get(ep.addr, "/pods", None, Some("sa-token")).await.0, 200);

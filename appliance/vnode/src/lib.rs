@@ -13,7 +13,9 @@
 //! [`session`] (a provider binary's join flags, API client and renewal-restart loop);
 //! [`pod_status`] (the Pod status shapes providers push, pure); [`kit`] (the provider kit: the
 //! locked pod table, the notifier, background loops, error reporting); [`host_ip`] (the node IP a
-//! provider publishes); [`streams`] (what a provider serves logs, exec, attach and port-forward with).
+//! provider publishes); [`streams`] (what a provider serves logs, exec, attach and port-forward with);
+//! [`stats`] (`kubectl top`: `/stats/summary`, `/metrics/resource`, and the runtime's own `/metrics`; [`stats::PodMetrics`]
+//! is what a provider measures).
 
 #![forbid(unsafe_code)]
 
@@ -33,6 +35,7 @@ pub mod provider;
 pub mod queue;
 mod registration;
 pub mod session;
+pub mod stats;
 pub mod status;
 pub mod streams;
 pub mod sync;
@@ -42,6 +45,7 @@ pub use config::{NodeConfig, NodeHandle, RuntimeConfig};
 pub use error::VnodeError;
 pub use provider::{error_chain, PodKey, PodNotifier, Provider, ProviderError};
 pub use streams::{PodStreams, StreamError};
+pub use stats::{PodMetrics, PodUsage, StatsConfig};
 
 use controller::Controller;
 use registration::Registrar;
@@ -164,7 +168,13 @@ async fn run_inner(
         kubelet::serve(
             listener,
             tls,
-            kubelet::router(provider.clone(), streams, cfg.stream_limits, kubelet_auth),
+            kubelet::router(
+                provider.clone(),
+                streams,
+                cfg.stream_limits,
+                Arc::new(stats::Stats::new(&node.name, cfg.stats.clone())),
+                kubelet_auth,
+            ),
             cfg.kubelet_limits,
             Arc::new(httpd::ConnStats::default()),
             cancel.clone(),
@@ -210,8 +220,15 @@ async fn run_inner(
     let (store, writer) = kube::runtime::reflector::store();
     let recorder = events::Recorder::new(client.clone(), node.name.clone(), cfg.disable_pod_events);
     let bucket = queue::bucket_spec(cfg.kube_api_qps, cfg.kube_api_burst);
-    let controller =
-        Arc::new(Controller::new(node.name.clone(), client.clone(), provider.clone(), store.clone(), recorder, bucket));
+    let controller = Arc::new(Controller::new(
+        node.name.clone(),
+        client.clone(),
+        provider.clone(),
+        store.clone(),
+        recorder,
+        bucket,
+        cfg.stats.runtime.clone(),
+    ));
     run.controller = Some(controller.clone());
     let (notifier, pushes) = PodNotifier::channel();
     provider.notify_pods(notifier);

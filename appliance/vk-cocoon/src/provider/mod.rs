@@ -88,6 +88,7 @@ mod delete;
 mod error;
 mod loops;
 mod streams;
+mod metrics;
 
 pub use crate::shared::{Lifecycle, ProviderConfig};
 pub use error::CocoonProviderError;

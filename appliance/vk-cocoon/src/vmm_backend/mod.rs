@@ -85,7 +85,7 @@ pub use self::config::BackendConfig;
 pub use self::identity::{owner_of, size_for, vm_id_for, vm_policy, ID_PREFIX, OWNERSHIP};
 use self::records::CocoonMeta;
 use crate::backend::{
-    BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotInfo, SnapshotRef, VmBackend, VmInfo, VmState,
+    BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotInfo, SnapshotRef, VmBackend, VmInfo, VmState, VmUsage,
 };
 
 /// How long one agent exchange (connect + `info`, or the net-config exec) may take.
@@ -387,5 +387,9 @@ impl VmBackend for VmmBackend {
 
     async fn release_ip(&self, id: &str) -> Result<(), BackendError> {
         self.release_lease(id).await
+    }
+
+    async fn usage(&self, ids: &[String]) -> Result<Vec<(String, VmUsage)>, BackendError> {
+        self.measure(ids).await
     }
 }

@@ -13,7 +13,7 @@ use vmnet::Lease;
 
 use super::identity::OWNERSHIP;
 use super::{failed, VmmBackend, VmmBackendError};
-use crate::backend::{BackendError, Hypervisor, VmBackend as _, VmInfo, VmState};
+use crate::backend::{BackendError, Hypervisor, VmBackend as _, VmInfo, VmState, VmUsage};
 
 /// vk-cocoon's fields of a record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,6 +147,38 @@ impl VmmBackend {
             return Ok(vm);
         }
         Ok(vm)
+    }
+
+    /// What the running VMs among `ids` use: one listing, then each VM's cgroup leaf or
+    /// hypervisor process (`vmm::usage`). A VM without a running hypervisor, or one that
+    /// cannot be measured, is left out.
+    pub(super) async fn measure(&self, ids: &[String]) -> Result<Vec<(String, VmUsage)>, BackendError> {
+        let listing = self.listing().await?;
+        let reader = vmm::usage::UsageReader::default();
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            let Ok(Some(rec)) = self.load_record(id) else { continue };
+            let Some(vm) =
+                rec.vmm_id.as_ref().and_then(|v| listing.get(v)).filter(|v| v.state == vmm::VmState::Running)
+            else {
+                continue;
+            };
+            match reader.vm(vm) {
+                Ok(u) => out.push((
+                    id.clone(),
+                    VmUsage {
+                        cpu_usage_nanos: u.cpu_usage_nanos,
+                        memory_working_set_bytes: u.memory_working_set_bytes,
+                        measured_at: u.measured_at,
+                        started_at: Some(
+                            std::time::UNIX_EPOCH + std::time::Duration::from_secs(vm.created_at_epoch_secs),
+                        ),
+                    },
+                )),
+                Err(e) => tracing::debug!(vm = %id, error = %vmm::error_chain(&e), "the VM could not be measured"),
+            }
+        }
+        Ok(out)
     }
 
     /// `start`: a cold boot of the recorded spec with the VM's own lease (see the module doc).

@@ -43,6 +43,7 @@ mod delete;
 mod error;
 mod loops;
 mod streams;
+mod metrics;
 mod table;
 
 pub use config::ProviderConfig;

@@ -647,3 +647,21 @@ impl SandboxProvider {
         self.lock().releasing.len()
     }
 }
+
+#[tokio::test]
+async fn pod_usage_comes_from_sandboxds_measured_stats() {
+    use vnode::PodMetrics as _;
+    let r = Rig::new().await;
+    r.provider.create_pod(&pod("a", "uid-a", None)).await.unwrap();
+    r.provider.create_pod(&pod("b", "uid-b", None)).await.unwrap();
+    assert!(r.provider.pod_usage().await.is_empty(), "sandboxd measured nothing: no Pod");
+    let id = r.provider.claim_id("ns/a").unwrap();
+    r.fake.set_usage(&id, 7_000_000_000, 200 << 20);
+    let got = r.provider.pod_usage().await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    let u = &got[0];
+    assert_eq!((u.pod.clone(), u.uid.as_str(), u.container.as_str()), (PodKey::new("ns", "a"), "uid-a", "agent"));
+    assert_eq!((u.cpu_usage_nanos, u.memory_working_set_bytes), (7_000_000_000, 200 << 20));
+    assert_eq!(u.measured_at, humantime::parse_rfc3339("2030-01-01T00:00:10Z").unwrap());
+    assert!(u.started_at.is_some(), "the claim time");
+}

@@ -35,23 +35,24 @@ use tracing::{error, info_span, warn, Instrument};
 
 use crate::provider::PodKey;
 use crate::queue::{Retry, WorkQueue};
+use crate::stats::RuntimeMetrics;
 
 impl Controller {
     /// Starts `workers` workers on each queue.
     pub(crate) fn spawn_workers(self: &Arc<Self>, workers: usize, set: &mut JoinSet<()>) {
         for _ in 0..workers.max(1) {
             let c = self.clone();
-            set.spawn(work(self.sync_q.clone(), self.node.clone(), move |k| {
+            set.spawn(work(self.sync_q.clone(), self.node.clone(), self.metrics.clone(), move |k| {
                 let c = c.clone();
                 async move { c.sync(&k).await }
             }));
             let c = self.clone();
-            set.spawn(work(self.delete_q.clone(), self.node.clone(), move |k| {
+            set.spawn(work(self.delete_q.clone(), self.node.clone(), self.metrics.clone(), move |k| {
                 let c = c.clone();
                 async move { c.force_delete(&k).await }
             }));
             let c = self.clone();
-            set.spawn(work(self.status_q.clone(), self.node.clone(), move |k| {
+            set.spawn(work(self.status_q.clone(), self.node.clone(), self.metrics.clone(), move |k| {
                 let c = c.clone();
                 async move { c.push_status(&k).await }
             }));
@@ -65,8 +66,9 @@ impl Controller {
     }
 }
 
-/// One worker: take a key, run `handle` in a span with the pod key, forget or retry it.
-async fn work<F, Fut>(queue: Arc<WorkQueue<PodKey>>, node: String, handle: F)
+/// One worker: take a key, run `handle` in a span with the pod key, forget or retry it (a
+/// failed provider call is counted in `metrics`).
+async fn work<F, Fut>(queue: Arc<WorkQueue<PodKey>>, node: String, metrics: Arc<RuntimeMetrics>, handle: F)
 where
     F: Fn(PodKey) -> Fut,
     Fut: Future<Output = Result<(), SyncError>>,
@@ -75,6 +77,9 @@ where
         let span = info_span!("pod", queue = queue.name(), node = %node, pod = %key);
         let result = handle(key.clone()).instrument(span.clone()).await;
         let _enter = span.enter();
+        if let Err(SyncError::Provider { op, .. }) = &result {
+            metrics.provider_error(op);
+        }
         match result {
             Ok(()) => queue.forget(&key),
             Err(e) => match queue.retry(&key) {

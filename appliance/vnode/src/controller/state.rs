@@ -13,6 +13,7 @@ use crate::events::Recorder;
 use crate::kit::Locked;
 use crate::provider::{PodKey, Provider, ProviderError};
 use crate::queue::WorkQueue;
+use crate::stats::RuntimeMetrics;
 use crate::status::Pushes;
 
 /// Why a queue item failed (it is retried with backoff).
@@ -63,6 +64,8 @@ pub(crate) struct Controller {
     /// `update_pod` runs on every sync, but `ProviderUpdateSuccess` is recorded only when
     /// this changed, so a resync does not write one event per pod.
     pub(super) accepted: Locked<HashMap<PodKey, u64>>,
+    /// The runtime's `/metrics` (create latency, provider errors, queue depth).
+    pub(super) metrics: Arc<RuntimeMetrics>,
 }
 
 /// What a `ProviderUpdateSuccess` event is about: the pod's identity, spec and metadata.
@@ -84,20 +87,26 @@ impl Controller {
         store: Store<Pod>,
         recorder: Recorder,
         bucket: Option<crate::queue::BucketSpec>,
+        metrics: Arc<RuntimeMetrics>,
     ) -> Controller {
+        let sync_q = Arc::new(WorkQueue::new("syncPodsFromKubernetes", bucket));
+        let delete_q = Arc::new(WorkQueue::new("deletePodsFromKubernetes", bucket));
+        let status_q = Arc::new(WorkQueue::new("syncPodStatusFromProvider", bucket));
+        metrics.watch_queues(vec![sync_q.clone(), delete_q.clone(), status_q.clone()]);
         Controller {
             node,
             client,
             provider,
             store,
             recorder,
-            sync_q: Arc::new(WorkQueue::new("syncPodsFromKubernetes", bucket)),
-            delete_q: Arc::new(WorkQueue::new("deletePodsFromKubernetes", bucket)),
-            status_q: Arc::new(WorkQueue::new("syncPodStatusFromProvider", bucket)),
+            sync_q,
+            delete_q,
+            status_q,
             pushes: Arc::new(Pushes::default()),
             pending_deletes: Locked::default(),
             provider_deleted: Locked::default(),
             accepted: Locked::default(),
+            metrics,
         }
     }
 

@@ -58,7 +58,7 @@ impl Controller {
                 Ok(())
             }
             Action::Skip => Ok(()),
-            Action::Create => match self.provider.create_pod(&pod).await {
+            Action::Create => match self.timed_create(&pod).await {
                 Ok(()) => {
                     info!("created the pod in the provider");
                     self.accepted.lock().insert(key.clone(), accepted_hash(&pod));
@@ -80,6 +80,14 @@ impl Controller {
                 Err(e) => self.provider_failed(&pod, "update", e).await,
             },
         }
+    }
+
+    /// `create_pod`, its duration recorded in the runtime's metrics.
+    async fn timed_create(&self, pod: &Pod) -> Result<(), ProviderError> {
+        let started = std::time::Instant::now();
+        let result = self.provider.create_pod(pod).await;
+        self.metrics.observe_create(started.elapsed(), result.is_ok());
+        result
     }
 
     fn schedule_force_delete(&self, key: &PodKey, pod: &Pod, after: Duration) {

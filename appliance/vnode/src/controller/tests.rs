@@ -150,7 +150,8 @@ impl Fixture {
         let (store, writer) = reflector::store();
         let provider = Arc::new(provider);
         let recorder = Recorder::new(client.clone(), "vk".into(), false);
-        let c = Arc::new(Controller::new("vk".into(), client, provider.clone(), store, recorder, None));
+        let c =
+            Arc::new(Controller::new("vk".into(), client, provider.clone(), store, recorder, None, Default::default()));
         Fixture { c, provider, writer, calls }
     }
     fn ok() -> Answer {
@@ -242,6 +243,8 @@ async fn rule5_failures_set_pending_and_retry_or_failed_for_good() {
     assert_eq!(f.api()[1].2["status"]["phase"], "Failed");
     let warnings: Vec<_> = f.events().await.into_iter().filter(|e| e["type"] == "Warning").collect();
     assert!(!warnings.is_empty() && warnings.iter().all(|e| e["reason"] == "ProviderCreateFailed"), "{warnings:?}");
+    let text = f.c.metrics.render().expect("metrics");
+    assert!(text.contains("vnode_pod_create_duration_seconds_count{outcome=\"error\"} 2\n"), "{text}");
 }
 
 #[tokio::test]

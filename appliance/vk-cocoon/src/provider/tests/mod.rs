@@ -134,4 +134,5 @@ async fn delete(r: &Rig, p: &Pod) -> Result<(), String> {
 mod create;
 mod delete;
 mod loops;
+mod metrics;
 mod namespaces;
