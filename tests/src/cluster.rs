@@ -181,7 +181,9 @@ impl Cluster {
             if wanted && running.daemons.iter().all(Daemon::is_ours) && running.kubectl_handle().ready() {
                 return Ok(Cluster { started: false, ..running });
             }
-            eprintln!("cluster: the recorded cluster is not healthy or lacks metrics-server; restarting it from scratch");
+            eprintln!(
+                "cluster: the recorded cluster is not healthy or lacks metrics-server; restarting it from scratch"
+            );
             teardown(&running)?;
         }
         start(opts)

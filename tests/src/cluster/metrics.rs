@@ -215,7 +215,9 @@ mod tests {
         let a = MetricsServer::for_port(16443);
         let b = MetricsServer::for_port(25443);
         assert_ne!((&a.link, a.address, a.port), (&b.link, b.address, b.port));
-        for ms in [&a, &b, &MetricsServer::for_port(250), &MetricsServer::for_port(249), &MetricsServer::for_port(u16::MAX)] {
+        for ms in
+            [&a, &b, &MetricsServer::for_port(250), &MetricsServer::for_port(249), &MetricsServer::for_port(u16::MAX)]
+        {
             let o = ms.address.octets();
             assert_eq!(o[..3], [10, 254, 0], "{}", ms.address);
             assert!((1..=250).contains(&o[3]), "{}", ms.address);

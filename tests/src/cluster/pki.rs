@@ -242,7 +242,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (pki, users) = generate(dir.path()).unwrap();
         assert!(pki.ca_hash.starts_with("sha256:") && pki.ca_hash.len() == 7 + 64, "{}", pki.ca_hash);
-        assert_eq!(users.iter().map(|(n, _)| *n).collect::<Vec<_>>(), ["admin", "controller-manager", "scheduler", "metrics-server"]);
+        assert_eq!(
+            users.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+            ["admin", "controller-manager", "scheduler", "metrics-server"]
+        );
         for key in [&pki.ca_key, &pki.apiserver_key, &pki.sa_key, &pki.kubelet_client_key, &pki.metrics_server_key] {
             let mode = std::fs::metadata(key).unwrap().permissions().mode() & 0o777;
             assert_eq!(mode, 0o600, "{} is {mode:o}", key.display());
