@@ -149,13 +149,21 @@ fn metrics_server_serves_the_metrics_api_then_down_removes_it() {
                 .unwrap();
         assert_eq!(nodes["kind"], "NodeMetricsList", "{nodes}");
 
-        let out = cluster.kubectl().args(["top", "node"]).output().unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        // With no node: "error: metrics not available yet" (or an empty table); never a
-        // failure to reach the metrics API.
-        assert!(out.status.success() || text.contains("metrics not available yet"), "kubectl top node: {text}");
-        for unreachable in ["Metrics API not available", "connection refused", "ServiceUnavailable", "no endpoints"] {
-            assert!(!text.contains(unreachable), "kubectl top node: {text}");
+        for top in [&["top", "node"][..], &["top", "pod", "-A"]] {
+            let out = cluster.kubectl().args(top).output().unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            let cmd = top.join(" ");
+            eprintln!("kubectl {cmd}: {}", text.trim());
+            // With no node: "error: metrics not available yet" (or an empty table); never a
+            // failure to reach the metrics API.
+            assert!(out.status.success() || text.contains("metrics not available yet"), "kubectl {cmd}: {text}");
+            for unreachable in ["Metrics API not available", "connection refused", "ServiceUnavailable", "no endpoints"]
+            {
+                assert!(!text.contains(unreachable), "kubectl {cmd}: {text}");
+            }
+        }
+        if let Some(d) = cluster.daemons.iter().find(|d| d.name == "metrics-server") {
+            eprintln!("metrics-server log tail:\n{}", d.log_tail(15));
         }
     });
 
