@@ -14,18 +14,24 @@
 //! otherwise it stops what is left and starts afresh. `down` stops every recorded daemon
 //! (each verified by its `/proc/<pid>/cmdline`). A file lock serialises concurrent callers.
 //!
+//! With [`Options::metrics_server`], `up` also runs metrics-server (`kubectl top`) registered as
+//! the aggregated API `v1beta1.metrics.k8s.io` (see [`metrics`]).
+//!
 //! Ports (all on 127.0.0.1, from `--port`/`CHRYSALIS_CLUSTER_PORT`, default 16443): apiserver
 //! `P`, etcd client `P+1` and peer `P+2`, controller-manager `P+3`, scheduler `P+4`,
-//! agent-sandbox metrics `P+5` and health probe `P+6`.
+//! agent-sandbox metrics `P+5` and health probe `P+6`; metrics-server `P+7` on its own address
+//! ([`metrics::MetricsServer::for_port`]).
 
 pub mod bootstrap;
 pub mod build;
 pub mod lock;
+pub mod metrics;
 mod objects;
 pub mod pki;
 pub mod procs;
 
 use bootstrap::{Kubectl, Token};
+use metrics::MetricsServer;
 use procs::Daemon;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -91,13 +97,16 @@ pub struct Options {
     pub state_dir: PathBuf,
     /// The apiserver port; see the module doc for the others.
     pub port: u16,
+    /// Also run metrics-server (builds it on first use). Off by default: only suites that
+    /// check `kubectl top` pay for it.
+    pub metrics_server: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
         let port = std::env::var("CHRYSALIS_CLUSTER_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(DEFAULT_PORT);
         let root = cache_dir().join("cluster");
-        Options { bin_dir: root.join("bin"), state_dir: root.join("state"), port }
+        Options { bin_dir: root.join("bin"), state_dir: root.join("state"), port, metrics_server: false }
     }
 }
 
@@ -133,6 +142,9 @@ pub struct Cluster {
     pub versions: BTreeMap<String, String>,
     /// The daemons `up` started, in start order.
     pub daemons: Vec<Daemon>,
+    /// Where metrics-server listens, when [`Options::metrics_server`] started it.
+    #[serde(default)]
+    pub metrics_server: Option<MetricsServer>,
     /// Whether this call started the cluster (false: it was already running). Not persisted.
     #[serde(skip)]
     pub started: bool,
@@ -165,11 +177,14 @@ impl Cluster {
     pub fn up_with(opts: &Options) -> Result<Cluster, ClusterError> {
         let _lock = flock(&opts.lock_file())?;
         if let Some(running) = load(opts)? {
-            if running.daemons.iter().all(Daemon::is_ours) && running.kubectl_handle().ready() {
+            let wanted = !opts.metrics_server || running.metrics_server.is_some();
+            if wanted && running.daemons.iter().all(Daemon::is_ours) && running.kubectl_handle().ready() {
                 return Ok(Cluster { started: false, ..running });
             }
-            eprintln!("cluster: the recorded cluster is not healthy; restarting it from scratch");
-            stop_all(&running.daemons)?;
+            eprintln!(
+                "cluster: the recorded cluster is not healthy or lacks metrics-server; restarting it from scratch"
+            );
+            teardown(&running)?;
         }
         start(opts)
     }
@@ -182,7 +197,7 @@ impl Cluster {
             return Ok(Vec::new());
         };
         let running: Vec<Daemon> = cluster.daemons.iter().filter(|d| d.is_ours()).cloned().collect();
-        stop_all(&cluster.daemons)?;
+        teardown(&cluster)?;
         let _ = std::fs::remove_file(opts.state_file());
         Ok(running)
     }
@@ -220,6 +235,18 @@ impl Cluster {
         bootstrap::bind_node(&self.kubectl_handle(), &self.state_dir.join("manifests"), provider, node)
     }
 
+    /// Waits until the metrics API answers (`kubectl get --raw
+    /// /apis/metrics.k8s.io/v1beta1/nodes`): the aggregator reaches metrics-server. Fails at
+    /// once when the cluster runs without it, and with its log tail on timeout.
+    pub fn wait_metrics_api(&self, timeout: Duration) -> Result<(), ClusterError> {
+        let daemon = self.daemons.iter().find(|d| d.name == "metrics-server").ok_or_else(|| ClusterError::Process {
+            name: "metrics-server".into(),
+            detail: "this cluster runs without it: start it with Options { metrics_server: true, .. }".into(),
+        })?;
+        let kubectl = self.kubectl_handle();
+        wait_until(daemon, timeout, || metrics::api_answers(&kubectl))
+    }
+
     /// The token id (the part before the dot).
     pub fn token_id(&self) -> &str {
         self.token.split('.').next().unwrap_or_default()
@@ -243,7 +270,8 @@ fn start(opts: &Options) -> Result<Cluster, ClusterError> {
     }
 
     let lock = lock::Lock::load()?;
-    let bins = build::ensure_all(&lock, &opts.bin_dir)?;
+    let bins = build::ensure(&lock, &opts.bin_dir, |c| opts.metrics_server || c.name != "metrics-server")?;
+    let metrics_server = opts.metrics_server.then(|| MetricsServer::for_port(p));
     let sandbox = lock.component("agent-sandbox")?;
     let crd_dir = build::module_source_dir(sandbox)?.join(sandbox.crds.as_deref().unwrap_or("k8s/crds"));
 
@@ -329,6 +357,9 @@ fn start(opts: &Options) -> Result<Cluster, ClusterError> {
                 "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
                 format!("--proxy-client-cert-file={}", s(&pki.front_proxy_client_cert)),
                 format!("--proxy-client-key-file={}", s(&pki.front_proxy_client_key)),
+                // Aggregated APIs (metrics-server) are dialled at their EndpointSlice's address:
+                // there is no kube-proxy to route a ClusterIP.
+                "--enable-aggregator-routing=true".into(),
                 "--profiling=false".into(),
             ],
             &[],
@@ -399,6 +430,20 @@ fn start(opts: &Options) -> Result<Cluster, ClusterError> {
 
         // The bootstrap signer (in the controller-manager) signs cluster-info for the token.
         bootstrap::wait_signed(&kubectl, &token, Duration::from_secs(120))?;
+
+        if let Some(ms) = &metrics_server {
+            ms.add_link()?;
+            ms.apply(&kubectl, &state.join("manifests"), &pki.ca_pem)?;
+            let daemon = procs::spawn(
+                "metrics-server",
+                bins.get("metrics-server")?,
+                &ms.args(Path::new(&kc("metrics-server")), &pki),
+                &[],
+                &log("metrics-server"),
+            )?;
+            daemons.push(daemon.clone());
+            wait_until(&daemon, Duration::from_secs(120), || metrics::api_answers(&kubectl))?;
+        }
         for d in &daemons {
             if !d.is_ours() {
                 return Err(ClusterError::Process {
@@ -413,6 +458,9 @@ fn start(opts: &Options) -> Result<Cluster, ClusterError> {
         Ok(token) => token,
         Err(e) => {
             let _ = stop_all(&daemons);
+            if let Some(ms) = &metrics_server {
+                let _ = ms.remove_link();
+            }
             return Err(e);
         }
     };
@@ -427,6 +475,7 @@ fn start(opts: &Options) -> Result<Cluster, ClusterError> {
         state_dir: state.clone(),
         versions: lock.components.iter().map(|c| (c.upstream.clone(), c.version.clone())).collect(),
         daemons,
+        metrics_server,
         started: true,
     };
     // Serialising a struct of strings and paths cannot fail.
@@ -434,6 +483,13 @@ fn start(opts: &Options) -> Result<Cluster, ClusterError> {
     pki::write_secret(&opts.state_file(), &json)?;
     eprintln!("cluster: up in {:.1?}", started_at.elapsed());
     Ok(cluster)
+}
+
+/// Stops every daemon of `cluster` and deletes the link it made for metrics-server.
+fn teardown(cluster: &Cluster) -> Result<(), ClusterError> {
+    let stopped = stop_all(&cluster.daemons);
+    let unlinked = cluster.metrics_server.as_ref().map_or(Ok(()), MetricsServer::remove_link);
+    stopped.and(unlinked)
 }
 
 /// Stops `daemons` in reverse start order.

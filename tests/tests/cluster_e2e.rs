@@ -117,3 +117,62 @@ fn cluster_up_serves_bootstrap_and_agent_sandbox_then_down_leaves_nothing() {
         std::panic::resume_unwind(panic);
     }
 }
+
+/// metrics-server on (`Options::metrics_server`): the aggregated metrics API is Available,
+/// `kubectl top node` reaches it (no node reports metrics yet, which it may say, but it must
+/// not fail to connect), and `down` stops it and deletes its link.
+#[test]
+fn metrics_server_serves_the_metrics_api_then_down_removes_it() {
+    use test_infra::cluster::metrics::{MetricsServer, API_SERVICE};
+    let state = tempfile::tempdir().unwrap();
+    let opts =
+        Options { state_dir: state.path().join("state"), port: 25443, metrics_server: true, ..Options::default() };
+    let cluster = Cluster::up_with(&opts).expect("cluster up with metrics-server");
+    let ms = cluster.metrics_server.clone().expect("metrics-server recorded");
+    assert_eq!(ms, MetricsServer::for_port(25443));
+
+    let result = std::panic::catch_unwind(|| {
+        cluster.wait_metrics_api(Duration::from_secs(60)).expect("metrics API");
+        let api: serde_json::Value =
+            serde_json::from_str(&kubectl_ok(&cluster, &["get", "apiservice", API_SERVICE, "-o", "json"])).unwrap();
+        let available = api["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == "Available")
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(available["status"], "True", "{API_SERVICE} is not Available: {available}");
+
+        let nodes: serde_json::Value =
+            serde_json::from_str(&kubectl_ok(&cluster, &["get", "--raw", "/apis/metrics.k8s.io/v1beta1/nodes"]))
+                .unwrap();
+        assert_eq!(nodes["kind"], "NodeMetricsList", "{nodes}");
+
+        for top in [&["top", "node"][..], &["top", "pod", "-A"]] {
+            let out = cluster.kubectl().args(top).output().unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            let cmd = top.join(" ");
+            eprintln!("kubectl {cmd}: {}", text.trim());
+            // With no node: "error: metrics not available yet" (or an empty table); never a
+            // failure to reach the metrics API.
+            assert!(out.status.success() || text.contains("metrics not available yet"), "kubectl {cmd}: {text}");
+            for unreachable in ["Metrics API not available", "connection refused", "ServiceUnavailable", "no endpoints"]
+            {
+                assert!(!text.contains(unreachable), "kubectl {cmd}: {text}");
+            }
+        }
+        if let Some(d) = cluster.daemons.iter().find(|d| d.name == "metrics-server") {
+            eprintln!("metrics-server log tail:\n{}", d.log_tail(15));
+        }
+    });
+
+    Cluster::down_with(&opts).expect("cluster down");
+    for d in &cluster.daemons {
+        assert!(!d.is_ours(), "{} (pid {}) still runs after down", d.name, d.pid);
+    }
+    assert!(!std::path::Path::new("/sys/class/net").join(&ms.link).exists(), "{} left behind", ms.link);
+    if let Err(panic) = result {
+        std::panic::resume_unwind(panic);
+    }
+}

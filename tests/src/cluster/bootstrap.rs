@@ -21,10 +21,20 @@ pub struct Kubectl {
 
 impl Kubectl {
     /// A `kubectl` command using the admin kubeconfig.
+    ///
+    /// Its discovery cache lives beside the kubeconfig, in the cluster's state: kubectl's
+    /// default (`~/.kube/cache`) is keyed by `host:port` and kept for hours, so a fresh cluster
+    /// on a port an earlier one used would see the old one's API groups (`kubectl top` then
+    /// says "Metrics API not available" although metrics-server serves).
     pub fn command(&self) -> Command {
         let mut cmd = Command::new(&self.bin);
-        cmd.env("KUBECONFIG", &self.kubeconfig).stdin(Stdio::null());
+        cmd.env("KUBECONFIG", &self.kubeconfig).env("KUBECACHEDIR", self.cache_dir()).stdin(Stdio::null());
         cmd
+    }
+
+    /// `kubectl-cache/` beside the kubeconfig.
+    pub fn cache_dir(&self) -> PathBuf {
+        self.kubeconfig.with_file_name("kubectl-cache")
     }
 
     /// Runs `kubectl args`, failing with its stderr when it exits non-zero.

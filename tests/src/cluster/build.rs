@@ -35,9 +35,15 @@ impl Binaries {
 
 /// Builds (or finds cached) every binary of the lock under `bin_root`.
 pub fn ensure_all(lock: &Lock, bin_root: &Path) -> Result<Binaries, ClusterError> {
+    ensure(lock, bin_root, |_| true)
+}
+
+/// Builds (or finds cached) the binaries of the components `wanted` picks, so a cluster
+/// never builds what it will not run.
+pub fn ensure(lock: &Lock, bin_root: &Path, wanted: impl Fn(&Component) -> bool) -> Result<Binaries, ClusterError> {
     let go_version = go_version()?;
     let mut paths = BTreeMap::new();
-    for component in &lock.components {
+    for component in lock.components.iter().filter(|c| wanted(c)) {
         let dir = ensure_component(component, bin_root, &go_version)?;
         for b in &component.binaries {
             paths.insert(b.name.clone(), dir.join(&b.name));

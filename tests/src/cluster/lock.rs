@@ -126,7 +126,7 @@ mod tests {
     fn lock_agrees_with_every_go_mod() {
         let lock = Lock::load().expect("tests/cluster/cluster.toml and the go.mod files agree");
         let names: Vec<_> = lock.components.iter().map(|c| c.name.as_str()).collect();
-        assert_eq!(names, ["etcd", "kubernetes", "agent-sandbox"]);
+        assert_eq!(names, ["etcd", "kubernetes", "agent-sandbox", "metrics-server"]);
         let k8s = lock.component("kubernetes").unwrap();
         let minor: u32 = k8s.version.trim_start_matches("v1.").split('.').next().unwrap().parse().unwrap();
         assert!(minor >= 33, "Kubernetes must be 1.33 or newer, locked {}", k8s.version);

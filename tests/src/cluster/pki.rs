@@ -20,6 +20,10 @@ const KUBERNETES_SERVICE_IP: &str = "10.96.0.1";
 pub const KUBELET_CLIENT: &str = "kube-apiserver-kubelet-client";
 /// The CN of the apiserver's front-proxy client (`--requestheader-allowed-names`).
 pub const FRONT_PROXY_CLIENT: &str = "front-proxy-client";
+/// The user metrics-server runs as (`tests/cluster/manifests/metrics-server.yaml` binds it).
+pub const METRICS_SERVER_USER: &str = "chrysalis:metrics-server";
+/// The name the aggregator checks metrics-server's serving certificate for: `<service>.<namespace>.svc`.
+pub const METRICS_SERVER_DNS: &str = "metrics-server.kube-system.svc";
 
 /// Paths of everything [`generate`] wrote.
 #[derive(Debug, Clone)]
@@ -40,6 +44,9 @@ pub struct Pki {
     pub front_proxy_ca: PathBuf,
     pub front_proxy_client_cert: PathBuf,
     pub front_proxy_client_key: PathBuf,
+    /// metrics-server's serving certificate (names [`METRICS_SERVER_DNS`]), signed by the CA.
+    pub metrics_server_cert: PathBuf,
+    pub metrics_server_key: PathBuf,
 }
 
 /// A client identity: certificate and key PEM.
@@ -52,7 +59,8 @@ pub struct ClientCert {
 pub type Users = Vec<(&'static str, ClientCert)>;
 
 /// Writes a fresh PKI into `dir` and returns its paths, plus the client certs of the
-/// control-plane users: `admin` (`O=system:masters`), `controller-manager`, `scheduler`.
+/// control-plane users: `admin` (`O=system:masters`), `controller-manager`, `scheduler`,
+/// `metrics-server`.
 pub fn generate(dir: &Path) -> Result<(Pki, Users), ClusterError> {
     std::fs::create_dir_all(dir).map_err(|source| io(format!("creating {}", dir.display()), source))?;
     let now = OffsetDateTime::now_utc();
@@ -83,6 +91,8 @@ pub fn generate(dir: &Path) -> Result<(Pki, Users), ClusterError> {
         front_proxy_ca: dir.join("front-proxy-ca.crt"),
         front_proxy_client_cert: dir.join("front-proxy-client.crt"),
         front_proxy_client_key: dir.join("front-proxy-client.key"),
+        metrics_server_cert: dir.join("metrics-server.crt"),
+        metrics_server_key: dir.join("metrics-server.key"),
     };
     write(&pki.ca_cert, &ca_pem)?;
     write_secret(&pki.ca_key, &issuer.key().serialize_pem())?;
@@ -128,11 +138,17 @@ pub fn generate(dir: &Path) -> Result<(Pki, Users), ClusterError> {
     write(&pki.front_proxy_client_cert, &proxy_client.cert_pem)?;
     write_secret(&pki.front_proxy_client_key, &proxy_client.key_pem)?;
 
+    // Cheap enough to make for every cluster; used only when `Options::metrics_server` is set.
+    let ms = leaf(&issuer, "metrics-server", None, &[METRICS_SERVER_DNS], ExtendedKeyUsagePurpose::ServerAuth, now)?;
+    write(&pki.metrics_server_cert, &ms.cert_pem)?;
+    write_secret(&pki.metrics_server_key, &ms.key_pem)?;
+
     let client = |cn: &str, org: Option<&str>| leaf(&issuer, cn, org, &[], ExtendedKeyUsagePurpose::ClientAuth, now);
     let users = vec![
         ("admin", client("kubernetes-admin", Some("system:masters"))?),
         ("controller-manager", client("system:kube-controller-manager", None)?),
         ("scheduler", client("system:kube-scheduler", None)?),
+        ("metrics-server", client(METRICS_SERVER_USER, None)?),
     ];
     Ok((pki, users))
 }
@@ -226,8 +242,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (pki, users) = generate(dir.path()).unwrap();
         assert!(pki.ca_hash.starts_with("sha256:") && pki.ca_hash.len() == 7 + 64, "{}", pki.ca_hash);
-        assert_eq!(users.iter().map(|(n, _)| *n).collect::<Vec<_>>(), ["admin", "controller-manager", "scheduler"]);
-        for key in [&pki.ca_key, &pki.apiserver_key, &pki.sa_key, &pki.kubelet_client_key] {
+        assert_eq!(
+            users.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+            ["admin", "controller-manager", "scheduler", "metrics-server"]
+        );
+        for key in [&pki.ca_key, &pki.apiserver_key, &pki.sa_key, &pki.kubelet_client_key, &pki.metrics_server_key] {
             let mode = std::fs::metadata(key).unwrap().permissions().mode() & 0o777;
             assert_eq!(mode, 0o600, "{} is {mode:o}", key.display());
         }
