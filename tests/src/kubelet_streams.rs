@@ -84,7 +84,12 @@ pub fn exec_checks(node: &VirtualNode, t: &Target) -> Outcome {
     };
     let out = wait_with_timeout(child, Duration::from_secs(300))?;
     writer.join().map_err(|_| "stdin writer panicked")?.map_err(|e| format!("writing stdin: {e}"))?;
-    ensure!(out.status.success(), "kubectl exec -i cat: exit {:?}: {}", out.status.code(), String::from_utf8_lossy(&out.stderr));
+    ensure!(
+        out.status.success(),
+        "kubectl exec -i cat: exit {:?}: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
     ensure!(
         Sha256::digest(&out.stdout) == Sha256::digest(&data),
         "10 MiB through cat came back different: {} bytes of {}",
@@ -225,7 +230,11 @@ pub fn port_forward_checks(node: &VirtualNode, t: &Target) -> Outcome {
     exec_ok(
         node,
         t,
-        &["sh", "-c", &format!("mkdir -p /tmp/www && echo {body} > /tmp/www/index.html && busybox httpd -p 8080 -h /tmp/www")],
+        &[
+            "sh",
+            "-c",
+            &format!("mkdir -p /tmp/www && echo {body} > /tmp/www/index.html && busybox httpd -p 8080 -h /tmp/www"),
+        ],
     )?;
     let mut pf = node
         .cluster
@@ -285,7 +294,11 @@ pub fn attach_checks(node: &VirtualNode, t: &Target) -> Outcome {
     let _ = attach.wait();
     ensure!(seen?, "kubectl attach did not show the console");
     let out = node.kubectl(&t.args("attach", &["-i"])).map_err(|e| e.to_string())?;
-    ensure!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("exec -it"), "attach -i: {}", text(&out));
+    ensure!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("exec -it"),
+        "attach -i: {}",
+        text(&out)
+    );
     Ok(())
 }
 

@@ -90,6 +90,22 @@ pub struct ValidLogQuery {
     pub limit_bytes: Option<u64>,
 }
 
+impl From<&ValidLogQuery> for LogQuery {
+    /// The query that validates back to `q` (its instant as `sinceTime`): what a provider
+    /// forwards to the process that holds the log.
+    fn from(q: &ValidLogQuery) -> LogQuery {
+        LogQuery {
+            follow: q.follow,
+            previous: false,
+            timestamps: q.timestamps,
+            tail_lines: q.tail_lines.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
+            since_seconds: None,
+            since_time: q.since.map(format_timestamp),
+            limit_bytes: q.limit_bytes.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
+        }
+    }
+}
+
 impl LogQuery {
     /// Checks the query against the clock now ([`LogQuery::validate_at`]).
     pub fn validate(&self) -> Result<ValidLogQuery, LogQueryError> {
@@ -355,5 +371,20 @@ mod tests {
         assert!(f.done());
         assert_eq!(f.push(t(0), b"more\n", &mut out), Flow::Done);
         assert_eq!(out, b"x");
+    }
+
+    #[test]
+    fn a_valid_query_round_trips_through_the_wire_form() {
+        let now = SystemTime::UNIX_EPOCH + std::time::Duration::from_nanos(1_700_000_000_123_456_789);
+        let q = LogQuery {
+            follow: true,
+            timestamps: true,
+            tail_lines: Some(5),
+            since_seconds: Some(60),
+            limit_bytes: Some(9),
+            ..Default::default()
+        };
+        let valid = q.validate_at(now).expect("valid");
+        assert_eq!(LogQuery::from(&valid).validate_at(now).expect("valid again"), valid);
     }
 }

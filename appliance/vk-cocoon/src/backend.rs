@@ -317,6 +317,18 @@ pub trait VmBackend: Send + Sync + 'static {
     async fn usage(&self, _ids: &[String]) -> Result<Vec<(String, VmUsage)>, BackendError> {
         Ok(Vec::new())
     }
+
+    /// A fresh byte stream to the guest agent of the running VM `id` (`kubectl exec`,
+    /// `port-forward`). The default has no agents to reach.
+    async fn dial_agent(&self, id: &str) -> Result<vnode::streams::AgentIo, BackendError> {
+        Err(BackendError::Unsupported { what: format!("this backend cannot reach the guest agent of VM {id}") })
+    }
+
+    /// The console log of the running VM `id` (`kubectl logs`, `attach`): a `vmm::console`
+    /// log. The default has none.
+    async fn console_log(&self, id: &str) -> Result<std::path::PathBuf, BackendError> {
+        Err(BackendError::Unsupported { what: format!("this backend keeps no console of VM {id}") })
+    }
 }
 
 /// One TCP connect to `ip:port` within `timeout` (the default [`VmBackend::probe_tcp`]).

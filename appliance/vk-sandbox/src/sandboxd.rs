@@ -25,7 +25,7 @@ use hyper::{Method, Request, StatusCode};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use k8s_openapi::jiff::Timestamp;
 use kstream::logs::LogQuery;
 use sandboxd_api::{ClaimReply, ClaimRequest, ErrorBody, SandboxList};
@@ -62,6 +62,9 @@ pub enum SandboxdError {
     /// No complete answer in time.
     #[error("sandboxd {what}: no answer within {timeout:?}")]
     Timeout { what: &'static str, timeout: Duration },
+    /// sandboxd answered `101` but the connection could not be taken over.
+    #[error("sandboxd {what}: the upgraded connection failed: {reason}")]
+    Upgrade { what: &'static str, reason: String },
     /// The body could not be read.
     #[error("sandboxd {what}: reading the response body failed")]
     Body {
@@ -405,12 +408,13 @@ impl SandboxdClient {
     pub async fn console(
         &self,
         id: &str,
+        token: &str,
         query: &LogQuery,
     ) -> Result<impl Stream<Item = io::Result<Bytes>> + Send + 'static, SandboxdError> {
         const WHAT: &str = "console";
         let q = serde_urlencoded::to_string(query).map_err(|source| SandboxdError::Query { what: WHAT, source })?;
         let path = format!("/v1/sandboxes/{}/console?{q}", query_escape(id).replace('/', "%2F"));
-        let req = self.request(Method::GET, &path, self.node_token.as_deref(), None)?;
+        let req = self.request(Method::GET, &path, Some(token), None)?;
         let head = async {
             let resp =
                 self.http.request(req).await.map_err(|source| SandboxdError::Transport { what: WHAT, source })?;
@@ -425,6 +429,32 @@ impl SandboxdClient {
         let body =
             tokio::time::timeout(timeout, head).await.map_err(|_| SandboxdError::Timeout { what: WHAT, timeout })??;
         Ok(body.into_data_stream().map_err(io::Error::other))
+    }
+
+    /// `GET /v1/sandboxes/{id}/agent` with `Upgrade: silkd` and the claim's `token`: a raw
+    /// byte stream to the sandbox's guest agent (`docs/sandboxd.md` §6). Only the `101` must
+    /// arrive within the per-call bound; the stream then lives as long as its user keeps it.
+    pub async fn agent(&self, id: &str, token: &str) -> Result<TokioIo<hyper::upgrade::Upgraded>, SandboxdError> {
+        const WHAT: &str = "agent relay";
+        let path = format!("/v1/sandboxes/{}/agent", query_escape(id).replace('/', "%2F"));
+        let mut req = self.request(Method::GET, &path, Some(token), None)?;
+        req.headers_mut().insert(hyper::header::UPGRADE, hyper::header::HeaderValue::from_static("silkd"));
+        req.headers_mut().insert(hyper::header::CONNECTION, hyper::header::HeaderValue::from_static("Upgrade"));
+        let upgrade = async {
+            let resp =
+                self.http.request(req).await.map_err(|source| SandboxdError::Transport { what: WHAT, source })?;
+            let status = resp.status();
+            if status != hyper::StatusCode::SWITCHING_PROTOCOLS {
+                let bytes = Self::collect(WHAT, resp.into_body(), BODY_LIMIT).await?;
+                return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
+            }
+            hyper::upgrade::on(resp).await.map_err(|e| SandboxdError::Upgrade { what: WHAT, reason: e.to_string() })
+        };
+        let timeout = self.timeout;
+        let upgraded = tokio::time::timeout(timeout, upgrade)
+            .await
+            .map_err(|_| SandboxdError::Timeout { what: WHAT, timeout })??;
+        Ok(TokioIo::new(upgraded))
     }
 
     /// `GET /v1/info`.
@@ -637,7 +667,7 @@ mod tests {
             since_time: Some("2024-01-02T03:04:05Z".into()),
             ..LogQuery::default()
         };
-        let body = c.console(&g.id, &q).await.unwrap();
+        let body = c.console(&g.id, &g.token, &q).await.unwrap();
         // The body outlives the per-call bound: the last line comes 500 ms after the head.
         let chunks: Vec<io::Result<Bytes>> = body.collect().await;
         let text: String = chunks.into_iter().map(|c| String::from_utf8(c.unwrap().to_vec()).unwrap()).collect();
@@ -648,11 +678,11 @@ mod tests {
         );
         // sandboxd's refusals keep its words.
         let bad = LogQuery { tail_lines: Some(-1), ..LogQuery::default() };
-        match c.console(&g.id, &bad).await.map(|_| ()) {
+        match c.console(&g.id, &g.token, &bad).await.map(|_| ()) {
             Err(e @ SandboxdError::Status { status: 400, .. }) => assert!(e.to_string().contains("tailLines"), "{e}"),
             other => panic!("{other:?}"),
         }
-        match c.console("sb_ffffffffffffffff", &LogQuery::default()).await.map(|_| ()) {
+        match c.console("sb_ffffffffffffffff", "node-secret", &LogQuery::default()).await.map(|_| ()) {
             Err(SandboxdError::Status { status: 404, .. }) => {}
             other => panic!("{other:?}"),
         }

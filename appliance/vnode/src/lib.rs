@@ -44,8 +44,8 @@ pub mod tls;
 pub use config::{NodeConfig, NodeHandle, RuntimeConfig};
 pub use error::VnodeError;
 pub use provider::{error_chain, PodKey, PodNotifier, Provider, ProviderError};
-pub use streams::{PodStreams, StreamError};
 pub use stats::{PodMetrics, PodUsage, StatsConfig};
+pub use streams::{PodStreams, StreamError};
 
 use controller::Controller;
 use registration::Registrar;

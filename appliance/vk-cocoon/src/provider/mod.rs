@@ -87,8 +87,8 @@ mod create;
 mod delete;
 mod error;
 mod loops;
-mod streams;
 mod metrics;
+mod streams;
 
 pub use crate::shared::{Lifecycle, ProviderConfig};
 pub use error::CocoonProviderError;

@@ -392,4 +392,18 @@ impl VmBackend for VmmBackend {
     async fn usage(&self, ids: &[String]) -> Result<Vec<(String, VmUsage)>, BackendError> {
         self.measure(ids).await
     }
+
+    async fn dial_agent(&self, id: &str) -> Result<vnode::streams::AgentIo, BackendError> {
+        let vm = self.live_vm(id).await?;
+        let stream = self
+            .driver
+            .connect(&vm, AGENT_PORT)
+            .await
+            .map_err(|e| failed("dialling the guest agent of", id.to_owned(), e))?;
+        Ok(Box::new(stream))
+    }
+
+    async fn console_log(&self, id: &str) -> Result<std::path::PathBuf, BackendError> {
+        Ok(self.live_vm(id).await?.console_log)
+    }
 }

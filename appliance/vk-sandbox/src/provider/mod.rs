@@ -42,8 +42,8 @@ mod create;
 mod delete;
 mod error;
 mod loops;
-mod streams;
 mod metrics;
+mod streams;
 mod table;
 
 pub use config::ProviderConfig;

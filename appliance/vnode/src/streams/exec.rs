@@ -9,8 +9,6 @@
 //! error status; one whose client goes ends at once.
 
 use super::checks::{running_container, RouteError};
-use super::pending::logs::LogQuery;
-use super::pending::session::{pty_resize, start_session, SessionEvent, SessionSpec};
 use super::upgrade::{accept, Upgrade};
 use super::{AgentIo, PodStreams, Streaming};
 use crate::provider::PodKey;
@@ -21,7 +19,9 @@ use axum::response::Response;
 use futures::stream::{SplitSink, SplitStream};
 use futures::{SinkExt as _, StreamExt as _};
 use kstream::channel::{self, Inbound, Protocol, TermSize};
+use kstream::logs::LogQuery;
 use silkd_client::AgentConn;
+use silkd_client::{start_session, SessionEvent, SessionSpec};
 use std::sync::Arc;
 
 /// What we speak on these routes, for refusals.
@@ -141,7 +141,7 @@ async fn run_exec(
     };
     let spec = SessionSpec {
         argv: opts.command.clone(),
-        tty: opts.tty.then_some(FIRST_SIZE),
+        tty: opts.tty.then_some(silkd_client::TermSize { cols: FIRST_SIZE.width, rows: FIRST_SIZE.height }),
         stdin: opts.stdin,
         ..Default::default()
     };
@@ -216,7 +216,7 @@ async fn resize(
         }
     }
     if let Some(c) = conn.as_mut() {
-        if let Err(e) = pty_resize(c, pid, size.width, size.height).await {
+        if let Err(e) = c.pty_resize(pid, size.width, size.height).await {
             tracing::debug!(pod = %key, error = %foundation::error_chain(&e), "resize failed");
             *conn = None;
         }

@@ -3,7 +3,6 @@
 //! until the client or the VM goes.
 
 use super::checks::{running_container, RouteError};
-use super::pending::logs::LogQuery;
 use super::Streaming;
 use crate::provider::PodKey;
 use axum::body::Body;
@@ -12,6 +11,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt as _;
+use kstream::logs::LogQuery;
 
 pub(super) async fn container_logs(
     State(s): State<Streaming>,

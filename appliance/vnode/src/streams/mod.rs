@@ -20,7 +20,6 @@
 mod checks;
 mod exec;
 mod logs;
-mod pending;
 mod portforward;
 mod sessions;
 mod upgrade;
@@ -31,7 +30,7 @@ use axum::Router;
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-pub use pending::logs::ValidLogQuery;
+pub use kstream::logs::ValidLogQuery;
 pub use sessions::StreamLimits;
 
 /// A byte stream in both directions (what [`PodStreams::dial_agent`] returns).

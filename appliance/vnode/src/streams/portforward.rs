@@ -4,7 +4,6 @@
 //! by `kstream::portforward`, each requested port dialled through the Pod's agent.
 
 use super::checks::{running_pod, RouteError};
-use super::pending::session::port_stream;
 use super::upgrade::{accept, Upgrade};
 use super::Streaming;
 use crate::provider::PodKey;
@@ -14,6 +13,7 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use futures::{SinkExt as _, StreamExt as _};
 use kstream::portforward::{serve, Limits};
+use silkd_client::port_stream;
 use silkd_client::AgentConn;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, DuplexStream};
 

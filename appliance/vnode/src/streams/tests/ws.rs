@@ -154,17 +154,28 @@ async fn port_forward_is_spdy_tunnelled_in_websocket() {
 
 /// An echo server on every agent connection (`port_stream` hands the connection's bytes to the
 /// port: the stand-in until silkd-client's lands).
-fn echo_agent(streams: &FakeStreams) {
+/// The real guest agent (silkd, served in-process) behind every `dial_agent`, and a TCP echo
+/// server on the host for it to forward to; returns the echo server's port.
+async fn silkd_agent(streams: &FakeStreams) -> u16 {
     let (tx, mut rx) = mpsc::unbounded_channel::<tokio::io::DuplexStream>();
     *streams.agent.lock().expect("lock") = Some(tx);
+    let agent = silkd::Agent::new();
     tokio::spawn(async move {
         while let Some(conn) = rx.recv().await {
+            tokio::spawn(silkd::conn::serve(conn, Arc::clone(&agent), "test"));
+        }
+    });
+    let echo = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = echo.local_addr().expect("addr").port();
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = echo.accept().await {
             tokio::spawn(async move {
-                let (mut r, mut w) = tokio::io::split(conn);
+                let (mut r, mut w) = conn.into_split();
                 let _ = tokio::io::copy(&mut r, &mut w).await;
             });
         }
     });
+    port
 }
 
 #[tokio::test]
@@ -174,7 +185,7 @@ async fn port_forward_serves_a_request_through_the_agent() {
     use tokio_util::codec::{Decoder as _, Encoder as _};
 
     let streams = FakeStreams::default();
-    echo_agent(&streams);
+    let port = silkd_agent(&streams).await.to_string();
     let srv = Server::start(pods(), streams, StreamLimits::default()).await;
     let (mut ws, _) = upgrade(srv.addr, "/portForward/ns/vm", PORT_FORWARD).await.expect("upgraded");
     let mut enc = FrameEncoder::new().expect("encoder");
@@ -182,7 +193,7 @@ async fn port_forward_serves_a_request_through_the_agent() {
     let open = |id: u32, kind: &str, fin: bool| {
         let mut headers = Headers::new();
         headers.insert("streamtype", kind);
-        headers.insert("port", "8080");
+        headers.insert("port", port.as_str());
         headers.insert("requestid", "0");
         Frame::SynStream { stream_id: id, associated_to: 0, priority: 0, slot: 0, fin, unidirectional: false, headers }
     };
@@ -211,4 +222,29 @@ async fn port_forward_serves_a_request_through_the_agent() {
         }
     };
     assert_eq!(&echoed[..], b"ping");
+}
+
+#[tokio::test]
+async fn exec_runs_in_the_guest_agent_with_stdin_and_reports_the_exit_code() {
+    let streams = FakeStreams::default();
+    silkd_agent(&streams).await;
+    let srv = Server::start(pods(), streams, StreamLimits::default()).await;
+    let path = "/exec/ns/vm/main?command=sh&command=-c&command=cat%3B%20echo%20err%20%3E%262%3B%20exit%203&stdin=1&stdout=1&stderr=1";
+    let (mut ws, _) = upgrade(srv.addr, path, "v5.channel.k8s.io").await.expect("up");
+    ws.send(Message::Binary(kstream::channel::frame(0, b"hello\n").into())).await.expect("stdin");
+    ws.send(Message::Binary(vec![255, 0].into())).await.expect("stdin closed");
+    let mut stdout = String::new();
+    let mut stderr = String::new();
+    let status = loop {
+        match next(&mut ws).await.expect("a message before the status") {
+            (1, d) => stdout.push_str(&d),
+            (2, d) => stderr.push_str(&d),
+            (3, s) => break s,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!((stdout.as_str(), stderr.as_str()), ("hello\n", "err\n"));
+    let status: serde_json::Value = serde_json::from_str(&status).expect("a Status");
+    assert_eq!(status["reason"], "NonZeroExitCode", "{status}");
+    assert_eq!(status["details"]["causes"][0]["message"], "3", "{status}");
 }
