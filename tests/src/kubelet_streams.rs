@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 
 use crate::ensure;
-use crate::suite::{poll, Outcome, VirtualNode};
+use crate::suite::{poll, poll_every, Outcome, VirtualNode};
 
 /// How long one streaming command may take (TCG guests are slow to fork).
 const STEP: Duration = Duration::from_secs(60);
@@ -302,13 +302,35 @@ pub fn attach_checks(node: &VirtualNode, t: &Target) -> Outcome {
     Ok(())
 }
 
+/// `kubectl top pod` and `kubectl top node` through metrics-server (the cluster runs it):
+/// numbers for the Pod's VM and for the node, scraped from the node's `/metrics/resource`.
+pub fn top_checks(node: &VirtualNode, t: &Target) -> Outcome {
+    // metrics-server scrapes every 10 s and needs two samples for a CPU rate.
+    let within = Duration::from_secs(120);
+    let pod = poll_every("kubectl top pod", within, Duration::from_secs(3), || {
+        let out = node.kubectl(&["top", "pod", t.pod, "-n", t.ns, "--no-headers"]).map_err(|e| e.to_string())?;
+        let s = String::from_utf8_lossy(&out.stdout).into_owned();
+        Ok((out.status.success() && s.starts_with(t.pod)).then_some(s))
+    })?;
+    let cols: Vec<&str> = pod.split_whitespace().collect();
+    ensure!(cols.len() >= 3 && cols[1].ends_with('m') && cols[2].ends_with("Mi"), "kubectl top pod: {pod:?}");
+    let top_node = poll_every("kubectl top node", within, Duration::from_secs(3), || {
+        let out = node.kubectl(&["top", "node", &node.node_name, "--no-headers"]).map_err(|e| e.to_string())?;
+        let s = String::from_utf8_lossy(&out.stdout).into_owned();
+        Ok((out.status.success() && s.starts_with(node.node_name.as_str())).then_some(s))
+    })?;
+    ensure!(top_node.contains('m') && top_node.contains("Mi"), "kubectl top node: {top_node:?}");
+    Ok(())
+}
+
 /// Every check, in an order that leaves the Pod as it found it (an httpd keeps running).
 pub fn all_checks(node: &VirtualNode, t: &Target) -> Outcome {
     exec_checks(node, t)?;
     logs_checks(node, t)?;
     exec_tty_checks(node, t)?;
     attach_checks(node, t)?;
-    port_forward_checks(node, t)
+    port_forward_checks(node, t)?;
+    top_checks(node, t)
 }
 
 // ---------------------------------------------------------------------------------------------

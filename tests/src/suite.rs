@@ -146,7 +146,8 @@ pub struct VirtualNode {
 impl VirtualNode {
     /// Starts the cluster under `dir/cluster` on `port`.
     pub fn cluster_up(dir: &Path, port: u16) -> Result<(Options, Cluster), String> {
-        let opts = Options { state_dir: dir.join("cluster"), port, ..Options::default() };
+        // metrics-server too: the suites check `kubectl top` on their nodes (issue #15).
+        let opts = Options { state_dir: dir.join("cluster"), port, metrics_server: true, ..Options::default() };
         let cluster = Cluster::up_with(&opts).map_err(|e| format!("cluster up: {e}"))?;
         Ok((opts, cluster))
     }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use test_infra::ensure;
+use test_infra::kubelet_streams::{self, Target};
 use test_infra::suite::{annotation, condition, merged, poll, sibling_bin, toleration, Outcome, Suite, SuiteSpec};
 use test_infra::vk_cocoon::{CocoonEnv, CocoonSpec};
 
@@ -45,6 +46,7 @@ pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
         ("readiness_follows_the_probe_port", readiness),
         ("a_vm_that_dies_is_restarted_then_evicted_when_it_dies_again_or_vanishes", vm_deaths),
         ("another_namespace_cannot_adopt_clone_or_reuse_the_vm_or_its_snapshot", other_namespace),
+        ("kubectl_logs_exec_attach_port_forward_and_top_on_a_cocoon_pod", kubectl_streams),
     ],
 });
 
@@ -483,4 +485,16 @@ fn cross_namespace(env: &mut Env, ns: &str, other: &str) -> Outcome {
     ensure!(store.manifest(&d).map_err(|e| e.to_string())?.namespace() == Some(ns), "the snapshot changed owner");
     env.kubectl_ok(&["delete", "pods", "--all", "-n", other, "--wait=true", "--timeout=60s"])?;
     Ok(())
+}
+
+/// Issue #15: what a user's first commands on a cocoon Pod do, through the real API server
+/// (`test_infra::kubelet_streams`); `kubectl logs -f` ends when the Pod goes.
+fn kubectl_streams(env: &mut Env, ns: &str) -> Outcome {
+    env.apply(ns, &pod("streams", run_vm("streams-vm", BASE, "never"), json!({})))?;
+    running(env, ns, "streams")?;
+    let target = Target { ns, pod: "streams", container: "agent" };
+    kubelet_streams::all_checks(env, &target)?;
+    let (follow, _lines) = kubelet_streams::follow_start(env, &target)?;
+    env.kubectl_ok(&["delete", "pod", "streams", "-n", ns, "--wait=true", "--timeout=120s"])?;
+    kubelet_streams::follow_ends(follow)
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime};
 use sandboxd_api::PoolConfig;
 use serde_json::{json, Value};
 use test_infra::ensure;
+use test_infra::kubelet_streams::{self, Target};
 use test_infra::sandboxd::free_port;
 use test_infra::suite::{annotation, condition, merged, poll, sibling_bin, toleration, Outcome, Suite, SuiteSpec};
 use test_infra::vk_sandbox::{NodeEnv, NodeSpec, RUNNING};
@@ -46,6 +47,7 @@ pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
         ("provider_kill9_mid_burst_converges_without_duplicates_or_leaks", kill9_mid_burst),
         ("join_with_a_wrong_ca_hash_is_refused", |env, _| wrong_ca_hash(env)),
         ("kubelet_port_authenticates_and_authorizes_like_a_kubelet", kubelet_port),
+        ("kubectl_logs_exec_attach_port_forward_and_top_on_a_sandbox_pod", kubectl_streams),
     ],
 });
 
@@ -496,4 +498,16 @@ fn kubelet_port(env: &mut Env, ns: &str) -> Outcome {
     ensure!(can(&format!("system:node:{NODE}"))?, "the node may not list Sandboxes");
     ensure!(!can("system:node:vk-someone-else")?, "another node identity may list Sandboxes");
     Ok(())
+}
+
+/// Issue #15: what a user's first commands on a sandbox Pod do, through the real API server
+/// (`test_infra::kubelet_streams`); `kubectl logs -f` ends when the Pod goes.
+fn kubectl_streams(env: &mut Env, ns: &str) -> Outcome {
+    env.apply(ns, &sandbox("streams", base_annotations(), json!({})))?;
+    env.wait_running(ns, "streams")?;
+    let target = Target { ns, pod: "streams", container: "agent" };
+    kubelet_streams::all_checks(env, &target)?;
+    let (follow, _lines) = kubelet_streams::follow_start(env, &target)?;
+    env.kubectl_ok(&["delete", "sandbox", "streams", "-n", ns, "--wait=true", "--timeout=60s"])?;
+    kubelet_streams::follow_ends(follow)
 }
