@@ -201,7 +201,7 @@ fn node_setup(cli: &Cli) -> anyhow::Result<NodeSetup> {
             time_added: None,
         }],
         capacity,
-        internal_ip: vnode::host_ip::node_ip(&cli.node_ip).context("--node-ip")?,
+        internal_ip: vnode::host_ip::node_ip_for(&cli.node_ip, listen_addr).context("--node-ip")?,
         kubelet_port: listen_addr.port(),
         kubelet_version: concat!("v", env!("CARGO_PKG_VERSION"), "-vk-sandbox").to_owned(),
         provider_id: None,

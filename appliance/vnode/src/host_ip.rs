@@ -19,6 +19,16 @@ pub fn node_ip(setting: &str) -> Result<Option<IpAddr>, NodeIpError> {
     node_ip_with(setting, first_non_loopback_ipv4)
 }
 
+/// [`node_ip`] for a kubelet port bound to `listen`: with no setting, a port bound to one
+/// address publishes that address (the API server must dial where the port listens); a port
+/// bound to every address falls back to detection.
+pub fn node_ip_for(setting: &str, listen: std::net::SocketAddr) -> Result<Option<IpAddr>, NodeIpError> {
+    if setting.trim().is_empty() && !listen.ip().is_unspecified() {
+        return Ok(Some(listen.ip()));
+    }
+    node_ip(setting)
+}
+
 fn node_ip_with(setting: &str, detect: impl FnOnce() -> Option<Ipv4Addr>) -> Result<Option<IpAddr>, NodeIpError> {
     let setting = setting.trim();
     if setting.is_empty() {
@@ -70,5 +80,12 @@ mod tests {
         if let Some(ip) = first_non_loopback_ipv4() {
             assert!(!ip.is_loopback());
         }
+    }
+
+    #[test]
+    fn a_port_bound_to_one_address_publishes_it_unless_told_otherwise() {
+        let lo: std::net::SocketAddr = "127.0.0.1:10250".parse().expect("addr");
+        assert_eq!(node_ip_for("", lo).expect("ip"), Some("127.0.0.1".parse().expect("ip")));
+        assert_eq!(node_ip_for("10.0.0.5", lo).expect("ip"), Some("10.0.0.5".parse().expect("ip")));
     }
 }

@@ -42,17 +42,20 @@ pub(super) struct StreamOptions {
 }
 
 impl StreamOptions {
-    /// Parses the raw query. At least one stream must be asked for; with a terminal, stderr
-    /// is folded into it (the kubelet's rule too).
+    /// Parses the raw query. The API server names the streams `input`, `output` and `error`
+    /// when it forwards to a kubelet (`pkg/apis/core/types.go`, `ExecStdinParam` and its
+    /// siblings); the Pod API's own `stdin`, `stdout` and `stderr` are accepted too. At least
+    /// one stream must be asked for; with a terminal, stderr is folded into it (the kubelet's
+    /// rule too).
     pub(super) fn parse(raw: Option<&str>) -> Result<StreamOptions, RouteError> {
         let mut o = StreamOptions::default();
         for (k, v) in form_urlencoded::parse(raw.unwrap_or_default().as_bytes()) {
             let on = v == "true" || v == "1";
             match k.as_ref() {
                 "command" => o.command.push(v.into_owned()),
-                "stdin" => o.stdin = on,
-                "stdout" => o.stdout = on,
-                "stderr" => o.stderr = on,
+                "input" | "stdin" => o.stdin = on,
+                "output" | "stdout" => o.stdout = on,
+                "error" | "stderr" => o.stderr = on,
                 "tty" => o.tty = on,
                 _ => {}
             }
@@ -119,6 +122,10 @@ async fn finish(tx: &mut Tx, end: End) {
         End::ClientGone => return,
     };
     let _ = send(tx, channel::ERROR, &status).await;
+    // A normal closure (1000): client-go reads any other close, even one without a code, as a
+    // broken error stream and exits 1 (gorilla's `CloseNormalClosure` is its only clean end).
+    let normal = axum::extract::ws::CloseFrame { code: axum::extract::ws::close_code::NORMAL, reason: "".into() };
+    let _ = tx.send(Message::Close(Some(normal))).await;
     let _ = tx.close().await;
 }
 
