@@ -133,15 +133,7 @@ pub fn logs_checks(node: &VirtualNode, t: &Target) -> Outcome {
     ensure!(String::from_utf8_lossy(&previous.stderr).contains("previous"), "--previous: {}", text(&previous));
 
     // -f: a line written after it started arrives.
-    let mut follow = node
-        .cluster
-        .kubectl()
-        .args(t.args("logs", &["-f", "--tail=0"]))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("kubectl logs -f: {e}"))?;
-    let lines = reader_lines(follow.stdout.take().ok_or("no stdout")?);
+    let (mut follow, lines) = spawn_lines(node, &t.args("logs", &["-f", "--tail=0"]))?;
     let late = format!("chrysalis-follow-mark-{}", rand::random::<u32>());
     let seen = (|| -> Result<bool, String> {
         let until = Instant::now() + STEP;
@@ -164,16 +156,7 @@ pub fn logs_checks(node: &VirtualNode, t: &Target) -> Outcome {
 /// Starts `kubectl logs -f` and returns it with its lines; the caller deletes the Pod and
 /// calls [`follow_ends`].
 pub fn follow_start(node: &VirtualNode, t: &Target) -> Result<(Child, mpsc::Receiver<String>), String> {
-    let mut child = node
-        .cluster
-        .kubectl()
-        .args(t.args("logs", &["-f", "--tail=1"]))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("kubectl logs -f: {e}"))?;
-    let lines = reader_lines(child.stdout.take().ok_or("no stdout")?);
-    Ok((child, lines))
+    spawn_lines(node, &t.args("logs", &["-f", "--tail=1"]))
 }
 
 /// `kubectl logs -f` ends by itself once its Pod is gone.
@@ -267,15 +250,7 @@ pub fn port_forward_checks(node: &VirtualNode, t: &Target) -> Outcome {
 
 /// `kubectl attach`: the live console on stdout; `-i` is refused with a message.
 pub fn attach_checks(node: &VirtualNode, t: &Target) -> Outcome {
-    let mut attach = node
-        .cluster
-        .kubectl()
-        .args(t.args("attach", &[]))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("kubectl attach: {e}"))?;
-    let lines = reader_lines(attach.stdout.take().ok_or("no stdout")?);
+    let (mut attach, lines) = spawn_lines(node, &t.args("attach", &[]))?;
     let mark = format!("chrysalis-attach-mark-{}", rand::random::<u32>());
     let seen = (|| -> Result<bool, String> {
         let until = Instant::now() + STEP;
@@ -342,6 +317,20 @@ fn http_get(port: u16) -> Result<String, String> {
     let mut got = Vec::new();
     s.read_to_end(&mut got).map_err(|e| format!("reading the reply: {e}"))?;
     Ok(String::from_utf8_lossy(&got).into_owned())
+}
+
+/// `kubectl args…` running in the background, its stdout as lines (stderr dropped).
+fn spawn_lines(node: &VirtualNode, args: &[&str]) -> Result<(Child, mpsc::Receiver<String>), String> {
+    let mut child = node
+        .cluster
+        .kubectl()
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("kubectl {}: {e}", args.first().unwrap_or(&"")))?;
+    let lines = reader_lines(child.stdout.take().ok_or("no stdout")?);
+    Ok((child, lines))
 }
 
 fn reader_lines(r: impl Read + Send + 'static) -> mpsc::Receiver<String> {
