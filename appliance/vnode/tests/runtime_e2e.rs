@@ -501,7 +501,7 @@ async fn scenario(cluster: &Cluster, state: &Path) {
     assert_eq!(st.capacity, st.allocatable);
     assert_eq!(st.capacity.as_ref().unwrap()["pods"], Quantity("2k".into()), "2000, canonicalised by the API");
     let addrs: Vec<_> = st.addresses.unwrap().into_iter().map(|a| a.type_).collect();
-    assert_eq!(addrs, ["InternalIP", "Hostname"]);
+    assert_eq!(addrs, ["InternalIP"], "only the InternalIP: the API server dials the first address it prefers, and a Hostname it cannot resolve would win");
     assert_eq!(st.daemon_endpoints.unwrap().kubelet_endpoint.unwrap().port, i32::from(port));
     assert_eq!(st.node_info.unwrap().kubelet_version, "v1.13.0-vnode-e2e");
     assert!(
@@ -641,8 +641,9 @@ async fn scenario(cluster: &Cluster, state: &Path) {
     let as_apiserver = https::As { cert: Some(&apiserver), token: None };
     let (status, body, _) = https::get(listen, "/healthz", as_apiserver).await;
     assert_eq!((status, body.as_str()), (200, "ok"));
-    let (status, _, _) = https::get(listen, "/exec/default/ok-pod/main", as_apiserver).await;
-    assert_eq!(status, 501);
+    let (status, body, _) = https::get(listen, "/exec/default/ok-pod/main?command=true&output=1", as_apiserver).await;
+    assert_eq!(status, 400, "a plain GET is no stream: {body}");
+    assert!(body.contains("WebSocket upgrade"), "the refusal names what is needed: {body}");
     let (status, body, _) = https::get(listen, "/pods", as_apiserver).await;
     assert_eq!(status, 200);
     assert!(body.contains("\"PodList\"") && body.contains("ok-pod"), "{body}");
@@ -807,17 +808,24 @@ async fn kubelet_port(cluster: &Cluster, state: &Path) {
     let (status, body, _) = https::get(listen, "/pods", as_apiserver).await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"PodList\"") && body.contains("auth-pod"), "{body}");
-    for path in ["/stats/summary", "/metrics/resource", "/containerLogs/default/auth-pod/main"] {
-        assert_eq!(https::get(listen, path, as_apiserver).await.0, 501, "{path}: authorized, then not implemented");
+    for path in ["/stats/summary", "/metrics/resource"] {
+        let (status, body, _) = https::get(listen, path, as_apiserver).await;
+        assert_eq!(status, 200, "{path}: authorized, then served: {body}");
+        assert!(body.contains(AUTH_NODE) || body.contains("node_cpu_usage_seconds_total"), "{path}: {body}");
     }
-    assert_eq!(https::call(listen, "POST", "/exec/default/auth-pod/main", as_apiserver).await.0, 501);
+    let (status, body, _) = https::get(listen, "/containerLogs/default/auth-pod/main", as_apiserver).await;
+    assert_eq!(status, 502, "authorized, then the provider's refusal: {body}");
+    assert!(body.contains("no streams in this test"), "{body}");
+    let (status, body, _) =
+        https::call(listen, "POST", "/exec/default/auth-pod/main?command=true&output=1", as_apiserver).await;
+    assert_eq!(status, 400, "authorized, then no upgrade: {body}");
     // ... and through the API server itself: `kubectl logs` makes it dial the node's InternalIP
-    // with that identity; the request is authorized, then answered 501 (logs are not built).
+    // with that identity; the request is authorized, then the provider's refusal comes back.
     // (`nodes/<name>/proxy` cannot be used here: the API server refuses to proxy to loopback.)
     let logs = cluster.kubectl().args(["logs", "auth-pod", "-c", "main", "-n", "default"]).output().unwrap();
     let said = String::from_utf8_lossy(&logs.stderr);
     assert!(!logs.status.success(), "kubectl logs succeeded?");
-    assert!(said.contains("not implemented by this virtual node"), "kubectl logs through the API server: {said}");
+    assert!(said.contains("no streams in this test"), "kubectl logs through the API server: {said}");
 
     // A cluster-CA certificate for a user no RBAC names: authenticated, then 403.
     let unbound = ca_signed(cluster, "chrysalis-e2e-unbound");
