@@ -42,7 +42,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         rt.block_on(crate::bench_sandboxd::real_node(&mut figures, &bin, args.rss_claims))?;
     }
     if want_vnode {
-        crate::bench_vnode::run(&rt, &mut figures, args.sandboxes, args.burst)?;
+        crate::bench_vnode::run(&rt, &mut figures, args.sandboxes, args.burst, args.execs)?;
     }
     if want_cocoon {
         crate::bench_cocoon::run(&mut figures, args.cocoon_pods)?;

@@ -116,7 +116,13 @@ async fn wait_running(
     Ok(())
 }
 
-pub fn run(rt: &tokio::runtime::Runtime, figures: &mut Vec<Figure>, samples: usize, burst: usize) -> Result<()> {
+pub fn run(
+    rt: &tokio::runtime::Runtime,
+    figures: &mut Vec<Figure>,
+    samples: usize,
+    burst: usize,
+    execs: usize,
+) -> Result<()> {
     let sandboxd_bin = crate::sandboxd::build_binary()?;
     let provider_bin = crate::vk_sandbox::build_provider()?;
     // Keep 4 GiB for the control plane and the rest of the machine.
@@ -136,12 +142,12 @@ pub fn run(rt: &tokio::runtime::Runtime, figures: &mut Vec<Figure>, samples: usi
         extra_args: Vec::new(),
     })
     .map_err(|e| anyhow!("bringing the node up: {e}"))?;
-    let result = rt.block_on(measure(&env, figures, samples, burst_n));
+    let result = rt.block_on(measure(&env, figures, samples, burst_n, execs));
     env.down();
     result
 }
 
-async fn measure(env: &NodeEnv, figures: &mut Vec<Figure>, samples: usize, burst: usize) -> Result<()> {
+async fn measure(env: &NodeEnv, figures: &mut Vec<Figure>, samples: usize, burst: usize, execs: usize) -> Result<()> {
     let kubeconfig = kube::config::Kubeconfig::read_from(&env.cluster.kubeconfig).context("admin kubeconfig")?;
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
     let client = kube::Client::try_from(config)?;
@@ -199,7 +205,15 @@ async fn measure(env: &NodeEnv, figures: &mut Vec<Figure>, samples: usize, burst
     let sandboxd = &env.sandboxd;
     tokio::task::block_in_place(|| sandboxd.wait_full("base"));
 
-    // 2. A burst: every Sandbox created at once; the figure is until the last Pod runs.
+    // 2. kubectl on one Running sandbox Pod (a quiet machine: the pool is full).
+    let name = "kubectl-bench".to_string();
+    sandboxes.create(&PostParams::default(), &sandbox(&name)).await.context("creating a Sandbox")?;
+    wait_running(&mut feed, &mut seen, std::slice::from_ref(&name), Duration::from_secs(60)).await?;
+    tokio::task::block_in_place(|| crate::bench_kubectl::measure(env, figures, NS, &name, execs))?;
+    env.kubectl_ok(&["delete", "sandbox", &name, "-n", NS, "--wait=true", "--timeout=120s"]).map_err(|e| anyhow!(e))?;
+    tokio::task::block_in_place(|| sandboxd.wait_full("base"));
+
+    // 3. A burst: every Sandbox created at once; the figure is until the last Pod runs.
     let names: Vec<String> = (0..burst).map(|i| format!("burst-{i}")).collect();
     let t0 = Instant::now();
     let creates = names.iter().map(|n| {

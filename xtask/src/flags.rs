@@ -271,7 +271,8 @@ pub struct BenchArgs {
     /// Which benchmarks: `vm` (boot, clone, agent RPC, fs_pull, QEMU RSS, boot and clone with the
     /// jail on and off, a VM cgroup leaf's kernel memory), `sandboxd`
     /// (claim latency, claims/s, refill rate, sandboxd RSS), `vnode` (Sandbox → Pod Running
-    /// through the real control plane and the vk-sandbox node; a burst of Sandboxes), `cocoon`
+    /// through the real control plane and the vk-sandbox node; `kubectl exec -- true` beside the
+    /// SDK's exec, `kubectl port-forward` throughput; a burst of Sandboxes), `cocoon`
     /// (a Pod bound to the vk-cocoon node → Running, `run` and `clone`), `appliance` (the host
     /// image's size, power-on → supervisor ready → nodes Ready, idle RSS of the supervisor and
     /// its services; builds and boots the host image), or `all`.
@@ -299,6 +300,10 @@ pub struct BenchArgs {
     /// lowered, and said so, when the machine lacks the memory for that many idle VMs).
     #[arg(long, default_value_t = 100)]
     pub burst: usize,
+    /// `vnode`: `kubectl exec -- true` round trips (and as many through the SDK) to take the
+    /// median of.
+    #[arg(long, default_value_t = 50)]
+    pub execs: usize,
     /// `appliance`: the board whose image is measured.
     #[arg(long, default_value = "qemu-x86_64")]
     pub board: String,

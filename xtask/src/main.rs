@@ -8,6 +8,7 @@ mod bench;
 mod bench_appliance;
 mod bench_cocoon;
 mod bench_jail;
+mod bench_kubectl;
 mod bench_sandboxd;
 mod bench_vnode;
 mod bundle;
