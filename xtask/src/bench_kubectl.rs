@@ -110,7 +110,7 @@ fn port_forward_pull(
     kubectl_exec: &dyn Fn(&[&str]) -> Result<std::process::Output>,
 ) -> Result<(usize, Duration)> {
     let serve = format!(
-        "mkdir -p /tmp/pf && head -c {PULL_MIB}M /dev/zero > /tmp/pf/blob && busybox httpd -p {HTTPD_PORT} -h /tmp/pf"
+        "mkdir -p /tmp/pf && dd if=/dev/zero of=/tmp/pf/blob bs=1048576 count={PULL_MIB} 2>/dev/null && busybox httpd -p {HTTPD_PORT} -h /tmp/pf"
     );
     let out = kubectl_exec(&["sh", "-c", &serve])?;
     if !out.status.success() {

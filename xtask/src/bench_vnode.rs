@@ -209,7 +209,14 @@ async fn measure(env: &NodeEnv, figures: &mut Vec<Figure>, samples: usize, burst
     let name = "kubectl-bench".to_string();
     sandboxes.create(&PostParams::default(), &sandbox(&name)).await.context("creating a Sandbox")?;
     wait_running(&mut feed, &mut seen, std::slice::from_ref(&name), Duration::from_secs(60)).await?;
-    tokio::task::block_in_place(|| crate::bench_kubectl::measure(env, figures, NS, &name, execs))?;
+    if let Err(e) = tokio::task::block_in_place(|| crate::bench_kubectl::measure(env, figures, NS, &name, execs)) {
+        // The other figures still count: say what failed in the table.
+        figures.push(Figure {
+            name: "kubectl exec / port-forward".into(),
+            value: format!("failed: {e:#}"),
+            target: "",
+        });
+    }
     env.kubectl_ok(&["delete", "sandbox", &name, "-n", NS, "--wait=true", "--timeout=120s"]).map_err(|e| anyhow!(e))?;
     tokio::task::block_in_place(|| sandboxd.wait_full("base"));
 
