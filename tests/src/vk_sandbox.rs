@@ -83,7 +83,7 @@ impl NodeEnv {
             spec.provider_bin,
             args,
             Vec::new(),
-            "info,vk_sandbox=debug,vnode=debug",
+            "info,vk_sandbox=debug,vnode=debug,kstream=debug,silkd_client=debug",
             dir.clone(),
         );
         let node = VirtualNode { opts, cluster, provider, node_name: spec.node_name.into(), ready_within: RUNNING };

@@ -23,10 +23,19 @@ const HTTPD_PORT: u16 = 8090;
 /// per line.
 const SDK_SCRIPT: &str = r#"
 import sys, time
-from cocoonsandbox import Client
+from cocoonsandbox import APIError, Client
 addr, token, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
 client = Client(addr, api_token=token, timeout=60)
-with client.new("base", ttl_seconds=600, claim_ref="bench-kubectl") as sb:
+until = time.monotonic() + 120
+while True:
+    try:
+        sb = client.new("base", ttl_seconds=600, claim_ref="bench-kubectl")
+        break
+    except APIError as e:  # 429 while the pool refills
+        if e.status != 429 or time.monotonic() > until:
+            raise
+        time.sleep(0.2)
+with sb:
     sb.exec("true")
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -121,9 +130,10 @@ fn port_forward_pull(
         .kubectl()
         .args(["port-forward", "-n", ns, &format!("pod/{pod}"), &format!(":{HTTPD_PORT}")])
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .context("kubectl port-forward")?;
+    let stderr = pf.stderr.take();
     let result = (|| {
         // "Forwarding from 127.0.0.1:41235 -> 8090"
         let mut line = String::new();
@@ -139,7 +149,9 @@ fn port_forward_pull(
         let t0 = Instant::now();
         s.write_all(b"GET /blob HTTP/1.0\r\nHost: x\r\n\r\n")?;
         let mut got = Vec::with_capacity((PULL_MIB << 20) + 4096);
-        s.read_to_end(&mut got)?;
+        if let Err(e) = s.read_to_end(&mut got) {
+            bail!("after {} bytes in {:?}: {e}", got.len(), t0.elapsed());
+        }
         let took = t0.elapsed();
         let body = got.windows(4).position(|w| w == b"\r\n\r\n").map(|i| got.len() - i - 4).unwrap_or(0);
         if body != PULL_MIB << 20 {
@@ -149,5 +161,11 @@ fn port_forward_pull(
     })();
     let _ = pf.kill();
     let _ = pf.wait();
-    result
+    result.with_context(|| {
+        let mut said = String::new();
+        if let Some(mut e) = stderr {
+            let _ = e.read_to_string(&mut said);
+        }
+        format!("kubectl port-forward said: {}", said.trim())
+    })
 }

@@ -210,7 +210,8 @@ async fn measure(env: &NodeEnv, figures: &mut Vec<Figure>, samples: usize, burst
     sandboxes.create(&PostParams::default(), &sandbox(&name)).await.context("creating a Sandbox")?;
     wait_running(&mut feed, &mut seen, std::slice::from_ref(&name), Duration::from_secs(60)).await?;
     if let Err(e) = tokio::task::block_in_place(|| crate::bench_kubectl::measure(env, figures, NS, &name, execs)) {
-        // The other figures still count: say what failed in the table.
+        // The other figures still count: say what failed in the table, and what the node saw.
+        eprintln!("bench vnode: the kubectl part failed; vk-sandbox's log ends:\n{}", env.provider.log_tail(40));
         figures.push(Figure {
             name: "kubectl exec / port-forward".into(),
             value: format!("failed: {e:#}"),

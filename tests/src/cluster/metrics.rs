@@ -4,7 +4,7 @@
 //! The apiserver reaches an aggregated API through its Service's EndpointSlices
 //! (`--enable-aggregator-routing`; k8s.io/apiserver/pkg/util/proxy/proxy.go `ResolveEndpoint`),
 //! and an EndpointSlice may not name a loopback address. So `up` gives metrics-server an
-//! address of its own, in 10.254.0.0/24, on a link it creates: a bridge with no ports (the
+//! address of its own, `10.254.<port's two bytes>/32`, on a link it creates: a bridge with no ports (the
 //! kernel may lack the `dummy` module), so the address is local to this machine and no
 //! packet can leave through it. metrics-server stays in the root network namespace, where the
 //! virtual nodes' kubelet ports (127.0.0.1, the InternalIP they publish) are. `down` deletes
@@ -44,11 +44,11 @@ impl MetricsServer {
     /// The link, address and port for the cluster whose apiserver listens on `apiserver_port`:
     /// distinct per port, so clusters on other ports do not collide.
     pub fn for_port(apiserver_port: u16) -> MetricsServer {
-        // 1..=250: never the network or broadcast address of the /24.
-        let host = 1 + (apiserver_port % 250) as u8;
+        // One /32 per port (the port's two bytes), so no two ports share an address.
+        let [hi, lo] = apiserver_port.to_be_bytes();
         MetricsServer {
             link: format!("chms{apiserver_port}"),
-            address: Ipv4Addr::new(10, 254, 0, host),
+            address: Ipv4Addr::new(10, 254, hi, lo),
             port: apiserver_port.wrapping_add(7),
         }
     }
@@ -215,13 +215,13 @@ mod tests {
         let a = MetricsServer::for_port(16443);
         let b = MetricsServer::for_port(25443);
         assert_ne!((&a.link, a.address, a.port), (&b.link, b.address, b.port));
-        for ms in
-            [&a, &b, &MetricsServer::for_port(250), &MetricsServer::for_port(249), &MetricsServer::for_port(u16::MAX)]
-        {
+        // Every suite's port (29443 and 30443 once shared an address).
+        let suites = [16443, 25443, 26443, 27443, 28443, 29443, 30443, 31443].map(MetricsServer::for_port);
+        for (i, ms) in suites.iter().chain([&MetricsServer::for_port(u16::MAX)]).enumerate() {
             let o = ms.address.octets();
-            assert_eq!(o[..3], [10, 254, 0], "{}", ms.address);
-            assert!((1..=250).contains(&o[3]), "{}", ms.address);
+            assert_eq!(o[..2], [10, 254], "{}", ms.address);
             assert!(ms.link.len() <= 15, "{} is longer than IFNAMSIZ allows", ms.link);
+            assert!(suites.iter().take(i).all(|other| other.address != ms.address), "{} repeats", ms.address);
         }
         assert_eq!(a.port, 16450);
         assert_eq!(a.endpoint().to_string(), format!("{}:16450", a.address));
