@@ -136,8 +136,11 @@ fn port_forward_pull(
     let stderr = pf.stderr.take();
     let result = (|| {
         // "Forwarding from 127.0.0.1:41235 -> 8090"
-        let mut line = String::new();
-        BufReader::new(pf.stdout.take().context("no stdout")?).read_line(&mut line)?;
+        // kubectl writes a line per connection: its stdout is drained to the end (a closed pipe
+        // would kill it mid-transfer).
+        let mut lines = BufReader::new(pf.stdout.take().context("no stdout")?).lines();
+        let line = lines.next().context("kubectl port-forward printed nothing")??;
+        std::thread::spawn(move || lines.for_each(drop));
         let port: u16 = line
             .split("127.0.0.1:")
             .nth(1)
