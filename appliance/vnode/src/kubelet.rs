@@ -44,7 +44,7 @@ pub fn router(
         .route("/pods", get(pods))
         .fallback(not_implemented)
         .with_state(provider.clone())
-        .merge(crate::streams::routes(provider, streams, limits))
+        .merge(crate::streams::routes(provider, streams, limits, stats.runtime().stream_sessions()))
         .merge(crate::stats::routes(stats))
         .layer(axum::middleware::from_fn_with_state(auth, auth::guard))
 }

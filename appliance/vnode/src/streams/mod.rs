@@ -76,9 +76,15 @@ struct Streaming {
 }
 
 /// The streaming routes over `provider` (which Pods are here) and `streams` (their agent and
-/// log), within `limits`. The caller puts them behind authentication.
-pub fn routes(provider: Arc<dyn Provider>, streams: Arc<dyn PodStreams>, limits: StreamLimits) -> Router {
-    let state = Streaming { provider, streams, sessions: Arc::new(sessions::Sessions::new(limits)) };
+/// log), within `limits`; `open` counts the open sessions. The caller puts them behind
+/// authentication.
+pub fn routes(
+    provider: Arc<dyn Provider>,
+    streams: Arc<dyn PodStreams>,
+    limits: StreamLimits,
+    open: prometheus_client::metrics::gauge::Gauge,
+) -> Router {
+    let state = Streaming { provider, streams, sessions: Arc::new(sessions::Sessions::new(limits, open)) };
     Router::new()
         .route("/containerLogs/{ns}/{pod}/{container}", get(logs::container_logs))
         .route(

@@ -104,7 +104,7 @@ pub(super) struct Server {
 impl Server {
     pub(super) async fn start(provider: FakeProvider, streams: FakeStreams, limits: StreamLimits) -> Server {
         let streams = Arc::new(streams);
-        let router = routes(Arc::new(provider), streams.clone(), limits);
+        let router = routes(Arc::new(provider), streams.clone(), limits, Default::default());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let cancel = CancellationToken::new();
