@@ -97,7 +97,7 @@ pub(super) async fn channel_route<const IS_EXEC: bool>(
         return Err(RouteError::Query("exec needs a command (query parameter command, repeated)".into()));
     }
     let key = PodKey::new(ns, pod);
-    running_container(s.provider.as_ref(), &key, &container)?;
+    running_container(&s, &key, &container)?;
     let (ws, protocol) = accept(ws, &headers, route, SPEAKS, Protocol::negotiate, Protocol::name, s.sessions.limits())?;
     let guard = s.sessions.open(&key)?;
     let streams = s.streams.clone();

@@ -29,7 +29,7 @@ pub(super) async fn port_forward(
     ws: Upgrade,
 ) -> Result<Response, RouteError> {
     let key = PodKey::new(ns, pod);
-    running_pod(s.provider.as_ref(), &key)?;
+    running_pod(&s, &key)?;
     let offers = |o: &str| o.split(',').map(str::trim).any(|p| p == PROTOCOL).then_some(());
     let (ws, ()) = accept(ws, &headers, "portForward", PROTOCOL, offers, |()| PROTOCOL, s.sessions.limits())?;
     let guard = s.sessions.open(&key)?;
