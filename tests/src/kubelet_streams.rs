@@ -416,6 +416,36 @@ fn wait_status(child: &mut Child, within: Duration) -> Result<std::process::Exit
     }
 }
 
+/// Waits for `child` (its stdout and stderr piped), killing it after `within`: its output and
+/// whether it was killed.
+fn wait_bounded(mut child: Child, within: Duration) -> Result<(Output, bool), String> {
+    let mut stdout = child.stdout.take();
+    let mut stderr = child.stderr.take();
+    let read = |s: Option<&mut dyn Read>| {
+        let mut v = Vec::new();
+        if let Some(s) = s {
+            let _ = s.read_to_end(&mut v);
+        }
+        v
+    };
+    let out_t = std::thread::spawn(move || read(stdout.as_mut().map(|s| s as &mut dyn Read)));
+    let err_t = std::thread::spawn(move || read(stderr.as_mut().map(|s| s as &mut dyn Read)));
+    let until = Instant::now() + within;
+    let (status, killed) = loop {
+        if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
+            break (s, false);
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            break (child.wait().map_err(|e| e.to_string())?, true);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stdout = out_t.join().map_err(|_| "stdout reader panicked")?;
+    let stderr = err_t.join().map_err(|_| "stderr reader panicked")?;
+    Ok((Output { status, stdout, stderr }, killed))
+}
+
 /// Waits for `child` (its stdout and stderr piped), killing it after `within`.
 fn wait_with_timeout(mut child: Child, within: Duration) -> Result<Output, String> {
     let mut stdout = child.stdout.take();
@@ -511,7 +541,9 @@ pub fn unknown_pod_checks(node: &VirtualNode, t: &Target) -> Outcome {
 }
 
 /// `kubectl exec` and `kubectl logs` on a Pod bound to the node that is not Running fail at
-/// once, saying it is not Running.
+/// once, saying it is not Running (with the Pod's status reason). `kubectl logs -f` prints that
+/// error at once too, then keeps retrying every second by its own design (as it does against a
+/// kubelet's "waiting to start"), so it is stopped after the message shows.
 pub fn not_running_checks(node: &VirtualNode, ns: &str, pending: &str) -> Outcome {
     let container = "agent";
     for args in [
@@ -531,8 +563,10 @@ pub fn not_running_checks(node: &VirtualNode, ns: &str, pending: &str) -> Outcom
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| format!("kubectl {args:?}: {e}"))?;
-        let out = wait_with_timeout(child, FAST).map_err(|e| format!("kubectl {args:?} on a Pending Pod: {e}"))?;
+        let follow = args.contains(&"-f");
+        let (out, timed_out) = wait_bounded(child, if follow { Duration::from_secs(5) } else { FAST })?;
         let took = started.elapsed();
+        ensure!(follow || !timed_out, "kubectl {args:?} on a Pending Pod did not end within {FAST:?}: {}", text(&out));
         ensure!(!out.status.success(), "kubectl {args:?} on a Pending Pod succeeded: {}", text(&out));
         let err = String::from_utf8_lossy(&out.stderr);
         ensure!(
@@ -540,7 +574,8 @@ pub fn not_running_checks(node: &VirtualNode, ns: &str, pending: &str) -> Outcom
             "kubectl {args:?} on a Pending Pod: no clear message: {}",
             text(&out)
         );
-        eprintln!("kubectl {} on a Pending Pod: {took:?}: {}", args[0], err.trim());
+        let first = err.lines().next().unwrap_or_default();
+        eprintln!("kubectl {} on a Pending Pod: {took:?} (killed: {timed_out}): {first}", args.join(" "));
     }
     Ok(())
 }
