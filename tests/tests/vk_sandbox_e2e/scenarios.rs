@@ -527,15 +527,16 @@ fn kubectl_bad_inputs(env: &mut Env, ns: &str) -> Outcome {
     let claim = annotation(&pod, "sandbox.cocoonstack.io/claim-id").ok_or("no claim-id")?.to_string();
     let data = env.sandboxd.dir.path().join("data");
     let kill_vm = || -> Outcome {
-        let claims: Value = serde_json::from_slice(
-            &std::fs::read(data.join("claims.json")).map_err(|e| format!("sandboxd's claims.json: {e}"))?,
-        )
-        .map_err(|e| format!("sandboxd's claims.json: {e}"))?;
-        let vm = claims["claims"]
-            .as_array()
-            .and_then(|c| c.iter().find(|r| r["id"] == claim.as_str()))
-            .and_then(|r| r["vm"].as_str())
-            .ok_or(format!("claim {claim} is not in sandboxd's claims.json: {claims}"))?;
+        // The claim's VM, from sandboxd's journal (the snapshot, then the log's lines).
+        let mut journal = std::fs::read_to_string(data.join("claims.json")).unwrap_or_default();
+        journal.push('\n');
+        journal.push_str(&std::fs::read_to_string(data.join("claims.log")).unwrap_or_default());
+        let vm = journal
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find_map(|v| vm_of_claim(&v, &claim))
+            .ok_or(format!("claim {claim} is not in sandboxd's journal: {journal}"))?;
+        let vm = vm.as_str();
         let pids = test_infra::sandboxd::qemu_pids(&data.join("vms").join("vms").join(vm).display().to_string());
         ensure!(pids.len() == 1, "VM {vm} of claim {claim}: QEMU processes {pids:?}");
         let out = Command::new("kill").args(["-9", &pids[0].to_string()]).output().map_err(|e| e.to_string())?;
@@ -547,4 +548,16 @@ fn kubectl_bad_inputs(env: &mut Env, ns: &str) -> Outcome {
         env,
         &kubelet_streams::BadInputs { target, pending: "bad-pending", kill_vm: &kill_vm },
     )
+}
+
+/// The `vm` of the record with `id == claim` anywhere in `v` (a journal line or snapshot).
+fn vm_of_claim(v: &Value, claim: &str) -> Option<String> {
+    match v {
+        Value::Object(m) if m.get("id").and_then(Value::as_str) == Some(claim) => {
+            m.get("vm").and_then(Value::as_str).map(str::to_owned)
+        }
+        Value::Object(m) => m.values().find_map(|x| vm_of_claim(x, claim)),
+        Value::Array(a) => a.iter().find_map(|x| vm_of_claim(x, claim)),
+        _ => None,
+    }
 }
