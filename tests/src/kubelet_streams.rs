@@ -416,6 +416,36 @@ fn wait_status(child: &mut Child, within: Duration) -> Result<std::process::Exit
     }
 }
 
+/// Waits for `child` (its stdout and stderr piped), killing it after `within`: its output and
+/// whether it was killed.
+fn wait_bounded(mut child: Child, within: Duration) -> Result<(Output, bool), String> {
+    let mut stdout = child.stdout.take();
+    let mut stderr = child.stderr.take();
+    let read = |s: Option<&mut dyn Read>| {
+        let mut v = Vec::new();
+        if let Some(s) = s {
+            let _ = s.read_to_end(&mut v);
+        }
+        v
+    };
+    let out_t = std::thread::spawn(move || read(stdout.as_mut().map(|s| s as &mut dyn Read)));
+    let err_t = std::thread::spawn(move || read(stderr.as_mut().map(|s| s as &mut dyn Read)));
+    let until = Instant::now() + within;
+    let (status, killed) = loop {
+        if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
+            break (s, false);
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            break (child.wait().map_err(|e| e.to_string())?, true);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stdout = out_t.join().map_err(|_| "stdout reader panicked")?;
+    let stderr = err_t.join().map_err(|_| "stderr reader panicked")?;
+    Ok((Output { status, stdout, stderr }, killed))
+}
+
 /// Waits for `child` (its stdout and stderr piped), killing it after `within`.
 fn wait_with_timeout(mut child: Child, within: Duration) -> Result<Output, String> {
     let mut stdout = child.stdout.take();
@@ -438,4 +468,247 @@ fn wait_with_timeout(mut child: Child, within: Duration) -> Result<Output, Strin
     let stdout = out_t.join().map_err(|_| "stdout reader panicked")?;
     let stderr = err_t.join().map_err(|_| "stderr reader panicked")?;
     Ok(Output { status, stdout, stderr })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input (issue #15 item 5)
+
+/// What the bad-input checks need besides a Running Pod.
+pub struct BadInputs<'a> {
+    /// A Running Pod of the node; its VM is killed by the last check.
+    pub target: Target<'a>,
+    /// A Pod bound to the node that is not Running (its VM cannot be made).
+    pub pending: &'a str,
+    /// Kills the target's VM (its hypervisor process), as if it died on its own.
+    pub kill_vm: &'a dyn Fn() -> Outcome,
+}
+
+/// How fast a refusal must come back (a hang is a failure).
+const FAST: Duration = Duration::from_secs(20);
+/// How long a stream may take to end once its VM is gone.
+const ENDS: Duration = Duration::from_secs(60);
+
+/// Every bad-input check, in an order that leaves the target's VM for last (it is killed).
+pub fn bad_input_checks(node: &VirtualNode, b: &BadInputs) -> Outcome {
+    unknown_pod_checks(node, &b.target)?;
+    not_running_checks(node, b.target.ns, b.pending)?;
+    per_pod_cap_checks(node, &b.target)?;
+    huge_log_checks(node, &b.target)?;
+    vm_death_checks(node, &b.target, b.kill_vm)
+}
+
+/// The node's `vnode_stream_sessions_open` gauge, read from its `/metrics`.
+pub fn open_streams(node: &VirtualNode) -> Result<u64, String> {
+    let (code, body) = node.kubelet_get("/metrics")?;
+    ensure!(code == 200, "GET /metrics: {code} {body}");
+    body.lines()
+        .find_map(|l| l.strip_prefix("vnode_stream_sessions_open "))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or(format!("no vnode_stream_sessions_open in /metrics:\n{body}"))
+}
+
+fn wait_open_streams(node: &VirtualNode, want: u64, within: Duration) -> Outcome {
+    let mut last = None;
+    poll(&format!("{want} open streams on the node"), within, || {
+        let n = open_streams(node)?;
+        last = Some(n);
+        Ok((n == want).then_some(()))
+    })
+    .map_err(|e| format!("{e} (last read: {last:?})"))
+}
+
+/// An unknown Pod or container, on the node's own kubelet port (what the API server sends it):
+/// 404 with a message naming it, for logs and exec.
+pub fn unknown_pod_checks(node: &VirtualNode, t: &Target) -> Outcome {
+    let ns = t.ns;
+    for path in [
+        format!("/containerLogs/{ns}/nosuch-pod/{}", t.container),
+        format!("/exec/{ns}/nosuch-pod/{}?command=true&stdout=1", t.container),
+        format!("/attach/{ns}/nosuch-pod/{}?stdout=1", t.container),
+        format!("/portForward/{ns}/nosuch-pod"),
+        format!("/containerLogs/{ns}/{}/nosuch-container", t.pod),
+        format!("/exec/{ns}/{}/nosuch-container?command=true&stdout=1", t.pod),
+    ] {
+        let (code, body) = node.kubelet_get(&path)?;
+        ensure!(code == 404, "GET {path}: {code} {body:?}, want 404");
+        ensure!(body.contains("nosuch-"), "GET {path}: the 404 does not name what is missing: {body:?}");
+    }
+    // And through the API server, a container typo in logs.
+    let out = node.kubectl(&["logs", "-n", ns, t.pod, "-c", "nosuch"]).map_err(|e| e.to_string())?;
+    ensure!(!out.status.success(), "kubectl logs -c nosuch succeeded");
+    ensure!(String::from_utf8_lossy(&out.stderr).contains("nosuch"), "kubectl logs -c nosuch: {}", text(&out));
+    Ok(())
+}
+
+/// `kubectl exec` and `kubectl logs` on a Pod bound to the node that is not Running fail at
+/// once, saying it is not Running (with the Pod's status reason). `kubectl logs -f` prints that
+/// error at once too, then keeps retrying every second by its own design (as it does against a
+/// kubelet's "waiting to start"), so it is stopped after the message shows.
+pub fn not_running_checks(node: &VirtualNode, ns: &str, pending: &str) -> Outcome {
+    let container = "agent";
+    for args in [
+        vec!["exec", "-n", ns, pending, "-c", container, "--", "true"],
+        vec!["exec", "-i", "-n", ns, pending, "-c", container, "--", "cat"],
+        vec!["logs", "-n", ns, pending, "-c", container],
+        vec!["logs", "-f", "-n", ns, pending, "-c", container],
+        vec!["attach", "-n", ns, pending, "-c", container],
+    ] {
+        let started = Instant::now();
+        let child = node
+            .cluster
+            .kubectl()
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("kubectl {args:?}: {e}"))?;
+        let follow = args.contains(&"-f");
+        let (out, timed_out) = wait_bounded(child, if follow { Duration::from_secs(5) } else { FAST })?;
+        let took = started.elapsed();
+        ensure!(follow || !timed_out, "kubectl {args:?} on a Pending Pod did not end within {FAST:?}: {}", text(&out));
+        ensure!(!out.status.success(), "kubectl {args:?} on a Pending Pod succeeded: {}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            err.contains("not Running") || err.contains("is waiting to start") || err.contains("Pending"),
+            "kubectl {args:?} on a Pending Pod: no clear message: {}",
+            text(&out)
+        );
+        let first = err.lines().next().unwrap_or_default();
+        eprintln!("kubectl {} on a Pending Pod: {took:?} (killed: {timed_out}): {first}", args.join(" "));
+    }
+    Ok(())
+}
+
+/// The per-Pod cap (the provider's `--max-streams-per-pod` / `VK_MAX_STREAMS_PER_POD`): that
+/// many `kubectl exec` sessions run; the next is refused with 429 "too many"; once they end, the
+/// slots are free (an exec works, the gauge is back to 0).
+pub fn per_pod_cap_checks(node: &VirtualNode, t: &Target) -> Outcome {
+    let cap: usize = node
+        .provider
+        .setting("--max-streams-per-pod", "VK_MAX_STREAMS_PER_POD")
+        .ok_or("the suite must set the per-Pod stream cap low")?
+        .parse()
+        .map_err(|e| format!("the per-Pod stream cap: {e}"))?;
+    wait_open_streams(node, 0, FAST)?;
+    let mut held = Vec::new();
+    let result = (|| -> Outcome {
+        for i in 0..cap {
+            let mark = format!("held-{i}");
+            let (child, lines) =
+                spawn_lines(node, &t.args("exec", &["--", "sh", "-c", &format!("echo {mark}; sleep 600")]))?;
+            held.push(child);
+            let line = lines.recv_timeout(STEP).map_err(|_| format!("exec {i} of {cap} printed nothing"))?;
+            ensure!(line == mark, "exec {i} of {cap} printed {line:?}");
+        }
+        ensure!(open_streams(node)? == cap as u64, "{cap} execs, gauge {}", open_streams(node)?);
+        let started = Instant::now();
+        let out = exec(node, t, &["true"])?;
+        ensure!(!out.status.success(), "exec number {} on a Pod capped at {cap} succeeded", cap + 1);
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            err.contains("open streaming sessions") && err.contains(&format!("already has {cap}")),
+            "the exec over the cap does not say why: {}",
+            text(&out)
+        );
+        ensure!(started.elapsed() < FAST, "the refusal took {:?}", started.elapsed());
+        eprintln!("exec over the per-Pod cap of {cap}: {}", err.trim());
+        Ok(())
+    })();
+    for mut c in held {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    result?;
+    wait_open_streams(node, 0, ENDS)?;
+    ensure!(exec_ok(node, t, &["echo", "freed"])? == "freed\n", "an exec after the cap was reached");
+    Ok(())
+}
+
+/// A log much larger than the console cap: `--limit-bytes` gives exactly that many bytes, a
+/// whole `kubectl logs` is bounded by the cap, and the provider's memory stays bounded.
+pub fn huge_log_checks(node: &VirtualNode, t: &Target) -> Outcome {
+    // vmm's DEFAULT_CONSOLE_CAP: 1 MiB on disk, stamps included (31 bytes a line), in two
+    // halves; after a rotation between a half and all of it is kept.
+    const CAP: usize = 1 << 20;
+    const RSS_GROWTH: u64 = 64 << 20;
+    let pid = node.provider.pid().ok_or("the provider is not running")?;
+    let rss = || -> Result<u64, String> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+            .ok_or("no VmRSS".into())
+    };
+    let before = rss()?;
+    // 3 MiB of 100-byte lines on the console (busybox: no `yes | head -c` needed).
+    let started = Instant::now();
+    let end = format!("chrysalis-huge-end-{}", rand::random::<u32>());
+    exec_ok(
+        node,
+        t,
+        &[
+            "sh",
+            "-c",
+            &format!(
+                "l=$(printf '%099d' 0); i=0; while [ $i -lt 32768 ]; do echo $l; i=$((i+1)); done > /dev/console; \
+                 echo {end} > /dev/console"
+            ),
+        ],
+    )?;
+    let wrote = started.elapsed();
+    let all = poll("the end of the huge log", STEP, || {
+        let out = node.kubectl(&t.args("logs", &[])).map_err(|e| e.to_string())?;
+        ensure!(out.status.success(), "kubectl logs: {}", text(&out));
+        Ok(String::from_utf8_lossy(&out.stdout).contains(&end).then_some(out.stdout))
+    })?;
+    ensure!(all.len() <= CAP, "a whole kubectl logs gave {} bytes, more than the console keeps ({CAP})", all.len());
+    ensure!(all.len() >= CAP / 4, "a whole kubectl logs gave only {} bytes after 3 MiB were written", all.len());
+    for n in [1usize, 4096, 100_000] {
+        let out = node.kubectl(&t.args("logs", &[&format!("--limit-bytes={n}")])).map_err(|e| e.to_string())?;
+        ensure!(out.status.success(), "--limit-bytes={n}: {}", text(&out));
+        ensure!(out.stdout.len() == n, "--limit-bytes={n} gave {} bytes", out.stdout.len());
+    }
+    // A limit over what is kept gives what is kept.
+    let out = node.kubectl(&t.args("logs", &[&format!("--limit-bytes={}", 4 * CAP)])).map_err(|e| e.to_string())?;
+    ensure!(out.status.success() && out.stdout.len() <= CAP, "--limit-bytes=4Mi: {} bytes", out.stdout.len());
+    let after = rss()?;
+    ensure!(
+        after <= before + RSS_GROWTH,
+        "the provider's RSS grew from {before} to {after} bytes serving a huge log (bound: +{RSS_GROWTH})"
+    );
+    eprintln!(
+        "huge log: 3 MiB written in {wrote:?}; kubectl logs {} bytes; provider RSS {} -> {} KiB",
+        all.len(),
+        before / 1024,
+        after / 1024
+    );
+    Ok(())
+}
+
+/// A VM that dies under a `kubectl exec` and a `kubectl logs -f`: both end within [`ENDS`], the
+/// exec with an error, and the node's open streams go back to 0.
+pub fn vm_death_checks(node: &VirtualNode, t: &Target, kill_vm: &dyn Fn() -> Outcome) -> Outcome {
+    wait_open_streams(node, 0, FAST)?;
+    let (mut exec_child, exec_lines) = spawn_lines(node, &t.args("exec", &["--", "sh", "-c", "echo up; sleep 600"]))?;
+    let (mut follow, _lines) = spawn_lines(node, &t.args("logs", &["-f", "--tail=1"]))?;
+    let result = (|| -> Outcome {
+        let line = exec_lines.recv_timeout(STEP).map_err(|_| "the exec printed nothing")?;
+        ensure!(line == "up", "the exec printed {line:?}");
+        wait_open_streams(node, 2, STEP)?;
+        kill_vm()?;
+        let killed = Instant::now();
+        let exec_status = wait_status(&mut exec_child, ENDS).map_err(|e| format!("exec on a dead VM: {e}"))?;
+        let follow_status = wait_status(&mut follow, ENDS).map_err(|e| format!("logs -f on a dead VM: {e}"))?;
+        eprintln!("VM killed: exec ended {exec_status} , logs -f ended {follow_status}, within {:?}", killed.elapsed());
+        ensure!(!exec_status.success(), "kubectl exec on a VM that died exited 0");
+        wait_open_streams(node, 0, ENDS)
+    })();
+    for c in [&mut exec_child, &mut follow] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    result
 }

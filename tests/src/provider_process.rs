@@ -72,6 +72,17 @@ impl ProviderProcess {
         Ok(())
     }
 
+    /// The running child's pid.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// A flag's value (`--flag value`), else an environment variable's.
+    pub fn setting(&self, flag: &str, env: &str) -> Option<String> {
+        let by_flag = self.args.iter().position(|a| a == flag).and_then(|i| self.args.get(i + 1));
+        by_flag.cloned().or_else(|| self.envs.iter().find(|(k, _)| k == env).map(|(_, v)| v.clone()))
+    }
+
     /// SIGKILL, like a crash.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -183,6 +183,36 @@ impl VirtualNode {
         self.cluster.kubectl_ok(args)
     }
 
+    /// The provider's kubelet port as `host:port` (vk-sandbox's `--listen-addr`, vk-cocoon's
+    /// `VK_KUBELET_PORT` on 127.0.0.1).
+    pub fn kubelet_addr(&self) -> Result<String, String> {
+        if let Some(a) = self.provider.setting("--listen-addr", "VK_LISTEN_ADDR") {
+            return Ok(if a.starts_with(':') { format!("127.0.0.1{a}") } else { a });
+        }
+        let port = self.provider.setting("", "VK_KUBELET_PORT").ok_or("the provider has no kubelet port setting")?;
+        Ok(format!("127.0.0.1:{port}"))
+    }
+
+    /// `GET path` on the kubelet port as the API server's kubelet client (its certificate, as
+    /// the API server itself calls a kubelet): (status, body).
+    pub fn kubelet_get(&self, path: &str) -> Result<(u16, String), String> {
+        let pki = self.cluster.state_dir.join("pki");
+        let (cert, key) = (pki.join("apiserver-kubelet-client.crt"), pki.join("apiserver-kubelet-client.key"));
+        // -k: the endpoint's certificate is self-signed (the API server does not verify it either).
+        let out = std::process::Command::new("curl")
+            .args(["-sk", "--max-time", "20", "-w", "\n%{http_code}", "--cert"])
+            .arg(&cert)
+            .arg("--key")
+            .arg(&key)
+            .arg(format!("https://{}{path}", self.kubelet_addr()?))
+            .output()
+            .map_err(|e| format!("curl: {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').ok_or(format!("curl printed no status: {text:?}"))?;
+        let code = code.trim().parse().map_err(|_| format!("curl printed no status: {text:?}"))?;
+        Ok((code, body.to_owned()))
+    }
+
     /// `kubectl get … -o json`, `None` when it does not exist.
     pub fn get(&self, args: &[&str]) -> Result<Option<Value>, String> {
         self.cluster.get_json(args)

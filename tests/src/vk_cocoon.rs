@@ -91,6 +91,8 @@ impl CocoonEnv {
             // A loaded CI machine may take longer than the default 30 s between a restart and
             // the test's second kill; the scenario is about the rule, not the figure.
             ("VK_RESTART_COOLDOWN".into(), "600".into()),
+            // Low, so that the per-Pod cap on streams is reached with a few execs under TCG.
+            ("VK_MAX_STREAMS_PER_POD".into(), "3".into()),
             ("COCOON_ROOT_DIR".into(), s(&root)),
             ("VK_TLS_CERT".into(), s(&dir.join("vk/tls.crt"))),
             ("VK_TLS_KEY".into(), s(&dir.join("vk/tls.key"))),

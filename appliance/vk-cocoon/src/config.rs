@@ -75,6 +75,9 @@ pub struct CocoonConfig {
     /// `VK_METRICS_ADDR` (`host:port`, or upstream's `:port` for every address): where
     /// `/metrics` is also served, plain HTTP; unset: only on the kubelet port.
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// `VK_MAX_STREAMS_PER_POD` (16): open `kubectl logs -f`/`exec`/`attach`/`port-forward`
+    /// sessions one Pod may have; the next is answered 429.
+    pub max_streams_per_pod: usize,
 }
 
 /// An environment variable that cannot be used.
@@ -163,6 +166,8 @@ pub fn env_help() -> String {
          --namespace) (default)\n  \
          VK_METRICS_ADDR        also serve the runtime's /metrics in plain HTTP here, host:port\n                         \
          or :port (unset: only on the kubelet port, authorized as nodes/metrics)\n  \
+         VK_MAX_STREAMS_PER_POD open logs -f/exec/attach/port-forward sessions per pod; the\n                         \
+         next is refused with 429 Too Many Requests (16)\n  \
          VK_LOG_LEVEL           log filter (info); RUST_LOG wins\n  \
          VK_JOIN_TOKEN_FILE     as --join-token-file\n  \
          KUBECONFIG             used without --join-server/--kubeconfig outside a cluster\n\n\
@@ -272,6 +277,13 @@ impl CocoonConfig {
                 Some(parse_listen(&v).ok_or_else(|| invalid("VK_METRICS_ADDR", &v, "expected host:port or :port"))?)
             }
         };
+        let max_streams_per_pod = match non_empty(get, "VK_MAX_STREAMS_PER_POD") {
+            None => vnode::streams::StreamLimits::default().per_pod,
+            Some(v) => match v.parse::<usize>() {
+                Ok(n) if n > 0 => n,
+                _ => return Err(invalid("VK_MAX_STREAMS_PER_POD", &v, "expected a positive whole number")),
+            },
+        };
         let ignored = IGNORED
             .iter()
             .filter_map(|(var, _)| get(var).filter(|v| !v.trim().is_empty()).map(|v| (*var, v)))
@@ -298,6 +310,7 @@ impl CocoonConfig {
             restart_cooldown,
             ignored,
             metrics_addr,
+            max_streams_per_pod,
         })
     }
 }
@@ -338,6 +351,16 @@ mod tests {
         assert_eq!(c.namespaces, NamespacePolicy::isolated(), "no namespace shares by default");
         assert!(c.ignored.is_empty());
         assert_eq!(c.metrics_addr, None);
+        assert_eq!(c.max_streams_per_pod, 16);
+    }
+
+    #[test]
+    fn the_per_pod_stream_cap_is_a_positive_number() {
+        assert_eq!(cfg(&[("VK_MAX_STREAMS_PER_POD", "2")]).unwrap().max_streams_per_pod, 2);
+        for bad in ["0", "-1", "two"] {
+            let e = cfg(&[("VK_MAX_STREAMS_PER_POD", bad)]).unwrap_err();
+            assert!(e.to_string().contains("VK_MAX_STREAMS_PER_POD"), "{e}");
+        }
     }
 
     #[test]

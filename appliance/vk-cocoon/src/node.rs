@@ -152,6 +152,10 @@ pub fn setup(cfg: &CocoonConfig, host: &HostResources) -> Result<(vnode::NodeCon
         listen_addr: SocketAddr::from(([0, 0, 0, 0], cfg.kubelet_port)),
         tls_cert: Some(cfg.tls_cert.clone()),
         tls_key: Some(cfg.tls_key.clone()),
+        stream_limits: vnode::streams::StreamLimits {
+            per_pod: cfg.max_streams_per_pod,
+            ..vnode::streams::StreamLimits::default()
+        },
         ..Default::default()
     };
     Ok((node, runtime))

@@ -105,6 +105,10 @@ struct Cli {
     /// Node labels, a comma-separated k=v list.
     #[arg(long, default_value = "sandbox.cocoonstack.io/runtime=sandboxd")]
     node_labels: String,
+    /// Open `kubectl logs -f`/`exec`/`attach`/`port-forward` sessions one Pod may have on the
+    /// kubelet port; the next is refused with 429 Too Many Requests.
+    #[arg(long, env = "VK_MAX_STREAMS_PER_POD", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    max_streams_per_pod: u32,
     /// Record only Warning pod events (each Normal event is an API write).
     #[arg(long, default_value_t = false)]
     disable_pod_events: bool,
@@ -216,6 +220,10 @@ fn node_setup(cli: &Cli) -> anyhow::Result<NodeSetup> {
         listen_addr,
         tls_cert: non_empty(&cli.tls_cert),
         tls_key: non_empty(&cli.tls_key),
+        stream_limits: vnode::streams::StreamLimits {
+            per_pod: cli.max_streams_per_pod as usize,
+            ..vnode::streams::StreamLimits::default()
+        },
         ..Default::default()
     };
     Ok(NodeSetup { node, runtime })
@@ -300,6 +308,7 @@ mod tests {
         assert_eq!(cli.publish_interval, Duration::from_secs(30));
         assert_eq!(cli.node_labels, "sandbox.cocoonstack.io/runtime=sandboxd");
         assert!(!cli.publish_inventory && !cli.disable_pod_events);
+        assert_eq!(cli.max_streams_per_pod as usize, vnode::streams::StreamLimits::default().per_pod);
         assert_eq!(cli.join.credentials_dir, PathBuf::from("/var/lib/vk-sandbox/pki"));
         let cli = Cli::try_parse_from([
             "vk-sandbox",
@@ -340,6 +349,7 @@ mod tests {
             ("sandboxd_advertise_addr", "SANDBOXD_ADVERTISE_ADDR"),
             ("sandboxd_token_file", "SANDBOXD_TOKEN_FILE"),
             ("state_path", "VK_STATE_PATH"),
+            ("max_streams_per_pod", "VK_MAX_STREAMS_PER_POD"),
             ("join_token_file", "VK_JOIN_TOKEN_FILE"),
         ] {
             assert_eq!(env_of(id).as_deref(), Some(env), "{id}");

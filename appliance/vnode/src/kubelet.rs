@@ -12,7 +12,7 @@ use crate::auth::{self, KubeletAuth};
 use crate::error::VnodeError;
 use crate::provider::Provider;
 use crate::stats::Stats;
-use crate::streams::{PodStreams, StreamLimits};
+use crate::streams::{Bound, StreamLimits};
 use axum::extract::State;
 use axum::http::{StatusCode, Uri};
 use axum::response::IntoResponse;
@@ -34,7 +34,7 @@ pub fn default_limits() -> httpd::Limits {
 /// The routes, over `provider`, its `streams` (within `limits`) and `stats`, each behind `auth`.
 pub fn router(
     provider: Arc<dyn Provider>,
-    streams: Arc<dyn PodStreams>,
+    streams: Bound,
     limits: StreamLimits,
     stats: Arc<Stats>,
     auth: Arc<KubeletAuth>,
@@ -44,7 +44,7 @@ pub fn router(
         .route("/pods", get(pods))
         .fallback(not_implemented)
         .with_state(provider.clone())
-        .merge(crate::streams::routes(provider, streams, limits))
+        .merge(crate::streams::routes(provider, streams, limits, stats.runtime().stream_sessions()))
         .merge(crate::stats::routes(stats))
         .layer(axum::middleware::from_fn_with_state(auth, auth::guard))
 }
@@ -123,7 +123,7 @@ mod tests {
                 tls,
                 router(
                     Arc::new(FakeProvider::default().with("ns", "p1", "Running")),
-                    Arc::new(FakeStreams::default()),
+                    Bound::unwatched(Arc::new(FakeStreams::default())),
                     crate::streams::StreamLimits::default(),
                     Arc::new(Stats::new("vk-t", Default::default())),
                     auth,

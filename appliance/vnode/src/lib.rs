@@ -164,13 +164,16 @@ async fn run_inner(
         grace: cfg.shutdown_grace,
     };
     let cancel = run.cancel.clone();
+    // The informer's cache of the Pods bound here: the pod controller fills it (3.), the
+    // kubelet port answers from it about a Pod the provider does not track.
+    let (store, writer) = kube::runtime::reflector::store();
     run.tasks.spawn(
         kubelet::serve(
             listener,
             tls,
             kubelet::router(
                 provider.clone(),
-                streams,
+                streams::Bound::new(streams, store.clone()),
                 cfg.stream_limits,
                 Arc::new(stats::Stats::new(&node.name, cfg.stats.clone())),
                 kubelet_auth,
@@ -217,7 +220,6 @@ async fn run_inner(
         .spawn(registrar.clone().status_loop(cfg.status_interval, healthy.clone(), cancel.clone()).in_current_span());
 
     // 3. The pod controller.
-    let (store, writer) = kube::runtime::reflector::store();
     let recorder = events::Recorder::new(client.clone(), node.name.clone(), cfg.disable_pod_events);
     let bucket = queue::bucket_spec(cfg.kube_api_qps, cfg.kube_api_burst);
     let controller = Arc::new(Controller::new(

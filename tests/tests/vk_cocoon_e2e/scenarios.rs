@@ -47,6 +47,7 @@ pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
         ("a_vm_that_dies_is_restarted_then_evicted_when_it_dies_again_or_vanishes", vm_deaths),
         ("another_namespace_cannot_adopt_clone_or_reuse_the_vm_or_its_snapshot", other_namespace),
         ("kubectl_logs_exec_attach_port_forward_and_top_on_a_cocoon_pod", kubectl_streams),
+        ("kubectl_bad_inputs_fail_closed_on_a_cocoon_pod", kubectl_bad_inputs),
     ],
 });
 
@@ -497,4 +498,28 @@ fn kubectl_streams(env: &mut Env, ns: &str) -> Outcome {
     let (follow, _lines) = kubelet_streams::follow_start(env, &target)?;
     env.kubectl_ok(&["delete", "pod", "streams", "-n", ns, "--wait=true", "--timeout=120s"])?;
     kubelet_streams::follow_ends(follow)
+}
+
+/// Issue #15, bad input: an unknown Pod or container (404 on the kubelet port), a Pod whose VM
+/// cannot be made (exec and logs fail at once), the per-Pod stream cap (429), a log far over the
+/// console cap, and a VM that dies under an exec and a `logs -f` (both end, no stream leaks).
+fn kubectl_bad_inputs(env: &mut Env, ns: &str) -> Outcome {
+    env.apply(ns, &pod("bad-target", run_vm("bad-target-vm", BASE, "never"), json!({})))?;
+    let mut nameless = run_vm("unused", BASE, "never");
+    if let Some(m) = nameless.as_object_mut() {
+        m.remove(NAME);
+    }
+    env.apply(ns, &pod("bad-pending", nameless, json!({})))?;
+    running(env, ns, "bad-target")?;
+    env.wait_provider_failed(ns, "bad-pending", "Pending", QUICK, &["vm.cocoonstack.io/name is missing"])?;
+    let id = vm_id("bad-target-vm");
+    let kill_vm = || -> Outcome {
+        let pid = env.instances(&id).first().map(|v| v.pid).ok_or(format!("no QEMU for {id}"))?;
+        kill_qemu(pid)
+    };
+    let target = Target { ns, pod: "bad-target", container: "agent" };
+    kubelet_streams::bad_input_checks(
+        env,
+        &kubelet_streams::BadInputs { target, pending: "bad-pending", kill_vm: &kill_vm },
+    )
 }

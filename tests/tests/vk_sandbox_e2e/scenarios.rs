@@ -20,6 +20,8 @@ const NODE: &str = "vk-e2e";
 const BASE: &str = "base";
 const RT: &str = "ghcr.io/cocoonstack/sandbox/rt:24.04";
 const BASE_WARM: usize = 6;
+/// The node's per-Pod cap on streaming sessions (`--max-streams-per-pod`).
+const STREAMS_PER_POD: &str = "3";
 
 type Env = NodeEnv;
 
@@ -48,6 +50,7 @@ pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
         ("join_with_a_wrong_ca_hash_is_refused", |env, _| wrong_ca_hash(env)),
         ("kubelet_port_authenticates_and_authorizes_like_a_kubelet", kubelet_port),
         ("kubectl_logs_exec_attach_port_forward_and_top_on_a_sandbox_pod", kubectl_streams),
+        ("kubectl_bad_inputs_fail_closed_on_a_sandbox_pod", kubectl_bad_inputs),
     ],
 });
 
@@ -61,7 +64,8 @@ fn env_up() -> Result<Env, String> {
         ],
         sandboxd_bin: sibling_bin("sandboxd")?,
         provider_bin: sibling_bin("vk-sandbox")?,
-        extra_args: Vec::new(),
+        // Low, so that the per-Pod cap on streams is reached with a few execs under TCG.
+        extra_args: vec!["--max-streams-per-pod".into(), STREAMS_PER_POD.into()],
     })
 }
 
@@ -510,4 +514,50 @@ fn kubectl_streams(env: &mut Env, ns: &str) -> Outcome {
     let (follow, _lines) = kubelet_streams::follow_start(env, &target)?;
     env.kubectl_ok(&["delete", "sandbox", "streams", "-n", ns, "--wait=true", "--timeout=60s"])?;
     kubelet_streams::follow_ends(follow)
+}
+
+/// Issue #15, bad input: an unknown Pod or container (404 on the kubelet port), a Pod whose VM
+/// cannot be made (exec and logs fail at once), the per-Pod stream cap (429), a log far over the
+/// console cap, and a VM that dies under an exec and a `logs -f` (both end, no stream leaks).
+fn kubectl_bad_inputs(env: &mut Env, ns: &str) -> Outcome {
+    env.apply(ns, &sandbox("bad-target", base_annotations(), json!({})))?;
+    env.apply(ns, &sandbox("bad-pending", json!({"sandbox.cocoonstack.io/runtime": "sandboxd"}), json!({})))?;
+    let pod = env.wait_running(ns, "bad-target")?;
+    env.wait_provider_failed(ns, "bad-pending", "Pending", RUNNING, &["template"])?;
+    let claim = annotation(&pod, "sandbox.cocoonstack.io/claim-id").ok_or("no claim-id")?.to_string();
+    let data = env.sandboxd.dir.path().join("data");
+    let kill_vm = || -> Outcome {
+        // The claim's VM, from sandboxd's journal (the snapshot, then the log's lines).
+        let mut journal = std::fs::read_to_string(data.join("claims.json")).unwrap_or_default();
+        journal.push('\n');
+        journal.push_str(&std::fs::read_to_string(data.join("claims.log")).unwrap_or_default());
+        let vm = journal
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find_map(|v| vm_of_claim(&v, &claim))
+            .ok_or(format!("claim {claim} is not in sandboxd's journal: {journal}"))?;
+        let vm = vm.as_str();
+        let pids = test_infra::sandboxd::qemu_pids(&data.join("vms").join("vms").join(vm).display().to_string());
+        ensure!(pids.len() == 1, "VM {vm} of claim {claim}: QEMU processes {pids:?}");
+        let out = Command::new("kill").args(["-9", &pids[0].to_string()]).output().map_err(|e| e.to_string())?;
+        ensure!(out.status.success(), "kill -9 {}: {}", pids[0], String::from_utf8_lossy(&out.stderr));
+        Ok(())
+    };
+    let target = Target { ns, pod: "bad-target", container: "agent" };
+    kubelet_streams::bad_input_checks(
+        env,
+        &kubelet_streams::BadInputs { target, pending: "bad-pending", kill_vm: &kill_vm },
+    )
+}
+
+/// The `vm` of the record with `id == claim` anywhere in `v` (a journal line or snapshot).
+fn vm_of_claim(v: &Value, claim: &str) -> Option<String> {
+    match v {
+        Value::Object(m) if m.get("id").and_then(Value::as_str) == Some(claim) => {
+            m.get("vm").and_then(Value::as_str).map(str::to_owned)
+        }
+        Value::Object(m) => m.values().find_map(|x| vm_of_claim(x, claim)),
+        Value::Array(a) => a.iter().find_map(|x| vm_of_claim(x, claim)),
+        _ => None,
+    }
 }

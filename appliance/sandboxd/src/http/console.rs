@@ -37,6 +37,9 @@ pub(super) async fn console(
         .vm_for(&claim)
         .await
         .map_err(|e| ApiError::BadGateway(format!("sandbox unreachable: {}", vmm::error_chain(&e))))?;
-    let body = Body::from_stream(vmm::console::read_log(&vm.console_log, &q));
+    // A follow ends (with an error) when the VM's hypervisor dies, even though its files stay.
+    let (pid, started) = (vm.pid, vm.pid_start_time);
+    let log = vmm::console::read_log_while(&vm.console_log, &q, move || vmm::record::is_alive(pid, started));
+    let body = Body::from_stream(log);
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response())
 }

@@ -225,27 +225,45 @@ impl LogReader {
 /// or with `follow` when the limit is reached or the VM's files are gone; a read failure is
 /// the last item. Needs a tokio runtime (reads run on its blocking threads).
 pub fn read_log(log: &Path, q: &ValidLogQuery) -> impl Stream<Item = io::Result<Bytes>> + Send + 'static {
-    futures::stream::unfold(Some(LogReader::new(log, q)), |reader| async move {
-        let mut reader = reader?;
-        loop {
-            let joined = tokio::task::spawn_blocking(move || {
-                let mut out = Vec::new();
-                let step = reader.step(&mut out);
-                (reader, step.map(|s| (s, out)))
-            })
-            .await;
-            let result;
-            (reader, result) = match joined {
-                Ok(r) => r,
-                Err(e) => return Some((Err(io::Error::other(e)), None)),
-            };
-            match result {
-                Err(e) => return Some((Err(e), None)),
-                Ok((Step::End, out)) if out.is_empty() => return None,
-                Ok((Step::End, out)) => return Some((Ok(Bytes::from(out)), None)),
-                Ok((_, out)) if !out.is_empty() => return Some((Ok(Bytes::from(out)), Some(reader))),
-                Ok((Step::Idle, _)) => tokio::time::sleep(POLL).await,
-                Ok((Step::Data, _)) => {}
+    read_log_while(log, q, || true)
+}
+
+/// [`read_log`] of a VM that may die with its files left behind: a follow that has caught up
+/// also ends when `alive` says the VM's hypervisor is gone, with an error as its last item (so
+/// a `kubectl logs -f` ends with an error instead of waiting for lines that never come).
+pub fn read_log_while(
+    log: &Path,
+    q: &ValidLogQuery,
+    alive: impl Fn() -> bool + Send + Sync + 'static,
+) -> impl Stream<Item = io::Result<Bytes>> + Send + 'static {
+    let alive = std::sync::Arc::new(alive);
+    futures::stream::unfold(Some(LogReader::new(log, q)), move |reader| {
+        let alive = alive.clone();
+        async move {
+            let mut reader = reader?;
+            loop {
+                let joined = tokio::task::spawn_blocking(move || {
+                    let mut out = Vec::new();
+                    let step = reader.step(&mut out);
+                    (reader, step.map(|s| (s, out)))
+                })
+                .await;
+                let result;
+                (reader, result) = match joined {
+                    Ok(r) => r,
+                    Err(e) => return Some((Err(io::Error::other(e)), None)),
+                };
+                match result {
+                    Err(e) => return Some((Err(e), None)),
+                    Ok((Step::End, out)) if out.is_empty() => return None,
+                    Ok((Step::End, out)) => return Some((Ok(Bytes::from(out)), None)),
+                    Ok((_, out)) if !out.is_empty() => return Some((Ok(Bytes::from(out)), Some(reader))),
+                    Ok((Step::Idle, _)) if !alive() => {
+                        return Some((Err(io::Error::other("the VM stopped while its console was followed")), None))
+                    }
+                    Ok((Step::Idle, _)) => tokio::time::sleep(POLL).await,
+                    Ok((Step::Data, _)) => {}
+                }
             }
         }
     })
@@ -397,5 +415,22 @@ mod tests {
         log.write_at(t(2), b"line-2\nline-3\n").unwrap();
         let got = tokio::time::timeout(Duration::from_secs(10), reader).await.expect("ends").unwrap();
         assert_eq!(got, "line-1\nline-");
+    }
+
+    #[tokio::test]
+    async fn following_a_vm_that_died_ends_with_an_error_once_caught_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _log) = log_of(dir.path(), 2, 4096);
+        let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let flag = alive.clone();
+        let q = ValidLogQuery { follow: true, ..Default::default() };
+        let mut stream = Box::pin(read_log_while(&path, &q, move || flag.load(std::sync::atomic::Ordering::SeqCst)));
+        let first = stream.next().await.unwrap().unwrap();
+        assert_eq!(&first[..], b"line-1\nline-2\n");
+        // The hypervisor dies; its files stay.
+        alive.store(false, std::sync::atomic::Ordering::SeqCst);
+        let end = tokio::time::timeout(Duration::from_secs(5), stream.next()).await.expect("the follow ended");
+        assert!(end.unwrap().unwrap_err().to_string().contains("VM stopped"));
+        assert!(stream.next().await.is_none());
     }
 }

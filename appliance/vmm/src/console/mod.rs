@@ -45,7 +45,7 @@ pub mod segments;
 pub mod tail;
 
 pub use capped::{CappedLog, MIN_CONSOLE_CAP};
-pub use follow::read_log;
+pub use follow::{read_log, read_log_while};
 pub use segments::{rotated_path, ROTATED_SUFFIX};
 pub use tail::{tail, tail_string, tail_text, TAIL_TEXT_MAX};
 

@@ -55,6 +55,11 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// The runtime's own counters.
+    pub(crate) fn runtime(&self) -> &RuntimeMetrics {
+        &self.config.runtime
+    }
+
     /// The stats of node `node`, from this host's `/proc`.
     pub fn new(node: &str, config: StatsConfig) -> Stats {
         Stats::with_procfs(node, config, Procfs::default())

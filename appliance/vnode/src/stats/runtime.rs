@@ -52,6 +52,7 @@ pub struct RuntimeMetrics {
     depth: Family<QueueLabel, Gauge>,
     create: Family<OutcomeLabel, Histogram>,
     errors: Family<OperationLabel, Counter>,
+    streams: Gauge,
     queues: Mutex<Vec<Arc<WorkQueue<PodKey>>>>,
 }
 
@@ -74,7 +75,13 @@ impl Default for RuntimeMetrics {
             create.clone(),
         );
         registry.register("vnode_provider_errors", "Provider calls that failed, by operation.", errors.clone());
-        RuntimeMetrics { registry, depth, create, errors, queues: Mutex::new(Vec::new()) }
+        let streams = Gauge::default();
+        registry.register(
+            "vnode_stream_sessions_open",
+            "Open streaming sessions on the kubelet port (logs, exec, attach, port-forward).",
+            streams.clone(),
+        );
+        RuntimeMetrics { registry, depth, create, errors, streams, queues: Mutex::new(Vec::new()) }
     }
 }
 
@@ -82,6 +89,11 @@ impl RuntimeMetrics {
     /// Shows the depth of `queues` from now on (the previous runtime's are forgotten).
     pub(crate) fn watch_queues(&self, queues: Vec<Arc<WorkQueue<PodKey>>>) {
         *self.queues.lock().unwrap_or_else(|p| p.into_inner()) = queues;
+    }
+
+    /// The gauge of open streaming sessions (the kubelet port's [`crate::streams`] moves it).
+    pub(crate) fn stream_sessions(&self) -> Gauge {
+        self.streams.clone()
     }
 
     /// Records one `create_pod` call.
@@ -132,6 +144,7 @@ mod tests {
             "vnode_pod_create_duration_seconds_count{outcome=\"success\"} 1\n",
             "vnode_provider_errors_total{operation=\"create\"} 2\n",
             "vnode_provider_errors_total{operation=\"delete\"} 1\n",
+            "vnode_stream_sessions_open 0\n",
             "# EOF\n",
         ] {
             assert!(text.contains(want), "missing {want:?} in\n{text}");

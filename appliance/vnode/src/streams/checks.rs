@@ -2,8 +2,8 @@
 //! refusal (one exhaustive match, so a new error needs a chosen status to compile).
 
 use super::sessions::Busy;
-use super::StreamError;
-use crate::provider::{PodKey, Provider};
+use super::{StreamError, Streaming};
+use crate::provider::PodKey;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use k8s_openapi::api::core::v1::Pod;
@@ -48,23 +48,52 @@ impl IntoResponse for RouteError {
     }
 }
 
+/// The Pod `key` as the provider tracks it or, when it does not (its VM could not be made),
+/// as the API server bound it here; neither: not on this node.
+fn find(s: &Streaming, key: &PodKey) -> Result<(Pod, bool), StreamError> {
+    if let Some(pod) = s.provider.get_pod(key) {
+        return Ok((pod, true));
+    }
+    let bound = s.bound.as_ref().and_then(|b| crate::status::lookup(b, key));
+    bound.map(|p| ((*p).clone(), false)).ok_or_else(|| StreamError::NoPod(key.clone()))
+}
+
+/// Why `pod` is not Running, with the status's reason and message when it has them (a
+/// provider's failure is there: `Pending (ProviderFailed: …)`).
+fn not_running(key: &PodKey, pod: &Pod, tracked: bool) -> StreamError {
+    let status = pod.status.as_ref();
+    let mut phase = status.and_then(|s| s.phase.clone()).unwrap_or_else(|| "Pending".into());
+    if !tracked && phase == "Running" {
+        phase = "not yet known to the provider".into();
+    }
+    if let Some(reason) = status.and_then(|s| s.reason.as_deref()) {
+        let message = status.and_then(|s| s.message.as_deref()).unwrap_or_default();
+        phase = format!("{phase} ({reason}: {message})");
+    }
+    StreamError::NotRunning { pod: key.clone(), phase }
+}
+
 /// The Pod `key`, when it is on this node and Running.
-pub(super) fn running_pod(provider: &dyn Provider, key: &PodKey) -> Result<Pod, StreamError> {
-    let pod = provider.get_pod(key).ok_or_else(|| StreamError::NoPod(key.clone()))?;
-    let phase = pod.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_else(|| "Pending".into());
-    if phase != "Running" {
-        return Err(StreamError::NotRunning { pod: key.clone(), phase });
+pub(super) fn running_pod(s: &Streaming, key: &PodKey) -> Result<Pod, StreamError> {
+    let (pod, tracked) = find(s, key)?;
+    running(key, pod, tracked)
+}
+
+fn running(key: &PodKey, pod: Pod, tracked: bool) -> Result<Pod, StreamError> {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    if !tracked || phase != Some("Running") {
+        return Err(not_running(key, &pod, tracked));
     }
     Ok(pod)
 }
 
 /// The Pod `key`, when it is on this node, has `container` in its spec and is Running (the
 /// container is checked first: a typo is answered 404 whatever the phase).
-pub(super) fn running_container(provider: &dyn Provider, key: &PodKey, container: &str) -> Result<Pod, StreamError> {
-    let pod = provider.get_pod(key).ok_or_else(|| StreamError::NoPod(key.clone()))?;
+pub(super) fn running_container(s: &Streaming, key: &PodKey, container: &str) -> Result<Pod, StreamError> {
+    let (pod, tracked) = find(s, key)?;
     let known = pod.spec.as_ref().is_some_and(|s| s.containers.iter().any(|c| c.name == container));
     if !known {
         return Err(StreamError::NoContainer { pod: key.clone(), container: container.into() });
     }
-    running_pod(provider, key)
+    running(key, pod, tracked)
 }

@@ -82,8 +82,10 @@ type Rx = SplitStream<WebSocket>;
 pub(super) const EXEC: bool = true;
 pub(super) const ATTACH: bool = false;
 
-/// `/exec` (`EXEC`) or `/attach`: the checks (options, Pod, container, protocol, a session
-/// slot), then the upgrade, then the session until either side ends.
+/// `/exec` (`EXEC`) or `/attach`: the checks (options, Pod, container, a session slot, then
+/// the protocol), then the upgrade, then the session until either side ends. The slot comes
+/// before the protocol: when the WebSocket attempt is refused 429, kubectl falls back to SPDY,
+/// and that retry must say 429 too, not "no SPDY here".
 pub(super) async fn channel_route<const IS_EXEC: bool>(
     State(s): State<Streaming>,
     Path((ns, pod, container)): Path<(String, String, String)>,
@@ -97,9 +99,9 @@ pub(super) async fn channel_route<const IS_EXEC: bool>(
         return Err(RouteError::Query("exec needs a command (query parameter command, repeated)".into()));
     }
     let key = PodKey::new(ns, pod);
-    running_container(s.provider.as_ref(), &key, &container)?;
-    let (ws, protocol) = accept(ws, &headers, route, SPEAKS, Protocol::negotiate, Protocol::name, s.sessions.limits())?;
+    running_container(&s, &key, &container)?;
     let guard = s.sessions.open(&key)?;
+    let (ws, protocol) = accept(ws, &headers, route, SPEAKS, Protocol::negotiate, Protocol::name, s.sessions.limits())?;
     let streams = s.streams.clone();
     Ok(ws.on_upgrade(move |socket| async move {
         let _guard = guard;

@@ -24,7 +24,7 @@ pub(super) async fn container_logs(
     }
     let valid = query.validate().map_err(|e| RouteError::Query(foundation::error_chain(&e)))?;
     let key = PodKey::new(ns, pod);
-    running_container(s.provider.as_ref(), &key, &container)?;
+    running_container(&s, &key, &container)?;
     let guard = s.sessions.open(&key)?;
     let body = s.streams.container_logs(&key, &valid).await?;
     // The slot is held by the body: freed when the stream ends or the client goes.

@@ -27,6 +27,8 @@ mod upgrade;
 use crate::provider::{PodKey, Provider};
 use axum::routing::get;
 use axum::Router;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::reflector::Store;
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -67,18 +69,47 @@ pub trait PodStreams: Send + Sync + 'static {
     async fn container_logs(&self, pod: &PodKey, query: &ValidLogQuery) -> Result<LogBody, StreamError>;
 }
 
+/// A provider's streams with the Pods the API server has bound to the node (the runtime's
+/// informer cache), so that a Pod the provider does not track (its VM could not be made) is
+/// answered "not Running", with its status, rather than "not on this node".
+#[derive(Clone)]
+pub struct Bound {
+    streams: Arc<dyn PodStreams>,
+    bound: Option<Store<Pod>>,
+}
+
+impl Bound {
+    /// `streams`, with `bound` the informer's cache of the node's Pods.
+    pub fn new(streams: Arc<dyn PodStreams>, bound: Store<Pod>) -> Bound {
+        Bound { streams, bound: Some(bound) }
+    }
+
+    /// `streams` alone: only the provider's Pods are known.
+    pub fn unwatched(streams: Arc<dyn PodStreams>) -> Bound {
+        Bound { streams, bound: None }
+    }
+}
+
 /// What every streaming route holds: the Pods, their streams, the caps and the open sessions.
 #[derive(Clone)]
 struct Streaming {
     provider: Arc<dyn Provider>,
+    bound: Option<Store<Pod>>,
     streams: Arc<dyn PodStreams>,
     sessions: Arc<sessions::Sessions>,
 }
 
 /// The streaming routes over `provider` (which Pods are here) and `streams` (their agent and
-/// log), within `limits`. The caller puts them behind authentication.
-pub fn routes(provider: Arc<dyn Provider>, streams: Arc<dyn PodStreams>, limits: StreamLimits) -> Router {
-    let state = Streaming { provider, streams, sessions: Arc::new(sessions::Sessions::new(limits)) };
+/// log, and the Pods bound here), within `limits`; `open` counts the open sessions. The caller
+/// puts them behind authentication.
+pub fn routes(
+    provider: Arc<dyn Provider>,
+    streams: Bound,
+    limits: StreamLimits,
+    open: prometheus_client::metrics::gauge::Gauge,
+) -> Router {
+    let Bound { streams, bound } = streams;
+    let state = Streaming { provider, bound, streams, sessions: Arc::new(sessions::Sessions::new(limits, open)) };
     Router::new()
         .route("/containerLogs/{ns}/{pod}/{container}", get(logs::container_logs))
         .route(

@@ -29,10 +29,11 @@ pub(super) async fn port_forward(
     ws: Upgrade,
 ) -> Result<Response, RouteError> {
     let key = PodKey::new(ns, pod);
-    running_pod(s.provider.as_ref(), &key)?;
+    running_pod(&s, &key)?;
     let offers = |o: &str| o.split(',').map(str::trim).any(|p| p == PROTOCOL).then_some(());
-    let (ws, ()) = accept(ws, &headers, "portForward", PROTOCOL, offers, |()| PROTOCOL, s.sessions.limits())?;
+    // The slot first, as in exec: kubectl's SPDY fallback after a 429 is answered 429 too.
     let guard = s.sessions.open(&key)?;
+    let (ws, ()) = accept(ws, &headers, "portForward", PROTOCOL, offers, |()| PROTOCOL, s.sessions.limits())?;
     let streams = s.streams.clone();
     Ok(ws.on_upgrade(move |socket| async move {
         let _guard = guard;

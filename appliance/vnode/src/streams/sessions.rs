@@ -1,7 +1,9 @@
 //! The caps on open streaming sessions (logs, exec, attach, port-forward): so many per Pod and
-//! so many on the node. A session holds a [`SessionGuard`] for as long as it streams.
+//! so many on the node. A session holds a [`SessionGuard`] for as long as it streams; the
+//! open sessions are the `/metrics` gauge `vnode_stream_sessions_open`.
 
 use crate::provider::PodKey;
+use prometheus_client::metrics::gauge::Gauge;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -37,11 +39,12 @@ pub enum Busy {
 pub(super) struct Sessions {
     limits: StreamLimits,
     open: Mutex<HashMap<PodKey, usize>>,
+    gauge: Gauge,
 }
 
 impl Sessions {
-    pub(super) fn new(limits: StreamLimits) -> Sessions {
-        Sessions { limits, open: Mutex::new(HashMap::new()) }
+    pub(super) fn new(limits: StreamLimits, gauge: Gauge) -> Sessions {
+        Sessions { limits, open: Mutex::new(HashMap::new()), gauge }
     }
 
     pub(super) fn limits(&self) -> StreamLimits {
@@ -59,7 +62,13 @@ impl Sessions {
             return Err(Busy::Pod { pod: pod.clone(), cap: self.limits.per_pod });
         }
         *n += 1;
+        self.sessions_changed(&open);
         Ok(SessionGuard { sessions: self.clone(), pod: pod.clone() })
+    }
+
+    /// Sets the gauge to the open sessions (under the lock, so it never lags behind).
+    fn sessions_changed(&self, open: &HashMap<PodKey, usize>) {
+        self.gauge.set(i64::try_from(open.values().sum::<usize>()).unwrap_or(i64::MAX));
     }
 }
 
@@ -79,6 +88,7 @@ impl Drop for SessionGuard {
                 open.remove(&self.pod);
             }
         }
+        self.sessions.sessions_changed(&open);
     }
 }
 
@@ -88,14 +98,17 @@ mod tests {
 
     #[test]
     fn per_pod_and_node_caps_are_hit_and_freed() {
-        let s = Arc::new(Sessions::new(StreamLimits { per_pod: 2, total: 3, ..Default::default() }));
+        let gauge = Gauge::default();
+        let s = Arc::new(Sessions::new(StreamLimits { per_pod: 2, total: 3, ..Default::default() }, gauge.clone()));
         let (a, b) = (PodKey::new("ns", "a"), PodKey::new("ns", "b"));
         let a1 = s.open(&a).expect("1st");
         let _a2 = s.open(&a).expect("2nd");
         assert_eq!(s.open(&a).expect_err("3rd on a"), Busy::Pod { pod: a.clone(), cap: 2 });
         let _b1 = s.open(&b).expect("b");
         assert_eq!(s.open(&b).expect_err("node full"), Busy::Node { cap: 3 });
+        assert_eq!(gauge.get(), 3);
         drop(a1);
+        assert_eq!(gauge.get(), 2);
         let _a3 = s.open(&a).expect("a slot came back");
         assert!(Busy::Pod { pod: a, cap: 2 }.to_string().contains("ns/a already has 2"));
     }

@@ -58,3 +58,30 @@ async fn the_per_pod_cap_answers_429_until_a_session_ends() {
     assert_eq!((status, body.as_str()), (200, "last\n"));
     assert_eq!(request(srv.addr, "GET", "/containerLogs/ns/vm/main").await.0, 200);
 }
+
+#[tokio::test]
+async fn a_bound_pod_the_provider_does_not_track_is_not_running_with_its_status() {
+    let (store, mut writer) = kube::runtime::reflector::store();
+    let mut failed = FakeProvider::default().with("ns", "novm", "Pending").get_pods().remove(0);
+    if let Some(s) = failed.status.as_mut() {
+        s.reason = Some("ProviderFailed".into());
+        s.message = Some("annotation sandbox.cocoonstack.io/template is missing".into());
+    }
+    writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(failed));
+    let srv = Server::start_bound(pods(), FakeStreams::default(), StreamLimits::default(), Some(store)).await;
+    for (path, want, says) in [
+        (
+            "/containerLogs/ns/novm/main",
+            400,
+            "pod ns/novm is Pending (ProviderFailed: annotation sandbox.cocoonstack.io/template is missing), not Running",
+        ),
+        ("/containerLogs/ns/novm/sidecar", 404, "has no container \"sidecar\""),
+        ("/exec/ns/novm/main?command=true&stdout=1", 400, "not Running"),
+        ("/portForward/ns/novm", 400, "not Running"),
+        ("/containerLogs/ns/gone/main", 404, "pod ns/gone is not on this node"),
+    ] {
+        let (status, _, body) = request(srv.addr, "GET", path).await;
+        assert_eq!(status, want, "{path}: {body}");
+        assert!(body.contains(says), "{path}: {body}");
+    }
+}

@@ -103,8 +103,23 @@ pub(super) struct Server {
 
 impl Server {
     pub(super) async fn start(provider: FakeProvider, streams: FakeStreams, limits: StreamLimits) -> Server {
+        Server::start_bound(provider, streams, limits, None).await
+    }
+
+    /// With `bound` as the informer's cache of the Pods bound to the node.
+    pub(super) async fn start_bound(
+        provider: FakeProvider,
+        streams: FakeStreams,
+        limits: StreamLimits,
+        bound: Option<kube::runtime::reflector::Store<Pod>>,
+    ) -> Server {
         let streams = Arc::new(streams);
-        let router = routes(Arc::new(provider), streams.clone(), limits);
+        let dyn_streams: Arc<dyn PodStreams> = streams.clone();
+        let bound = match bound {
+            Some(b) => super::Bound::new(dyn_streams, b),
+            None => super::Bound::unwatched(dyn_streams),
+        };
+        let router = routes(Arc::new(provider), bound, limits, Default::default());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let cancel = CancellationToken::new();

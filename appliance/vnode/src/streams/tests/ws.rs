@@ -125,6 +125,10 @@ async fn a_message_over_the_cap_ends_the_session_and_frees_its_slot() {
     let (mut ws, _) = upgrade(srv.addr, path, "v5.channel.k8s.io").await.expect("up");
     let (status, body) = upgrade(srv.addr, path, "v5.channel.k8s.io").await.expect_err("the one slot is taken");
     assert_eq!(status, 429, "{body}");
+    // kubectl's SPDY fallback after the 429 (a POST, no WebSocket) is told the same.
+    let (status, _, body) = request(srv.addr, "POST", "/exec/ns/vm/main?command=true&stdout=1").await;
+    assert_eq!(status, 429, "{body}");
+    assert!(body.contains("already has 1 open streaming sessions"), "{body}");
     ws.send(Message::Binary(vec![0u8; 4096].into())).await.expect("sent");
     assert_eq!(next(&mut ws).await, None, "the server ended the session");
     let mut freed = false;
