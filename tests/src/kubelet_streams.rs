@@ -231,12 +231,7 @@ pub fn port_forward_checks(node: &VirtualNode, t: &Target) -> Outcome {
     let result = (|| -> Outcome {
         // "Forwarding from 127.0.0.1:41235 -> 8080"
         let line = lines.recv_timeout(STEP).map_err(|_| "kubectl port-forward printed no address")?;
-        let port: u16 = line
-            .split("127.0.0.1:")
-            .nth(1)
-            .and_then(|r| r.split(' ').next())
-            .and_then(|p| p.parse().ok())
-            .ok_or(format!("no local port in {line:?}"))?;
+        let port = forwarded_port(&line).ok_or(format!("no local port in {line:?}"))?;
         for _ in 0..2 {
             let got = http_get(port)?;
             ensure!(got.starts_with("HTTP/1") && got.contains(&body), "HTTP through port-forward: {got:?}");
@@ -309,6 +304,11 @@ pub fn all_checks(node: &VirtualNode, t: &Target) -> Outcome {
 }
 
 // ---------------------------------------------------------------------------------------------
+
+/// The local port in `kubectl port-forward`'s first line ("Forwarding from 127.0.0.1:41235 -> 8080").
+pub fn forwarded_port(line: &str) -> Option<u16> {
+    line.split("127.0.0.1:").nth(1)?.split(' ').next()?.parse().ok()
+}
 
 fn http_get(port: u16) -> Result<String, String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect :{port}: {e}"))?;

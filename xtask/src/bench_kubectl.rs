@@ -141,12 +141,8 @@ fn port_forward_pull(
         let mut lines = BufReader::new(pf.stdout.take().context("no stdout")?).lines();
         let line = lines.next().context("kubectl port-forward printed nothing")??;
         std::thread::spawn(move || lines.for_each(drop));
-        let port: u16 = line
-            .split("127.0.0.1:")
-            .nth(1)
-            .and_then(|r| r.split(' ').next())
-            .and_then(|p| p.parse().ok())
-            .ok_or_else(|| anyhow!("no local port in {line:?}"))?;
+        let port =
+            test_infra::kubelet_streams::forwarded_port(&line).ok_or_else(|| anyhow!("no local port in {line:?}"))?;
         let mut s = TcpStream::connect(("127.0.0.1", port))?;
         s.set_read_timeout(Some(Duration::from_secs(300)))?;
         let t0 = Instant::now();
