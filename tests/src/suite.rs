@@ -144,10 +144,11 @@ pub struct VirtualNode {
 }
 
 impl VirtualNode {
-    /// Starts the cluster under `dir/cluster` on `port`.
-    pub fn cluster_up(dir: &Path, port: u16) -> Result<(Options, Cluster), String> {
-        // metrics-server too: the suites check `kubectl top` on their nodes (issue #15).
-        let opts = Options { state_dir: dir.join("cluster"), port, metrics_server: true, ..Options::default() };
+    /// Starts the cluster under `dir/cluster` on `port`, with metrics-server when
+    /// `metrics_server` (the suites check `kubectl top` on their nodes; the benchmarks leave it
+    /// off, so its scrapes do not land inside their timings).
+    pub fn cluster_up(dir: &Path, port: u16, metrics_server: bool) -> Result<(Options, Cluster), String> {
+        let opts = Options { state_dir: dir.join("cluster"), port, metrics_server, ..Options::default() };
         let cluster = Cluster::up_with(&opts).map_err(|e| format!("cluster up: {e}"))?;
         Ok((opts, cluster))
     }

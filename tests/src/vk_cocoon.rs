@@ -79,7 +79,7 @@ impl CocoonEnv {
             Ok(())
         })();
         imported?;
-        let (opts, cluster) = VirtualNode::cluster_up(&dir, spec.port)?;
+        let (opts, cluster) = VirtualNode::cluster_up(&dir, spec.port, true)?;
         cluster.bind_node("vk-cocoon", spec.node_name).map_err(|e| format!("binding the node's RBAC: {e}"))?;
         let args = VirtualNode::join_args(&cluster, &dir)?;
         let s = |p: &Path| p.display().to_string();
@@ -93,6 +93,7 @@ impl CocoonEnv {
             ("VK_RESTART_COOLDOWN".into(), "600".into()),
             // Low, so that the per-Pod cap on streams is reached with a few execs under TCG.
             ("VK_MAX_STREAMS_PER_POD".into(), "3".into()),
+            ("VK_CONSOLE_LOG_KIB".into(), crate::kubelet_streams::SUITE_CONSOLE_KIB.to_string()),
             ("COCOON_ROOT_DIR".into(), s(&root)),
             ("VK_TLS_CERT".into(), s(&dir.join("vk/tls.crt"))),
             ("VK_TLS_KEY".into(), s(&dir.join("vk/tls.key"))),

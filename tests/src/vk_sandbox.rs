@@ -35,6 +35,10 @@ pub struct NodeSpec<'a> {
     pub provider_bin: PathBuf,
     /// Extra flags for vk-sandbox.
     pub extra_args: Vec<String>,
+    /// Run metrics-server beside the cluster (`kubectl top`); a benchmark leaves it off.
+    pub metrics_server: bool,
+    /// Changes sandboxd's config after the harness set its own keys.
+    pub sandboxd_config: fn(&mut sandboxd_api::Config),
 }
 
 /// The running node: cluster, sandboxd, provider. Dropping it without [`NodeEnv::down`] (a
@@ -56,9 +60,9 @@ impl NodeEnv {
     pub fn up(spec: NodeSpec<'_>) -> Result<NodeEnv, String> {
         let dir_guard = tempfile::Builder::new().prefix("vknode").tempdir_in("/tmp").map_err(|e| e.to_string())?;
         let dir = dir_guard.path().to_path_buf();
-        let (opts, cluster) = VirtualNode::cluster_up(&dir, spec.port)?;
+        let (opts, cluster) = VirtualNode::cluster_up(&dir, spec.port, spec.metrics_server)?;
         cluster.bind_node("vk-sandbox", spec.node_name).map_err(|e| format!("binding the node's RBAC: {e}"))?;
-        let sandboxd = Harness::new(&spec.sandboxd_bin, spec.pools.clone());
+        let sandboxd = Harness::with_config(&spec.sandboxd_bin, spec.pools.clone(), spec.sandboxd_config);
         for pool in &spec.pools {
             sandboxd.wait_full(&pool.template);
         }

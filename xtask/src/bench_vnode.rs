@@ -13,7 +13,7 @@ use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DynamicObject, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
-use kube::runtime::watcher;
+use kube::runtime::{watcher, WatchStreamExt as _};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use test_infra::vk_sandbox::{NodeEnv, NodeSpec};
@@ -62,13 +62,17 @@ fn sandbox_resource() -> ApiResource {
 /// When the pod watch first saw each Pod exist and first saw it bound (for the per-hop split).
 type Sightings = std::sync::Arc<std::sync::Mutex<HashMap<String, (Instant, Option<Instant>)>>>;
 
-/// Watches the namespace's Pods and reports each Pod's first Running sighting.
-fn running_feed(client: kube::Client, sightings: Sightings) -> mpsc::UnboundedReceiver<(String, Instant)> {
+/// Watches the namespace's Pods and reports each Pod's first Running sighting. The watch backs
+/// off on errors (without it, a watch of a stopped cluster spins a core); the handle stops it.
+fn running_feed(
+    client: kube::Client,
+    sightings: Sightings,
+) -> (mpsc::UnboundedReceiver<(String, Instant)>, tokio::task::JoinHandle<()>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         let pods: Api<Pod> = Api::namespaced(client, NS);
         let mut seen = std::collections::HashSet::new();
-        let mut stream = watcher(pods, watcher::Config::default()).boxed();
+        let mut stream = watcher(pods, watcher::Config::default()).default_backoff().boxed();
         while let Some(ev) = stream.next().await {
             let now = Instant::now();
             let objs: Vec<Pod> = match ev {
@@ -91,7 +95,16 @@ fn running_feed(client: kube::Client, sightings: Sightings) -> mpsc::UnboundedRe
             }
         }
     });
-    rx
+    (rx, task)
+}
+
+/// Aborts the task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 async fn wait_running(
@@ -140,6 +153,8 @@ pub fn run(
         sandboxd_bin,
         provider_bin,
         extra_args: Vec::new(),
+        metrics_server: false,
+        sandboxd_config: |_| {},
     })
     .map_err(|e| anyhow!("bringing the node up: {e}"))?;
     let result = rt.block_on(measure(&env, figures, samples, burst_n, execs));
@@ -154,7 +169,9 @@ async fn measure(env: &NodeEnv, figures: &mut Vec<Figure>, samples: usize, burst
     env.kubectl_ok(&["create", "namespace", NS]).map_err(|e| anyhow!(e))?;
     let sandboxes: Api<DynamicObject> = Api::namespaced_with(client.clone(), NS, &sandbox_resource());
     let sightings = Sightings::default();
-    let mut feed = running_feed(client.clone(), sightings.clone());
+    let (mut feed, watch) = running_feed(client.clone(), sightings.clone());
+    // Stops the watch on every way out (a watch of a stopped cluster would keep retrying).
+    let _stop = AbortOnDrop(watch);
     let mut seen = HashMap::new();
 
     // 1. One at a time: Sandbox created → Pod Running.

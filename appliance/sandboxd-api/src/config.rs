@@ -50,6 +50,10 @@ pub const DEFAULT_HEADER_TIMEOUT_SECS: u64 = 60;
 pub const DEFAULT_BODY_TIMEOUT_SECS: u64 = 30;
 /// Default `relay_idle_timeout_secs`.
 pub const DEFAULT_RELAY_IDLE_TIMEOUT_SECS: u64 = 3600;
+/// Default `console_log_kib` (vmm's default console cap).
+pub const DEFAULT_CONSOLE_LOG_KIB: u64 = 1024;
+/// Smallest `console_log_kib` accepted.
+pub const MIN_CONSOLE_LOG_KIB: u64 = 16;
 /// Default warm target of a pool that gives neither `warm` nor `warm_max`.
 pub const DEFAULT_WARM: usize = 4;
 
@@ -210,6 +214,10 @@ pub struct Config {
     /// An `/agent` or `/ports` relay that moves no byte either way this long is closed
     /// (default [`DEFAULT_RELAY_IDLE_TIMEOUT_SECS`]).
     pub relay_idle_timeout_secs: u64,
+    /// Serial console each VM keeps on disk, KiB, in two halves (default
+    /// [`DEFAULT_CONSOLE_LOG_KIB`], at least [`MIN_CONSOLE_LOG_KIB`]); `GET …/console` and
+    /// `kubectl logs` read it. A guest that writes more only loses its oldest lines.
+    pub console_log_kib: u64,
 }
 
 impl Default for Config {
@@ -244,6 +252,7 @@ impl Default for Config {
             header_timeout_secs: DEFAULT_HEADER_TIMEOUT_SECS,
             body_timeout_secs: DEFAULT_BODY_TIMEOUT_SECS,
             relay_idle_timeout_secs: DEFAULT_RELAY_IDLE_TIMEOUT_SECS,
+            console_log_kib: DEFAULT_CONSOLE_LOG_KIB,
         }
     }
 }

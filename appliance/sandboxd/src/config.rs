@@ -336,6 +336,16 @@ impl Config {
         if let Some(v) = self.max_disk_mib {
             at_least_one("max_disk_mib", v)?;
         }
+        if self.console_log_kib < sandboxd_api::config::MIN_CONSOLE_LOG_KIB {
+            return Err(ConfigError::Limit {
+                key: "console_log_kib",
+                problem: format!(
+                    "{} is under the smallest console, {} KiB",
+                    self.console_log_kib,
+                    sandboxd_api::config::MIN_CONSOLE_LOG_KIB
+                ),
+            });
+        }
         if self.exec_default_timeout_secs > self.exec_max_timeout_secs {
             return Err(ConfigError::Limit {
                 key: "exec_default_timeout_secs",
@@ -599,6 +609,10 @@ mod tests {
         assert!(parse(r#"{"local_listen":"127.0.0.1:7778"}"#).is_ok());
         let e = parse(r#"{"max_execs_per_claim":0}"#).expect_err("zero").to_string();
         assert_eq!(e, "config key max_execs_per_claim: must be at least 1");
+        let e = parse(r#"{"console_log_kib":4}"#).expect_err("tiny console").to_string();
+        assert_eq!(e, "config key console_log_kib: 4 is under the smallest console, 16 KiB");
+        assert_eq!(sandboxd_api::config::DEFAULT_CONSOLE_LOG_KIB * 1024, vmm::console::DEFAULT_CONSOLE_CAP);
+        assert_eq!(sandboxd_api::config::MIN_CONSOLE_LOG_KIB * 1024, vmm::console::MIN_CONSOLE_SETTING);
         let e = parse(r#"{"exec_default_timeout_secs":10,"exec_max_timeout_secs":5}"#).expect_err("order").to_string();
         assert!(e.contains("exec_default_timeout_secs: 10 is over exec_max_timeout_secs = 5"), "{e}");
         // A cert that is not PEM: a TLS error naming the file.

@@ -126,6 +126,7 @@ fn driver(c: &Config) -> anyhow::Result<Arc<dyn vmm::Driver>> {
     std::fs::create_dir_all(&state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
     let mut qemu = vmm::qemu::QemuConfig::from_env();
     qemu.state_dir = state_dir;
+    qemu.console_cap = c.console_log_kib.saturating_mul(1024);
     Ok(Arc::new(vmm::qemu::QemuDriver::new(qemu)))
 }
 

@@ -148,6 +148,8 @@ pub fn env_help() -> String {
          VK_VM_CIDR             VM address range (10.88.0.0/24)\n  \
          VK_NETNS               run the bridge, TAPs and VMs in this named netns (unset)\n  \
          VK_BOOT_TIMEOUT        seconds a boot may take until the guest agent answers (300)\n  \
+         VK_CONSOLE_LOG_KIB     serial console each VM keeps on disk, KiB, read by kubectl\n                         \
+         logs (1024, at least 16)\n  \
          VK_RESTART_COOLDOWN    seconds after a restart within which a VM that stops again is\n                         \
          removed and its pod fails RestartCooldown (30)\n  \
          VK_NET_HOST_ALLOW      host services VMs may reach at their gateway, tcp/PORT,udp/PORT\n                         \

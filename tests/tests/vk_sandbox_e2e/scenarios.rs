@@ -66,6 +66,8 @@ fn env_up() -> Result<Env, String> {
         provider_bin: sibling_bin("vk-sandbox")?,
         // Low, so that the per-Pod cap on streams is reached with a few execs under TCG.
         extra_args: vec!["--max-streams-per-pod".into(), STREAMS_PER_POD.into()],
+        metrics_server: true,
+        sandboxd_config: |c| c.console_log_kib = kubelet_streams::SUITE_CONSOLE_KIB,
     })
 }
 

@@ -25,6 +25,9 @@ pub struct BackendConfig {
     pub boot_timeout: Duration,
     /// `VK_NET_HOST_ALLOW`, `VK_NET_UPLINK`, `VK_NET_REFUSE`: what VMs may reach.
     pub filter: FilterPolicy,
+    /// `VK_CONSOLE_LOG_KIB` (1024, at least 16): serial console each VM keeps on disk, in
+    /// bytes here; `kubectl logs` reads it.
+    pub console_cap: u64,
 }
 
 impl BackendConfig {
@@ -66,6 +69,13 @@ impl BackendConfig {
                 _ => return Err(bad("VK_BOOT_TIMEOUT", &v, "expected a positive number of seconds")),
             },
         };
+        let console_cap = match val("VK_CONSOLE_LOG_KIB") {
+            None => vmm::console::DEFAULT_CONSOLE_CAP,
+            Some(v) => match v.parse::<u64>() {
+                Ok(kib) if kib.saturating_mul(1024) >= vmm::console::MIN_CONSOLE_SETTING => kib.saturating_mul(1024),
+                _ => return Err(bad("VK_CONSOLE_LOG_KIB", &v, "expected a whole number of KiB, at least 16")),
+            },
+        };
         let net = |var: &'static str, value: &str, e: vmnet::FilterError| ConfigError::Net {
             var,
             value: value.to_owned(),
@@ -90,6 +100,7 @@ impl BackendConfig {
             cidr,
             netns,
             boot_timeout,
+            console_cap,
         })
     }
 
@@ -124,6 +135,7 @@ mod tests {
         assert_eq!(c.netns, None);
         assert_eq!(c.leases_path(), PathBuf::from("/r/net/leases.json"));
         assert_eq!(c.boot_timeout, Duration::from_secs(300));
+        assert_eq!(c.console_cap, vmm::console::DEFAULT_CONSOLE_CAP);
         assert_eq!(c.filter, FilterPolicy::default(), "VMs reach nothing by default");
         let env = |k: &str| {
             match k {
@@ -132,6 +144,7 @@ mod tests {
                 "VK_NETNS" => Some("vkc-e2e-1"),
                 "CHRYSALIS_IMAGES" => Some("/lib/img"),
                 "VK_BOOT_TIMEOUT" => Some("60"),
+                "VK_CONSOLE_LOG_KIB" => Some("64"),
                 "VK_NET_HOST_ALLOW" => Some("udp/53,tcp/8053"),
                 "VK_NET_UPLINK" => Some("eno1"),
                 "VK_NET_REFUSE" => Some("203.0.113.0/24"),
@@ -146,6 +159,7 @@ mod tests {
         );
         assert_eq!(c.images_dir, PathBuf::from("/lib/img"));
         assert_eq!(c.boot_timeout, Duration::from_secs(60));
+        assert_eq!(c.console_cap, 64 * 1024);
         assert_eq!(
             c.filter,
             FilterPolicy::parse(Some("tcp/8053,udp/53"), Some("eno1"), Some("203.0.113.0/24")).unwrap()
@@ -160,6 +174,8 @@ mod tests {
             ("VK_BRIDGE", "a-bridge-name-too-long"),
             ("VK_NETNS", "../x"),
             ("VK_BOOT_TIMEOUT", "0"),
+            ("VK_CONSOLE_LOG_KIB", "15"),
+            ("VK_CONSOLE_LOG_KIB", "1M"),
         ] {
             let get = move |k: &str| (k == var).then(|| value.to_owned());
             let e = BackendConfig::from_lookup(&get, Path::new("/r")).unwrap_err();

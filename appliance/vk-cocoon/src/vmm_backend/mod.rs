@@ -175,6 +175,7 @@ impl VmmBackend {
     pub async fn open(cfg: &BackendConfig) -> Result<VmmBackend, BackendError> {
         let mut qcfg = vmm::qemu::QemuConfig::from_env();
         qcfg.state_dir = cfg.root_dir.clone();
+        qcfg.console_cap = cfg.console_cap;
         let driver: Arc<dyn Driver> = Arc::new(vmm::qemu::QemuDriver::new(qcfg));
         let images_dir = cfg.images_dir.clone();
         let store = blocking("opening the image library", &images_dir.display().to_string(), {

@@ -63,6 +63,10 @@ use crate::peer::{ConnectError, PeerCheck};
 /// boot log many times over, and at most 1 GiB on a node running a thousand VMs.
 pub const DEFAULT_CONSOLE_CAP: u64 = 1 << 20;
 
+/// The smallest console cap an operator setting may ask for: 16 KiB, room for a boot log's
+/// tail (the log itself accepts down to [`MIN_CONSOLE_CAP`]).
+pub const MIN_CONSOLE_SETTING: u64 = 16 << 10;
+
 /// File name of the console socket in a VM's socket directory.
 pub const CONSOLE_SOCKET: &str = "console.sock";
 
