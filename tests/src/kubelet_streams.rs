@@ -137,12 +137,18 @@ pub fn logs_checks(node: &VirtualNode, t: &Target) -> Outcome {
     let late = format!("chrysalis-follow-mark-{}", rand::random::<u32>());
     let seen = (|| -> Result<bool, String> {
         let until = Instant::now() + STEP;
-        exec_ok(node, t, &["sh", "-c", &format!("echo {late} > /dev/console")])?;
-        while let Some(left) = until.checked_duration_since(Instant::now()) {
-            match lines.recv_timeout(left) {
-                Ok(line) if line.contains(&late) => return Ok(true),
-                Ok(_) => {}
-                Err(_) => break,
+        // kubectl may not follow yet when the line is written (`--tail=0` then skips it): the
+        // mark is written again every few seconds until one arrives.
+        while Instant::now() < until {
+            exec_ok(node, t, &["sh", "-c", &format!("echo {late} > /dev/console")])?;
+            let round = (Instant::now() + Duration::from_secs(3)).min(until);
+            while let Some(left) = round.checked_duration_since(Instant::now()) {
+                match lines.recv_timeout(left) {
+                    Ok(line) if line.contains(&late) => return Ok(true),
+                    Ok(_) => {}
+                    Err(mpsc::RecvTimeoutError::Timeout) => break,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(false),
+                }
             }
         }
         Ok(false)
