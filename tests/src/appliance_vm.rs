@@ -380,7 +380,10 @@ impl JoinedBox<'_> {
     }
 
     /// The config disk's files: the cluster, the node names, one warm `base` VM (under TCG the
-    /// box's microVMs run under nested emulation), the remote API and the trial deadline.
+    /// box's microVMs run under nested emulation), the remote API and the trial deadline. The
+    /// pool is named `base`, as in the baked default; the seed's Sandbox asks for
+    /// `ghcr.io/cocoonstack/sandbox/rt:24.04`, which this board's catalog aliases to `base`, so
+    /// its claim is served from this pool (issue #16: an alias claims from its target's pool).
     pub fn config_files(&self) -> BTreeMap<String, Vec<u8>> {
         let toml = format!(
             r#"[supervisor]
@@ -392,7 +395,7 @@ refill_concurrency = 1
 boot_timeout_secs = 900
 
 [[sandboxd.pools]]
-template = "ghcr.io/cocoonstack/sandbox/rt:24.04"
+template = "base"
 size = "small"
 net = "none"
 warm = 1

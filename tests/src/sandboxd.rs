@@ -192,6 +192,50 @@ impl Harness {
         Harness { dir, addr, tls_addr, cert, config, bin: bin.to_path_buf(), child: None, starts: 0, finished: false }
     }
 
+    /// Runs a Python SDK script (`python script args…`) against this node, its output kept in
+    /// `<label>.out` in the temp dir and printed; it must exit 0 within `timeout` with `last` as
+    /// its last line. Panics with the script's output and sandboxd's logs otherwise.
+    pub fn run_python(
+        &self,
+        python: &std::ffi::OsStr,
+        script: &Path,
+        args: &[String],
+        label: &str,
+        timeout: Duration,
+        last: &str,
+    ) -> String {
+        let out_path = self.dir.path().join(format!("{label}.out"));
+        let out = std::fs::File::create(&out_path).expect("script output file");
+        let mut child = Command::new(python)
+            .arg(script)
+            .args(args)
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("dup"))
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("running {}: {e}", Path::new(python).display()));
+        let until = Instant::now() + timeout;
+        let status = loop {
+            if let Some(st) = child.try_wait().expect("waiting for the script") {
+                break st;
+            }
+            if Instant::now() >= until {
+                let _ = child.kill();
+                let _ = child.wait();
+                let text = std::fs::read_to_string(&out_path).unwrap_or_default();
+                panic!("{} did not finish within {timeout:?}:\n{text}\n{}", script.display(), self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let text = std::fs::read_to_string(&out_path).unwrap_or_default();
+        println!("{text}");
+        assert!(status.success(), "{} failed ({status}):\n{text}\n{}", script.display(), self.logs());
+        assert_eq!(text.lines().last(), Some(last), "{} did not reach its end:\n{text}", script.display());
+        text
+    }
+
+
     /// Changes the config file with `change` (takes effect at the next [`Harness::start`]).
     pub fn update_config(&self, change: impl FnOnce(&mut Config)) {
         let mut cfg: Config =

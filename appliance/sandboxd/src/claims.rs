@@ -38,6 +38,9 @@ pub enum ClaimError {
     /// Neither a configured pool nor a catalog template.
     #[error("unknown template {0:?}")]
     UnknownTemplate(String),
+    /// A short template name that several catalog references share.
+    #[error("{0}")]
+    AmbiguousTemplate(String),
     /// `net: egress` on a node without an uplink for VMs.
     #[error(
         "net egress is not available on this node: its config has no network.uplink (the interface VM egress \

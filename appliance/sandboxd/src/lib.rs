@@ -29,6 +29,7 @@
 pub mod claims;
 pub mod config;
 pub mod golden;
+pub mod guest_memory;
 pub mod http;
 pub mod journal;
 pub mod limits;

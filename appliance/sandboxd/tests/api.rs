@@ -734,3 +734,35 @@ async fn public_sdk_smoke() {
     assert!(out.status.success(), "sdk smoke failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("sdk smoke ok"), "{stdout}\n{stderr}");
 }
+
+#[tokio::test]
+async fn aliases_and_short_names_claim_from_their_templates_pool() {
+    const ALIAS: &str = "ghcr.io/cocoonstack/sandbox/rt:24.04";
+    let h = start(&[("rt", 2)], None).await;
+    wait_warm(&h.node, "rt", 2).await;
+    // The full reference and the SDK's short name both take the rt pool's warm VMs.
+    for name in [ALIAS, "rt:24.04"] {
+        let c = h.claim(json!({"template": name})).await;
+        assert_eq!(c["template_digest"], "sha256:rt", "{name}: {c}");
+        let id = c["id"].as_str().expect("id");
+        let (_, v) = h.call("GET", "/v1/sandboxes", None, None).await;
+        let row = v["sandboxes"].as_array().expect("rows").iter().find(|r| r["id"] == id).cloned().expect("row");
+        assert_eq!(row["key"]["template"], "rt", "{name}: {row}");
+        wait_warm(&h.node, "rt", 2).await;
+    }
+    assert_eq!(h.node.info().pools.len(), 1, "no pool is made for an alias");
+    // Another tag, or a partial path, is not a name the catalog knows.
+    for name in ["rt:23.10", "sandbox/rt:24.04"] {
+        let (s, v) = h.call("POST", "/v1/claim", None, Some(json!({"template": name}))).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{name}: {v}");
+    }
+
+    // A pool kept under the alias serves claims by the template's own name and short name.
+    let h = start(&[(ALIAS, 1)], None).await;
+    wait_warm(&h.node, ALIAS, 1).await;
+    for name in ["rt", "rt:24.04"] {
+        let c = h.claim(json!({"template": name})).await;
+        assert_eq!(c["template_digest"], "sha256:rt", "{name}: {c}");
+        wait_warm(&h.node, ALIAS, 1).await;
+    }
+}

@@ -148,37 +148,10 @@ fn open_listen_is_refused() {
 /// Runs `tests/sdk/e2e.py` against `target` (`host:port` or `https://host:port`).
 fn sdk(h: &Harness, python: &std::ffi::OsStr, target: &str, cafile: Option<&Path>) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/e2e.py");
-    let out_path = h.dir.path().join(format!("sdk-{}.out", if cafile.is_some() { "tls" } else { "plain" }));
-    let out = std::fs::File::create(&out_path).expect("sdk output file");
-    let mut cmd = Command::new(python);
-    cmd.arg(&script).arg(target).arg(TOKEN);
-    if let Some(c) = cafile {
-        cmd.arg(c);
-    }
-    let mut child = cmd
-        .env("PYTHONUNBUFFERED", "1")
-        .stdin(Stdio::null())
-        .stdout(out.try_clone().expect("dup"))
-        .stderr(out)
-        .spawn()
-        .unwrap_or_else(|e| panic!("running {}: {e}", Path::new(python).display()));
-    let until = Instant::now() + SDK_TIMEOUT;
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("waiting for the SDK suite") {
-            break st;
-        }
-        if Instant::now() >= until {
-            let _ = child.kill();
-            let _ = child.wait();
-            let text = std::fs::read_to_string(&out_path).unwrap_or_default();
-            panic!("the SDK suite did not finish within {SDK_TIMEOUT:?}:\n{text}\n{}", h.logs());
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
-    let text = std::fs::read_to_string(&out_path).unwrap_or_default();
-    println!("{text}");
-    assert!(status.success(), "the SDK suite failed ({status}):\n{text}\n{}", h.logs());
-    assert_eq!(text.lines().last(), Some("sdk e2e ok"), "the SDK suite did not reach its end:\n{text}");
+    let mut args = vec![target.to_string(), TOKEN.to_string()];
+    args.extend(cafile.map(|c| c.display().to_string()));
+    let label = if cafile.is_some() { "sdk-tls" } else { "sdk-plain" };
+    h.run_python(python, &script, &args, label, SDK_TIMEOUT, "sdk e2e ok");
     assert!(h.sandbox_ids().is_empty(), "claims left behind");
 }
 

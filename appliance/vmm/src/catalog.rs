@@ -52,6 +52,15 @@ pub enum CatalogError {
         #[source]
         source: serde_json::Error,
     },
+    /// A short name (`name:tag`) is the last segment of aliases that point to different
+    /// templates.
+    #[error("template name {name:?} is ambiguous: it is short for {targets:?}; use the full reference")]
+    Ambiguous {
+        /// The short name asked for.
+        name: String,
+        /// The templates it could mean.
+        targets: Vec<String>,
+    },
     /// Neither `CHRYSALIS_CACHE`, `XDG_CACHE_HOME` nor `HOME` is set.
     #[error("cannot locate the cache dir: none of CHRYSALIS_CACHE, XDG_CACHE_HOME, HOME is set")]
     NoCacheDir,
@@ -118,18 +127,41 @@ impl Catalog {
         serde_json::from_slice(&bytes).map_err(|source| CatalogError::Parse { path: path.to_path_buf(), source })
     }
 
-    /// Resolves a template name or alias to `(template name, template)`.
-    /// A template name wins over an alias of the same spelling.
-    pub fn resolve<'a>(&'a self, name_or_alias: &str) -> Result<(&'a str, &'a Template), CatalogError> {
-        if let Some((k, t)) = self.templates.get_key_value(name_or_alias) {
+    /// Resolves a template name, an alias, or a short name to `(template name, template)`, in
+    /// that order of precedence. A short name is the last `/` segment of an alias
+    /// (`rt:24.04` for `ghcr.io/cocoonstack/sandbox/rt:24.04`), as the SDK and its adapters
+    /// write them; a name that contains `/` is never taken as short. A short name shared by
+    /// aliases of different templates is [`CatalogError::Ambiguous`].
+    pub fn resolve<'a>(&'a self, name: &str) -> Result<(&'a str, &'a Template), CatalogError> {
+        if let Some((k, t)) = self.templates.get_key_value(name) {
             return Ok((k.as_str(), t));
         }
-        let target =
-            self.aliases.get(name_or_alias).ok_or_else(|| CatalogError::UnknownTemplate(name_or_alias.to_string()))?;
+        let (alias, target) = match self.aliases.get_key_value(name) {
+            Some(hit) => hit,
+            None => self.short_alias(name)?,
+        };
         self.templates
             .get_key_value(target)
             .map(|(k, t)| (k.as_str(), t))
-            .ok_or_else(|| CatalogError::DanglingAlias { alias: name_or_alias.to_string(), target: target.clone() })
+            .ok_or_else(|| CatalogError::DanglingAlias { alias: alias.clone(), target: target.clone() })
+    }
+
+    /// The one alias whose last segment is `name` (several spellings of one target count once).
+    fn short_alias(&self, name: &str) -> Result<(&String, &String), CatalogError> {
+        let unknown = || CatalogError::UnknownTemplate(name.to_string());
+        if name.is_empty() || name.contains('/') {
+            return Err(unknown());
+        }
+        let hits: Vec<(&String, &String)> =
+            self.aliases.iter().filter(|(a, _)| a.rsplit_once('/').is_some_and(|(_, last)| last == name)).collect();
+        let mut targets: Vec<String> = hits.iter().map(|(_, t)| (*t).clone()).collect();
+        targets.sort();
+        targets.dedup();
+        match targets.len() {
+            0 => Err(unknown()),
+            1 => Ok(hits[0]),
+            _ => Err(CatalogError::Ambiguous { name: name.to_string(), targets }),
+        }
     }
 }
 
@@ -155,6 +187,32 @@ mod tests {
         assert_eq!(t.rootfs.as_deref(), Some(Path::new("/c/rootfs.erofs")));
         assert!(matches!(c.resolve("nginx"), Err(CatalogError::UnknownTemplate(s)) if s == "nginx"));
         assert!(matches!(c.resolve("gone"), Err(CatalogError::DanglingAlias { .. })));
+    }
+
+    #[test]
+    fn short_names_resolve_to_their_alias_target() {
+        let mut c: Catalog = serde_json::from_str(SAMPLE).expect("sample parses");
+        assert_eq!(c.resolve("rt:24.04").expect("short name").0, "rt");
+        // Only the last segment is short; a partial path or another tag is unknown.
+        for name in ["sandbox/rt:24.04", "rt:23.10", "rt:24", ""] {
+            assert!(matches!(c.resolve(name), Err(CatalogError::UnknownTemplate(_))), "{name}");
+        }
+        // Two spellings of one target are not ambiguous; two targets are.
+        c.aliases.insert("docker.io/library/rt:24.04".into(), "rt".into());
+        assert_eq!(c.resolve("rt:24.04").expect("same target").0, "rt");
+        c.aliases.insert("quay.io/other/rt:24.04".into(), "base".into());
+        match c.resolve("rt:24.04") {
+            Err(CatalogError::Ambiguous { name, targets }) => {
+                assert_eq!(name, "rt:24.04");
+                assert_eq!(targets, ["base", "rt"]);
+            }
+            other => panic!("expected ambiguous, got {other:?}"),
+        }
+        // The full reference still resolves.
+        assert_eq!(c.resolve("quay.io/other/rt:24.04").expect("full").0, "base");
+        // A template name wins over a short name of the same spelling.
+        c.aliases.insert("ghcr.io/x/base".into(), "rt".into());
+        assert_eq!(c.resolve("base").expect("template").0, "base");
     }
 
     #[test]

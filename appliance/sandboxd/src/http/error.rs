@@ -120,6 +120,7 @@ impl From<ClaimError> for ApiError {
             ClaimError::Draining => ApiError::TooManyRequests("node draining".into()),
             e @ ClaimError::NoCapacity(_) => ApiError::TooManyRequests(e.to_string()),
             e @ ClaimError::UnknownTemplate(_) => ApiError::NotFound(e.to_string()),
+            ClaimError::AmbiguousTemplate(m) => ApiError::BadRequest(m),
             e @ ClaimError::Egress => ApiError::Conflict(e.to_string()),
             ClaimError::Unsupported(f) => ApiError::NotImplemented(f),
             ClaimError::NotFound => ApiError::no_sandbox(),

@@ -117,20 +117,31 @@ pub(super) async fn stats(
     auth::node_route(&node, &headers)?;
     let claim = node.sandbox(&id).ok_or_else(ApiError::no_sandbox)?;
     let size = claim.rec.key.size();
+    let mem_total_bytes = size.memory_mib() * 1024 * 1024;
+    // After a restart the VM is attached on first use; a VM that cannot be found is unmeasured.
+    let vm = node.vm_for(&claim).await.ok();
     // A handful of small /proc and cgroupfs reads: cheap enough for the handler itself.
-    let usage = claim.vm.as_ref().and_then(|vm| match vmm::usage::UsageReader::default().vm(vm) {
+    let usage = vm.as_ref().and_then(|vm| match vmm::usage::UsageReader::default().vm(vm) {
         Ok(u) => Some(u),
         Err(e) => {
             tracing::debug!(sandbox = %id, error = %vmm::error_chain(&e), "the VM could not be measured");
             None
         }
     });
+    // The guest's own view, through its agent (bounded in time and size).
+    let guest_used = match &vm {
+        Some(vm) => crate::guest_memory::used_bytes(node.driver().as_ref(), vm, mem_total_bytes)
+            .await
+            .inspect_err(|e| tracing::debug!(sandbox = %id, error = %vmm::error_chain(e), "guest memory not read"))
+            .ok(),
+        None => None,
+    };
     sorted_json(&api::Stats {
         id,
         cpu_count: size.vcpus(),
-        mem_total_bytes: size.memory_mib() * 1024 * 1024,
-        mem_used_bytes: 0,
-        mem_used_measured: false,
+        mem_total_bytes,
+        mem_used_bytes: guest_used.unwrap_or(0),
+        mem_used_measured: guest_used.is_some(),
         hibernated: false,
         measured_at: claims::rfc3339(claims::unix_ms(usage.map_or_else(std::time::SystemTime::now, |u| u.measured_at))),
         cpu_usage_nanos: usage.map(|u| u.cpu_usage_nanos),

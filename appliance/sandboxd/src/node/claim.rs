@@ -13,7 +13,7 @@ use super::{ClaimRequest, Grant, Node};
 use crate::claims::{self, Claim, ClaimError, SandboxRow};
 use crate::journal::ClaimRecord;
 use crate::metrics::inc;
-use crate::pool::Net;
+use crate::pool::{Net, PoolKey};
 
 impl Node {
     /// Grants a claim: ownership transfer of the newest warm VM, no VM work. Its duration is
@@ -31,7 +31,33 @@ impl Node {
         r
     }
 
-    fn claim_inner(&self, req: ClaimRequest) -> Result<Grant, ClaimError> {
+    /// The pool a claim for `key` is served from. A pool under the exact name wins; otherwise
+    /// the name is resolved through the catalog (alias or short name) and a pool of the same
+    /// lane and size whose template resolves to the same target serves it. An unknown name
+    /// is returned as it came (the caller answers 404).
+    fn pool_key_for(&self, key: &PoolKey) -> Result<PoolKey, ClaimError> {
+        if self.pool(key).is_some() {
+            return Ok(key.clone());
+        }
+        let catalog = &self.refill.catalog;
+        let target = match catalog.resolve(key.template()) {
+            Ok((target, _)) => target,
+            Err(e @ vmm::CatalogError::Ambiguous { .. }) => return Err(ClaimError::AmbiguousTemplate(e.to_string())),
+            Err(_) => return Ok(key.clone()),
+        };
+        let same_target = |p: &PoolKey| {
+            p.net() == key.net()
+                && p.size() == key.size()
+                && catalog.resolve(p.template()).is_ok_and(|(t, _)| t == target)
+        };
+        match self.pools().into_iter().find(|p| same_target(&p.key)) {
+            Some(pool) => Ok(pool.key.clone()),
+            None => Ok(PoolKey::new(target, key.net(), key.size())?),
+        }
+    }
+
+    fn claim_inner(&self, mut req: ClaimRequest) -> Result<Grant, ClaimError> {
+        req.key = self.pool_key_for(&req.key)?;
         if req.key.net() == Net::Egress && !self.egress() {
             return Err(ClaimError::Egress);
         }

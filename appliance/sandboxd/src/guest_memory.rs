@@ -1,0 +1,80 @@
+//! The guest's own view of its memory, for `GET /v1/sandboxes/{id}/stats`: `MemTotal −
+//! MemAvailable` of the guest's `/proc/meminfo`, read through silkd (`fs_read`).
+//!
+//! The guest controls every byte of the answer: the read is bounded in time
+//! ([`READ_TIMEOUT`]) and size ([`MAX_MEMINFO`]), the parse never panics, and the result is
+//! clamped to the size class's memory (a lying guest can only misreport itself).
+
+use std::time::Duration;
+
+use silkd_client::{AgentConn, ClientError};
+use thiserror::Error;
+use vmm::{Driver, DriverError, Vm, AGENT_PORT};
+
+/// How long the whole read may take (connect included).
+pub const READ_TIMEOUT: Duration = Duration::from_secs(3);
+/// The most of `/proc/meminfo` read (a real one is about 1.5 KiB).
+pub const MAX_MEMINFO: usize = 16 * 1024;
+
+/// Why the guest's memory could not be read.
+#[derive(Debug, Error)]
+pub enum GuestMemoryError {
+    /// The agent could not be reached.
+    #[error("connecting to the agent")]
+    Connect(#[source] DriverError),
+    /// The read failed (including an answer over [`MAX_MEMINFO`]).
+    #[error("reading /proc/meminfo")]
+    Read(#[source] ClientError),
+    /// No answer within [`READ_TIMEOUT`].
+    #[error("no answer within {READ_TIMEOUT:?}")]
+    Timeout,
+    /// The answer has no usable `MemTotal` / `MemAvailable`.
+    #[error("/proc/meminfo has no usable MemTotal and MemAvailable")]
+    Unparsable,
+}
+
+/// Bytes in use inside the guest, at most `limit`.
+pub async fn used_bytes(driver: &dyn Driver, vm: &Vm, limit: u64) -> Result<u64, GuestMemoryError> {
+    let read = async {
+        let stream = driver.connect(vm, AGENT_PORT).await.map_err(GuestMemoryError::Connect)?;
+        let mut conn = AgentConn::new(stream).with_output_cap(MAX_MEMINFO);
+        conn.download(&wire::Request::FsRead { path: "/proc/meminfo".into() }).await.map_err(GuestMemoryError::Read)
+    };
+    let text = tokio::time::timeout(READ_TIMEOUT, read).await.map_err(|_| GuestMemoryError::Timeout)??;
+    let used = parse_used(&String::from_utf8_lossy(&text)).ok_or(GuestMemoryError::Unparsable)?;
+    Ok(used.min(limit))
+}
+
+/// `MemTotal − MemAvailable` in bytes (the kernel writes both in kB).
+pub fn parse_used(meminfo: &str) -> Option<u64> {
+    let field = |name: &str| {
+        meminfo.lines().find_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix(':')?;
+            let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+            kib.checked_mul(1024)
+        })
+    };
+    field("MemTotal")?.checked_sub(field("MemAvailable")?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn used_is_total_minus_available_and_bad_input_is_none() {
+        let real = "MemTotal:         498012 kB\nMemFree:          431220 kB\nMemAvailable:     440100 kB\n";
+        assert_eq!(parse_used(real), Some((498_012 - 440_100) * 1024));
+        for bad in [
+            "",
+            "MemTotal: 10 kB\n",
+            "MemTotal: 10 kB\nMemAvailable: 20 kB\n",
+            "MemTotal: x kB\nMemAvailable: 1 kB\n",
+            "MemTotal: 99999999999999999999 kB\nMemAvailable: 1 kB\n",
+            "MemTotal: 18446744073709551615 kB\nMemAvailable: 1 kB\n",
+            "MemTotalX: 10 kB\nMemAvailable: 1 kB\n",
+        ] {
+            assert_eq!(parse_used(bad), None, "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,117 @@
+"""The SDK's surface beyond the core verbs (issue #16), unmodified SDK 0.1.19 and its LangChain
+and OpenAI Agents adapters with their default settings, against a live sandboxd with real VMs.
+
+Run by `tests/sdk_surface_e2e.rs`: sandboxd on loopback with a `base` pool and an `rt` pool.
+
+Usage: python3 surface.py <host:port> <root token>
+Prints `sdk surface ok` as its last line when every check passed; any failure raises.
+"""
+
+import asyncio
+import http.client
+import io
+import json
+import sys
+from pathlib import Path
+
+from cocoonsandbox import APIError, Client
+
+addr, root = sys.argv[1], sys.argv[2]
+host, port = addr.rsplit(":", 1)
+client = Client(addr, api_token=root, timeout=120)
+
+
+def step(name):
+    print(f"-- {name}", flush=True)
+
+
+def expect_status(status, fn):
+    try:
+        fn()
+    except APIError as exc:
+        assert exc.status == status, f"want HTTP {status}, got {exc.status}: {exc}"
+        return exc
+    raise AssertionError(f"want APIError {status}")
+
+
+def raw(method, path, body=None, token=root):
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        c.request(method, path, body=data, headers={"Authorization": f"Bearer {token}"})
+        r = c.getresponse()
+        return r.status, json.loads(r.read() or b"null")
+    finally:
+        c.close()
+
+
+def sandbox_rows():
+    status, body = raw("GET", "/v1/sandboxes")
+    assert status == 200, body
+    return body["sandboxes"]
+
+
+step("1. template names as users write them")
+for name in ["rt:24.04", "ghcr.io/cocoonstack/sandbox/rt:24.04"]:
+    with client.new(name, ttl_seconds=120) as sb:
+        row = next(r for r in sandbox_rows() if r["id"] == sb.id)
+        assert row["key"]["template"] == "rt", row
+        assert sb.exec("python3", "-c", "print(6 * 7)").strip() == "42"
+for name in ["rt:23.10", "sandbox/rt:24.04", "nginx:latest"]:
+    expect_status(404, lambda: client.new(name, ttl_seconds=60))
+
+step("8. stats: measured CPU and memory")
+with client.new("base", ttl_seconds=120) as sb:
+    sb.exec("sh", "-c", "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")
+    status, st = raw("GET", f"/v1/sandboxes/{sb.id}/stats")
+    assert status == 200, st
+    assert st["id"] == sb.id and st["cpu_count"] >= 1, st
+    assert st["mem_used_measured"] is True, st
+    assert 0 < st["mem_used_bytes"] <= st["mem_total_bytes"], st
+    assert st["cpu_usage_nanos"] > 0 and st["memory_working_set_bytes"] > 0, st
+    assert st["hibernated"] is False and st["measured_at"].endswith("Z"), st
+    status, body = raw("GET", f"/v1/sandboxes/{sb.id}/stats", token=sb.token)
+    assert status == 401, (status, body)
+assert raw("GET", "/v1/sandboxes/sb_000000000000000/stats")[0] == 404
+
+step("LangChain toolkit, default settings (template rt:24.04)")
+from cocoonsandbox_langchain import CocoonToolkit  # noqa: E402
+
+with CocoonToolkit(addr, api_token=root) as kit:
+    tools = {t.name: t for t in kit.get_tools()}
+    out = tools["sandbox_exec"].invoke({"command": "python3 -c 'print(40 + 2)'"})
+    assert out.strip() == "42", out
+    out = tools["sandbox_exec"].invoke({"command": "echo oops >&2; exit 3"})
+    assert "stderr: oops" in out and "exit code: 3" in out, out
+    assert tools["sandbox_write_file"].invoke({"path": "/tmp/agent.txt", "content": "from langchain\n"}).startswith("wrote")
+    assert tools["sandbox_read_file"].invoke({"path": "/tmp/agent.txt"}) == "from langchain\n"
+    listing = json.loads(tools["sandbox_list_dir"].invoke({"path": "/tmp"}))
+    assert any(e["name"] == "agent.txt" and e["kind"] == "file" for e in listing), listing
+    claimed = kit.sandbox().id
+    assert any(r["id"] == claimed for r in sandbox_rows())
+assert not any(r["id"] == claimed for r in sandbox_rows()), "the toolkit released its sandbox"
+
+step("OpenAI Agents sandbox session, default settings (template rt:24.04)")
+from cocoonsandbox_openai import CocoonSandboxClient, CocoonSandboxClientOptions  # noqa: E402
+
+
+async def agents_session():
+    agents_client = CocoonSandboxClient()
+    session = await agents_client.create(options=CocoonSandboxClientOptions(addr=addr, api_token=root))
+    try:
+        await session.start()
+        await session.write(Path("notes.txt"), io.BytesIO(b"written by an agent\n"))
+        got = await session.read(Path("notes.txt"))
+        assert got.read() == b"written by an agent\n"
+        res = await session.exec("sh", "-c", "cat /workspace/notes.txt | wc -l; python3 -c 'print(7 * 6)'")
+        assert res.exit_code == 0 and res.stdout.split() == [b"1", b"42"], res
+        assert await session.running()
+    finally:
+        await agents_client.delete(session)
+    return session.state.sandbox_id
+
+
+sid = asyncio.run(agents_session())
+assert not any(r["id"] == sid for r in sandbox_rows()), "delete released the sandbox"
+
+print("sdk surface ok")
