@@ -8,7 +8,10 @@ Unix socket, so every frame goes through the SDK's own Conn/frames code paths.
 """
 
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -31,6 +34,42 @@ class FakeClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(self.path)
         return Conn(sock, sock.makefile("rb"))
+
+
+def git_verbs(sb):
+    """Every git verb of the SDK, through its own code, against the host's git."""
+    root = tempfile.mkdtemp(prefix="silkd-sdk-git-")
+    remote, work, other = f"{root}/remote.git", f"{root}/work", f"{root}/other"
+    subprocess.run(["git", "init", "--quiet", "--bare", "-b", "main", remote], check=True)
+    sb.git_clone(remote, work)
+    sb.write_file(f"{work}/a.txt", b"one\n")
+    st = sb.git_status(work)
+    assert st["branch"] == "main" and st["files"] == [{"path": "a.txt", "staged": "?", "unstaged": "?"}], st
+    sb.git_add(work, ["a.txt"])
+    h = sb.git_commit(work, "first", "Ada <ada@example.com>")
+    assert len(h) == 40, h
+    sb.git_push(work)
+    sb.git_clone(remote, other, branch="main", depth=1)
+    sb.write_file(f"{work}/b.txt", b"two\n")
+    sb.git_add(work, [])
+    sb.git_commit(work, "second", "Ada <ada@example.com>")
+    assert sb.git_status(work)["ahead"] == 1
+    sb.git_push(work)
+    sb.git_pull(other)
+    assert sb.read_file(f"{other}/b.txt") == b"two\n"
+    sb.git_create_branch(work, "feature")
+    sb.git_checkout(work, "feature")
+    br = sb.git_branches(work)
+    assert br["current"] == "feature" and br["branches"] == ["feature", "main"], br
+    sb.git_checkout(work, "main")
+    sb.git_delete_branch(work, "feature")
+    assert sb.git_branches(work)["branches"] == ["main"]
+    try:
+        sb.git_commit(work, "nothing staged", "Ada <ada@example.com>")
+        raise AssertionError("expected bad_request")
+    except SilkdError as e:
+        assert e.kind == "bad_request" and "git commit failed" in str(e), e
+    shutil.rmtree(root)
 
 
 def main(path):
@@ -120,11 +159,12 @@ def main(path):
         back += chunk
     assert back == b"fedcba", back
     pc.close()
+    git_verbs(sb)
     try:
-        sb.git_status("/")
+        sb.start_lsp("python")
         raise AssertionError("expected unimplemented")
     except SilkdError as e:
-        assert e.kind == "unimplemented"
+        assert e.kind == "unimplemented", e
     # fs ops (the fs engineer's) through the same engine
     sb.write_file("/tmp/silkd-sdk-smoke.txt", b"content")
     assert sb.read_file("/tmp/silkd-sdk-smoke.txt") == b"content"

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from cocoonsandbox import APIError, Client
+from cocoonsandbox import APIError, Client, SilkdError
 
 addr, root = sys.argv[1], sys.argv[2]
 host, port = addr.rsplit(":", 1)
@@ -73,6 +73,54 @@ with client.new("base", ttl_seconds=120) as sb:
     status, body = raw("GET", f"/v1/sandboxes/{sb.id}/stats", token=sb.token)
     assert status == 401, (status, body)
 assert raw("GET", "/v1/sandboxes/sb_000000000000000/stats")[0] == 404
+
+step("9. git ops in silkd, with the guest's git")
+
+
+def expect_silkd(kind, text, fn):
+    try:
+        fn()
+    except SilkdError as exc:
+        assert exc.kind == kind and text in str(exc), f"want {kind} with {text!r}, got {exc.kind}: {exc}"
+        return
+    raise AssertionError(f"want SilkdError {kind}")
+
+
+with client.new("rt:24.04", ttl_seconds=300) as sb:
+    sb.exec("git", "init", "--quiet", "--bare", "-b", "main", "/srv/remote.git")
+    sb.git_clone("/srv/remote.git", "/srv/work")
+    sb.write_file("/srv/work/hello.py", b"print('hello from git')\n")
+    st = sb.git_status("/srv/work")
+    assert st["branch"] == "main" and st["files"] == [{"path": "hello.py", "staged": "?", "unstaged": "?"}], st
+    sb.git_add("/srv/work", ["hello.py"])
+    first = sb.git_commit("/srv/work", "add hello", "Agent <agent@example.com>")
+    sb.git_push("/srv/work")
+    assert sb.exec("git", "--git-dir=/srv/remote.git", "rev-parse", "main").strip() == first
+    sb.git_clone("file:///srv/remote.git", "/srv/other", branch="main", depth=1)
+    sb.git_create_branch("/srv/work", "topic")
+    sb.git_checkout("/srv/work", "topic")
+    sb.write_file("/srv/work/hello.py", b"print('hello again')\n")
+    sb.git_add("/srv/work", [])
+    sb.git_commit("/srv/work", "change hello", "Agent <agent@example.com>")
+    assert sb.git_status("/srv/work")["files"] == []
+    br = sb.git_branches("/srv/work")
+    assert br["current"] == "topic" and br["branches"] == ["main", "topic"], br
+    sb.git_push("/srv/work")
+    sb.git_checkout("/srv/work", "main")
+    sb.git_delete_branch("/srv/work", "topic")
+    sb.git_push("/srv/work")
+    sb.git_pull("/srv/other")
+    assert sb.exec("python3", "/srv/other/hello.py").strip() == "hello from git"
+    # Bad input: typed errors, and the sandbox goes on.
+    expect_silkd("bad_request", "Name <email>", lambda: sb.git_commit("/srv/work", "x", "anonymous"))
+    expect_silkd("bad_request", "not a git repository", lambda: sb.git_status("/tmp"))
+    expect_silkd("not_found", "no such directory", lambda: sb.git_status("/nowhere"))
+    expect_silkd("bad_request", "start with '-'", lambda: sb.git_clone("--upload-pack=touch /tmp/p", "/srv/x"))
+    expect_silkd("unimplemented", "no network", lambda: sb.git_clone("https://example.com/r.git", "/srv/y"))
+    expect_silkd("unimplemented", "language servers", lambda: sb.start_lsp("python"))
+    assert sb.exec("sh", "-c", "test ! -e /tmp/p && echo clean").strip() == "clean"
+with client.new("base", ttl_seconds=60) as sb:
+    expect_silkd("unimplemented", "no git", lambda: sb.git_status("/"))
 
 step("LangChain toolkit, default settings (template rt:24.04)")
 from cocoonsandbox_langchain import CocoonToolkit  # noqa: E402

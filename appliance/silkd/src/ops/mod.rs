@@ -7,6 +7,7 @@ pub const STRAY_MESSAGE: &str = "stray data/stdin frame";
 pub mod entropy;
 pub mod exec;
 pub mod fs;
+pub mod git;
 pub mod port;
 pub mod proc;
 pub mod pty;
@@ -56,14 +57,16 @@ pub async fn dispatch(rpc: &mut Rpc, agent: &Arc<Agent>, req: Request) -> Result
         Request::PtyResize { pid, cols, rows } => pty::pty_resize(rpc, agent, pid, cols, rows).await,
         Request::PortForward { port } => port::port_forward(rpc, port).await,
         Request::Reseed { data } => entropy::reseed(rpc, data.0).await,
-        other @ (Request::GitClone { .. }
-        | Request::GitAdd { .. }
-        | Request::GitPush { .. }
-        | Request::GitPull { .. }
-        | Request::GitStatus { .. }
-        | Request::GitCommit { .. }
-        | Request::GitBranch { .. }
-        | Request::LspStart { .. }
+        Request::GitClone { url, path, branch, depth, auth } => {
+            git::git_clone(rpc, url, path, branch, depth, auth).await
+        }
+        Request::GitAdd { path, files } => git::git_add(rpc, path, files).await,
+        Request::GitPush { path, auth } => git::git_push(rpc, path, auth).await,
+        Request::GitPull { path, auth } => git::git_pull(rpc, path, auth).await,
+        Request::GitStatus { path } => git::git_status(rpc, path).await,
+        Request::GitCommit { path, message, author } => git::git_commit(rpc, path, message, author).await,
+        Request::GitBranch { path, action, name } => git::git_branch(rpc, path, action, name).await,
+        other @ (Request::LspStart { .. }
         | Request::LspRequest { .. }
         | Request::LspStop { .. }) => Err(unimplemented::refuse(other.op())),
     }

@@ -1,15 +1,12 @@
-//! Ops this silkd does not implement yet (`git_*`, `lsp_*`): a typed `unimplemented`
-//! error with a message that says what to use instead.
+//! Ops this silkd does not implement (`lsp_*`): a typed `unimplemented` error with a message
+//! that says what to use instead.
 
 use crate::error::OpError;
 
 /// The error answering `op`.
 pub fn refuse(op: &str) -> OpError {
-    let hint = if op.starts_with("git_") {
-        "git ops are not available in this guest agent; run git through exec (e.g. argv [\"git\", \"status\"]) \
-         or push files with fs_push"
-    } else if op.starts_with("lsp_") {
-        "language servers are not available in this guest agent"
+    let hint = if op.starts_with("lsp_") {
+        "language servers are not brokered by this guest agent; run one through exec (stdio) or a session"
     } else {
         "not available in this guest agent"
     };
@@ -22,9 +19,8 @@ mod tests {
 
     #[test]
     fn refusals_are_typed_and_name_the_op() {
-        let e = refuse("git_clone");
+        let e = refuse("lsp_start");
         assert_eq!(e.kind, wire::ErrorKind::Unimplemented);
-        assert!(e.message.starts_with("git_clone: git ops"));
-        assert!(refuse("lsp_start").message.contains("language servers"));
+        assert!(e.message.starts_with("lsp_start: language servers"), "{e}");
     }
 }
