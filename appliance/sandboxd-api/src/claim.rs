@@ -50,6 +50,9 @@ pub struct Grant {
     /// Content digest of the template, when the catalog knows it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub template_digest: Option<String>,
+    /// The checkpoint it was claimed from, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_checkpoint: Option<String>,
 }
 
 impl std::fmt::Debug for Grant {
@@ -60,6 +63,7 @@ impl std::fmt::Debug for Grant {
             .field("deadline", &self.deadline)
             .field("owner_addr", &self.owner_addr)
             .field("template_digest", &self.template_digest)
+            .field("from_checkpoint", &self.from_checkpoint)
             .finish()
     }
 }
@@ -137,6 +141,7 @@ mod tests {
             deadline: "2030-01-01T00:00:00Z".into(),
             owner_addr: "10.0.0.5:7777".into(),
             template_digest: None,
+            from_checkpoint: None,
         };
         assert_eq!(
             wire(&g),

@@ -54,6 +54,12 @@ pub const DEFAULT_RELAY_IDLE_TIMEOUT_SECS: u64 = 3600;
 pub const DEFAULT_CONSOLE_LOG_KIB: u64 = 1024;
 /// Smallest `console_log_kib` accepted.
 pub const MIN_CONSOLE_LOG_KIB: u64 = 16;
+/// Default `max_fork_count`.
+pub const DEFAULT_MAX_FORK_COUNT: usize = 16;
+/// Largest `max_fork_count` accepted.
+pub const MAX_FORK_COUNT_LIMIT: usize = 256;
+/// Default `checkpoint_ttl_hours`: a week.
+pub const DEFAULT_CHECKPOINT_TTL_HOURS: u64 = 168;
 /// Default warm target of a pool that gives neither `warm` nor `warm_max`.
 pub const DEFAULT_WARM: usize = 4;
 
@@ -218,6 +224,13 @@ pub struct Config {
     /// [`DEFAULT_CONSOLE_LOG_KIB`], at least [`MIN_CONSOLE_LOG_KIB`]); `GET …/console` and
     /// `kubectl logs` read it. A guest that writes more only loses its oldest lines.
     pub console_log_kib: u64,
+    /// Most children one fork may ask for (default [`DEFAULT_MAX_FORK_COUNT`], 1 to
+    /// [`MAX_FORK_COUNT_LIMIT`]); a larger `count` is a `400`.
+    pub max_fork_count: usize,
+    /// Checkpoints older than this are deleted, hours (default
+    /// [`DEFAULT_CHECKPOINT_TTL_HOURS`]; 0 keeps them until deleted). Their files stay while a
+    /// sandbox claimed from them runs.
+    pub checkpoint_ttl_hours: u64,
 }
 
 impl Default for Config {
@@ -253,6 +266,8 @@ impl Default for Config {
             body_timeout_secs: DEFAULT_BODY_TIMEOUT_SECS,
             relay_idle_timeout_secs: DEFAULT_RELAY_IDLE_TIMEOUT_SECS,
             console_log_kib: DEFAULT_CONSOLE_LOG_KIB,
+            max_fork_count: DEFAULT_MAX_FORK_COUNT,
+            checkpoint_ttl_hours: DEFAULT_CHECKPOINT_TTL_HOURS,
         }
     }
 }

@@ -88,6 +88,10 @@ pub struct Info {
     pub advertise_addr: String,
     /// The node budget and its use.
     pub budget: BudgetInfo,
+    /// Chrysalis extension: checkpoints on this node.
+    pub checkpoints: usize,
+    /// Chrysalis extension: bytes the checkpoints and fork snapshots hold on disk.
+    pub checkpoint_disk_bytes: u64,
 }
 
 /// `GET /v1/pools` and the `PUT /v1/pools` body (decoded strictly): the configured pools.
@@ -138,6 +142,8 @@ mod tests {
                 memory_mib: 2048,
                 disk_mib: 0,
             },
+            checkpoints: 0,
+            checkpoint_disk_bytes: 0,
         }
     }
 
@@ -148,7 +154,8 @@ mod tests {
             concat!(
                 r#"{"pools":[{"key":{"template":"base","net":"none","size":"small"},"warm":2,"refilling":1,"target":3,"golden":true}],"#,
                 r#""claimed":1,"hibernated":0,"archived":0,"draining":false,"peers":[],"#,
-                r#""budget":{"max_vms":8,"max_memory_mib":4096,"max_disk_mib":9000,"vms":4,"memory_mib":2048,"disk_mib":0}}"#
+                r#""budget":{"max_vms":8,"max_memory_mib":4096,"max_disk_mib":9000,"vms":4,"memory_mib":2048,"disk_mib":0},"#,
+                r#""checkpoints":0,"checkpoint_disk_bytes":0}"#
             )
         );
         let mut full = info();

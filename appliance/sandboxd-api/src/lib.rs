@@ -28,6 +28,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod branch;
 pub mod claim;
 pub mod config;
 pub mod error;
@@ -35,6 +36,7 @@ pub mod exec;
 pub mod info;
 pub mod sandbox;
 
+pub use branch::{Checkpoint, CheckpointClaimRequest, CheckpointList, CheckpointReply, CheckpointRequest, ForkReply, ForkRequest};
 pub use claim::{ClaimReply, ClaimRequest, Grant, RenewRequest, Renewed};
 pub use config::{Config, NetworkConfig, PoolConfig};
 pub use error::ErrorBody;

@@ -23,6 +23,9 @@ pub struct SandboxRow {
     /// The caller's reference.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub claim_ref: Option<String>,
+    /// The checkpoint it was claimed from, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_checkpoint: Option<String>,
     /// The sandbox token (root only, per-id read only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
@@ -100,6 +103,7 @@ mod tests {
             claimed_at: "2030-01-01T00:00:00Z".into(),
             hibernated: false,
             claim_ref: None,
+            from_checkpoint: None,
             token: None,
         }
     }

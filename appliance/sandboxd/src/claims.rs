@@ -125,6 +125,7 @@ impl Claim {
             claimed_at: rfc3339(self.rec.claimed_at_unix_ms),
             hibernated: false,
             claim_ref: self.rec.claim_ref.clone(),
+            from_checkpoint: self.rec.from_checkpoint.clone(),
             token: None,
         }
     }
@@ -247,6 +248,7 @@ mod tests {
             deadline_unix_ms: 5,
             claimed_at_unix_ms: 1,
             claim_ref: None,
+            from_checkpoint: None,
         };
         let mut t = ClaimTable::default();
         assert_eq!(t.insert(Claim { rec: rec("sb_2"), vm: None }), 1);

@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::limits::{self, Budget, BudgetError, ClaimCaps, ExecTimeouts, HttpLimits, Limits};
+use crate::limits::{self, Branching, Budget, BudgetError, ClaimCaps, ExecTimeouts, HttpLimits, Limits};
 use crate::pool::{KeyError, PoolKey};
 
 /// The shortest root token accepted (32 characters: 128 bits as hex, 192 as base64).
@@ -336,6 +336,16 @@ impl Config {
         if let Some(v) = self.max_disk_mib {
             at_least_one("max_disk_mib", v)?;
         }
+        if !(1..=sandboxd_api::config::MAX_FORK_COUNT_LIMIT).contains(&self.max_fork_count) {
+            return Err(ConfigError::Limit {
+                key: "max_fork_count",
+                problem: format!(
+                    "{} is outside 1..={}",
+                    self.max_fork_count,
+                    sandboxd_api::config::MAX_FORK_COUNT_LIMIT
+                ),
+            });
+        }
         if self.console_log_kib < sandboxd_api::config::MIN_CONSOLE_LOG_KIB {
             return Err(ConfigError::Limit {
                 key: "console_log_kib",
@@ -409,6 +419,11 @@ impl Config {
                 header_timeout: Duration::from_secs(self.header_timeout_secs),
                 body_timeout: Duration::from_secs(self.body_timeout_secs),
                 relay_idle: Duration::from_secs(self.relay_idle_timeout_secs),
+            },
+            branching: Branching {
+                max_fork_count: self.max_fork_count,
+                checkpoint_ttl: (self.checkpoint_ttl_hours > 0)
+                    .then(|| Duration::from_secs(self.checkpoint_ttl_hours.saturating_mul(3600))),
             },
         })
     }

@@ -47,14 +47,8 @@ pub async fn used_bytes(driver: &dyn Driver, vm: &Vm, limit: u64) -> Result<u64,
 
 /// `MemTotal − MemAvailable` in bytes (the kernel writes both in kB).
 pub fn parse_used(meminfo: &str) -> Option<u64> {
-    let field = |name: &str| {
-        meminfo.lines().find_map(|l| {
-            let rest = l.strip_prefix(name)?.strip_prefix(':')?;
-            let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-            kib.checked_mul(1024)
-        })
-    };
-    field("MemTotal")?.checked_sub(field("MemAvailable")?)
+    let m = foundation::procfs::parse_meminfo(meminfo).ok()?;
+    m.memory_total_bytes.checked_sub(m.memory_available_bytes)
 }
 
 #[cfg(test)]
@@ -63,7 +57,8 @@ mod tests {
 
     #[test]
     fn used_is_total_minus_available_and_bad_input_is_none() {
-        let real = "MemTotal:         498012 kB\nMemFree:          431220 kB\nMemAvailable:     440100 kB\n";
+        let real = "MemTotal:         498012 kB\nMemFree:          431220 kB\nMemAvailable:     440100 kB\n\
+                    Inactive(file):    12000 kB\n";
         assert_eq!(parse_used(real), Some((498_012 - 440_100) * 1024));
         for bad in [
             "",

@@ -132,6 +132,9 @@ pub struct ClaimRecord {
     /// Caller's reference, filterable in listings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim_ref: Option<String>,
+    /// The checkpoint it was claimed from, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_checkpoint: Option<String>,
 }
 
 /// One mutation of the claim table.

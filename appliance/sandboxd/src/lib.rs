@@ -39,6 +39,7 @@ pub mod options;
 pub mod pool;
 pub mod reaper;
 pub mod reconcile;
+pub mod snapshots;
 pub mod refill;
 pub mod store;
 #[cfg(any(test, feature = "test-utils"))]

@@ -513,6 +513,26 @@ pub struct Limits {
     pub exec: ExecTimeouts,
     /// HTTP.
     pub http: HttpLimits,
+    /// Fork and checkpoints.
+    pub branching: Branching,
+}
+
+/// The limits of fork and checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Branching {
+    /// Most children of one fork (`max_fork_count`).
+    pub max_fork_count: usize,
+    /// Age at which a checkpoint is deleted (`checkpoint_ttl_hours`); `None` keeps it.
+    pub checkpoint_ttl: Option<Duration>,
+}
+
+impl Default for Branching {
+    fn default() -> Self {
+        Branching {
+            max_fork_count: sandboxd_api::config::DEFAULT_MAX_FORK_COUNT,
+            checkpoint_ttl: Some(Duration::from_secs(sandboxd_api::config::DEFAULT_CHECKPOINT_TTL_HOURS * 3600)),
+        }
+    }
 }
 
 /// The default lease horizon: 7 days.
@@ -527,6 +547,7 @@ impl Limits {
             caps: ClaimCaps::default(),
             exec: ExecTimeouts::default(),
             http: HttpLimits::default(),
+            branching: Branching::default(),
         }
     }
 }

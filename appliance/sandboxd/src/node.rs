@@ -24,7 +24,10 @@
 //!   refill (whose new VMs the reconcile could mistake for unowned ones) starts only after a
 //!   clean reconcile.
 
+mod branch;
 mod claim;
+
+pub use branch::BranchError;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -41,6 +44,7 @@ use crate::limits::{BudgetError, CapError, ClaimSlots, Ledger, Limits, SlotGuard
 use crate::metrics::{Gauges, Metrics};
 use crate::pool::{Pool, PoolInfo, PoolKey, Pools};
 use crate::refill::{self, Refill};
+use crate::snapshots::SnapshotStore;
 use crate::store::ClaimStore;
 use crate::vms::{disk_mib, Vms};
 use crate::{reaper, reconcile};
@@ -57,6 +61,9 @@ pub enum NodeError {
     /// The pool list (config or `pools.json`) is invalid.
     #[error("pool list")]
     Pools(#[from] ConfigError),
+    /// The snapshot directory could not be created.
+    #[error("creating the snapshot directory under the data dir")]
+    Snapshots(#[source] std::io::Error),
     /// The VM network (bridge, packet filter) could not be set up.
     #[error("setting up the VM network (config key network)")]
     Network(#[source] vmnet::VmnetError),
@@ -105,6 +112,8 @@ pub struct Node {
     pool_configs: Mutex<Vec<PoolConfig>>,
     /// Counters for `/metrics`.
     pub metrics: Arc<Metrics>,
+    /// Fork snapshots and checkpoints.
+    snapshots: SnapshotStore,
     cancel: CancellationToken,
 }
 
@@ -142,6 +151,7 @@ impl Node {
             // predate a smaller budget. Refill stops at the budget either way.
             tracing::warn!(error = %e, "the persisted pools.json targets do not fit the node budget; refill stops at the budget");
         }
+        let snapshots = SnapshotStore::open(&opts.data_dir).map_err(NodeError::Snapshots)?;
         let goldens = Goldens::new(&opts.data_dir);
         goldens.clean_staging();
         let ledger = Ledger::new(opts.limits.budget);
@@ -172,6 +182,7 @@ impl Node {
             advertise_addr: opts.advertise_addr,
             pool_configs: Mutex::new(pool_list),
             metrics,
+            snapshots,
             cancel: CancellationToken::new(),
         });
         for (key, target) in pools {
@@ -184,6 +195,9 @@ impl Node {
             let (store, refill) = (Arc::clone(&node.store), Arc::clone(&node.refill));
             tokio::spawn(reconcile::retry(store, refill, node.cancel.clone()));
         }
+        // Snapshots a crash left half-made, or that nothing needs since: now, then periodically.
+        node.gc_snapshots().await;
+        tokio::spawn(snapshot_gc(Arc::downgrade(&node), node.timing.snapshot_gc, node.cancel.clone()));
         Ok(node)
     }
 
@@ -299,6 +313,8 @@ impl Node {
                 memory_mib: used.memory_mib,
                 disk_mib: used.disk_mib,
             },
+            checkpoints: self.checkpoints().len(),
+            checkpoint_disk_bytes: self.snapshot_disk_bytes(),
         }
     }
 
@@ -387,5 +403,17 @@ impl Node {
     /// start. A failed `list` returns the error and changes nothing.
     pub async fn reconcile(&self) -> Result<ReconcileReport, DriverError> {
         reconcile::reconcile(&self.store, &self.refill).await
+    }
+}
+
+/// Runs [`Node::gc_snapshots`] every `period` until `cancel` or the node is gone.
+async fn snapshot_gc(node: std::sync::Weak<Node>, period: Duration, cancel: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(period) => {}
+        }
+        let Some(node) = node.upgrade() else { return };
+        node.gc_snapshots().await;
     }
 }

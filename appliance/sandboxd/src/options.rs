@@ -28,6 +28,8 @@ pub struct Timing {
     pub park: Duration,
     /// After the guest closes a relay, how long the client may still send.
     pub relay_drain: Duration,
+    /// Period of the snapshot gc (expired checkpoints, snapshots nothing uses).
+    pub snapshot_gc: Duration,
 }
 
 impl Default for Timing {
@@ -41,6 +43,7 @@ impl Default for Timing {
             reconcile_retry: Duration::from_secs(5),
             park: Duration::from_secs(30),
             relay_drain: Duration::from_secs(30),
+            snapshot_gc: Duration::from_secs(60),
         }
     }
 }

@@ -46,7 +46,7 @@ use crate::golden::{GoldenError, Goldens};
 use crate::limits::Reservation;
 use crate::metrics::{inc, Metrics};
 use crate::options::Timing;
-use crate::pool::{Net, Pool};
+use crate::pool::{Net, Pool, PoolKey};
 use crate::vms::{disk_mib, Vms, OWNERSHIP};
 
 /// Clone failures in a row after which the golden is dropped and rebuilt.
@@ -373,7 +373,12 @@ fn spec_for(cx: &Refill, pool: &Pool, id_prefix: String) -> Result<BootSpec, Ref
 }
 
 fn vm_prefix(pool: &Pool) -> String {
-    format!("{}{}", OWNERSHIP.prefix(), &pool.hash[..12])
+    prefix_for(&pool.hash)
+}
+
+/// `sbx-<12 hex of the pool key's hash>`: the names of a pool's VMs (and its forks' children).
+fn prefix_for(key_hash: &str) -> String {
+    format!("{}{}", OWNERSHIP.prefix(), &key_hash[..12])
 }
 
 async fn probe(cx: &Refill, vm: Vm, budget: std::time::Duration) -> Result<Vm, RefillError> {
@@ -388,8 +393,8 @@ async fn probe(cx: &Refill, vm: Vm, budget: std::time::Duration) -> Result<Vm, R
 
 /// The lease (egress, isolated) and TAP of a new VM of an egress pool, keyed `key`, and its
 /// NIC; `None` for a `none` pool.
-async fn nic_for(cx: &Refill, pool: &Pool, key: &VmId) -> Result<Option<(vmnet::Lease, NicSpec)>, RefillError> {
-    if pool.key.net() != Net::Egress {
+async fn nic_for(cx: &Refill, lane: Net, key: &VmId) -> Result<Option<(vmnet::Lease, NicSpec)>, RefillError> {
+    if lane != Net::Egress {
         return Ok(None);
     }
     let net = cx.vms.net.as_ref().ok_or(RefillError::NoNetwork)?;
@@ -416,14 +421,22 @@ async fn unstarted(cx: &Refill, key: &VmId, nic: Option<&(vmnet::Lease, NicSpec)
 }
 
 async fn clone_one(cx: &Refill, pool: &Pool, golden: &Snapshot) -> Result<Vm, RefillError> {
-    let id = VmId::generate(&vm_prefix(pool));
-    let nic = nic_for(cx, pool, &id).await?;
+    restore_ready(cx, &pool.key, golden).await
+}
+
+/// Restores a VM of `key` from `snap` and readies it like a pool clone: silkd answers, an
+/// egress lane's VM gets its own NIC and address, the guest RNG is reseeded. A VM that fails a
+/// step is destroyed. Pool clones come from the golden; a fork's children and claims from a
+/// checkpoint come from their own snapshot.
+pub async fn restore_ready(cx: &Refill, key: &PoolKey, snap: &Snapshot) -> Result<Vm, RefillError> {
+    let id = VmId::generate(&prefix_for(&key.hash()));
+    let nic = nic_for(cx, key.net(), &id).await?;
     let opts = RestoreOptions { nic: nic.as_ref().map(|(_, n)| n.clone()) };
-    let vm = match cx.driver().restore_with(golden, &id, &opts).await {
+    let vm = match cx.driver().restore_with(snap, &id, &opts).await {
         Ok(vm) => vm,
         Err(source) => {
             unstarted(cx, &id, nic.as_ref()).await;
-            return Err(RefillError::Driver { what: "cloning the golden", source });
+            return Err(RefillError::Driver { what: "restoring from a snapshot", source });
         }
     };
     let vm = probe(cx, vm, cx.timing.clone_probe).await?;
@@ -503,7 +516,7 @@ async fn reseed(cx: &Refill, vm: &Vm) -> Result<(), RefillError> {
 /// Boots `spec`, with a NIC of its own for an egress pool (given back if the boot fails).
 async fn boot_with_nic(cx: &Refill, pool: &Pool, mut spec: BootSpec, what: &'static str) -> Result<Vm, RefillError> {
     let key = VmId::generate(&spec.name);
-    let nic = nic_for(cx, pool, &key).await?;
+    let nic = nic_for(cx, pool.key.net(), &key).await?;
     spec.nic = nic.as_ref().map(|(_, n)| n.clone());
     match cx.driver().boot(&spec).await {
         Ok(vm) => Ok(vm),

@@ -213,6 +213,7 @@ pub fn fast_timing() -> crate::node::Timing {
         reconcile_retry: Duration::from_millis(50),
         park: Duration::from_millis(200),
         relay_drain: Duration::from_secs(1),
+        snapshot_gc: Duration::from_millis(200),
     }
 }
 

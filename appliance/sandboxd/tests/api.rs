@@ -251,8 +251,6 @@ async fn error_shapes() {
     assert_eq!(s, StatusCode::BAD_REQUEST);
 
     for (m, p, feature) in [
-        ("POST", "/v1/sandboxes/sb_1/fork", "fork"),
-        ("POST", "/v1/sandboxes/sb_1/checkpoint", "checkpoint"),
         ("POST", "/v1/sandboxes/sb_1/promote", "promote"),
         ("POST", "/v1/sandboxes/sb_1/hibernate", "hibernate"),
         ("POST", "/v1/sandboxes/sb_1/wake", "wake"),
@@ -260,8 +258,7 @@ async fn error_shapes() {
         ("PUT", "/v1/sandboxes/sb_1/volumes", "volumes"),
         ("GET", "/v1/volumes", "volumes"),
         ("DELETE", "/v1/templates?template=x", "templates"),
-        ("GET", "/v1/checkpoints", "checkpoints"),
-        ("POST", "/v1/checkpoints/ck_1/claim", "checkpoints"),
+        ("GET", "/v1/checkpoints/ck_1/blob", "checkpoint blobs"),
     ] {
         let (s, v) = h.call(m, p, None, None).await;
         assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{m} {p}");
@@ -765,4 +762,169 @@ async fn aliases_and_short_names_claim_from_their_templates_pool() {
         assert_eq!(c["template_digest"], "sha256:rt", "{name}: {c}");
         wait_warm(&h.node, ALIAS, 1).await;
     }
+}
+
+/// Snapshot directories under the node's data dir.
+fn snapshot_dirs(h: &H) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(h.dir.path().join("data/snapshots"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[tokio::test]
+async fn fork_is_all_or_nothing_and_children_diverge_from_the_parent() {
+    let h = start(&[("base", 2)], None).await;
+    wait_warm(&h.node, "base", 2).await;
+    let p = h.claim(json!({"template": "base", "claim_ref": "parent"})).await;
+    let (pid, ptok) = (p["id"].as_str().expect("id").to_string(), p["token"].as_str().expect("token").to_string());
+    let fork_path = format!("/v1/sandboxes/{pid}/fork");
+    let fork = |body: Value| h.call("POST", &fork_path, None, Some(body));
+
+    let (s, v) = fork(json!({"token": ptok, "count": 3, "ttl_seconds": 60, "claim_ref_prefix": "branch"})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let children = v["children"].as_array().expect("children").clone();
+    assert_eq!(children.len(), 3);
+    for c in &children {
+        assert!(c["id"].as_str().expect("id").starts_with("sb_") && c["token"].as_str().expect("t").len() == 32, "{c}");
+        assert_eq!(c["owner_addr"], "10.0.0.1:7777");
+        assert_eq!(c["template_digest"], "sha256:base");
+        assert!((55..=60).contains(&deadline_secs_from_now(c)), "{c}");
+    }
+    let (_, rows) = h.call("GET", "/v1/sandboxes", None, None).await;
+    let mut refs: Vec<String> =
+        rows["sandboxes"].as_array().expect("rows").iter().filter_map(|r| r["claim_ref"].as_str().map(String::from)).collect();
+    refs.sort();
+    assert_eq!(refs, ["branch-0", "branch-1", "branch-2", "parent"]);
+    // Each child is its own VM, restored from the fork's snapshot; the parent keeps its VM.
+    let parent_vm = h.node.sandbox(&pid).expect("parent").rec.vm;
+    assert!(h.driver.is_live(&parent_vm));
+    let child_vms: std::collections::BTreeSet<_> =
+        children.iter().map(|c| h.node.sandbox(c["id"].as_str().expect("id")).expect("child").rec.vm).collect();
+    assert_eq!(child_vms.len(), 3);
+    assert!(!child_vms.contains(&parent_vm));
+    for vm in &child_vms {
+        assert_eq!(h.driver.reseeds(vm), 1, "each child gets fresh entropy");
+    }
+    assert_eq!(snapshot_dirs(&h).len(), 1, "{:?}", snapshot_dirs(&h));
+
+    // Bad input: a typed error each, and nothing made.
+    for (count, status) in [(0, 400), (17, 400), (-1, 400)] {
+        let (s, v) = fork(json!({"token": ptok, "count": count})).await;
+        assert_eq!(s.as_u16(), status, "count {count}: {v}");
+        assert!(v["error"].as_str().expect("msg").contains("max_fork_count"), "{v}");
+    }
+    let (s, _) = fork(json!({"token": "0".repeat(32), "count": 1})).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "a wrong sandbox token");
+    let other = h.claim(json!({"template": "base"})).await;
+    let (s, _) = fork(json!({"token": other["token"], "count": 1})).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "another sandbox's token");
+    let (s, _) = fork(json!({"count": 1})).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "no body token");
+    // A restore that fails mid-fork destroys the children made so far and grants none.
+    let before = h.node.claimed();
+    h.driver.set_fail(|f| f.restore = true);
+    let (s, v) = fork(json!({"token": ptok, "count": 2})).await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+    h.driver.set_fail(|f| f.restore = false);
+    assert_eq!(h.node.claimed(), before);
+
+    // The children's snapshot goes once the last child is gone.
+    for c in &children {
+        let (s, _) =
+            h.call("POST", &format!("/v1/sandboxes/{}/release", c["id"].as_str().expect("id")), c["token"].as_str(), None).await;
+        assert_eq!(s, StatusCode::NO_CONTENT);
+    }
+    wait_for("the fork snapshots to be collected", || snapshot_dirs(&h).is_empty()).await;
+}
+
+#[tokio::test]
+async fn fork_over_the_budget_is_refused_whole() {
+    let h = start_with(&[("base", 1)], None, |o| o.limits.budget.max_vms = 3).await;
+    wait_warm(&h.node, "base", 1).await;
+    let p = h.claim(json!({"template": "base"})).await;
+    let path = format!("/v1/sandboxes/{}/fork", p["id"].as_str().expect("id"));
+    let (s, v) = h.call("POST", &path, None, Some(json!({"token": p["token"], "count": 5}))).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{v}");
+    assert!(v["error"].as_str().expect("msg").contains("max_vms = 3"), "{v}");
+    assert_eq!(h.node.claimed(), 1, "no child granted");
+}
+
+#[tokio::test]
+async fn checkpoints_are_claimed_many_times_survive_a_restart_and_are_deleted() {
+    let h = start(&[("base", 1)], None).await;
+    wait_warm(&h.node, "base", 1).await;
+    let c = h.claim(json!({"template": "base"})).await;
+    let (id, token) = (c["id"].as_str().expect("id").to_string(), c["token"].as_str().expect("t").to_string());
+    let path = format!("/v1/sandboxes/{id}/checkpoint");
+    let (s, v) = h.call("POST", &path, None, Some(json!({"token": token, "name": "after-setup"}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let ck = v["checkpoint"].clone();
+    let ck_id = ck["id"].as_str().expect("id").to_string();
+    assert!(ck_id.starts_with("ck_") && ck_id.len() == 19, "{ck}");
+    assert_eq!((ck["name"].as_str(), ck["sandbox_id"].as_str()), (Some("after-setup"), Some(id.as_str())));
+    assert_eq!(ck["key"], json!({"template": "base", "net": "none", "size": "small"}));
+    // Another sandbox's token, or none, is a 404.
+    wait_warm(&h.node, "base", 1).await;
+    let other = h.claim(json!({"template": "base"})).await;
+    let (s, _) = h.call("POST", &path, None, Some(json!({"token": other["token"]}))).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
+    let claim_path = format!("/v1/checkpoints/{ck_id}/claim");
+    let mut from = Vec::new();
+    for _ in 0..2 {
+        let (s, g) = h.call("POST", &claim_path, None, None).await;
+        assert_eq!(s, StatusCode::OK, "{g}");
+        assert_eq!(g["from_checkpoint"], ck_id.as_str());
+        from.push(g);
+    }
+    let (_, rows) = h.call("GET", "/v1/sandboxes", None, None).await;
+    let with_ck = rows["sandboxes"].as_array().expect("rows").iter().filter(|r| r["from_checkpoint"] == ck_id.as_str()).count();
+    assert_eq!(with_ck, 2, "{rows}");
+    let (s, list) = h.call("GET", "/v1/checkpoints", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(list["checkpoints"][0]["id"], ck_id.as_str());
+    let (_, info) = h.call("GET", "/v1/info", None, None).await;
+    assert!(info["checkpoint_disk_bytes"].as_u64().is_some(), "{info}");
+
+    // A restart keeps the checkpoint and its claims.
+    let (node, app) = h.restart(&[("base", 1)]).await;
+    let (s, list) = call(&app, "GET", "/v1/checkpoints", None, None).await;
+    assert_eq!((s, list["checkpoints"].as_array().map(Vec::len)), (StatusCode::OK, Some(1)));
+    let (s, g) = call(&app, "POST", &claim_path, None, Some(json!({"ttl_seconds": 30}).to_string())).await;
+    assert_eq!(s, StatusCode::OK, "{g}");
+
+    // Delete: unlisted at once, a claim from it is a 404, and a second delete too; its files
+    // stay while sandboxes claimed from it run.
+    let (s, _) = call(&app, "DELETE", &format!("/v1/checkpoints/{ck_id}"), None, None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, _) = call(&app, "POST", &claim_path, None, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, _) = call(&app, "DELETE", &format!("/v1/checkpoints/{ck_id}"), None, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, _) = call(&app, "POST", "/v1/checkpoints/ck_..%2F..%2Fetc/claim", None, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_eq!(snapshot_dirs(&h), [ck_id.clone()], "kept while claimed sandboxes use it");
+    for g in from.iter().chain([&g]) {
+        let id = g["id"].as_str().expect("id");
+        let (s, _) = call(&app, "POST", &format!("/v1/sandboxes/{id}/release"), g["token"].as_str(), None).await;
+        assert_eq!(s, StatusCode::NO_CONTENT);
+    }
+    wait_for("the deleted checkpoint's files to go", || snapshot_dirs(&h).is_empty()).await;
+    drop(node);
+}
+
+#[tokio::test]
+async fn a_half_made_checkpoint_is_removed_at_start() {
+    let h = start(&[("base", 1)], None).await;
+    // What a crash between the snapshot and its record leaves: a directory without
+    // checkpoint.json.
+    let stray = h.dir.path().join("data/snapshots/ck_00000000000000aa");
+    std::fs::create_dir_all(&stray).expect("mkdir");
+    std::fs::write(stray.join("state"), b"half").expect("write");
+    let (_node, app) = h.restart(&[("base", 1)]).await;
+    wait_for("the half-made checkpoint to be removed", || !stray.exists()).await;
+    let (_, list) = call(&app, "GET", "/v1/checkpoints", None, None).await;
+    assert_eq!(list["checkpoints"], json!([]));
 }

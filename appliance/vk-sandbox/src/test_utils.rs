@@ -117,7 +117,7 @@ async fn claim(State(s): S, h: HeaderMap, Json(body): Json<serde_json::Value>) -
     let deadline = Timestamp::now() + SignedDuration::from_secs(ttl);
     st.claims.insert(id.clone(), FakeClaim { token: token.clone(), claim_ref: req.claim_ref, deadline });
     let grant =
-        Grant { id, token, deadline: deadline.to_string(), owner_addr: st.owner_addr.clone(), template_digest: None };
+        Grant { id, token, deadline: deadline.to_string(), owner_addr: st.owner_addr.clone(), ..Grant::default() };
     // A field this client does not know (vk-sandbox's `net_route`) is read past.
     let mut v = serde_json::to_value(grant).unwrap();
     v["net_route"] = "ignored".into();
@@ -133,7 +133,7 @@ fn row(id: &str, c: &FakeClaim) -> SandboxRow {
         claimed_at: c.deadline.to_string(),
         hibernated: false,
         claim_ref: c.claim_ref.clone(),
-        token: None,
+        ..SandboxRow::default()
     }
 }
 

@@ -8,6 +8,7 @@
 //! status comes from one exhaustive match.
 
 pub mod auth;
+mod branch;
 mod console;
 pub mod error;
 mod exec;
@@ -22,7 +23,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{any, get, post, put};
+use axum::routing::{any, delete, get, post, put};
 use axum::Router;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -58,8 +59,8 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/v1/sandboxes/{id}/agent", get(relay::agent))
         .route("/v1/sandboxes/{id}/ports/{port}", get(relay::ports))
         .route("/v1/sandboxes/{id}/exec", post(exec::exec))
-        .route("/v1/sandboxes/{id}/fork", unimplemented("fork"))
-        .route("/v1/sandboxes/{id}/checkpoint", unimplemented("checkpoint"))
+        .route("/v1/sandboxes/{id}/fork", post(branch::fork))
+        .route("/v1/sandboxes/{id}/checkpoint", post(branch::checkpoint))
         .route("/v1/sandboxes/{id}/promote", unimplemented("promote"))
         .route("/v1/sandboxes/{id}/hibernate", unimplemented("hibernate"))
         .route("/v1/sandboxes/{id}/wake", unimplemented("wake"))
@@ -67,8 +68,10 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/v1/sandboxes/{id}/volumes", unimplemented("volumes"))
         .route("/v1/volumes", unimplemented("volumes"))
         .route("/v1/templates", unimplemented("templates"))
-        .route("/v1/checkpoints", unimplemented("checkpoints"))
-        .route("/v1/checkpoints/{*rest}", unimplemented("checkpoints"))
+        .route("/v1/checkpoints", get(branch::list))
+        .route("/v1/checkpoints/{id}", delete(branch::delete))
+        .route("/v1/checkpoints/{id}/claim", post(branch::claim))
+        .route("/v1/checkpoints/{id}/blob", unimplemented("checkpoint blobs"))
         .route("/p/{*rest}", unimplemented("preview"))
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .with_state(node)

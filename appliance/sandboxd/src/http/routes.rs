@@ -25,7 +25,7 @@ type Node_ = State<Arc<Node>>;
 #[derive(Debug, Clone)]
 pub struct OwnerAddr(pub String);
 
-fn owner_addr(node: &Node, over: Option<&Extension<OwnerAddr>>) -> String {
+pub(super) fn owner_addr(node: &Node, over: Option<&Extension<OwnerAddr>>) -> String {
     over.map_or_else(|| node.advertise_addr().to_string(), |Extension(OwnerAddr(a))| a.clone())
 }
 

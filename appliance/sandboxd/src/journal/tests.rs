@@ -55,6 +55,7 @@ fn rec(id: &str, deadline: u64) -> ClaimRecord {
         deadline_unix_ms: deadline,
         claimed_at_unix_ms: 1,
         claim_ref: Some("ref".into()),
+        from_checkpoint: None,
     }
 }
 

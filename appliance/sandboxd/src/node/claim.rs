@@ -87,20 +87,11 @@ impl Node {
             deadline_unix_ms: now.saturating_add(ttl_ms),
             claimed_at_unix_ms: now,
             claim_ref: req.claim_ref.filter(|r| !r.is_empty()),
+            from_checkpoint: None,
         };
         let span = tracing::info_span!("claim", claim = %rec.id, vm = %rec.vm, template = %req.key.template());
         let _enter = span.enter();
-        let grant = Grant {
-            id: rec.id.clone(),
-            token: rec.token.clone(),
-            deadline: claims::rfc3339(rec.deadline_unix_ms),
-            owner_addr: self.advertise_addr.clone(),
-            template_digest: catalog
-                .resolve(req.key.template())
-                .ok()
-                .map(|(_, t)| t.digest.clone())
-                .filter(|d| !d.is_empty()),
-        };
+        let grant = self.grant_for(&rec);
         let id = rec.id.clone();
         let gen = self.store.lock().insert(Claim { rec, vm: Some(vm) });
         if let Err(e) = self.store.commit(gen) {
@@ -113,6 +104,24 @@ impl Node {
         }
         tracing::info!("claimed");
         Ok(grant)
+    }
+
+    /// The `200` body of a claim granted as `rec`.
+    pub(crate) fn grant_for(&self, rec: &ClaimRecord) -> Grant {
+        Grant {
+            id: rec.id.clone(),
+            token: rec.token.clone(),
+            deadline: claims::rfc3339(rec.deadline_unix_ms),
+            owner_addr: self.advertise_addr.clone(),
+            template_digest: self
+                .refill
+                .catalog
+                .resolve(rec.key.template())
+                .ok()
+                .map(|(_, t)| t.digest.clone())
+                .filter(|d| !d.is_empty()),
+            from_checkpoint: rec.from_checkpoint.clone(),
+        }
     }
 
     /// One claim by id.

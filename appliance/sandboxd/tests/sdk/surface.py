@@ -45,6 +45,15 @@ def raw(method, path, body=None, token=root):
         c.close()
 
 
+def expect_silkd(kind, text, fn):
+    try:
+        fn()
+    except SilkdError as exc:
+        assert exc.kind == kind and text in str(exc), f"want {kind} with {text!r}, got {exc.kind}: {exc}"
+        return
+    raise AssertionError(f"want SilkdError {kind}")
+
+
 def sandbox_rows():
     status, body = raw("GET", "/v1/sandboxes")
     assert status == 200, body
@@ -59,6 +68,61 @@ for name in ["rt:24.04", "ghcr.io/cocoonstack/sandbox/rt:24.04"]:
         assert sb.exec("python3", "-c", "print(6 * 7)").strip() == "42"
 for name in ["rt:23.10", "sandbox/rt:24.04", "nginx:latest"]:
     expect_status(404, lambda: client.new(name, ttl_seconds=60))
+
+step("2. fork: children start from the parent's memory and disk, then diverge")
+with client.new("rt:24.04", ttl_seconds=300) as parent:
+    parent.write_file("/srv/state.txt", b"before the fork\n")
+    parent.exec("sh", "-c", "echo 41 > /tmp/counter")
+    # A running process is memory state: the children inherit it, still running.
+    sleeper = parent.spawn("sleep", "1000")
+    children = parent.fork(2, ttl_seconds=120)
+    assert len(children) == 2, children
+    try:
+        for i, child in enumerate(children):
+            assert child.id != parent.id
+            assert child.read_file("/srv/state.txt") == b"before the fork\n"
+            assert child.read_file("/tmp/counter") == b"41\n"
+            procs = {p["pid"]: p for p in child.ps()}
+            assert procs.get(sleeper, {}).get("state") == "running", procs
+            child.write_file("/srv/state.txt", f"child {i}\n".encode())
+        assert [c.read_file("/srv/state.txt") for c in children] == [b"child 0\n", b"child 1\n"]
+        assert parent.read_file("/srv/state.txt") == b"before the fork\n", "the parent keeps running, untouched"
+        parent.write_file("/srv/after.txt", b"parent only\n")
+        expect_silkd("not_found", "", lambda: children[0].read_file("/srv/after.txt"))
+        # Bad input: a count of 0 or over max_fork_count, and another sandbox's token.
+        for count in (0, 17):
+            exc = expect_status(400, lambda: parent.fork(count))
+            assert "max_fork_count" in str(exc), exc
+        status, body = raw("POST", f"/v1/sandboxes/{parent.id}/fork", {"token": children[0].token, "count": 1})
+        assert status == 404, (status, body)
+    finally:
+        for child in children:
+            child.close()
+
+step("3. checkpoints: create, list, claim from (twice), delete")
+with client.new("rt:24.04", ttl_seconds=300) as sb:
+    sb.write_file("/srv/setup.txt", b"prepared\n")
+    ck = sb.checkpoint("after-setup")
+    assert ck.id.startswith("ck_") and ck.name == "after-setup" and ck.sandbox_id == sb.id, vars(ck)
+    sb.write_file("/srv/setup.txt", b"changed after the checkpoint\n")
+    listed = [c for c in client.checkpoints() if c.id == ck.id]
+    assert len(listed) == 1 and listed[0].name == "after-setup", [vars(c) for c in client.checkpoints()]
+    status, info = raw("GET", "/v1/info")
+    assert info["checkpoints"] >= 1 and info["checkpoint_disk_bytes"] > 0, info
+    for _ in range(2):
+        with ck.new(ttl_seconds=120) as branch:
+            assert branch.from_checkpoint == ck.id
+            assert branch.read_file("/srv/setup.txt") == b"prepared\n"
+            branch.write_file("/srv/setup.txt", b"branched\n")
+    # A handle made from the id alone (another process) claims from it too.
+    with client.checkpoint(ck.id).new() as again:
+        assert again.read_file("/srv/setup.txt") == b"prepared\n"
+    status, body = raw("POST", f"/v1/sandboxes/{sb.id}/checkpoint", {"token": "0" * 32})
+    assert status == 404, (status, body)
+    ck.delete()
+    assert not any(c.id == ck.id for c in client.checkpoints())
+    expect_status(404, lambda: ck.new())
+    expect_status(404, lambda: ck.delete())
 
 step("8. stats: measured CPU and memory")
 with client.new("base", ttl_seconds=120) as sb:
@@ -76,14 +140,6 @@ assert raw("GET", "/v1/sandboxes/sb_000000000000000/stats")[0] == 404
 
 step("9. git ops in silkd, with the guest's git")
 
-
-def expect_silkd(kind, text, fn):
-    try:
-        fn()
-    except SilkdError as exc:
-        assert exc.kind == kind and text in str(exc), f"want {kind} with {text!r}, got {exc.kind}: {exc}"
-        return
-    raise AssertionError(f"want SilkdError {kind}")
 
 
 with client.new("rt:24.04", ttl_seconds=300) as sb:

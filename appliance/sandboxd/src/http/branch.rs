@@ -1,0 +1,98 @@
+//! Thin handlers of fork and the checkpoint routes (`docs/sandboxd.md` §5.2): the node token
+//! in the header, the sandbox token in the body for the routes on a sandbox. Bodies are
+//! [`sandboxd_api`] types; the work is [`Node::fork`] and its neighbours.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Extension, Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use sandboxd_api as api;
+
+use super::auth;
+use super::error::ApiError;
+use super::routes::{owner_addr, OwnerAddr};
+use super::{read_json, sorted_json};
+use crate::claims::{self, Claim};
+use crate::node::{BranchError, Node};
+
+type Node_ = State<Arc<Node>>;
+
+impl From<BranchError> for ApiError {
+    fn from(e: BranchError) -> Self {
+        match e {
+            e @ BranchError::Count { .. } => ApiError::BadRequest(e.to_string()),
+            e @ BranchError::Egress(_) => ApiError::Conflict(e.to_string()),
+            e @ (BranchError::Draining | BranchError::Budget(_)) => ApiError::TooManyRequests(e.to_string()),
+            e @ BranchError::NoCheckpoint => ApiError::NotFound(e.to_string()),
+            e @ (BranchError::Snapshot(_) | BranchError::Restore(_) | BranchError::Io(_)) => {
+                ApiError::internal("branch", e)
+            }
+            e @ BranchError::Journal(_) => ApiError::internal("claim", e),
+        }
+    }
+}
+
+/// The node token in the header and the sandbox's own token in the body; `404` for an unknown
+/// id or a wrong token alike.
+fn body_token(node: &Node, headers: &HeaderMap, id: &str, token: &str) -> Result<Claim, ApiError> {
+    auth::node_route(node, headers)?;
+    node.sandbox(id).filter(|c| auth::ct_eq(token, &c.rec.token)).ok_or_else(ApiError::no_sandbox)
+}
+
+pub(super) async fn fork(
+    State(node): Node_,
+    over: Option<Extension<OwnerAddr>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    let b: api::ForkRequest = read_json(&node, body, None).await?;
+    let parent = body_token(&node, &headers, &id, &b.token)?;
+    let ttl = claims::ttl(b.ttl_seconds)?;
+    let mut children = node.fork(&parent, b.count, ttl, b.claim_ref_prefix).await?;
+    for c in &mut children {
+        c.owner_addr = owner_addr(&node, over.as_ref());
+    }
+    sorted_json(&api::ForkReply { children })
+}
+
+pub(super) async fn checkpoint(
+    State(node): Node_,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    let b: api::CheckpointRequest = read_json(&node, body, None).await?;
+    let claim = body_token(&node, &headers, &id, &b.token)?;
+    let checkpoint = node.checkpoint(&claim, b.name).await?;
+    sorted_json(&api::CheckpointReply { checkpoint })
+}
+
+pub(super) async fn list(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    sorted_json(&api::CheckpointList { checkpoints: node.checkpoints() })
+}
+
+pub(super) async fn claim(
+    State(node): Node_,
+    over: Option<Extension<OwnerAddr>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    let b: api::CheckpointClaimRequest = read_json(&node, body, Some(api::CheckpointClaimRequest::default())).await?;
+    let mut grant = node.claim_checkpoint(&id, claims::ttl(b.ttl_seconds)?).await?;
+    grant.owner_addr = owner_addr(&node, over.as_ref());
+    Ok(axum::response::IntoResponse::into_response(axum::Json(grant)))
+}
+
+pub(super) async fn delete(State(node): Node_, Path(id): Path<String>, headers: HeaderMap) -> Result<StatusCode, ApiError> {
+    auth::node_route(&node, &headers)?;
+    node.delete_checkpoint(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
