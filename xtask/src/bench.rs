@@ -29,17 +29,23 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     crate::vm_image::run(&VmImageArgs { template: None, all: true, force: false })?;
     let want_vm = matches!(args.what, BenchWhat::All | BenchWhat::Vm);
     let want_sandboxd = matches!(args.what, BenchWhat::All | BenchWhat::Sandboxd);
+    let want_branch = matches!(args.what, BenchWhat::All | BenchWhat::Branch);
     let want_vnode = matches!(args.what, BenchWhat::All | BenchWhat::Vnode);
     let want_cocoon = matches!(args.what, BenchWhat::All | BenchWhat::Cocoon);
-    let bin = if want_sandboxd { Some(crate::sandboxd::build_binary()?) } else { None };
+    let bin = if want_sandboxd || want_branch { Some(crate::sandboxd::build_binary()?) } else { None };
     let rt = tokio::runtime::Runtime::new()?;
     let mut figures = Vec::new();
     if want_vm {
         figures.extend(rt.block_on(run_async(args))?);
     }
-    if let Some(bin) = bin {
-        crate::bench_sandboxd::claim_latency(&mut figures)?;
-        rt.block_on(crate::bench_sandboxd::real_node(&mut figures, &bin, args.rss_claims))?;
+    if let Some(bin) = &bin {
+        if want_sandboxd {
+            crate::bench_sandboxd::claim_latency(&mut figures)?;
+            rt.block_on(crate::bench_sandboxd::real_node(&mut figures, bin, args.rss_claims))?;
+        }
+        if want_branch {
+            rt.block_on(crate::bench_branch::run(&mut figures, bin, args.branch_runs))?;
+        }
     }
     if want_vnode {
         crate::bench_vnode::run(&rt, &mut figures, args.sandboxes, args.burst, args.execs)?;

@@ -18,7 +18,7 @@ fn rss_mib(pid: u32) -> Option<f64> {
     super::bench::rss_kib(pid).map(|k| k as f64 / 1024.0)
 }
 
-async fn get_json<T: DeserializeOwned>(addr: &str, path: &str) -> Result<T> {
+pub(crate) async fn get_json<T: DeserializeOwned>(addr: &str, path: &str) -> Result<T> {
     let stream = tokio::net::TcpStream::connect(addr).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
     tokio::spawn(conn);
@@ -28,7 +28,7 @@ async fn get_json<T: DeserializeOwned>(addr: &str, path: &str) -> Result<T> {
     Ok(serde_json::from_slice(&bytes)?)
 }
 
-async fn post_json<B: Serialize, T: DeserializeOwned>(addr: &str, path: &str, body: &B) -> Result<T> {
+pub(crate) async fn post_json<B: Serialize, T: DeserializeOwned>(addr: &str, path: &str, body: &B) -> Result<T> {
     let stream = tokio::net::TcpStream::connect(addr).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
     tokio::spawn(conn);
@@ -45,6 +45,22 @@ async fn post_json<B: Serialize, T: DeserializeOwned>(addr: &str, path: &str, bo
     Ok(serde_json::from_slice(&bytes)?)
 }
 
+/// A `POST` with a bearer token and no body; any non-2xx status is an error.
+pub(crate) async fn post_status(addr: &str, path: &str, token: &str) -> Result<()> {
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let req = hyper::Request::post(path)
+        .header("host", addr)
+        .header("authorization", format!("Bearer {token}"))
+        .body(Full::new(Bytes::new()))?;
+    let status = sender.send_request(req).await?.status();
+    if !status.is_success() {
+        bail!("{path} answered {status}");
+    }
+    Ok(())
+}
+
 fn warm(info: &Info) -> u64 {
     info.pools.iter().map(|p| p.warm as u64).sum()
 }
@@ -54,7 +70,7 @@ async fn claim_base(addr: &str) -> Result<Grant> {
     post_json(addr, "/v1/claim", &ClaimRequest::new("base")).await
 }
 
-async fn wait_warm(addr: &str, want: u64, budget: Duration) -> Result<Duration> {
+pub(crate) async fn wait_warm(addr: &str, want: u64, budget: Duration) -> Result<Duration> {
     let t = Instant::now();
     loop {
         if let Ok(info) = get_json::<Info>(addr, "/v1/info").await {

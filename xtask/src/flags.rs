@@ -275,7 +275,8 @@ pub struct BenchArgs {
     /// SDK's exec, `kubectl port-forward` throughput; a burst of Sandboxes), `cocoon`
     /// (a Pod bound to the vk-cocoon node → Running, `run` and `clone`), `appliance` (the host
     /// image's size, power-on → supervisor ready → nodes Ready, idle RSS of the supervisor and
-    /// its services; builds and boots the host image), or `all`.
+    /// its services; builds and boots the host image), `branch` (fork of 4, checkpoint, claim
+    /// from a checkpoint, with the real sandboxd and `rt` VMs), or `all`.
     #[arg(value_enum, default_value = "all")]
     pub what: BenchWhat,
     /// Claims held when sandboxd's RSS is measured.
@@ -304,6 +305,9 @@ pub struct BenchArgs {
     /// median of.
     #[arg(long, default_value_t = 50)]
     pub execs: usize,
+    /// `branch`: forks, checkpoints and claims from a checkpoint to take the median of.
+    #[arg(long, default_value_t = 5)]
+    pub branch_runs: usize,
     /// `appliance`: the board whose image is measured.
     #[arg(long, default_value = "qemu-x86_64")]
     pub board: String,
@@ -336,6 +340,7 @@ pub enum BenchWhat {
     Vnode,
     Cocoon,
     Appliance,
+    Branch,
 }
 
 #[derive(Debug, Subcommand)]

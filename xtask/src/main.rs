@@ -6,6 +6,7 @@
 
 mod bench;
 mod bench_appliance;
+mod bench_branch;
 mod bench_cocoon;
 mod bench_jail;
 mod bench_kubectl;
