@@ -123,7 +123,7 @@ impl Claim {
             key: self.rec.key.clone().into(),
             deadline: rfc3339(self.rec.deadline_unix_ms),
             claimed_at: rfc3339(self.rec.claimed_at_unix_ms),
-            hibernated: false,
+            hibernated: self.rec.hibernate_snap.is_some(),
             claim_ref: self.rec.claim_ref.clone(),
             from_checkpoint: self.rec.from_checkpoint.clone(),
             token: None,
@@ -166,6 +166,16 @@ impl ClaimTable {
         let c = self.by_id.get_mut(id)?;
         c.rec.deadline_unix_ms = deadline_unix_ms;
         Some(self.log.push(LogOp::Renew { id: id.to_string(), deadline_unix_ms }))
+    }
+
+    /// Changes a claim's record (journaled whole) and its attached VM; returns the new
+    /// generation, `None` when there is no such claim.
+    pub fn update(&mut self, id: &str, vm: Option<Vm>, change: impl FnOnce(&mut ClaimRecord)) -> Option<u64> {
+        let c = self.by_id.get_mut(id)?;
+        change(&mut c.rec);
+        c.vm = vm;
+        let op = LogOp::Grant(c.rec.clone());
+        Some(self.log.push(op))
     }
 
     /// Records the attached VM of a claim (not journaled: only the id is).
@@ -249,6 +259,8 @@ mod tests {
             claimed_at_unix_ms: 1,
             claim_ref: None,
             from_checkpoint: None,
+            hibernate_snap: None,
+            pending_snap: None,
         };
         let mut t = ClaimTable::default();
         assert_eq!(t.insert(Claim { rec: rec("sb_2"), vm: None }), 1);

@@ -135,6 +135,14 @@ pub struct ClaimRecord {
     /// The checkpoint it was claimed from, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from_checkpoint: Option<String>,
+    /// Hibernated: its VM is gone and the sandbox is this snapshot (memory and disk); a wake
+    /// restores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hibernate_snap: Option<PathBuf>,
+    /// A hibernate in progress into this directory (the intent, journaled before the
+    /// snapshot): a restart resolves it from what it finds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_snap: Option<PathBuf>,
 }
 
 /// One mutation of the claim table.

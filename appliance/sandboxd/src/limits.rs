@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vmm::{SizeClass, VmId};
 
@@ -393,21 +393,53 @@ pub struct CapError {
     pub cap: usize,
 }
 
-/// The per-claim counters behind [`ClaimCaps`].
+/// The per-claim counters behind [`ClaimCaps`], and when each claim's last use ended (the
+/// idle clock of automatic hibernation).
 #[derive(Debug, Default)]
 pub struct ClaimSlots {
     caps: Option<ClaimCaps>,
-    open: Mutex<HashMap<String, [usize; 3]>>,
+    open: Mutex<SlotState>,
+}
+
+#[derive(Debug, Default)]
+struct SlotState {
+    open: HashMap<String, [usize; 3]>,
+    last_ended: HashMap<String, Instant>,
+}
+
+/// Whether a claim is in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activity {
+    /// A relay or exec is open.
+    Busy,
+    /// None open; the last one ended then.
+    IdleSince(Instant),
+    /// None was ever opened (since this process started).
+    Unused,
 }
 
 impl ClaimSlots {
     /// Counters enforcing `caps`.
     pub fn new(caps: ClaimCaps) -> Arc<ClaimSlots> {
-        Arc::new(ClaimSlots { caps: Some(caps), open: Mutex::new(HashMap::new()) })
+        Arc::new(ClaimSlots { caps: Some(caps), open: Mutex::new(SlotState::default()) })
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, [usize; 3]>> {
+    fn lock(&self) -> MutexGuard<'_, SlotState> {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether claim `id` is in use, or since when it is not.
+    pub fn activity(&self, id: &str) -> Activity {
+        let s = self.lock();
+        if s.open.contains_key(id) {
+            return Activity::Busy;
+        }
+        s.last_ended.get(id).map_or(Activity::Unused, |t| Activity::IdleSince(*t))
+    }
+
+    /// Forgets an ended claim.
+    pub fn forget(&self, id: &str) {
+        self.lock().last_ended.remove(id);
     }
 
     /// Takes one `use_` slot of claim `id`, or refuses at the cap. The slot is freed when the
@@ -419,8 +451,8 @@ impl ClaimSlots {
             Use::Port => caps.port_relays,
             Use::Exec => caps.execs,
         };
-        let mut open = self.lock();
-        let row = open.entry(id.to_string()).or_default();
+        let mut state = self.lock();
+        let row = state.open.entry(id.to_string()).or_default();
         if row[use_.index()] >= cap {
             return Err(CapError { use_, cap });
         }
@@ -430,7 +462,7 @@ impl ClaimSlots {
 
     /// Open uses of claim `id` (agent, port, exec).
     pub fn open(&self, id: &str) -> [usize; 3] {
-        self.lock().get(id).copied().unwrap_or_default()
+        self.lock().open.get(id).copied().unwrap_or_default()
     }
 }
 
@@ -444,11 +476,12 @@ pub struct SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        let mut open = self.slots.lock();
-        if let Some(row) = open.get_mut(&self.id) {
+        let mut state = self.slots.lock();
+        if let Some(row) = state.open.get_mut(&self.id) {
             row[self.use_.index()] = row[self.use_.index()].saturating_sub(1);
             if row.iter().all(|n| *n == 0) {
-                open.remove(&self.id);
+                state.open.remove(&self.id);
+                state.last_ended.insert(self.id.clone(), Instant::now());
             }
         }
     }

@@ -8,6 +8,7 @@
 //! | `sandboxd_claims_total` | `result` (`granted`, `no_capacity`, `draining`, `error`), `tier` (`warm`, or empty) | counter |
 //! | `sandboxd_claim_duration_seconds` (every `Node::claim`, granted or refused; 50 µs … 1 s) | | histogram |
 //! | `sandboxd_releases_total`, `sandboxd_renews_total`, `sandboxd_reaped_total` | | counter |
+//! | `sandboxd_hibernations_total`, `sandboxd_wakes_total`, `sandboxd_fork_children_total`, `sandboxd_checkpoints_total` | | counter |
 //! | `sandboxd_refills_total` | `tier` (`clone`, `cold`) | counter |
 //! | `sandboxd_refill_failures_total`, `sandboxd_refill_budget_blocked_total` | | counter |
 //! | `sandboxd_golden_builds_total`, `sandboxd_vm_destroys_total` | `result` (`ok`, `failed`) | counter |
@@ -127,11 +128,24 @@ pub struct Metrics {
     pub auth_failures: Counter,
     /// Network operations of egress VMs (lease, TAP, guest re-addressing, release) that failed.
     pub network_failures: Counter,
+    /// Sandboxes hibernated (explicitly or when idle).
+    pub hibernations: Counter,
+    /// Sandboxes woken.
+    pub wakes: Counter,
+    /// Fork children granted.
+    pub fork_children: Counter,
+    /// Checkpoints made.
+    pub checkpoints: Counter,
 }
 
 /// Bumps a counter.
 pub fn inc(c: &Counter) {
     c.inc();
+}
+
+/// Adds `n` to a counter.
+pub fn inc_by(c: &Counter, n: usize) {
+    c.inc_by(u64::try_from(n).unwrap_or(u64::MAX));
 }
 
 /// The live state shown beside the counters, read once per scrape.
@@ -242,6 +256,10 @@ impl Collector for Scrape {
         counter(e, "sandboxd_releases", "Sandboxes released.", &[(none, m.releases.get())])?;
         counter(e, "sandboxd_renews", "Leases renewed.", &[(none, m.renews.get())])?;
         counter(e, "sandboxd_reaped", "Expired leases reaped.", &[(none, m.reaped.get())])?;
+        counter(e, "sandboxd_hibernations", "Sandboxes hibernated.", &[(none, m.hibernations.get())])?;
+        counter(e, "sandboxd_wakes", "Hibernated sandboxes woken.", &[(none, m.wakes.get())])?;
+        counter(e, "sandboxd_fork_children", "Sandboxes made by fork.", &[(none, m.fork_children.get())])?;
+        counter(e, "sandboxd_checkpoints", "Checkpoints made.", &[(none, m.checkpoints.get())])?;
         counter(
             e,
             "sandboxd_refills",

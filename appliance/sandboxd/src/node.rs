@@ -26,8 +26,10 @@
 
 mod branch;
 mod claim;
+mod hibernate;
 
 pub use branch::BranchError;
+pub use hibernate::HibernateError;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -112,8 +114,10 @@ pub struct Node {
     pool_configs: Mutex<Vec<PoolConfig>>,
     /// Counters for `/metrics`.
     pub metrics: Arc<Metrics>,
-    /// Fork snapshots and checkpoints.
+    /// Fork snapshots, checkpoints and hibernated sandboxes.
     snapshots: SnapshotStore,
+    /// One hibernate or wake at a time per sandbox.
+    transitions: Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     cancel: CancellationToken,
 }
 
@@ -155,7 +159,13 @@ impl Node {
         let goldens = Goldens::new(&opts.data_dir);
         goldens.clean_staging();
         let ledger = Ledger::new(opts.limits.budget);
-        let held: Vec<_> = store.lock().iter().map(|c| (c.rec.vm.clone(), c.rec.key.clone())).collect();
+        // A hibernated sandbox holds no VM.
+        let held: Vec<_> = store
+            .lock()
+            .iter()
+            .filter(|c| c.rec.hibernate_snap.is_none())
+            .map(|c| (c.rec.vm.clone(), c.rec.key.clone()))
+            .collect();
         for (vm, key) in held {
             ledger.hold(&vm, key.size(), disk_mib(&opts.catalog, key.template()));
         }
@@ -183,6 +193,7 @@ impl Node {
             pool_configs: Mutex::new(pool_list),
             metrics,
             snapshots,
+            transitions: Mutex::default(),
             cancel: CancellationToken::new(),
         });
         for (key, target) in pools {
@@ -297,7 +308,7 @@ impl Node {
         let budget = self.vms.ledger.budget();
         Info {
             claimed: self.claimed(),
-            hibernated: 0,
+            hibernated: self.hibernated(),
             archived: 0,
             draining: self.draining(),
             at_capacity: reason.is_some(),
@@ -406,7 +417,8 @@ impl Node {
     }
 }
 
-/// Runs [`Node::gc_snapshots`] every `period` until `cancel` or the node is gone.
+/// Every `period` until `cancel` or the node is gone: hibernates idle sandboxes
+/// ([`Node::hibernate_idle`]), then runs [`Node::gc_snapshots`].
 async fn snapshot_gc(node: std::sync::Weak<Node>, period: Duration, cancel: CancellationToken) {
     loop {
         tokio::select! {
@@ -414,6 +426,9 @@ async fn snapshot_gc(node: std::sync::Weak<Node>, period: Duration, cancel: Canc
             () = tokio::time::sleep(period) => {}
         }
         let Some(node) = node.upgrade() else { return };
+        if node.reconciled() {
+            node.hibernate_idle().await;
+        }
         node.gc_snapshots().await;
     }
 }

@@ -60,8 +60,15 @@ pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileR
     async {
         let listing = Listing::of(vms.driver.as_ref()).await?;
         let mut report = ReconcileReport::default();
-        let pending: Vec<(String, VmId)> =
-            store.lock().iter().filter(|c| c.vm.is_none()).map(|c| (c.rec.id.clone(), c.rec.vm.clone())).collect();
+        resolve_intents(store, vms, &listing).await;
+        // A hibernated claim has no VM to adopt (the one its record names, if still listed,
+        // is swept below).
+        let pending: Vec<(String, VmId)> = store
+            .lock()
+            .iter()
+            .filter(|c| c.vm.is_none() && c.rec.hibernate_snap.is_none())
+            .map(|c| (c.rec.id.clone(), c.rec.vm.clone()))
+            .collect();
         let adoption = owned::adopt(vms.driver.as_ref(), &listing, pending).await;
         let mut last_gen = None;
         for (id, vm) in adoption.attached {
@@ -92,7 +99,8 @@ pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileR
                 tracing::warn!(error = %vmm::error_chain(&e), "journaling dropped claims failed");
             }
         }
-        let mut named: HashSet<VmId> = store.lock().iter().map(|c| c.rec.vm.clone()).collect();
+        let mut named: HashSet<VmId> =
+            store.lock().iter().filter(|c| c.rec.hibernate_snap.is_none()).map(|c| c.rec.vm.clone()).collect();
         for p in vms.pools.all() {
             named.extend(p.warm_ids());
         }
@@ -117,6 +125,47 @@ pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileR
     }
     .instrument(span)
     .await
+}
+
+/// Resolves the hibernations a crash interrupted (a claim with `pending_snap`), from what is
+/// left: its VM listed → it runs on (resumed: the snapshot may have paused it) and the partial
+/// snapshot goes; its VM gone with a complete snapshot → the sandbox is hibernated; neither →
+/// the claim is dropped.
+async fn resolve_intents(store: &ClaimStore, vms: &Vms, listing: &Listing) {
+    let pending: Vec<(String, VmId, std::path::PathBuf)> = store
+        .lock()
+        .iter()
+        .filter_map(|c| c.rec.pending_snap.clone().map(|d| (c.rec.id.clone(), c.rec.vm.clone(), d)))
+        .collect();
+    for (id, vm_id, dir) in pending {
+        let gen = match listing.get(&vm_id) {
+            Some(vm) => {
+                if let Err(e) = vms.driver.resume(vm).await {
+                    tracing::warn!(claim = %id, error = %vmm::error_chain(&e), "resuming the VM of an interrupted hibernate failed");
+                }
+                let _ = std::fs::remove_dir_all(&dir);
+                tracing::warn!(claim = %id, "an interrupted hibernate was undone: the VM runs on");
+                store.lock().update(&id, None, |r| r.pending_snap = None)
+            }
+            None if vmm::Snapshot::load(&dir).is_ok() => {
+                tracing::warn!(claim = %id, "an interrupted hibernate was completed from its snapshot");
+                store.lock().update(&id, None, |r| {
+                    r.pending_snap = None;
+                    r.hibernate_snap = Some(dir.clone());
+                })
+            }
+            None => {
+                tracing::warn!(claim = %id, "an interrupted hibernate left neither the VM nor a snapshot; dropping the claim");
+                let _ = std::fs::remove_dir_all(&dir);
+                store.lock().remove(&id).map(|(_, g)| g)
+            }
+        };
+        if let Some(gen) = gen {
+            if let Err(e) = store.commit(gen) {
+                tracing::warn!(claim = %id, error = %vmm::error_chain(&e), "journaling a resolved hibernate failed");
+            }
+        }
+    }
 }
 
 /// Releases every lease (and deletes its TAP) that no listed VM holds: leftovers of VMs

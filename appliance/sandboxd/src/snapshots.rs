@@ -1,11 +1,13 @@
 //! Snapshots of claimed VMs, under `<data_dir>/snapshots/`: the snapshot a fork restores its
-//! children from (`fork-<16 hex>`) and checkpoints (`ck_<16 hex>`, with `checkpoint.json`).
+//! children from (`fork-<16 hex>`), checkpoints (`ck_<16 hex>`, with `checkpoint.json`) and
+//! hibernated sandboxes (`hib-<16 hex>`, named by their claim's `hibernate_snap`).
 //!
 //! A snapshot directory holds the driver's snapshot (memory state, a copy of the disk overlay,
 //! `snapshot.json`). A VM restored from it keeps using that overlay copy as its backing file,
 //! so a directory stays while any of these holds:
 //! - it is a checkpoint (its `checkpoint.json` is there: not deleted, not past retention);
 //! - a claimed VM was restored from it (`Vm::restored_from`);
+//! - a claim is hibernated into it (`hibernate_snap`) or hibernating into it (`pending_snap`);
 //! - a kept snapshot depends on it (its source VM was restored from it: `parent.json`).
 //!
 //! [`SnapshotStore::gc`] removes every other directory, stray staging ones included. It is
@@ -30,6 +32,8 @@ pub const CHECKPOINT_FILE: &str = "checkpoint.json";
 const PARENT_FILE: &str = "parent.json";
 /// The directory name prefix of a fork's snapshot.
 const FORK_PREFIX: &str = "fork-";
+/// The directory name prefix of a hibernated sandbox's snapshot.
+const HIBERNATE_PREFIX: &str = "hib-";
 /// The id prefix of a checkpoint (also its directory name).
 const CHECKPOINT_PREFIX: &str = "ck_";
 
@@ -69,6 +73,11 @@ impl SnapshotStore {
     /// A fresh directory path for a fork's snapshot (not created).
     pub fn fork_dir(&self) -> PathBuf {
         self.dir.join(format!("{FORK_PREFIX}{}", hex16()))
+    }
+
+    /// A fresh directory path for a hibernated sandbox's snapshot (not created).
+    pub fn hibernate_dir(&self) -> PathBuf {
+        self.dir.join(format!("{HIBERNATE_PREFIX}{}", hex16()))
     }
 
     /// A fresh checkpoint id and its directory path (not created).

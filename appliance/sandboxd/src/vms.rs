@@ -82,6 +82,8 @@ impl Vms {
     pub async fn destroy_claim_vm(&self, claim: &Claim) {
         match &claim.vm {
             Some(vm) => self.destroy(vm).await,
+            // Hibernated: no VM; its snapshot goes with the snapshot gc.
+            None if claim.rec.hibernate_snap.is_some() => {}
             None => tracing::warn!(vm = %claim.rec.vm, "VM not attached; left to the reconcile sweep"),
         }
     }

@@ -252,8 +252,6 @@ async fn error_shapes() {
 
     for (m, p, feature) in [
         ("POST", "/v1/sandboxes/sb_1/promote", "promote"),
-        ("POST", "/v1/sandboxes/sb_1/hibernate", "hibernate"),
-        ("POST", "/v1/sandboxes/sb_1/wake", "wake"),
         ("POST", "/v1/sandboxes/sb_1/preview", "preview"),
         ("PUT", "/v1/sandboxes/sb_1/volumes", "volumes"),
         ("GET", "/v1/volumes", "volumes"),
@@ -927,4 +925,115 @@ async fn a_half_made_checkpoint_is_removed_at_start() {
     wait_for("the half-made checkpoint to be removed", || !stray.exists()).await;
     let (_, list) = call(&app, "GET", "/v1/checkpoints", None, None).await;
     assert_eq!(list["checkpoints"], json!([]));
+}
+
+mod hibernation {
+    use super::*;
+
+    async fn post(h: &H, c: &Value, verb: &str) -> StatusCode {
+        let path = format!("/v1/sandboxes/{}/{verb}", c["id"].as_str().expect("id"));
+        h.call("POST", &path, c["token"].as_str(), None).await.0
+    }
+
+    async fn echo(h: &H, c: &Value) -> (StatusCode, Value) {
+        let path = format!("/v1/sandboxes/{}/exec", c["id"].as_str().expect("id"));
+        h.call("POST", &path, c["token"].as_str(), Some(json!({"argv": ["echo", "awake"]}))).await
+    }
+
+    fn row(h: &H, c: &Value) -> Option<sandboxd::claims::Claim> {
+        h.node.sandbox(c["id"].as_str().expect("id"))
+    }
+
+    #[tokio::test]
+    async fn hibernate_frees_the_vm_and_a_guest_call_wakes_it() {
+        let h = start(&[("base", 1)], None).await;
+        wait_warm(&h.node, "base", 1).await;
+        let c = h.claim(json!({"template": "base", "ttl_seconds": 600})).await;
+        let before = row(&h, &c).expect("claim");
+        wait_warm(&h.node, "base", 1).await;
+        let vms_before = h.node.usage().vms;
+
+        assert_eq!(post(&h, &c, "hibernate").await, StatusCode::NO_CONTENT);
+        assert_eq!(post(&h, &c, "hibernate").await, StatusCode::NO_CONTENT, "idempotent");
+        let hib = row(&h, &c).expect("still claimed");
+        assert!(hib.vm.is_none() && hib.rec.hibernate_snap.is_some() && hib.rec.pending_snap.is_none());
+        assert!(!h.driver.is_live(&before.rec.vm), "no VM process while hibernated");
+        assert_eq!(hib.rec.token, before.rec.token);
+        assert_eq!(hib.rec.deadline_unix_ms, before.rec.deadline_unix_ms, "the lease is kept");
+        assert_eq!(h.node.usage().vms, vms_before - 1, "no budget held");
+        let (_, info) = h.call("GET", "/v1/info", None, None).await;
+        assert_eq!((info["claimed"].as_u64(), info["hibernated"].as_u64()), (Some(1), Some(1)), "{info}");
+        let (_, rows) = h.call("GET", "/v1/sandboxes", None, None).await;
+        assert_eq!(rows["sandboxes"][0]["hibernated"], true);
+        let (s, st) = h.call("GET", &format!("/v1/sandboxes/{}/stats", c["id"].as_str().expect("id")), None, None).await;
+        assert_eq!((s, &st["hibernated"]), (StatusCode::OK, &json!(true)), "{st}");
+        // A plain request on the relay route never wakes it; nor do fork and checkpoint.
+        let (s, _) =
+            h.call("GET", &format!("/v1/sandboxes/{}/agent", c["id"].as_str().expect("id")), c["token"].as_str(), None).await;
+        assert_eq!(s, StatusCode::UPGRADE_REQUIRED);
+        let (s, v) = h
+            .call("POST", &format!("/v1/sandboxes/{}/fork", c["id"].as_str().expect("id")), None, Some(json!({"token": c["token"], "count": 1})))
+            .await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        assert!(row(&h, &c).expect("claim").rec.hibernate_snap.is_some());
+
+        // A guest call wakes it, with a new VM restored from its snapshot.
+        let (s, v) = echo(&h, &c).await;
+        assert_eq!((s, v["stdout"].as_str()), (StatusCode::OK, Some("awake\n")), "{v}");
+        let woke = row(&h, &c).expect("claim");
+        assert!(woke.rec.hibernate_snap.is_none());
+        let vm = woke.vm.expect("attached");
+        assert!(h.driver.is_live(&vm.id) && vm.id != before.rec.vm);
+        assert_eq!(h.driver.reseeds(&vm.id), 1, "a woken VM gets fresh entropy");
+        assert_eq!(post(&h, &c, "wake").await, StatusCode::NO_CONTENT, "waking an awake sandbox");
+        assert_eq!(h.node.usage().vms, vms_before);
+
+        // Explicit hibernate then wake, and a restart in between keeps it hibernated.
+        assert_eq!(post(&h, &c, "hibernate").await, StatusCode::NO_CONTENT);
+        let (node, app) = h.restart(&[("base", 1)]).await;
+        let c2 = node.sandbox(c["id"].as_str().expect("id")).expect("survives the restart");
+        assert!(c2.rec.hibernate_snap.is_some());
+        let (s, _) = call(&app, "POST", &format!("/v1/sandboxes/{}/wake", c2.rec.id), Some(&c2.rec.token), None).await;
+        assert_eq!(s, StatusCode::NO_CONTENT);
+        let c3 = node.sandbox(&c2.rec.id).expect("claim");
+        assert!(c3.rec.hibernate_snap.is_none() && h.driver.is_live(&c3.vm.expect("vm").id));
+        // Released: the snapshots go.
+        let (s, _) = call(&app, "POST", &format!("/v1/sandboxes/{}/release", c2.rec.id), Some(&c2.rec.token), None).await;
+        assert_eq!(s, StatusCode::NO_CONTENT);
+        wait_for("the hibernation snapshots to be collected", || snapshot_dirs(&h).is_empty()).await;
+    }
+
+    #[tokio::test]
+    async fn a_failed_snapshot_leaves_the_sandbox_running() {
+        let h = start(&[("base", 1)], None).await;
+        wait_warm(&h.node, "base", 1).await;
+        let c = h.claim(json!({"template": "base"})).await;
+        h.driver.set_fail(|f| f.snapshot = true);
+        assert_eq!(post(&h, &c, "hibernate").await, StatusCode::INTERNAL_SERVER_ERROR);
+        h.driver.set_fail(|f| f.snapshot = false);
+        let r = row(&h, &c).expect("claim");
+        assert!(r.rec.hibernate_snap.is_none() && r.rec.pending_snap.is_none());
+        assert!(h.driver.is_live(&r.rec.vm));
+        assert_eq!(echo(&h, &c).await.0, StatusCode::OK);
+        assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
+    }
+
+    #[tokio::test]
+    async fn idle_sandboxes_hibernate_and_a_wake_racing_a_release_leaves_nothing() {
+        let h = start_with(&[], None, |o| {
+            o.pools = vec![PoolConfig { idle_hibernate_seconds: Some(1), ..PoolConfig::warm("base", 2) }];
+        })
+        .await;
+        wait_warm(&h.node, "base", 2).await;
+        let idle = h.claim(json!({"template": "base"})).await;
+        wait_for("the idle sandbox to hibernate", || row(&h, &idle).is_some_and(|c| c.rec.hibernate_snap.is_some()))
+            .await;
+        // A wake and a release at once: whichever order, no claim and no VM of it remain.
+        let (wake, release) = tokio::join!(post(&h, &idle, "wake"), post(&h, &idle, "release"));
+        assert!(matches!(wake, StatusCode::NO_CONTENT | StatusCode::NOT_FOUND), "{wake}");
+        assert_eq!(release, StatusCode::NO_CONTENT);
+        assert!(row(&h, &idle).is_none());
+        wait_warm(&h.node, "base", 2).await;
+        assert_eq!(h.driver.live().len(), 2, "only the warm pool: {:?}", h.driver.live());
+    }
 }

@@ -1,5 +1,6 @@
-//! Thin handlers of fork and the checkpoint routes (`docs/sandboxd.md` §5.2): the node token
-//! in the header, the sandbox token in the body for the routes on a sandbox. Bodies are
+//! Thin handlers of fork, the checkpoint routes, hibernate and wake (`docs/sandboxd.md` §5.2):
+//! for fork and checkpoint the node token in the header and the sandbox token in the body;
+//! hibernate and wake are sandbox routes (its token or root in the header). Bodies are
 //! [`sandboxd_api`] types; the work is [`Node::fork`] and its neighbours.
 
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use super::error::ApiError;
 use super::routes::{owner_addr, OwnerAddr};
 use super::{read_json, sorted_json};
 use crate::claims::{self, Claim};
-use crate::node::{BranchError, Node};
+use crate::node::{BranchError, HibernateError, Node};
 
 type Node_ = State<Arc<Node>>;
 
@@ -23,13 +24,27 @@ impl From<BranchError> for ApiError {
     fn from(e: BranchError) -> Self {
         match e {
             e @ BranchError::Count { .. } => ApiError::BadRequest(e.to_string()),
-            e @ BranchError::Egress(_) => ApiError::Conflict(e.to_string()),
+            e @ (BranchError::Egress(_) | BranchError::Hibernated(_)) => ApiError::Conflict(e.to_string()),
             e @ (BranchError::Draining | BranchError::Budget(_)) => ApiError::TooManyRequests(e.to_string()),
             e @ BranchError::NoCheckpoint => ApiError::NotFound(e.to_string()),
             e @ (BranchError::Snapshot(_) | BranchError::Restore(_) | BranchError::Io(_)) => {
                 ApiError::internal("branch", e)
             }
             e @ BranchError::Journal(_) => ApiError::internal("claim", e),
+        }
+    }
+}
+
+impl From<HibernateError> for ApiError {
+    fn from(e: HibernateError) -> Self {
+        match e {
+            HibernateError::NotFound => ApiError::no_sandbox(),
+            e @ HibernateError::Egress(_) => ApiError::Conflict(e.to_string()),
+            e @ HibernateError::Budget(_) => ApiError::TooManyRequests(e.to_string()),
+            e @ (HibernateError::Snapshot(_) | HibernateError::Io(_) | HibernateError::Journal(_)) => {
+                ApiError::internal("hibernate", e)
+            }
+            e @ HibernateError::Restore(_) => ApiError::BadGateway(format!("sandbox unreachable: {}", vmm::error_chain(&e))),
         }
     }
 }
@@ -89,6 +104,22 @@ pub(super) async fn claim(
     let mut grant = node.claim_checkpoint(&id, claims::ttl(b.ttl_seconds)?).await?;
     grant.owner_addr = owner_addr(&node, over.as_ref());
     Ok(axum::response::IntoResponse::into_response(axum::Json(grant)))
+}
+
+pub(super) async fn hibernate(
+    State(node): Node_,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<StatusCode, ApiError> {
+    auth::sandbox_route(&node, &headers, &id)?;
+    node.hibernate(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub(super) async fn wake(State(node): Node_, Path(id): Path<String>, headers: HeaderMap) -> Result<StatusCode, ApiError> {
+    auth::sandbox_route(&node, &headers, &id)?;
+    node.wake(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 pub(super) async fn delete(State(node): Node_, Path(id): Path<String>, headers: HeaderMap) -> Result<StatusCode, ApiError> {

@@ -65,7 +65,7 @@ pub(super) async fn exec(
     let _slot = node.acquire_slot(&id, Use::Exec).inspect_err(|_| inc(&node.metrics.execs_refused))?;
     inc(&node.metrics.execs);
     let unreachable = |e: String| ApiError::BadGateway(format!("sandbox unreachable: {e}"));
-    let vm = node.vm_for(&claim).await.map_err(|e| unreachable(vmm::error_chain(&e)))?;
+    let vm = node.vm_waking(&claim).await?;
     let stream = node.driver().connect(&vm, AGENT_PORT).await.map_err(|e| unreachable(vmm::error_chain(&e)))?;
     let mut conn = AgentConn::new(stream);
     let req = Frame::Exec { argv: b.argv, cwd: b.cwd, env: b.env, user: None, detach: None, session: None };

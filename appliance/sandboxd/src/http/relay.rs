@@ -128,10 +128,9 @@ async fn dial(node: &Node, headers: &HeaderMap, id: &str, use_: Use) -> Result<(
             Use::Exec => &node.metrics.execs_refused,
         })
     })?;
-    let vm = node
-        .vm_for(&claim)
-        .await
-        .map_err(|e| ApiError::BadGateway(format!("sandbox unreachable: {}", vmm::error_chain(&e))))?;
+    // A guest call wakes a hibernated sandbox (the relay routes are reached only with the
+    // upgrade header; a plain request never gets here).
+    let vm = node.vm_waking(&claim).await?;
     let stream = node
         .driver()
         .connect(&vm, AGENT_PORT)

@@ -142,7 +142,7 @@ pub(super) async fn stats(
         mem_total_bytes,
         mem_used_bytes: guest_used.unwrap_or(0),
         mem_used_measured: guest_used.is_some(),
-        hibernated: false,
+        hibernated: claim.rec.hibernate_snap.is_some(),
         measured_at: claims::rfc3339(claims::unix_ms(usage.map_or_else(std::time::SystemTime::now, |u| u.measured_at))),
         cpu_usage_nanos: usage.map(|u| u.cpu_usage_nanos),
         memory_working_set_bytes: usage.map(|u| u.memory_working_set_bytes),

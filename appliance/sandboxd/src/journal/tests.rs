@@ -56,6 +56,8 @@ fn rec(id: &str, deadline: u64) -> ClaimRecord {
         claimed_at_unix_ms: 1,
         claim_ref: Some("ref".into()),
         from_checkpoint: None,
+        hibernate_snap: None,
+        pending_snap: None,
     }
 }
 

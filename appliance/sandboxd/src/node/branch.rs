@@ -44,6 +44,9 @@ pub enum BranchError {
          its network identity); branch a net none sandbox, or claim egress sandboxes separately"
     )]
     Egress(String),
+    /// The sandbox is hibernated.
+    #[error("sandbox {0} is hibernated: wake it first (POST …/wake, or any call into it)")]
+    Hibernated(String),
     /// The node is draining.
     #[error("node draining")]
     Draining,
@@ -102,6 +105,7 @@ impl Node {
             .collect();
         let grants = self.journal_all(recs, made).await?;
         let _e = span.enter();
+        crate::metrics::inc_by(&self.metrics.fork_children, grants.len());
         tracing::info!(children = grants.len(), "forked");
         Ok(grants)
     }
@@ -126,6 +130,7 @@ impl Node {
             return Err(BranchError::Io(e));
         }
         ck.size_bytes = self.snapshots.checkpoints().into_iter().find(|c| c.id == ck.id).and_then(|c| c.size_bytes);
+        crate::metrics::inc(&self.metrics.checkpoints);
         tracing::info!(claim = %claim.rec.id, checkpoint = %ck.id, "checkpointed");
         Ok(ck)
     }
@@ -187,17 +192,27 @@ impl Node {
         if !self.reconciled() {
             return;
         }
-        let used: Option<Vec<Option<PathBuf>>> =
-            self.store.lock().iter().map(|c| c.vm.as_ref().map(|vm| vm.restored_from.clone())).collect();
-        match used {
-            Some(used) => {
-                self.snapshots.gc(used.iter().flatten().map(PathBuf::as_path));
+        // Every claim's snapshots: its VM's source, a hibernated or hibernating one's own. A
+        // claim whose VM is not attached yet makes the set unknown: nothing is removed.
+        let mut used: Vec<PathBuf> = Vec::new();
+        for c in self.store.lock().iter() {
+            used.extend(c.rec.hibernate_snap.iter().chain(&c.rec.pending_snap).cloned());
+            match &c.vm {
+                Some(vm) => used.extend(vm.restored_from.clone()),
+                None if c.rec.hibernate_snap.is_some() => {}
+                None => {
+                    tracing::debug!(claim = %c.rec.id, "snapshot gc skipped: a claimed VM is not attached yet");
+                    return;
+                }
             }
-            None => tracing::debug!("snapshot gc skipped: a claimed VM is not attached yet"),
         }
+        self.snapshots.gc(used.iter().map(PathBuf::as_path));
     }
 
     fn branchable(&self, claim: &Claim) -> Result<(), BranchError> {
+        if claim.rec.hibernate_snap.is_some() {
+            return Err(BranchError::Hibernated(claim.rec.id.clone()));
+        }
         if claim.rec.key.net() == Net::Egress {
             return Err(BranchError::Egress(claim.rec.id.clone()));
         }
@@ -280,6 +295,8 @@ impl Node {
             claimed_at_unix_ms: now,
             claim_ref,
             from_checkpoint: from,
+            hibernate_snap: None,
+            pending_snap: None,
         }
     }
 

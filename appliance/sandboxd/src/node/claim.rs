@@ -88,6 +88,8 @@ impl Node {
             claimed_at_unix_ms: now,
             claim_ref: req.claim_ref.filter(|r| !r.is_empty()),
             from_checkpoint: None,
+            hibernate_snap: None,
+            pending_snap: None,
         };
         let span = tracing::info_span!("claim", claim = %rec.id, vm = %rec.vm, template = %req.key.template());
         let _enter = span.enter();
@@ -163,6 +165,7 @@ impl Node {
             }
             inc(&self.metrics.releases);
             self.vms.destroy_claim_vm(&claim).await;
+            self.forget_transitions(id);
             tracing::info!("released");
         }
         .instrument(span)
@@ -195,10 +198,17 @@ impl Node {
         Ok(claims::rfc3339(deadline))
     }
 
-    /// The VM of a claim, attaching it first if a restart left it unattached.
+    /// The VM of a claim, attaching it first if a restart left it unattached; a hibernated
+    /// sandbox has none (and is not woken: see [`Node::vm_waking`]).
     pub async fn vm_for(&self, claim: &Claim) -> Result<Vm, DriverError> {
         if let Some(vm) = &claim.vm {
             return Ok(vm.clone());
+        }
+        if claim.rec.hibernate_snap.is_some() {
+            return Err(DriverError::Invalid(format!(
+                "sandbox {} is hibernated: it has no VM until it wakes (POST …/wake, or a call into it)",
+                claim.rec.id
+            )));
         }
         let vm = self.vms.driver.attach(&claim.rec.vm).await?;
         self.store.lock().set_vm(&claim.rec.id, vm.clone());

@@ -63,7 +63,9 @@ enum Kind {
 /// A route to try: method, path, body, `Upgrade` protocol, kind.
 type Route = (&'static str, String, Option<Value>, Option<&'static str>, Kind);
 
-/// Every route of the API but release (which ends the sandbox; checked on its own).
+/// Every route of the API but release (which ends the sandbox; checked on its own), fork and
+/// checkpoint (the sandbox token goes in their body: `fork_is_all_or_nothing…` and
+/// `checkpoints_are_claimed…` feed them wrong and foreign tokens).
 fn routes(id: &str) -> Vec<Route> {
     use Kind::*;
     vec![
@@ -86,6 +88,10 @@ fn routes(id: &str) -> Vec<Route> {
         ("GET", format!("/v1/sandboxes/{id}/ports/7"), None, Some("tcp"), Sandbox),
         ("POST", format!("/v1/sandboxes/{id}/exec"), Some(json!({"argv": ["echo", "x"]})), None, Sandbox),
         ("GET", format!("/v1/sandboxes/{id}/console?tailLines=5"), None, None, Sandbox),
+        ("GET", "/v1/checkpoints".into(), None, None, Node),
+        // Last: a hibernated sandbox wakes on the next guest call, but not on the routes above.
+        ("POST", format!("/v1/sandboxes/{id}/hibernate"), None, None, Sandbox),
+        ("POST", format!("/v1/sandboxes/{id}/wake"), None, None, Sandbox),
     ]
 }
 
