@@ -12,6 +12,7 @@ import http.client
 import io
 import json
 import sys
+import time
 from pathlib import Path
 
 from cocoonsandbox import APIError, Client, SilkdError
@@ -52,6 +53,14 @@ def expect_silkd(kind, text, fn):
         assert exc.kind == kind and text in str(exc), f"want {kind} with {text!r}, got {exc.kind}: {exc}"
         return
     raise AssertionError(f"want SilkdError {kind}")
+
+
+def wait_until(what, fn, timeout=120.0):
+    until = time.monotonic() + timeout
+    while not fn():
+        if time.monotonic() > until:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
 
 
 def sandbox_rows():
@@ -123,6 +132,48 @@ with client.new("rt:24.04", ttl_seconds=300) as sb:
     assert not any(c.id == ck.id for c in client.checkpoints())
     expect_status(404, lambda: ck.new())
     expect_status(404, lambda: ck.delete())
+
+step("4. hibernate and wake: explicit, on the next call, and after idle_hibernate_seconds")
+
+
+def row_of(sid):
+    return next(r for r in sandbox_rows() if r["id"] == sid)
+
+
+with client.new("rt:24.04", ttl_seconds=300) as sb:
+    sb.write_file("/srv/keep.txt", b"kept across hibernation\n")
+    pid = sb.spawn("sleep", "1000")
+    deadline = row_of(sb.id)["deadline"]
+    sb.hibernate()
+    assert row_of(sb.id)["hibernated"] is True
+    status, info = raw("GET", "/v1/info")
+    assert info["hibernated"] >= 1 and info["claimed"] >= 1, info
+    # A plain (non-upgrade) request never wakes it.
+    status, body = raw("GET", f"/v1/sandboxes/{sb.id}/agent", token=sb.token)
+    assert status == 426 and row_of(sb.id)["hibernated"] is True, (status, body)
+    # The next guest call wakes it, with its memory and disk.
+    assert sb.read_file("/srv/keep.txt") == b"kept across hibernation\n"
+    assert row_of(sb.id)["hibernated"] is False
+    assert any(p["pid"] == pid and p["state"] == "running" for p in sb.ps()), sb.ps()
+    assert row_of(sb.id)["deadline"] == deadline, "the lease is kept"
+    # Explicit wake; and a hibernated sandbox cannot be forked.
+    sb.hibernate()
+    exc = expect_status(409, lambda: sb.fork(1))
+    assert "hibernated" in str(exc), exc
+    status, _ = raw("POST", f"/v1/sandboxes/{sb.id}/wake", token=sb.token)
+    assert status == 204 and row_of(sb.id)["hibernated"] is False
+
+
+def medium_warm():
+    pools = raw("GET", "/v1/info")[1]["pools"]
+    return any(p["key"]["size"] == "medium" and p["warm"] >= 1 for p in pools)
+
+
+wait_until("the medium base pool to fill", medium_warm, timeout=300)
+with client.new("base", size="medium", ttl_seconds=300) as idle:
+    idle.exec("true")
+    wait_until("the idle sandbox to hibernate", lambda: row_of(idle.id)["hibernated"], timeout=60)
+    assert idle.exec("echo", "awake").strip() == "awake"
 
 step("8. stats: measured CPU and memory")
 with client.new("base", ttl_seconds=120) as sb:
