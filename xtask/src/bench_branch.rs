@@ -1,6 +1,7 @@
 //! Branching benchmarks with the real `sandboxd` binary and real `rt` VMs: a fork of 4, a
-//! checkpoint, and a claim from a checkpoint, each the median of `runs`. Under TCG the
-//! figures are this machine's; the anchor is upstream's clone on KVM.
+//! checkpoint, a claim from a checkpoint, a hibernate and a wake, each the median of `runs`;
+//! then what 20 hibernated sandboxes hold (VM processes, snapshot bytes on disk, sandboxd's
+//! RSS). Under TCG the figures are this machine's; the anchors are upstream's on KVM.
 
 use std::time::{Duration, Instant};
 
@@ -12,37 +13,66 @@ use sandboxd_api::{
 use super::bench::{ms, percentile, Figure};
 use super::bench_sandboxd::{post_json, wait_warm};
 
-/// Runs the branching figures on a node with one warm `rt` VM.
+/// Runs the branching figures on a node with one warm `rt` VM, then the hibernation memory
+/// figures on a node with a `base` pool of [`HIBERNATED`] (separate, so that the first figures
+/// are not taken beside 20 idle emulated VMs).
 pub async fn run(figures: &mut Vec<Figure>, bin: &std::path::Path, runs: usize) -> Result<()> {
-    let dir = tempfile::Builder::new().prefix("chrysalis-bench-branch-").tempdir()?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let addr = listen.to_string();
-    let config = Config {
-        listen,
-        data_dir: dir.path().join("data"),
-        pools: vec![PoolConfig::warm("rt", 1)],
-        refill_concurrency: 1,
-        boot_timeout_secs: 300,
-        ..Config::default()
-    };
-    let config_path = dir.path().join("config.json");
-    std::fs::write(&config_path, serde_json::to_vec_pretty(&config)?)?;
-    let mut child = tokio::process::Command::new(bin)
-        .arg("--config")
-        .arg(&config_path)
-        .env("RUST_LOG", "warn")
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting sandboxd")?;
-    let result = measure(figures, &addr, runs.max(1)).await;
-    let _ = child.kill().await;
-    for pid in test_infra::qemu_processes_under(dir.path()) {
-        // SAFETY: plain kill(2) on a pid we just listed as our own QEMU.
-        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    }
-    result
+    let node = Node::start(bin, PoolConfig::warm("rt", 1))?;
+    let r = measure(figures, &node.addr, runs.max(1)).await;
+    node.stop().await;
+    r?;
+    let node = Node::start(bin, PoolConfig::warm("base", HIBERNATED))?;
+    let r = hibernated(figures, &node.addr, node.pid, node.dir.path()).await;
+    node.stop().await;
+    r
 }
+
+/// A sandboxd on loopback over a temp dir.
+struct Node {
+    dir: tempfile::TempDir,
+    child: tokio::process::Child,
+    addr: String,
+    pid: u32,
+}
+
+impl Node {
+    fn start(bin: &std::path::Path, pool: PoolConfig) -> Result<Node> {
+        let dir = tempfile::Builder::new().prefix("chrysalis-bench-branch-").tempdir()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let config = Config {
+            listen,
+            data_dir: dir.path().join("data"),
+            pools: vec![pool],
+            refill_concurrency: 2,
+            boot_timeout_secs: 300,
+            ..Config::default()
+        };
+        let config_path = dir.path().join("config.json");
+        std::fs::write(&config_path, serde_json::to_vec_pretty(&config)?)?;
+        let child = tokio::process::Command::new(bin)
+            .arg("--config")
+            .arg(&config_path)
+            .env("RUST_LOG", "warn")
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting sandboxd")?;
+        let pid = child.id().context("sandboxd pid")?;
+        Ok(Node { dir, child, addr: listen.to_string(), pid })
+    }
+
+    /// Kills sandboxd and every QEMU under its temp dir.
+    async fn stop(mut self) {
+        let _ = self.child.kill().await;
+        for pid in test_infra::qemu_processes_under(self.dir.path()) {
+            // SAFETY: plain kill(2) on a pid we just listed as our own QEMU.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+}
+
+/// Sandboxes hibernated for the memory figure.
+const HIBERNATED: usize = 20;
 
 async fn release(addr: &str, g: &Grant) -> Result<()> {
     let path = format!("/v1/sandboxes/{}/release", g.id);
@@ -54,6 +84,7 @@ async fn measure(figures: &mut Vec<Figure>, addr: &str, runs: usize) -> Result<(
     let parent: Grant = post_json(addr, "/v1/claim", &ClaimRequest::new("rt")).await?;
     let accel = vmm::accel::probe();
     let (mut forks, mut checkpoints, mut claims) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut hibernates, mut wakes) = (Vec::new(), Vec::new());
     for _ in 0..runs {
         let t = Instant::now();
         let reply: ForkReply = post_json(
@@ -79,8 +110,14 @@ async fn measure(figures: &mut Vec<Figure>, addr: &str, runs: usize) -> Result<(
             post_json(addr, &format!("/v1/checkpoints/{}/claim", ck.checkpoint.id), &serde_json::json!({})).await?;
         claims.push(t.elapsed());
         release(addr, &g).await?;
+        let t = Instant::now();
+        super::bench_sandboxd::post_status(addr, &format!("/v1/sandboxes/{}/hibernate", parent.id), &parent.token).await?;
+        hibernates.push(t.elapsed());
+        let t = Instant::now();
+        super::bench_sandboxd::post_status(addr, &format!("/v1/sandboxes/{}/wake", parent.id), &parent.token).await?;
+        wakes.push(t.elapsed());
     }
-    for v in [&mut forks, &mut checkpoints, &mut claims] {
+    for v in [&mut forks, &mut checkpoints, &mut claims, &mut hibernates, &mut wakes] {
         v.sort();
     }
     let anchor = "anchor: upstream fork/clone 26–44 ms per VM on KVM";
@@ -99,5 +136,52 @@ async fn measure(figures: &mut Vec<Figure>, addr: &str, runs: usize) -> Result<(
         value: ms(percentile(&claims, 0.5)),
         target: anchor,
     });
+    figures.push(Figure {
+        name: format!("hibernate (rt, {accel}), p50 of {runs}"),
+        value: ms(percentile(&hibernates, 0.5)),
+        target: "reported: snapshot of memory and disk, then the VM stops",
+    });
+    figures.push(Figure {
+        name: format!("wake (rt, {accel}), p50 of {runs}"),
+        value: ms(percentile(&wakes, 0.5)),
+        target: "budget: ≤ 15 s",
+    });
+    Ok(())
+}
+
+/// Claims and hibernates [`HIBERNATED`] `base` sandboxes, then reports what they hold.
+async fn hibernated(figures: &mut Vec<Figure>, addr: &str, pid: u32, dir: &std::path::Path) -> Result<()> {
+    wait_warm(addr, HIBERNATED as u64, Duration::from_secs(1800)).await?;
+    let before = test_infra::qemu_processes_under(dir).len();
+    let rss_before = super::bench::rss_kib(pid).unwrap_or(0);
+    let mut grants = Vec::new();
+    for _ in 0..HIBERNATED {
+        let g: Grant = post_json(addr, "/v1/claim", &ClaimRequest::new("base")).await?;
+        super::bench_sandboxd::post_status(addr, &format!("/v1/sandboxes/{}/hibernate", g.id), &g.token).await?;
+        grants.push(g);
+    }
+    // The pool refills behind the claims: count the VMs of the hibernated sandboxes only.
+    let info: sandboxd_api::Info = super::bench_sandboxd::get_json(addr, "/v1/info").await?;
+    let running = test_infra::qemu_processes_under(dir).len();
+    let warm_and_refilling: usize = info.pools.iter().map(|p| p.warm + p.refilling).sum();
+    let held = running.saturating_sub(warm_and_refilling);
+    let rss_after = super::bench::rss_kib(pid).unwrap_or(0);
+    figures.push(Figure {
+        name: format!("{HIBERNATED} hibernated sandboxes: VM processes held"),
+        value: format!("{held} (QEMUs before {before}, after {running}, of which warm or refilling {warm_and_refilling})"),
+        target: "target: 0 VM processes",
+    });
+    figures.push(Figure {
+        name: format!("{HIBERNATED} hibernated sandboxes: state on disk / sandboxd RSS growth"),
+        value: format!(
+            "{:.1} MiB on disk / {:.1} MiB RSS",
+            info.checkpoint_disk_bytes as f64 / 1048576.0,
+            rss_after.saturating_sub(rss_before) as f64 / 1024.0
+        ),
+        target: "target: a few MiB of state in RAM (the snapshots live on disk)",
+    });
+    for g in &grants {
+        release(addr, g).await?;
+    }
     Ok(())
 }
