@@ -160,6 +160,14 @@ pub struct Config {
     /// `owner_addr`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_listen: Option<SocketAddr>,
+    /// Where preview URLs are served (plain HTTP; each URL carries its own expiring HMAC
+    /// token, so any address may be used). Absent: `POST …/preview` answers `501`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preview_listen: Option<SocketAddr>,
+    /// The origin preview URLs start with (default `http://<preview_listen>`), e.g. the
+    /// address of a proxy in front of it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preview_url: Option<String>,
     /// `host:port` clients should use for sandbox-scoped calls (`owner_addr`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub advertise_addr: Option<String>,
@@ -243,6 +251,8 @@ impl Default for Config {
             tls_cert_file: None,
             tls_key_file: None,
             local_listen: None,
+            preview_listen: None,
+            preview_url: None,
             advertise_addr: None,
             pools: Vec::new(),
             network: None,

@@ -49,6 +49,15 @@ impl fmt::Display for ListenSource {
 /// Errors loading or validating the config.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The preview key (`preview_listen`) could not be read or made.
+    #[error("config key preview_listen: the preview key {path}")]
+    Preview {
+        /// The key file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The file could not be read.
     #[error("reading config {path}")]
     Read {

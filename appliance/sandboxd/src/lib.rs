@@ -37,6 +37,7 @@ pub mod metrics;
 pub mod node;
 pub mod options;
 pub mod pool;
+pub mod preview;
 pub mod reaper;
 pub mod reconcile;
 pub mod snapshots;

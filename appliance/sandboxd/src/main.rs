@@ -163,10 +163,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Some(addr) => Some((addr, bind(addr).await?)),
         None => None,
     };
+    let preview = match cfg.preview_listen {
+        Some(addr) => Some(bind(addr).await?),
+        None => None,
+    };
     tracing::info!(
         listen = %cfg.listen,
         tls = tls.is_some(),
         local_listen = ?cfg.local_listen,
+        preview_listen = ?cfg.preview_listen,
         max_vms = budget.max_vms,
         max_memory_mib = budget.max_memory_mib,
         max_disk_mib = budget.max_disk_mib,
@@ -178,6 +183,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let (n, s) = (Arc::clone(&node), stop.clone());
         let owner = Some(addr.to_string());
         tokio::spawn(async move { sandboxd::http::serve_as(l, n, None, owner, s.cancelled_owned()).await });
+    }
+    if let Some(l) = preview {
+        let (n, s) = (Arc::clone(&node), stop.clone());
+        tokio::spawn(async move { sandboxd::http::serve_previews(l, n, s.cancelled_owned()).await });
     }
     sandboxd::http::serve(listener, Arc::clone(&node), tls, shutdown_signal()).await;
     stop.cancel();

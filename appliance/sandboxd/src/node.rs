@@ -116,6 +116,8 @@ pub struct Node {
     pub metrics: Arc<Metrics>,
     /// Fork snapshots, checkpoints and hibernated sandboxes.
     snapshots: SnapshotStore,
+    /// Preview URLs, when `preview_listen` is configured.
+    previews: Option<crate::preview::Previews>,
     /// One hibernate or wake at a time per sandbox.
     transitions: Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     cancel: CancellationToken,
@@ -193,6 +195,7 @@ impl Node {
             pool_configs: Mutex::new(pool_list),
             metrics,
             snapshots,
+            previews: opts.previews,
             transitions: Mutex::default(),
             cancel: CancellationToken::new(),
         });
@@ -220,6 +223,11 @@ impl Node {
     /// The root API token, if configured.
     pub fn api_token(&self) -> Option<&str> {
         self.api_token.as_deref()
+    }
+
+    /// Preview URLs, when configured.
+    pub fn previews(&self) -> Option<&crate::preview::Previews> {
+        self.previews.as_ref()
     }
 
     /// The advertised owner address (may be empty).

@@ -74,6 +74,8 @@ pub struct NodeOptions {
     /// Per-VM networking of `net: egress` pools (the config's `network` section); `None`: no
     /// VM gets a NIC and egress is refused.
     pub network: Option<vmnet::NetConfig>,
+    /// Preview URLs (`preview_listen`), if configured.
+    pub previews: Option<crate::preview::Previews>,
 }
 
 impl NodeOptions {
@@ -98,6 +100,16 @@ impl NodeOptions {
             timing: Timing { cold_probe: Duration::from_secs(c.boot_timeout_secs.max(1)), ..Timing::default() },
             limits: c.limits()?,
             network: c.net_config()?,
+            previews: match c.preview_listen {
+                Some(addr) => Some(
+                    crate::preview::Previews::open(
+                        &c.data_dir,
+                        c.preview_url.clone().unwrap_or_else(|| format!("http://{addr}")),
+                    )
+                    .map_err(|source| ConfigError::Preview { path: c.data_dir.join(crate::preview::KEY_FILE), source })?,
+                ),
+                None => None,
+            },
         })
     }
 
@@ -116,6 +128,7 @@ impl NodeOptions {
             timing: Timing::default(),
             limits: Limits::with_budget(Self::TEST_BUDGET),
             network: None,
+            previews: None,
         }
     }
 

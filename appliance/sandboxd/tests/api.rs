@@ -252,7 +252,6 @@ async fn error_shapes() {
 
     for (m, p, feature) in [
         ("POST", "/v1/sandboxes/sb_1/promote", "promote"),
-        ("POST", "/v1/sandboxes/sb_1/preview", "preview"),
         ("PUT", "/v1/sandboxes/sb_1/volumes", "volumes"),
         ("GET", "/v1/volumes", "volumes"),
         ("DELETE", "/v1/templates?template=x", "templates"),
@@ -1036,4 +1035,49 @@ mod hibernation {
         wait_warm(&h.node, "base", 2).await;
         assert_eq!(h.driver.live().len(), 2, "only the warm pool: {:?}", h.driver.live());
     }
+}
+
+#[tokio::test]
+async fn preview_urls_are_501_without_preview_listen_and_tokens_are_checked() {
+    let h = start(&[("base", 1)], None).await;
+    wait_warm(&h.node, "base", 1).await;
+    let c = h.claim(json!({"template": "base"})).await;
+    let path = format!("/v1/sandboxes/{}/preview", c["id"].as_str().expect("id"));
+    let (s, v) = h.call("POST", &path, None, Some(json!({"token": c["token"], "port": 8000}))).await;
+    assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{v}");
+    assert!(v["error"].as_str().expect("msg").contains("preview_listen"), "{v}");
+
+    let h = start_with(&[("base", 1)], None, |o| {
+        o.previews = Some(sandboxd::preview::Previews::with_key([9; 32], "http://preview.test:8080"));
+    })
+    .await;
+    wait_warm(&h.node, "base", 1).await;
+    let c = h.claim(json!({"template": "base"})).await;
+    let path = format!("/v1/sandboxes/{}/preview", c["id"].as_str().expect("id"));
+    let (s, v) = h.call("POST", &path, None, Some(json!({"token": c["token"], "port": 8000, "ttl_seconds": 60}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let url = v["url"].as_str().expect("url").to_string();
+    assert!(url.starts_with("http://preview.test:8080/p/") && url.ends_with('/'), "{url}");
+    for (body, status) in [
+        (json!({"token": c["token"], "port": 0}), StatusCode::BAD_REQUEST),
+        (json!({"token": c["token"], "port": 70000}), StatusCode::BAD_REQUEST),
+        (json!({"token": c["token"], "port": 80, "ttl_seconds": -1}), StatusCode::BAD_REQUEST),
+        (json!({"token": "0".repeat(32), "port": 80}), StatusCode::NOT_FOUND),
+        (json!({"port": 80}), StatusCode::NOT_FOUND),
+    ] {
+        let (s, v) = h.call("POST", &path, None, Some(body.clone())).await;
+        assert_eq!(s, status, "{body}: {v}");
+    }
+    // The proxy: a forged, truncated or unknown token is a 404, and so is a released sandbox's.
+    let previews = sandboxd::http::preview_app(h.node.clone());
+    let token_path = url.trim_start_matches("http://preview.test:8080");
+    for bad in ["/p/nope/", "/p/a.b/x", "/", "/v1/info"] {
+        let (s, _) = call(&previews, "GET", bad, None, None).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{bad}");
+    }
+    let forged = format!("{}x/", token_path.trim_end_matches('/'));
+    assert_eq!(call(&previews, "GET", &forged, None, None).await.0, StatusCode::NOT_FOUND);
+    let (s, _) = h.call("POST", &format!("/v1/sandboxes/{}/release", c["id"].as_str().expect("id")), c["token"].as_str(), None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    assert_eq!(call(&previews, "GET", token_path, None, None).await.0, StatusCode::NOT_FOUND);
 }

@@ -31,9 +31,11 @@ fn sdk_surface_and_adapters_with_their_defaults() {
     });
     // A medium `base` pool hibernates its sandboxes after 2 idle seconds.
     let idle = PoolConfig { size: Some("medium".into()), idle_hibernate_seconds: Some(2), ..PoolConfig::warm("base", 1) };
-    let h = Harness::new(
+    let preview = std::net::SocketAddr::from(([127, 0, 0, 1], test_infra::sandboxd::free_port()));
+    let h = Harness::with_config(
         Path::new(env!("CARGO_BIN_EXE_sandboxd")),
         vec![PoolConfig::warm("base", 1), PoolConfig::warm("rt", 1), idle],
+        |c| c.preview_listen = Some(preview),
     );
     h.wait_full("base");
     h.wait_full("rt");

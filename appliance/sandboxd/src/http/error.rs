@@ -51,6 +51,9 @@ pub enum ApiError {
     /// An advanced feature this node does not have.
     #[error("{0} is not implemented on this node")]
     NotImplemented(&'static str),
+    /// A feature this node has but whose configuration is absent (`501`, naming the key).
+    #[error("{0}")]
+    Unavailable(String),
     /// The guest could not be reached or failed.
     #[error("{0}")]
     BadGateway(String),
@@ -82,7 +85,7 @@ impl ApiError {
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UpgradeRequired(_) => StatusCode::UPGRADE_REQUIRED,
             ApiError::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
+            ApiError::NotImplemented(_) | ApiError::Unavailable(_) => StatusCode::NOT_IMPLEMENTED,
             ApiError::BadGateway(_) => StatusCode::BAD_GATEWAY,
             ApiError::GatewayTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,

@@ -12,6 +12,7 @@ mod branch;
 mod console;
 pub mod error;
 mod exec;
+mod preview;
 mod relay;
 mod routes;
 
@@ -64,7 +65,7 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/v1/sandboxes/{id}/promote", unimplemented("promote"))
         .route("/v1/sandboxes/{id}/hibernate", post(branch::hibernate))
         .route("/v1/sandboxes/{id}/wake", post(branch::wake))
-        .route("/v1/sandboxes/{id}/preview", unimplemented("preview"))
+        .route("/v1/sandboxes/{id}/preview", post(preview::create))
         .route("/v1/sandboxes/{id}/volumes", unimplemented("volumes"))
         .route("/v1/volumes", unimplemented("volumes"))
         .route("/v1/templates", unimplemented("templates"))
@@ -72,7 +73,6 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/v1/checkpoints/{id}", delete(branch::delete))
         .route("/v1/checkpoints/{id}/claim", post(branch::claim))
         .route("/v1/checkpoints/{id}/blob", unimplemented("checkpoint blobs"))
-        .route("/p/{*rest}", unimplemented("preview"))
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .with_state(node)
 }
@@ -154,6 +154,20 @@ pub async fn serve_as(
         router = router.layer(axum::Extension(OwnerAddr(o)));
     }
     httpd::serve(listener, router, opts, stats, shutdown).await;
+}
+
+/// Serves preview URLs (`/p/<token>/…`) on `listener` (plain HTTP, the node's connection
+/// limits) until `shutdown` resolves.
+pub async fn serve_previews(listener: TcpListener, node: Arc<Node>, shutdown: impl Future<Output = ()>) {
+    let mut opts = serve_options(&node, None);
+    opts.name = "sandboxd-preview";
+    let stats = Arc::clone(&node.conn_stats);
+    httpd::serve(listener, preview::preview_app(node), opts, stats, shutdown).await;
+}
+
+/// The preview router, for in-process tests.
+pub fn preview_app(node: Arc<Node>) -> Router {
+    preview::preview_app(node)
 }
 
 #[cfg(test)]

@@ -11,6 +11,8 @@ import asyncio
 import http.client
 import io
 import json
+import socket
+import urllib.parse
 import sys
 import time
 from pathlib import Path
@@ -174,6 +176,78 @@ with client.new("base", size="medium", ttl_seconds=300) as idle:
     idle.exec("true")
     wait_until("the idle sandbox to hibernate", lambda: row_of(idle.id)["hibernated"], timeout=60)
     assert idle.exec("echo", "awake").strip() == "awake"
+
+step("7. preview URLs: HTTP and a WebSocket-style upgrade to a guest port")
+SERVER = b"""
+import http.server, socketserver
+
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        if self.headers.get("Upgrade", "").lower() == "echo":
+            self.send_response(101)
+            self.send_header("Upgrade", "echo")
+            self.send_header("Connection", "Upgrade")
+            self.end_headers()
+            self.wfile.flush()
+            data = self.rfile.read(5)
+            self.wfile.write(data.upper())
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        body = ("path=" + self.path).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+socketserver.ThreadingTCPServer.allow_reuse_address = True
+socketserver.ThreadingTCPServer(("127.0.0.1", 8000), H).serve_forever()
+"""
+with client.new("rt:24.04", ttl_seconds=300) as sb:
+    sb.write_file("/srv/preview_server.py", SERVER)
+    sb.spawn("python3", "/srv/preview_server.py")
+    probe = "import socket\ntry:\n socket.create_connection(('127.0.0.1', 8000), 1); print('up')\nexcept OSError:\n print('down')"
+    wait_until("the guest server to listen", lambda: sb.exec("python3", "-c", probe).strip() == "up", timeout=60)
+    url = sb.preview_url(8000, ttl_seconds=120)
+    parts = urllib.parse.urlsplit(url)
+    assert url.endswith("/") and "/p/" in parts.path, url
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    conn.request("GET", parts.path + "hello/world?x=1")
+    r = conn.getresponse()
+    assert (r.status, r.read()) == (200, b"path=/hello/world?x=1"), r.status
+    conn.close()
+    # An upgrade passes through: the guest switches protocols and echoes in upper case.
+    s = socket.create_connection((parts.hostname, parts.port), timeout=30)
+    s.sendall(f"GET {parts.path}ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = s.recv(1)
+        assert chunk, head
+        head += chunk
+    assert head.startswith(b"HTTP/1.1 101"), head
+    s.sendall(b"hello")
+    got = b""
+    while len(got) < 5:
+        chunk = s.recv(5 - len(got))
+        assert chunk, got
+        got += chunk
+    assert got == b"HELLO", got
+    s.close()
+    # A tampered token is a 404; so is the URL once the sandbox is released.
+    bad = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    bad.request("GET", parts.path[:-3] + "xx/")
+    assert bad.getresponse().status == 404
+    bad.close()
+    exc = expect_status(400, lambda: sb.preview_url(0))
+after = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+after.request("GET", parts.path)
+assert after.getresponse().status == 404, "a released sandbox's preview URL is dead"
+after.close()
 
 step("8. stats: measured CPU and memory")
 with client.new("base", ttl_seconds=120) as sb:
