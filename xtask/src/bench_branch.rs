@@ -5,70 +5,24 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
-use sandboxd_api::{
-    CheckpointReply, CheckpointRequest, ClaimRequest, Config, ForkReply, ForkRequest, Grant, PoolConfig,
-};
+use anyhow::Result;
+use sandboxd_api::{CheckpointReply, CheckpointRequest, ClaimRequest, ForkReply, ForkRequest, Grant, PoolConfig};
 
 use super::bench::{ms, percentile, Figure};
-use super::bench_sandboxd::{post_json, wait_warm};
+use super::bench_sandboxd::{post_json, wait_warm, BenchNode};
 
 /// Runs the branching figures on a node with one warm `rt` VM, then the hibernation memory
 /// figures on a node with a `base` pool of [`HIBERNATED`] (separate, so that the first figures
 /// are not taken beside 20 idle emulated VMs).
 pub async fn run(figures: &mut Vec<Figure>, bin: &std::path::Path, runs: usize) -> Result<()> {
-    let node = Node::start(bin, PoolConfig::warm("rt", 1))?;
+    let node = BenchNode::start(bin, |c| c.pools = vec![PoolConfig::warm("rt", 1)])?;
     let r = measure(figures, &node.addr, runs.max(1)).await;
     node.stop().await;
     r?;
-    let node = Node::start(bin, PoolConfig::warm("base", HIBERNATED))?;
+    let node = BenchNode::start(bin, |c| c.pools = vec![PoolConfig::warm("base", HIBERNATED)])?;
     let r = hibernated(figures, &node.addr, node.pid, node.dir.path()).await;
     node.stop().await;
     r
-}
-
-/// A sandboxd on loopback over a temp dir.
-struct Node {
-    dir: tempfile::TempDir,
-    child: tokio::process::Child,
-    addr: String,
-    pid: u32,
-}
-
-impl Node {
-    fn start(bin: &std::path::Path, pool: PoolConfig) -> Result<Node> {
-        let dir = tempfile::Builder::new().prefix("chrysalis-bench-branch-").tempdir()?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-        let config = Config {
-            listen,
-            data_dir: dir.path().join("data"),
-            pools: vec![pool],
-            refill_concurrency: 2,
-            boot_timeout_secs: 300,
-            ..Config::default()
-        };
-        let config_path = dir.path().join("config.json");
-        std::fs::write(&config_path, serde_json::to_vec_pretty(&config)?)?;
-        let child = tokio::process::Command::new(bin)
-            .arg("--config")
-            .arg(&config_path)
-            .env("RUST_LOG", "warn")
-            .kill_on_drop(true)
-            .spawn()
-            .context("starting sandboxd")?;
-        let pid = child.id().context("sandboxd pid")?;
-        Ok(Node { dir, child, addr: listen.to_string(), pid })
-    }
-
-    /// Kills sandboxd and every QEMU under its temp dir.
-    async fn stop(mut self) {
-        let _ = self.child.kill().await;
-        for pid in test_infra::qemu_processes_under(self.dir.path()) {
-            // SAFETY: plain kill(2) on a pid we just listed as our own QEMU.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-        }
-    }
 }
 
 /// Sandboxes hibernated for the memory figure.

@@ -107,40 +107,66 @@ pub fn claim_latency(figures: &mut Vec<Figure>) -> Result<()> {
     Ok(())
 }
 
+/// A `sandboxd` on a loopback port over a temp dir, for the benchmarks: its config is the
+/// default with `listen` and `data_dir` set, refill concurrency 2, a 300 s boot timeout, then
+/// changed by the caller.
+pub(crate) struct BenchNode {
+    pub dir: tempfile::TempDir,
+    child: tokio::process::Child,
+    pub addr: String,
+    pub pid: u32,
+}
+
+impl BenchNode {
+    pub fn start(bin: &std::path::Path, change: impl FnOnce(&mut Config)) -> Result<BenchNode> {
+        let dir = tempfile::Builder::new().prefix("chrysalis-bench-sandboxd-").tempdir()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let mut config = Config {
+            listen,
+            data_dir: dir.path().join("data"),
+            refill_concurrency: 2,
+            boot_timeout_secs: 300,
+            ..Config::default()
+        };
+        change(&mut config);
+        let config_path = dir.path().join("config.json");
+        std::fs::write(&config_path, serde_json::to_vec_pretty(&config)?)?;
+        let child = tokio::process::Command::new(bin)
+            .arg("--config")
+            .arg(&config_path)
+            .env("RUST_LOG", "warn")
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting sandboxd")?;
+        let pid = child.id().context("sandboxd pid")?;
+        Ok(BenchNode { dir, child, addr: listen.to_string(), pid })
+    }
+
+    /// Kills sandboxd and every QEMU under its temp dir (claims go with their VMs).
+    pub async fn stop(mut self) {
+        let _ = self.child.kill().await;
+        for pid in test_infra::qemu_processes_under(self.dir.path()) {
+            // SAFETY: plain kill(2) on a pid we just listed as our own QEMU.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+}
+
 /// Refill rate and sandboxd RSS with the real binary and real QEMU VMs.
 pub async fn real_node(figures: &mut Vec<Figure>, bin: &std::path::Path, rss_claims: u64) -> Result<()> {
-    let dir = tempfile::Builder::new().prefix("chrysalis-bench-sandboxd-").tempdir()?;
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-        l.local_addr()?.port()
-    };
-    let listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let addr = listen.to_string();
     let refill_batch = 4u64;
     // The budget holds the warm pool, the claims whose RSS is measured, and a golden builder
     // (TCG base VMs take far less than their nominal 512 MiB).
     let max_vms = refill_batch + rss_claims.max(refill_batch) + 2;
-    let config = Config {
-        listen,
-        advertise_addr: Some(addr.clone()),
-        data_dir: dir.path().join("data"),
-        pools: vec![PoolConfig::warm("base", usize::try_from(refill_batch)?)],
-        refill_concurrency: 2,
-        boot_timeout_secs: 180,
-        max_vms: Some(usize::try_from(max_vms)?),
-        max_memory_mib: Some(max_vms * 512),
-        ..Config::default()
-    };
-    let config_path = dir.path().join("config.json");
-    std::fs::write(&config_path, serde_json::to_vec_pretty(&config)?)?;
-    let mut child = tokio::process::Command::new(bin)
-        .arg("--config")
-        .arg(&config_path)
-        .env("RUST_LOG", "warn")
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting sandboxd")?;
-    let pid = child.id().context("sandboxd pid")?;
+    let node = BenchNode::start(bin, |c| {
+        c.advertise_addr = Some(c.listen.to_string());
+        c.pools = vec![PoolConfig::warm("base", refill_batch as usize)];
+        c.boot_timeout_secs = 180;
+        c.max_vms = Some(max_vms as usize);
+        c.max_memory_mib = Some(max_vms * 512);
+    })?;
+    let (addr, pid) = (node.addr.clone(), node.pid);
     let result = async {
         wait_warm(&addr, refill_batch, Duration::from_secs(600)).await?;
         let accel = vmm::accel::probe();
@@ -175,11 +201,6 @@ pub async fn real_node(figures: &mut Vec<Figure>, bin: &std::path::Path, rss_cla
         anyhow::Ok(())
     }
     .await;
-    // Release everything: drain destroys warm VMs; the claims go with their QEMU processes.
-    let _ = child.kill().await;
-    for pid in test_infra::qemu_processes_under(dir.path()) {
-        // SAFETY: plain kill(2) on a pid we just listed as our own QEMU.
-        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    }
+    node.stop().await;
     result
 }

@@ -49,10 +49,9 @@ impl From<HibernateError> for ApiError {
     }
 }
 
-/// The node token in the header and the sandbox's own token in the body; `404` for an unknown
-/// id or a wrong token alike.
-fn body_token(node: &Node, headers: &HeaderMap, id: &str, token: &str) -> Result<Claim, ApiError> {
-    auth::node_route(node, headers)?;
+/// The sandbox's own token in the body (the caller checked the node token in the header);
+/// `404` for an unknown id or a wrong token alike.
+pub(super) fn body_token(node: &Node, id: &str, token: &str) -> Result<Claim, ApiError> {
     node.sandbox(id).filter(|c| auth::ct_eq(token, &c.rec.token)).ok_or_else(ApiError::no_sandbox)
 }
 
@@ -65,7 +64,7 @@ pub(super) async fn fork(
 ) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
     let b: api::ForkRequest = read_json(&node, body, None).await?;
-    let parent = body_token(&node, &headers, &id, &b.token)?;
+    let parent = body_token(&node, &id, &b.token)?;
     let ttl = claims::ttl(b.ttl_seconds)?;
     let mut children = node.fork(&parent, b.count, ttl, b.claim_ref_prefix).await?;
     for c in &mut children {
@@ -82,7 +81,7 @@ pub(super) async fn checkpoint(
 ) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
     let b: api::CheckpointRequest = read_json(&node, body, None).await?;
-    let claim = body_token(&node, &headers, &id, &b.token)?;
+    let claim = body_token(&node, &id, &b.token)?;
     let checkpoint = node.checkpoint(&claim, b.name).await?;
     sorted_json(&api::CheckpointReply { checkpoint })
 }

@@ -58,7 +58,7 @@ pub(super) async fn create(
         )
     })?;
     let b: PreviewRequest = read_json(&node, body, None).await?;
-    let claim = node.sandbox(&id).filter(|c| auth::ct_eq(&b.token, &c.rec.token)).ok_or_else(ApiError::no_sandbox)?;
+    let claim = super::branch::body_token(&node, &id, &b.token)?;
     let port = u16::try_from(b.port)
         .ok()
         .filter(|p| *p > 0)

@@ -19,6 +19,7 @@ import tarfile
 import time
 import urllib.parse
 
+from checks import expect_status, step, wait_until
 from cocoonsandbox import APIError, Client, ExitError, SilkdError
 
 addr, root = sys.argv[1], sys.argv[2]
@@ -43,28 +44,10 @@ client = new_client()
 print(f"-- over {'TLS' if tls else 'plain HTTP'}: {addr}", flush=True)
 
 
-def step(name):
-    print(f"-- {name}", flush=True)
 
 
-def expect_status(status, fn):
-    try:
-        fn()
-    except APIError as exc:
-        assert exc.status == status, f"want HTTP {status}, got {exc.status}: {exc}"
-        return exc
-    raise AssertionError(f"want APIError {status}")
 
 
-def wait_until(what, fn, timeout=120.0):
-    until = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > until:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def raw(method, path, token, body=None):

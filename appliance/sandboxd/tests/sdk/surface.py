@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from checks import expect_status, step, wait_until
 from cocoonsandbox import APIError, Client, SilkdError
 
 addr, root = sys.argv[1], sys.argv[2]
@@ -24,17 +25,8 @@ host, port = addr.rsplit(":", 1)
 client = Client(addr, api_token=root, timeout=120)
 
 
-def step(name):
-    print(f"-- {name}", flush=True)
 
 
-def expect_status(status, fn):
-    try:
-        fn()
-    except APIError as exc:
-        assert exc.status == status, f"want HTTP {status}, got {exc.status}: {exc}"
-        return exc
-    raise AssertionError(f"want APIError {status}")
 
 
 def raw(method, path, body=None, token=root):
@@ -57,12 +49,6 @@ def expect_silkd(kind, text, fn):
     raise AssertionError(f"want SilkdError {kind}")
 
 
-def wait_until(what, fn, timeout=120.0):
-    until = time.monotonic() + timeout
-    while not fn():
-        if time.monotonic() > until:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def sandbox_rows():
