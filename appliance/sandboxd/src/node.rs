@@ -211,7 +211,8 @@ impl Node {
         }
         // Snapshots a crash left half-made, or that nothing needs since: now, then periodically.
         node.gc_snapshots().await;
-        tokio::spawn(snapshot_gc(Arc::downgrade(&node), node.timing.snapshot_gc, node.cancel.clone()));
+        let (idle, gc) = (node.timing.idle_check, node.timing.snapshot_gc);
+        tokio::spawn(snapshot_gc(Arc::downgrade(&node), idle, gc, node.cancel.clone()));
         Ok(node)
     }
 
@@ -425,18 +426,27 @@ impl Node {
     }
 }
 
-/// Every `period` until `cancel` or the node is gone: hibernates idle sandboxes
-/// ([`Node::hibernate_idle`]), then runs [`Node::gc_snapshots`].
-async fn snapshot_gc(node: std::sync::Weak<Node>, period: Duration, cancel: CancellationToken) {
+/// Until `cancel` or the node is gone: every `idle_period` hibernates idle sandboxes
+/// ([`Node::hibernate_idle`]), every `gc_period` runs [`Node::gc_snapshots`].
+async fn snapshot_gc(node: std::sync::Weak<Node>, idle_period: Duration, gc_period: Duration, cancel: CancellationToken) {
+    let mut idle = tokio::time::interval(idle_period);
+    let mut gc = tokio::time::interval(gc_period);
+    idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    gc.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first ticks are immediate; the start already ran a gc.
+    idle.tick().await;
+    gc.tick().await;
     loop {
-        tokio::select! {
+        let hibernate = tokio::select! {
             () = cancel.cancelled() => return,
-            () = tokio::time::sleep(period) => {}
-        }
+            _ = idle.tick() => true,
+            _ = gc.tick() => false,
+        };
         let Some(node) = node.upgrade() else { return };
-        if node.reconciled() {
+        if !hibernate {
+            node.gc_snapshots().await;
+        } else if node.reconciled() {
             node.hibernate_idle().await;
         }
-        node.gc_snapshots().await;
     }
 }

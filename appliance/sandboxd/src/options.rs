@@ -30,6 +30,8 @@ pub struct Timing {
     pub relay_drain: Duration,
     /// Period of the snapshot gc (expired checkpoints, snapshots nothing uses).
     pub snapshot_gc: Duration,
+    /// Period of the idle check of pools with `idle_hibernate_seconds`.
+    pub idle_check: Duration,
 }
 
 impl Default for Timing {
@@ -44,6 +46,7 @@ impl Default for Timing {
             park: Duration::from_secs(30),
             relay_drain: Duration::from_secs(30),
             snapshot_gc: Duration::from_secs(60),
+            idle_check: Duration::from_secs(2),
         }
     }
 }

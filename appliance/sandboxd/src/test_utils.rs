@@ -214,6 +214,7 @@ pub fn fast_timing() -> crate::node::Timing {
         park: Duration::from_millis(200),
         relay_drain: Duration::from_secs(1),
         snapshot_gc: Duration::from_millis(200),
+        idle_check: Duration::from_millis(100),
     }
 }
 
