@@ -174,8 +174,10 @@ impl Node {
         self.snapshots.disk_bytes()
     }
 
-    /// Expires old checkpoints and removes the snapshots nothing needs.
+    /// Expires old checkpoints and removes the snapshots nothing needs (and the transition
+    /// locks of claims that ended without a release, such as reaped ones).
     pub async fn gc_snapshots(&self) {
+        self.forget_ended_transitions();
         let _g = self.snapshots.lock().await;
         if let Some(ttl) = self.limits.branching.checkpoint_ttl {
             let n = self.snapshots.expire(ttl, SystemTime::now());

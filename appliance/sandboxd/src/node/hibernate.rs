@@ -66,6 +66,12 @@ impl Node {
         self.slots.forget(id);
     }
 
+    /// Drops the transition locks of claims no longer in the table.
+    pub(crate) fn forget_ended_transitions(&self) {
+        let live: std::collections::HashSet<String> = self.store.lock().iter().map(|c| c.rec.id.clone()).collect();
+        self.transitions.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| live.contains(id));
+    }
+
     /// Hibernates sandbox `id` (nothing to do when it already is).
     pub async fn hibernate(&self, id: &str) -> Result<(), HibernateError> {
         let lock = self.transition(id);
