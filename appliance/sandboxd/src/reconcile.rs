@@ -72,6 +72,11 @@ pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileR
         let adoption = owned::adopt(vms.driver.as_ref(), &listing, pending).await;
         let mut last_gen = None;
         for (id, vm) in adoption.attached {
+            // A crash in the middle of a fork, a checkpoint or a hibernate may have left the VM
+            // paused by its snapshot: it runs on.
+            if let Err(e) = vms.driver.resume(&vm).await {
+                tracing::warn!(claim = %id, vm = %vm.id, error = %vmm::error_chain(&e), "resuming a re-adopted VM failed");
+            }
             tracing::info!(claim = %id, vm = %vm.id, "re-adopted");
             store.lock().set_vm(&id, vm);
             report.adopted += 1;

@@ -480,8 +480,19 @@ impl Driver for QemuDriver {
         self.qmp(vm).await?.stop().await.map_err(control(&vm.id))
     }
 
+    /// Resumes the vCPUs. A snapshot whose caller died mid-way may still be migrating the
+    /// VM to its file: that migration is let finish (its result does not matter) first, since
+    /// QEMU leaves the VM paused when it ends.
     async fn resume(&self, vm: &Vm) -> Result<(), DriverError> {
-        self.qmp(vm).await?.cont().await.map_err(control(&vm.id))
+        use qapi::qmp::MigrationStatus as S;
+        let q = self.qmp(vm).await?;
+        let (status, _) = q.migration().await.map_err(control(&vm.id))?;
+        if !matches!(status, None | Some(S::none | S::completed | S::failed | S::cancelled)) {
+            if let Err(e) = self.wait_migration(&vm.id, &q, "an interrupted snapshot").await {
+                tracing::warn!(vm = %vm.id, error = %crate::error_chain(&e), "an interrupted snapshot did not finish");
+            }
+        }
+        q.cont().await.map_err(control(&vm.id))
     }
 
     async fn snapshot(&self, vm: &Vm, dir: &Path, after: AfterSnapshot) -> Result<Snapshot, DriverError> {
