@@ -103,6 +103,33 @@ pub struct CheckpointClaimRequest {
     pub ttl_seconds: Option<i64>,
 }
 
+/// The `POST /v1/sandboxes/{id}/promote` body.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromoteRequest {
+    /// The sandbox token.
+    #[serde(default)]
+    pub token: String,
+    /// The new template's name.
+    #[serde(default)]
+    pub template: String,
+}
+
+impl std::fmt::Debug for PromoteRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromoteRequest").field("token", &"<redacted>").field("template", &self.template).finish()
+    }
+}
+
+/// The `200` of a promote.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PromoteReply {
+    /// The pool key a pool of the template uses.
+    pub key: Key,
+    /// `sha256:` of the template's content.
+    pub content_digest: String,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

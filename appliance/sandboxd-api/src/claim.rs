@@ -3,8 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The `POST /v1/claim` body. Unknown fields are accepted: the SDK and vk-sandbox may send
-/// `no_redirect`, `require_promoted`, `metadata`, `on_expire`, `egress`, which this node does
-/// not read.
+/// `no_redirect`, `metadata`, `on_expire`, `egress`, which this node does not read.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClaimRequest {
     /// Template name (an empty or malformed one is refused, `400`).
@@ -22,6 +21,9 @@ pub struct ClaimRequest {
     /// The caller's reference; listings filter on it exactly.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim_ref: Option<String>,
+    /// Claim only from a promoted template (`404` for any other).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub require_promoted: Option<bool>,
     /// Volumes to attach (advanced: a non-empty list answers `501` on this node).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volumes: Option<Vec<serde_json::Value>>,
@@ -114,6 +116,7 @@ mod tests {
             size: Some("large".into()),
             ttl_seconds: Some(600),
             claim_ref: Some("ns/pod".into()),
+            require_promoted: None,
             volumes: None,
         };
         assert_eq!(

@@ -36,7 +36,7 @@ pub mod exec;
 pub mod info;
 pub mod sandbox;
 
-pub use branch::{Checkpoint, CheckpointClaimRequest, CheckpointList, CheckpointReply, CheckpointRequest, ForkReply, ForkRequest};
+pub use branch::{Checkpoint, CheckpointClaimRequest, CheckpointList, CheckpointReply, CheckpointRequest, ForkReply, ForkRequest, PromoteReply, PromoteRequest};
 pub use claim::{ClaimReply, ClaimRequest, Grant, RenewRequest, Renewed};
 pub use config::{Config, NetworkConfig, PoolConfig};
 pub use error::ErrorBody;

@@ -38,6 +38,7 @@ pub mod node;
 pub mod options;
 pub mod pool;
 pub mod preview;
+pub mod promoted;
 pub mod reaper;
 pub mod reconcile;
 pub mod snapshots;

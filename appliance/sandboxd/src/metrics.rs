@@ -8,7 +8,7 @@
 //! | `sandboxd_claims_total` | `result` (`granted`, `no_capacity`, `draining`, `error`), `tier` (`warm`, or empty) | counter |
 //! | `sandboxd_claim_duration_seconds` (every `Node::claim`, granted or refused; 50 µs … 1 s) | | histogram |
 //! | `sandboxd_releases_total`, `sandboxd_renews_total`, `sandboxd_reaped_total` | | counter |
-//! | `sandboxd_hibernations_total`, `sandboxd_wakes_total`, `sandboxd_fork_children_total`, `sandboxd_checkpoints_total` | | counter |
+//! | `sandboxd_hibernations_total`, `sandboxd_wakes_total`, `sandboxd_fork_children_total`, `sandboxd_checkpoints_total`, `sandboxd_promotions_total` | | counter |
 //! | `sandboxd_refills_total` | `tier` (`clone`, `cold`) | counter |
 //! | `sandboxd_refill_failures_total`, `sandboxd_refill_budget_blocked_total` | | counter |
 //! | `sandboxd_golden_builds_total`, `sandboxd_vm_destroys_total` | `result` (`ok`, `failed`) | counter |
@@ -136,6 +136,8 @@ pub struct Metrics {
     pub fork_children: Counter,
     /// Checkpoints made.
     pub checkpoints: Counter,
+    /// Sandboxes promoted to templates.
+    pub promotions: Counter,
 }
 
 /// Bumps a counter.
@@ -260,6 +262,7 @@ impl Collector for Scrape {
         counter(e, "sandboxd_wakes", "Hibernated sandboxes woken.", &[(none, m.wakes.get())])?;
         counter(e, "sandboxd_fork_children", "Sandboxes made by fork.", &[(none, m.fork_children.get())])?;
         counter(e, "sandboxd_checkpoints", "Checkpoints made.", &[(none, m.checkpoints.get())])?;
+        counter(e, "sandboxd_promotions", "Sandboxes promoted to templates.", &[(none, m.promotions.get())])?;
         counter(
             e,
             "sandboxd_refills",

@@ -27,9 +27,11 @@
 mod branch;
 mod claim;
 mod hibernate;
+mod promote;
 
 pub use branch::BranchError;
 pub use hibernate::HibernateError;
+pub use promote::PromoteError;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -63,8 +65,8 @@ pub enum NodeError {
     /// The pool list (config or `pools.json`) is invalid.
     #[error("pool list")]
     Pools(#[from] ConfigError),
-    /// The snapshot directory could not be created.
-    #[error("creating the snapshot directory under the data dir")]
+    /// The snapshot or template directory could not be created.
+    #[error("creating the snapshot and template directories under the data dir")]
     Snapshots(#[source] std::io::Error),
     /// The VM network (bridge, packet filter) could not be set up.
     #[error("setting up the VM network (config key network)")]
@@ -118,6 +120,8 @@ pub struct Node {
     snapshots: SnapshotStore,
     /// Preview URLs, when `preview_listen` is configured.
     previews: Option<crate::preview::Previews>,
+    /// Promoted templates.
+    promoted: crate::promoted::PromotedStore,
     /// One hibernate or wake at a time per sandbox.
     transitions: Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     cancel: CancellationToken,
@@ -158,6 +162,7 @@ impl Node {
             tracing::warn!(error = %e, "the persisted pools.json targets do not fit the node budget; refill stops at the budget");
         }
         let snapshots = SnapshotStore::open(&opts.data_dir).map_err(NodeError::Snapshots)?;
+        let promoted = crate::promoted::PromotedStore::open(&opts.data_dir).map_err(NodeError::Snapshots)?;
         let goldens = Goldens::new(&opts.data_dir);
         goldens.clean_staging();
         let ledger = Ledger::new(opts.limits.budget);
@@ -196,6 +201,7 @@ impl Node {
             metrics,
             snapshots,
             previews: opts.previews,
+            promoted,
             transitions: Mutex::default(),
             cancel: CancellationToken::new(),
         });
@@ -295,7 +301,12 @@ impl Node {
     /// Adds a pool (with its golden, when one is on disk) and starts its refill task.
     fn add_pool(&self, key: PoolKey, target: usize) -> Arc<Pool> {
         let pool = Arc::new(Pool::new(key, target, &self.cancel));
-        if let Some(g) = self.refill.load_golden(&pool.hash) {
+        // A promoted template's snapshot is its pool's golden; others have a built one.
+        let golden = match self.promoted.get(pool.key.template()) {
+            Some((_, snap)) => Some(snap),
+            None => self.refill.load_golden(&pool.hash),
+        };
+        if let Some(g) = golden {
             pool.lock().golden = Some(g);
         }
         self.vms.pools.insert(Arc::clone(&pool));
@@ -377,11 +388,8 @@ impl Node {
         let wanted = config::validate_pools(&list, self.egress()).map_err(PoolsError::Invalid)?;
         self.limits.budget.check(&wanted).map_err(PoolsError::OverBudget)?;
         for p in &list {
-            if p.idle_hibernate_seconds.is_some()
-                || p.archive_after_seconds.is_some()
-                || p.archive_delete_after_seconds.is_some()
-            {
-                tracing::warn!(template = %p.template, "hibernate/archive settings are accepted but not implemented on this node");
+            if p.archive_after_seconds.is_some() || p.archive_delete_after_seconds.is_some() {
+                tracing::warn!(template = %p.template, "archive settings are accepted but not implemented on this node");
             }
         }
         self.store.write_pools(&list).map_err(PoolsError::Journal)?;

@@ -251,10 +251,8 @@ async fn error_shapes() {
     assert_eq!(s, StatusCode::BAD_REQUEST);
 
     for (m, p, feature) in [
-        ("POST", "/v1/sandboxes/sb_1/promote", "promote"),
         ("PUT", "/v1/sandboxes/sb_1/volumes", "volumes"),
         ("GET", "/v1/volumes", "volumes"),
-        ("DELETE", "/v1/templates?template=x", "templates"),
         ("GET", "/v1/checkpoints/ck_1/blob", "checkpoint blobs"),
     ] {
         let (s, v) = h.call(m, p, None, None).await;
@@ -1080,4 +1078,53 @@ async fn preview_urls_are_501_without_preview_listen_and_tokens_are_checked() {
     let (s, _) = h.call("POST", &format!("/v1/sandboxes/{}/release", c["id"].as_str().expect("id")), c["token"].as_str(), None).await;
     assert_eq!(s, StatusCode::NO_CONTENT);
     assert_eq!(call(&previews, "GET", token_path, None, None).await.0, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn promoted_templates_are_pooled_required_and_deleted() {
+    let h = start(&[("base", 1)], None).await;
+    wait_warm(&h.node, "base", 1).await;
+    let c = h.claim(json!({"template": "base"})).await;
+    let path = format!("/v1/sandboxes/{}/promote", c["id"].as_str().expect("id"));
+    let (s, v) = h.call("POST", &path, None, Some(json!({"token": c["token"], "template": "my-agent"}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["key"], json!({"template": "my-agent", "net": "none", "size": "small"}));
+    let digest = v["content_digest"].as_str().expect("digest").to_string();
+    assert!(digest.starts_with("sha256:") && digest.len() == 71, "{v}");
+    for (body, status) in [
+        (json!({"token": c["token"], "template": "base"}), StatusCode::CONFLICT),
+        (json!({"token": c["token"], "template": "ghcr.io/cocoonstack/sandbox/rt:24.04"}), StatusCode::CONFLICT),
+        (json!({"token": c["token"], "template": ""}), StatusCode::BAD_REQUEST),
+        (json!({"token": "0".repeat(32), "template": "x"}), StatusCode::NOT_FOUND),
+    ] {
+        let (s, v) = h.call("POST", &path, None, Some(body.clone())).await;
+        assert_eq!(s, status, "{body}: {v}");
+    }
+    let (s, v) = h.call("POST", "/v1/claim", None, Some(json!({"template": "base", "require_promoted": true}))).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+
+    // A pool keeps it warm (after a restart, as a PUT would): its clones start from it.
+    let (node, app) = h.restart(&[("base", 1), ("my-agent", 1)]).await;
+    wait_for("the promoted pool to fill", || node.info().pools.iter().any(|p| p.key.template == "my-agent" && p.warm == 1))
+        .await;
+    let (s, g) =
+        call(&app, "POST", "/v1/claim", None, Some(json!({"template": "my-agent", "require_promoted": true}).to_string()))
+            .await;
+    assert_eq!(s, StatusCode::OK, "{g}");
+    assert_eq!(g["template_digest"], digest.as_str());
+    let vm = node.sandbox(g["id"].as_str().expect("id")).expect("claim").vm.expect("vm");
+    assert!(vm.restored_from.as_deref().is_some_and(|d| d.ends_with("templates/my-agent")), "{vm:?}");
+    // While pooled: neither replaced nor deleted.
+    let c2 = node.sandbox(c["id"].as_str().expect("id")).expect("claim");
+    let (s, _) =
+        call(&app, "POST", &path, None, Some(json!({"token": c2.rec.token, "template": "my-agent"}).to_string())).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    let (s, _) = call(&app, "DELETE", "/v1/templates?template=my-agent&net=none&size=small", None, None).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    drop((node, app));
+    let (_node, app) = h.restart(&[("base", 1)]).await;
+    let (s, _) = call(&app, "DELETE", "/v1/templates?template=my-agent", None, None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, _) = call(&app, "DELETE", "/v1/templates?template=my-agent", None, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
 }

@@ -16,7 +16,7 @@ use super::error::ApiError;
 use super::routes::{owner_addr, OwnerAddr};
 use super::{read_json, sorted_json};
 use crate::claims::{self, Claim};
-use crate::node::{BranchError, HibernateError, Node};
+use crate::node::{BranchError, HibernateError, Node, PromoteError};
 
 type Node_ = State<Arc<Node>>;
 
@@ -45,6 +45,18 @@ impl From<HibernateError> for ApiError {
                 ApiError::internal("hibernate", e)
             }
             e @ HibernateError::Restore(_) => ApiError::BadGateway(format!("sandbox unreachable: {}", vmm::error_chain(&e))),
+        }
+    }
+}
+
+impl From<PromoteError> for ApiError {
+    fn from(e: PromoteError) -> Self {
+        match e {
+            e @ PromoteError::Name(_) => ApiError::BadRequest(e.to_string()),
+            e @ (PromoteError::CatalogName(_) | PromoteError::Pooled(_)) => ApiError::Conflict(e.to_string()),
+            e @ PromoteError::NotFound(_) => ApiError::NotFound(e.to_string()),
+            PromoteError::Branch(b) => b.into(),
+            e @ PromoteError::Io(_) => ApiError::internal("promote", e),
         }
     }
 }
@@ -84,6 +96,37 @@ pub(super) async fn checkpoint(
     let claim = body_token(&node, &id, &b.token)?;
     let checkpoint = node.checkpoint(&claim, b.name).await?;
     sorted_json(&api::CheckpointReply { checkpoint })
+}
+
+pub(super) async fn promote(
+    State(node): Node_,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    auth::node_route(&node, &headers)?;
+    let b: api::PromoteRequest = read_json(&node, body, None).await?;
+    let claim = body_token(&node, &id, &b.token)?;
+    let mut rec = node.promote(&claim, &b.template).await?;
+    rec.key.template = rec.name.clone();
+    sorted_json(&api::PromoteReply { key: rec.key, content_digest: rec.content_digest })
+}
+
+/// `DELETE /v1/templates?template=…&net=…&size=…`.
+#[derive(serde::Deserialize)]
+pub(super) struct TemplateQuery {
+    #[serde(default)]
+    template: String,
+}
+
+pub(super) async fn delete_template(
+    State(node): Node_,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<TemplateQuery>,
+) -> Result<StatusCode, ApiError> {
+    auth::node_route(&node, &headers)?;
+    node.delete_template(&q.template)?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 pub(super) async fn list(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {

@@ -45,6 +45,10 @@ pub(super) async fn claim(
         Ok(ClaimRequest { key, ttl: claims::ttl(b.ttl_seconds)?, claim_ref: b.claim_ref })
     })()
     .inspect_err(|_| crate::metrics::inc(&node.metrics.claims_failed))?;
+    if b.require_promoted == Some(true) && !node.is_promoted(req.key.template()) {
+        crate::metrics::inc(&node.metrics.claims_failed);
+        return Err(ApiError::NotFound(format!("{:?} is not a promoted template on this node", req.key.template())));
+    }
     let mut grant = node.claim(req)?;
     grant.owner_addr = owner_addr(&node, over.as_ref());
     Ok(Json(grant).into_response())

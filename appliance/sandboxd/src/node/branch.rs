@@ -208,10 +208,12 @@ impl Node {
                 }
             }
         }
+        // A promoted template's disk may be backed by a snapshot of ours (`parent.json`).
+        used.extend(self.promoted.dirs());
         self.snapshots.gc(used.iter().map(PathBuf::as_path));
     }
 
-    fn branchable(&self, claim: &Claim) -> Result<(), BranchError> {
+    pub(super) fn branchable(&self, claim: &Claim) -> Result<(), BranchError> {
         if claim.rec.hibernate_snap.is_some() {
             return Err(BranchError::Hibernated(claim.rec.id.clone()));
         }

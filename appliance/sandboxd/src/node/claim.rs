@@ -115,13 +115,11 @@ impl Node {
             token: rec.token.clone(),
             deadline: claims::rfc3339(rec.deadline_unix_ms),
             owner_addr: self.advertise_addr.clone(),
-            template_digest: self
-                .refill
-                .catalog
-                .resolve(rec.key.template())
-                .ok()
-                .map(|(_, t)| t.digest.clone())
-                .filter(|d| !d.is_empty()),
+            template_digest: match self.refill.catalog.resolve(rec.key.template()) {
+                Ok((_, t)) => Some(t.digest.clone()),
+                Err(_) => self.promoted.get(rec.key.template()).map(|(p, _)| p.content_digest),
+            }
+            .filter(|d| !d.is_empty()),
             from_checkpoint: rec.from_checkpoint.clone(),
         }
     }
