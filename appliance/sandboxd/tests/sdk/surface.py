@@ -166,6 +166,36 @@ with client.new("base", size="medium", ttl_seconds=300) as idle:
     wait_until("the idle sandbox to hibernate", lambda: row_of(idle.id)["hibernated"], timeout=60)
     assert idle.exec("echo", "awake").strip() == "awake"
 
+step("5. promote: a prepared sandbox becomes a template a pool keeps warm")
+with client.new("rt:24.04", ttl_seconds=300) as sb:
+    sb.write_file("/srv/prepared.txt", b"ready\n")
+    tpl = sb.promote("agent-ready")
+    assert tpl.name == "agent-ready" and tpl.content_digest.startswith("sha256:"), vars(tpl)
+    exc = expect_status(409, lambda: sb.promote("base"))
+    assert "catalog" in str(exc), exc
+status, pools = raw("GET", "/v1/pools")
+assert status == 200, pools
+with_promoted = {"pools": pools["pools"] + [{"template": "agent-ready", "warm": 1}]}
+status, body = raw("PUT", "/v1/pools", with_promoted)
+assert status == 200, body
+
+
+def promoted_warm():
+    return any(p["key"]["template"] == "agent-ready" and p["warm"] >= 1 for p in raw("GET", "/v1/info")[1]["pools"])
+
+
+wait_until("the promoted pool to fill", promoted_warm, timeout=300)
+with tpl.new(ttl_seconds=120) as from_tpl:
+    assert from_tpl.template_digest == tpl.content_digest, (from_tpl.template_digest, tpl.content_digest)
+    assert from_tpl.read_file("/srv/prepared.txt") == b"ready\n"
+status, body = raw("POST", "/v1/claim", {"template": "base", "require_promoted": True})
+assert status == 404, (status, body)
+expect_status(409, lambda: tpl.delete())
+status, body = raw("PUT", "/v1/pools", {"pools": pools["pools"]})
+assert status == 200, body
+tpl.delete()
+expect_status(404, lambda: tpl.delete())
+
 step("7. preview URLs: HTTP and a WebSocket-style upgrade to a guest port")
 SERVER = b"""
 import http.server, socketserver
