@@ -900,7 +900,7 @@ async fn checkpoints_are_claimed_many_times_survive_a_restart_and_are_deleted() 
     assert_eq!(s, StatusCode::NOT_FOUND);
     let (s, _) = call(&app, "POST", "/v1/checkpoints/ck_..%2F..%2Fetc/claim", None, None).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
-    assert_eq!(snapshot_dirs(&h), [ck_id.clone()], "kept while claimed sandboxes use it");
+    assert_eq!(snapshot_dirs(&h), [ck_id.as_str()], "kept while claimed sandboxes use it");
     for g in from.iter().chain([&g]) {
         let id = g["id"].as_str().expect("id");
         let (s, _) = call(&app, "POST", &format!("/v1/sandboxes/{id}/release"), g["token"].as_str(), None).await;

@@ -61,7 +61,7 @@ pub enum BranchError {
     Snapshot(#[source] DriverError),
     /// A VM could not be restored from the snapshot.
     #[error("restoring from the snapshot")]
-    Restore(#[source] RefillError),
+    Restore(#[source] Box<RefillError>),
     /// Writing the snapshot's records failed.
     #[error("writing the snapshot records")]
     Io(#[source] std::io::Error),
@@ -274,7 +274,7 @@ impl Node {
             Some(e) => {
                 tracing::warn!(error = %vmm::error_chain(&e), "a restore failed; destroying the others");
                 self.vms.destroy_all(made.into_iter().map(|(vm, _)| vm).collect()).await;
-                Err(BranchError::Restore(e))
+                Err(BranchError::Restore(Box::new(e)))
             }
         }
     }

@@ -44,7 +44,7 @@ pub enum HibernateError {
     Snapshot(#[source] DriverError),
     /// The VM could not be restored.
     #[error("restoring the VM")]
-    Restore(#[source] RefillError),
+    Restore(#[source] Box<RefillError>),
     /// A snapshot record could not be written.
     #[error("writing the snapshot records")]
     Io(#[source] std::io::Error),
@@ -133,7 +133,7 @@ impl Node {
         let (Some(slot), None) = (slots.pop(), short.clone()) else {
             return Err(HibernateError::Budget(short.unwrap_or_default()));
         };
-        let vm = refill::restore_ready(&self.refill, &key, &snap).await.map_err(HibernateError::Restore)?;
+        let vm = refill::restore_ready(&self.refill, &key, &snap).await.map_err(|e| HibernateError::Restore(Box::new(e)))?;
         match self.journal_change(id, Some(vm.clone()), |r| {
             r.vm = vm.id.clone();
             r.hibernate_snap = None;
