@@ -90,7 +90,8 @@ pub struct Info {
     pub budget: BudgetInfo,
     /// Chrysalis extension: checkpoints on this node.
     pub checkpoints: usize,
-    /// Chrysalis extension: bytes the checkpoints and fork snapshots hold on disk.
+    /// Chrysalis extension: bytes the snapshots (checkpoints, fork snapshots, hibernated
+    /// sandboxes) hold on disk.
     pub checkpoint_disk_bytes: u64,
 }
 

@@ -4,9 +4,10 @@
 //!
 //! | route kind | token configured | no token (loopback development) |
 //! |---|---|---|
-//! | node ([`node_route`]): claim, list, per-id read, stats, info, drain, `GET /v1/pools`, peers, metrics | root, else `401` | open |
+//! | node ([`node_route`]): claim, list, per-id read, stats, info, drain, `GET /v1/pools`, peers, metrics, checkpoints (list, claim, delete), `DELETE /v1/templates` | root, else `401` | open |
+//! | node + body token: fork, checkpoint, promote, preview | root in the header, else `401`; the sandbox's token in the body, else `404` | the sandbox's token in the body |
 //! | root-only ([`root_only`]): `PUT /v1/pools` (persisted, outlives the session) | root, else `401` | `403` |
-//! | sandbox ([`sandbox_route`]): release, renew, owner, agent, ports, exec, console | the sandbox's token or root, else `404` (`401` without a header) | the sandbox's token |
+//! | sandbox ([`sandbox_route`]): release, renew, owner, agent, ports, exec, console, hibernate, wake | the sandbox's token or root, else `404` (`401` without a header) | the sandbox's token |
 
 use axum::http::{header, HeaderMap};
 use subtle::ConstantTimeEq as _;

@@ -169,7 +169,7 @@ impl Node {
         Ok(())
     }
 
-    /// Bytes the snapshots (checkpoints and fork snapshots) hold on disk.
+    /// Bytes the snapshots (checkpoints, fork snapshots, hibernated sandboxes) hold on disk.
     pub fn snapshot_disk_bytes(&self) -> u64 {
         self.snapshots.disk_bytes()
     }
