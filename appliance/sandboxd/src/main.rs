@@ -41,6 +41,14 @@ use sandboxd::{Node, NodeOptions};
 /// the uplink only, masqueraded, never to private, link-local (169.254.169.254), loopback,
 /// multicast or reserved addresses nor to the host's own. Without an uplink an egress pool is a
 /// config error and an egress claim answers 409, both naming `network.uplink`.
+///
+/// Beyond the core verbs: template names resolve as the SDK writes them (`rt:24.04` is short
+/// for an alias ending in it); fork (`max_fork_count`, 16) and checkpoints (kept under
+/// `<data_dir>/snapshots`, `checkpoint_ttl_hours`, 168) restore VMs from a snapshot of a
+/// running sandbox; hibernate and wake (explicit, on the next guest call, or after a pool's
+/// `idle_hibernate_seconds`) free a sandbox's VM and RAM; promote keeps a sandbox as a template
+/// a pool can clone (`<data_dir>/templates`); `preview_listen` (and `preview_url`) serves
+/// expiring preview URLs to guest ports. Volumes answer 501.
 #[derive(Debug, Parser)]
 #[command(name = "sandboxd", version)]
 struct Args {
