@@ -67,6 +67,43 @@ pub(super) fn body_token(node: &Node, id: &str, token: &str) -> Result<Claim, Ap
     node.sandbox(id).filter(|c| auth::ct_eq(token, &c.rec.token)).ok_or_else(ApiError::no_sandbox)
 }
 
+/// A request body that carries the sandbox's token.
+pub(super) trait WithToken: serde::de::DeserializeOwned {
+    fn token(&self) -> &str;
+}
+
+impl WithToken for api::ForkRequest {
+    fn token(&self) -> &str {
+        &self.token
+    }
+}
+
+impl WithToken for api::CheckpointRequest {
+    fn token(&self) -> &str {
+        &self.token
+    }
+}
+
+impl WithToken for api::PromoteRequest {
+    fn token(&self) -> &str {
+        &self.token
+    }
+}
+
+/// The node token in the header, then the body, then the sandbox's token in it: the request
+/// and the sandbox it names.
+pub(super) async fn authorized<T: WithToken>(
+    node: &Node,
+    headers: &HeaderMap,
+    id: &str,
+    body: Body,
+) -> Result<(T, Claim), ApiError> {
+    auth::node_route(node, headers)?;
+    let b: T = read_json(node, body, None).await?;
+    let claim = body_token(node, id, b.token())?;
+    Ok((b, claim))
+}
+
 pub(super) async fn fork(
     State(node): Node_,
     over: Option<Extension<OwnerAddr>>,
@@ -74,9 +111,7 @@ pub(super) async fn fork(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    auth::node_route(&node, &headers)?;
-    let b: api::ForkRequest = read_json(&node, body, None).await?;
-    let parent = body_token(&node, &id, &b.token)?;
+    let (b, parent) = authorized::<api::ForkRequest>(&node, &headers, &id, body).await?;
     let ttl = claims::ttl(b.ttl_seconds)?;
     let mut children = node.fork(&parent, b.count, ttl, b.claim_ref_prefix).await?;
     for c in &mut children {
@@ -91,9 +126,7 @@ pub(super) async fn checkpoint(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    auth::node_route(&node, &headers)?;
-    let b: api::CheckpointRequest = read_json(&node, body, None).await?;
-    let claim = body_token(&node, &id, &b.token)?;
+    let (b, claim) = authorized::<api::CheckpointRequest>(&node, &headers, &id, body).await?;
     let checkpoint = node.checkpoint(&claim, b.name).await?;
     sorted_json(&api::CheckpointReply { checkpoint })
 }
@@ -104,9 +137,7 @@ pub(super) async fn promote(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    auth::node_route(&node, &headers)?;
-    let b: api::PromoteRequest = read_json(&node, body, None).await?;
-    let claim = body_token(&node, &id, &b.token)?;
+    let (b, claim) = authorized::<api::PromoteRequest>(&node, &headers, &id, body).await?;
     let mut rec = node.promote(&claim, &b.template).await?;
     rec.key.template = rec.name.clone();
     sorted_json(&api::PromoteReply { key: rec.key, content_digest: rec.content_digest })

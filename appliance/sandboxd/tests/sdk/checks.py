@@ -1,6 +1,7 @@
 """Helpers shared by the SDK suites (`e2e.py`, `surface.py`): step banners, expected API
 errors and polling."""
 
+import json
 import time
 
 from cocoonsandbox import APIError
@@ -30,3 +31,14 @@ def wait_until(what, fn, timeout=120.0):
         if time.monotonic() > until:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.2)
+
+
+def request(conn, method, path, token, body=None):
+    """One call on an http.client connection (closed after): (status, decoded JSON body)."""
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Authorization": f"Bearer {token}"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"null")
+    finally:
+        conn.close()

@@ -11,7 +11,6 @@ Prints `sdk e2e ok` as its last line when every check passed; any failure raises
 
 import http.client
 import io
-import json
 import socket
 import ssl
 import sys
@@ -19,7 +18,7 @@ import tarfile
 import time
 import urllib.parse
 
-from checks import expect_status, step, wait_until
+from checks import expect_status, request, step, wait_until
 from cocoonsandbox import APIError, Client, ExitError, SilkdError
 
 addr, root = sys.argv[1], sys.argv[2]
@@ -56,13 +55,7 @@ def raw(method, path, token, body=None):
         c = http.client.HTTPSConnection(node_host, node_port, timeout=60, context=ssl_context())
     else:
         c = http.client.HTTPConnection(node_host, node_port, timeout=60)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        c.request(method, path, body=data, headers={"Authorization": f"Bearer {token}"})
-        r = c.getresponse()
-        return r.status, json.loads(r.read() or b"null")
-    finally:
-        c.close()
+    return request(c, method, path, token, body)
 
 
 def port_upgrade(sandbox, port, payload):

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from checks import expect_status, step, wait_until
+from checks import expect_status, request, step, wait_until
 from cocoonsandbox import APIError, Client, SilkdError
 
 addr, root = sys.argv[1], sys.argv[2]
@@ -30,14 +30,7 @@ client = Client(addr, api_token=root, timeout=120)
 
 
 def raw(method, path, body=None, token=root):
-    c = http.client.HTTPConnection(host, int(port), timeout=60)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        c.request(method, path, body=data, headers={"Authorization": f"Bearer {token}"})
-        r = c.getresponse()
-        return r.status, json.loads(r.read() or b"null")
-    finally:
-        c.close()
+    return request(http.client.HTTPConnection(host, int(port), timeout=60), method, path, token, body)
 
 
 def expect_silkd(kind, text, fn):
