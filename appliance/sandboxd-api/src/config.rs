@@ -81,8 +81,8 @@ pub struct PoolConfig {
     /// Adaptive ceiling (accepted; this node keeps `max(warm, …)` = `warm`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm_max: Option<usize>,
-    /// Hibernate a claimed sandbox of this pool after this many seconds with no relay or exec
-    /// open (absent or 0: never).
+    /// Hibernate a claimed sandbox of this pool after this many seconds with no byte through
+    /// its relays and no exec running (absent or 0: never).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_hibernate_seconds: Option<u64>,
     /// Advanced: accepted and ignored.

@@ -15,6 +15,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use vmm::{SizeClass, VmId};
@@ -404,18 +405,61 @@ pub struct ClaimSlots {
 #[derive(Debug, Default)]
 struct SlotState {
     open: HashMap<String, [usize; 3]>,
+    /// The byte clocks of each claim's open relays.
+    relays: HashMap<String, Vec<Arc<Activity>>>,
     last_ended: HashMap<String, Instant>,
 }
 
 /// Whether a claim is in use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activity {
-    /// A relay or exec is open.
+pub enum ClaimUse {
+    /// An exec is open (it may run quietly for long).
     Busy,
-    /// None open; the last one ended then.
+    /// Nothing moved since then: the last byte through an open relay, else the end of the
+    /// last use.
     IdleSince(Instant),
-    /// None was ever opened (since this process started).
+    /// Never used (since this process started).
     Unused,
+}
+
+/// When a relay last moved a byte (either way).
+#[derive(Debug)]
+pub struct Activity {
+    start: Instant,
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    /// A clock started now.
+    pub fn new() -> Arc<Activity> {
+        Arc::new(Activity { start: Instant::now(), last_ms: AtomicU64::new(0) })
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// A byte moved.
+    pub fn touch(&self) {
+        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// When the last byte moved (the start when none did).
+    pub fn last(&self) -> Instant {
+        self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
+    }
+
+    /// Resolves once nothing moved for `limit`.
+    pub async fn idle(&self, limit: Duration) {
+        let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+        loop {
+            let quiet = self.now_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed));
+            if quiet >= limit_ms {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(limit_ms - quiet)).await;
+        }
+    }
 }
 
 impl ClaimSlots {
@@ -428,13 +472,18 @@ impl ClaimSlots {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether claim `id` is in use, or since when it is not.
-    pub fn activity(&self, id: &str) -> Activity {
+    /// Whether claim `id` is in use, or since when nothing moved.
+    pub fn activity(&self, id: &str) -> ClaimUse {
         let s = self.lock();
-        if s.open.contains_key(id) {
-            return Activity::Busy;
+        if s.open.get(id).is_some_and(|row| row[Use::Exec.index()] > 0) {
+            return ClaimUse::Busy;
         }
-        s.last_ended.get(id).map_or(Activity::Unused, |t| Activity::IdleSince(*t))
+        let relays = s.relays.get(id).and_then(|r| r.iter().map(|a| a.last()).max());
+        match (relays, s.last_ended.get(id).copied()) {
+            (Some(r), Some(e)) => ClaimUse::IdleSince(r.max(e)),
+            (Some(t), None) | (None, Some(t)) => ClaimUse::IdleSince(t),
+            (None, None) => ClaimUse::Unused,
+        }
     }
 
     /// Forgets an ended claim.
@@ -457,7 +506,11 @@ impl ClaimSlots {
             return Err(CapError { use_, cap });
         }
         row[use_.index()] += 1;
-        Ok(SlotGuard { slots: Arc::clone(self), id: id.to_string(), use_ })
+        let activity = Activity::new();
+        if use_ != Use::Exec {
+            state.relays.entry(id.to_string()).or_default().push(Arc::clone(&activity));
+        }
+        Ok(SlotGuard { slots: Arc::clone(self), id: id.to_string(), use_, activity })
     }
 
     /// Open uses of claim `id` (agent, port, exec).
@@ -472,11 +525,25 @@ pub struct SlotGuard {
     slots: Arc<ClaimSlots>,
     id: String,
     use_: Use,
+    activity: Arc<Activity>,
+}
+
+impl SlotGuard {
+    /// The byte clock of this use (a relay touches it; the idle checks read it).
+    pub fn activity(&self) -> Arc<Activity> {
+        Arc::clone(&self.activity)
+    }
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         let mut state = self.slots.lock();
+        if let Some(relays) = state.relays.get_mut(&self.id) {
+            relays.retain(|a| !Arc::ptr_eq(a, &self.activity));
+            if relays.is_empty() {
+                state.relays.remove(&self.id);
+            }
+        }
         if let Some(row) = state.open.get_mut(&self.id) {
             row[self.use_.index()] = row[self.use_.index()].saturating_sub(1);
             if row.iter().all(|n| *n == 0) {
@@ -588,6 +655,26 @@ impl Limits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_claim_is_idle_since_its_last_byte_and_busy_while_it_execs() {
+        let slots = ClaimSlots::new(ClaimCaps::default());
+        assert_eq!(slots.activity("a"), ClaimUse::Unused);
+        let relay = slots.acquire("a", Use::Agent).expect("slot");
+        let ClaimUse::IdleSince(opened) = slots.activity("a") else { panic!("an open, silent relay is idle") };
+        std::thread::sleep(Duration::from_millis(20));
+        relay.activity().touch();
+        let ClaimUse::IdleSince(moved) = slots.activity("a") else { panic!("idle since the byte") };
+        assert!(moved > opened);
+        let exec = slots.acquire("a", Use::Exec).expect("slot");
+        assert_eq!(slots.activity("a"), ClaimUse::Busy, "a running exec keeps it busy");
+        drop(exec);
+        drop(relay);
+        let ClaimUse::IdleSince(ended) = slots.activity("a") else { panic!("idle since the last use") };
+        assert!(ended >= moved);
+        slots.forget("a");
+        assert_eq!(slots.activity("a"), ClaimUse::Unused);
+    }
 
     fn key(size: &str) -> PoolKey {
         PoolKey::parse("base", None, Some(size)).expect("key")

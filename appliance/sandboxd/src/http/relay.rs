@@ -16,10 +16,9 @@
 //!   either direction reset the clock, so a busy guest or client keeps it open).
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
@@ -34,7 +33,7 @@ use wire::{Bytes64, ErrorKind, Request as Frame, Response as Reply};
 
 use super::auth;
 use super::error::ApiError;
-use crate::limits::{SlotGuard, Use};
+use crate::limits::{Activity, SlotGuard, Use};
 use crate::metrics::inc;
 use crate::node::Node;
 
@@ -54,39 +53,6 @@ fn switching(proto: &'static str) -> Response {
     r.headers_mut().insert(header::UPGRADE, HeaderValue::from_static(proto));
     r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
     r
-}
-
-/// When a relay last moved a byte (either way).
-#[derive(Debug)]
-pub(crate) struct Activity {
-    start: Instant,
-    last_ms: AtomicU64,
-}
-
-impl Activity {
-    pub(crate) fn new() -> Arc<Activity> {
-        Arc::new(Activity { start: Instant::now(), last_ms: AtomicU64::new(0) })
-    }
-
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
-
-    fn touch(&self) {
-        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
-    }
-
-    /// Resolves once nothing moved for `limit`.
-    pub(crate) async fn idle(&self, limit: Duration) {
-        let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
-        loop {
-            let quiet = self.now_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed));
-            if quiet >= limit_ms {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(limit_ms - quiet)).await;
-        }
-    }
 }
 
 /// A reader that records activity on every byte it yields.
@@ -156,7 +122,7 @@ pub(super) async fn agent(
         async move {
             match on_upgrade.await {
                 Ok(up) => {
-                    let activity = Activity::new();
+                    let activity = slot.activity();
                     until_idle(&node, &activity, splice(TokioIo::new(up), guest, drain, &activity)).await;
                 }
                 Err(e) => tracing::debug!(error = %e, "upgrade did not complete"),
@@ -243,7 +209,7 @@ pub(super) async fn ports(
         async move {
             match on_upgrade.await {
                 Ok(up) => {
-                    let activity = Activity::new();
+                    let activity = slot.activity();
                     until_idle(&node, &activity, port_splice(TokioIo::new(up), guest, split, drain, &activity)).await;
                 }
                 Err(e) => tracing::debug!(error = %e, "upgrade did not complete"),

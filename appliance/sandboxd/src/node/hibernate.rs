@@ -1,7 +1,8 @@
 //! Hibernation (`docs/sandboxd.md` §5.2): a hibernated sandbox holds no VM process and no RAM;
 //! it keeps its id, token, lease and claim, and is a snapshot on disk until it wakes.
 //!
-//! - **hibernate** (explicit, or after `idle_hibernate_seconds` with no relay or exec open):
+//! - **hibernate** (explicit, or after `idle_hibernate_seconds` with no byte through its
+//!   relays and no exec running):
 //!   journal the intent (`pending_snap`), snapshot the VM paused, journal the result
 //!   (`hibernate_snap`, the intent cleared), then destroy the VM. Idempotent.
 //! - **wake** (explicit, or the next `/agent`, `/ports` or `/exec`; a request that is not one
@@ -23,7 +24,7 @@ use vmm::{AfterSnapshot, DriverError, Snapshot, Vm};
 use super::Node;
 use crate::claims::Claim;
 use crate::journal::JournalError;
-use crate::limits::Activity;
+use crate::limits::ClaimUse;
 use crate::pool::{Net, PoolKey};
 use crate::refill::{self, RefillError};
 
@@ -161,8 +162,9 @@ impl Node {
         self.vm_for(claim).await.map_err(HibernateError::Snapshot)
     }
 
-    /// Hibernates every claim of a pool with `idle_hibernate_seconds` that has had no relay
-    /// or exec open for that long (since its last use, or its claim when never used).
+    /// Hibernates every claim of a pool with `idle_hibernate_seconds` through which nothing
+    /// moved for that long (no byte through its relays, no exec running; since its claim when
+    /// never used). Its open relays are cut; a client's next call wakes it.
     pub async fn hibernate_idle(&self) {
         let idle_after: Vec<(PoolKey, Duration)> = self
             .pool_configs
@@ -187,9 +189,9 @@ impl Node {
             .filter_map(|c| {
                 let (_, after) = idle_after.iter().find(|(k, _)| *k == c.rec.key)?;
                 let idle = match self.slots.activity(&c.rec.id) {
-                    Activity::Busy => return None,
-                    Activity::IdleSince(t) => t.elapsed(),
-                    Activity::Unused => Duration::from_millis(now_ms.saturating_sub(c.rec.claimed_at_unix_ms)),
+                    ClaimUse::Busy => return None,
+                    ClaimUse::IdleSince(t) => t.elapsed(),
+                    ClaimUse::Unused => Duration::from_millis(now_ms.saturating_sub(c.rec.claimed_at_unix_ms)),
                 };
                 (idle >= *after).then(|| c.rec.id.clone())
             })
