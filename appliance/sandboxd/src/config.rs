@@ -16,7 +16,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::limits::{self, Branching, Budget, BudgetError, ClaimCaps, ExecTimeouts, HttpLimits, Limits};
+use crate::limits::{self, Branching, Budget, BudgetError, ExecTimeouts, HttpLimits, Limits};
+use crate::slots::ClaimCaps;
 use crate::pool::{KeyError, PoolKey};
 
 /// The shortest root token accepted (32 characters: 128 bits as hex, 192 as base64).

@@ -41,6 +41,7 @@ pub mod preview;
 pub mod promoted;
 pub mod reaper;
 pub mod reconcile;
+pub mod slots;
 pub mod snapshots;
 pub mod refill;
 pub mod store;

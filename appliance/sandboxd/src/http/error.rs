@@ -9,7 +9,7 @@ use axum::Json;
 use sandboxd_api::ErrorBody;
 
 use crate::claims::ClaimError;
-use crate::limits::CapError;
+use crate::slots::CapError;
 use crate::node::PoolsError;
 
 /// Everything a handler can answer besides success.

@@ -23,7 +23,7 @@ use wire::{ErrorKind, Request as Frame, Response as Reply};
 use super::auth;
 use super::error::ApiError;
 use super::{read_json, sorted_json};
-use crate::limits::Use;
+use crate::slots::Use;
 use crate::metrics::inc;
 use crate::node::Node;
 

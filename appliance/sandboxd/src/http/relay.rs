@@ -33,7 +33,7 @@ use wire::{Bytes64, ErrorKind, Request as Frame, Response as Reply};
 
 use super::auth;
 use super::error::ApiError;
-use crate::limits::{Activity, SlotGuard, Use};
+use crate::slots::{Activity, SlotGuard, Use};
 use crate::metrics::inc;
 use crate::node::Node;
 

@@ -24,7 +24,7 @@ use vmm::{AfterSnapshot, DriverError, Snapshot, Vm};
 use super::Node;
 use crate::claims::Claim;
 use crate::journal::JournalError;
-use crate::limits::ClaimUse;
+use crate::slots::ClaimUse;
 use crate::pool::{Net, PoolKey};
 use crate::refill::{self, RefillError};
 

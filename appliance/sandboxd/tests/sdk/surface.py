@@ -33,6 +33,24 @@ def raw(method, path, body=None, token=root):
     return request(http.client.HTTPConnection(host, int(port), timeout=60), method, path, token, body)
 
 
+def new(template, **kw):
+    """client.new, waiting out a warm miss (429) while the pool refills behind earlier claims
+    (under load a refill can take longer than the script between two claims)."""
+    until = time.monotonic() + 180
+    while True:
+        try:
+            return client.new(template, **kw)
+        except APIError as exc:
+            if exc.status != 429 or time.monotonic() > until:
+                raise
+            time.sleep(0.5)
+
+
+def pool_warm(template):
+    """Whether a pool of `template` (any net and size) has a warm VM."""
+    return any(p["key"]["template"] == template and p["warm"] >= 1 for p in raw("GET", "/v1/info")[1]["pools"])
+
+
 def expect_silkd(kind, text, fn):
     try:
         fn()
@@ -52,15 +70,15 @@ def sandbox_rows():
 
 step("1. template names as users write them")
 for name in ["rt:24.04", "ghcr.io/cocoonstack/sandbox/rt:24.04"]:
-    with client.new(name, ttl_seconds=120) as sb:
+    with new(name, ttl_seconds=120) as sb:
         row = next(r for r in sandbox_rows() if r["id"] == sb.id)
         assert row["key"]["template"] == "rt", row
         assert sb.exec("python3", "-c", "print(6 * 7)").strip() == "42"
 for name in ["rt:23.10", "sandbox/rt:24.04", "nginx:latest"]:
-    expect_status(404, lambda: client.new(name, ttl_seconds=60))
+    expect_status(404, lambda: new(name, ttl_seconds=60))
 
 step("2. fork: children start from the parent's memory and disk, then diverge")
-with client.new("rt:24.04", ttl_seconds=300) as parent:
+with new("rt:24.04", ttl_seconds=300) as parent:
     parent.write_file("/srv/state.txt", b"before the fork\n")
     parent.exec("sh", "-c", "echo 41 > /tmp/counter")
     # A running process is memory state: the children inherit it, still running.
@@ -90,7 +108,7 @@ with client.new("rt:24.04", ttl_seconds=300) as parent:
             child.close()
 
 step("3. checkpoints: create, list, claim from (twice), delete")
-with client.new("rt:24.04", ttl_seconds=300) as sb:
+with new("rt:24.04", ttl_seconds=300) as sb:
     sb.write_file("/srv/setup.txt", b"prepared\n")
     ck = sb.checkpoint("after-setup")
     assert ck.id.startswith("ck_") and ck.name == "after-setup" and ck.sandbox_id == sb.id, vars(ck)
@@ -121,7 +139,7 @@ def row_of(sid):
     return next(r for r in sandbox_rows() if r["id"] == sid)
 
 
-with client.new("rt:24.04", ttl_seconds=300) as sb:
+with new("rt:24.04", ttl_seconds=300) as sb:
     sb.write_file("/srv/keep.txt", b"kept across hibernation\n")
     pid = sb.spawn("sleep", "1000")
     deadline = row_of(sb.id)["deadline"]
@@ -151,7 +169,7 @@ def medium_warm():
 
 
 wait_until("the medium base pool to fill", medium_warm, timeout=300)
-with client.new("base", size="medium", ttl_seconds=300) as idle:
+with new("base", size="medium", ttl_seconds=300) as idle:
     # Used once, then idle: it hibernates 2 s after its last byte, although the SDK keeps the
     # relay of that call parked for reuse (hibernation cuts it; the SDK dials again and wakes it).
     assert idle.exec("echo", "once").strip() == "once"
@@ -160,7 +178,7 @@ with client.new("base", size="medium", ttl_seconds=300) as idle:
     assert row_of(idle.id)["hibernated"] is False
 
 step("5. promote: a prepared sandbox becomes a template a pool keeps warm")
-with client.new("rt:24.04", ttl_seconds=300) as sb:
+with new("rt:24.04", ttl_seconds=300) as sb:
     sb.write_file("/srv/prepared.txt", b"ready\n")
     tpl = sb.promote("agent-ready")
     assert tpl.name == "agent-ready" and tpl.content_digest.startswith("sha256:"), vars(tpl)
@@ -220,7 +238,7 @@ class H(http.server.BaseHTTPRequestHandler):
 socketserver.ThreadingTCPServer.allow_reuse_address = True
 socketserver.ThreadingTCPServer(("127.0.0.1", 8000), H).serve_forever()
 """
-with client.new("rt:24.04", ttl_seconds=300) as sb:
+with new("rt:24.04", ttl_seconds=300) as sb:
     sb.write_file("/srv/preview_server.py", SERVER)
     sb.spawn("python3", "/srv/preview_server.py")
     probe = "import socket\ntry:\n socket.create_connection(('127.0.0.1', 8000), 1); print('up')\nexcept OSError:\n print('down')"
@@ -262,7 +280,7 @@ assert after.getresponse().status == 404, "a released sandbox's preview URL is d
 after.close()
 
 step("8. stats: measured CPU and memory")
-with client.new("base", ttl_seconds=120) as sb:
+with new("base", ttl_seconds=120) as sb:
     sb.exec("sh", "-c", "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")
     status, st = raw("GET", f"/v1/sandboxes/{sb.id}/stats")
     assert status == 200, st
@@ -279,7 +297,7 @@ step("9. git ops in silkd, with the guest's git")
 
 
 
-with client.new("rt:24.04", ttl_seconds=300) as sb:
+with new("rt:24.04", ttl_seconds=300) as sb:
     sb.exec("git", "init", "--quiet", "--bare", "-b", "main", "/srv/remote.git")
     sb.git_clone("/srv/remote.git", "/srv/work")
     sb.write_file("/srv/work/hello.py", b"print('hello from git')\n")
@@ -312,10 +330,11 @@ with client.new("rt:24.04", ttl_seconds=300) as sb:
     expect_silkd("unimplemented", "no network", lambda: sb.git_clone("https://example.com/r.git", "/srv/y"))
     expect_silkd("unimplemented", "language servers", lambda: sb.start_lsp("python"))
     assert sb.exec("sh", "-c", "test ! -e /tmp/p && echo clean").strip() == "clean"
-with client.new("base", ttl_seconds=60) as sb:
+with new("base", ttl_seconds=60) as sb:
     expect_silkd("unimplemented", "no git", lambda: sb.git_status("/"))
 
 step("LangChain toolkit, default settings (template rt:24.04)")
+wait_until("a warm rt VM for the toolkit", lambda: pool_warm("rt"), timeout=180)
 from cocoonsandbox_langchain import CocoonToolkit  # noqa: E402
 
 with CocoonToolkit(addr, api_token=root) as kit:
@@ -333,6 +352,7 @@ with CocoonToolkit(addr, api_token=root) as kit:
 assert not any(r["id"] == claimed for r in sandbox_rows()), "the toolkit released its sandbox"
 
 step("OpenAI Agents sandbox session, default settings (template rt:24.04)")
+wait_until("a warm rt VM for the Agents session", lambda: pool_warm("rt"), timeout=180)
 from cocoonsandbox_openai import CocoonSandboxClient, CocoonSandboxClientOptions  # noqa: E402
 
 
