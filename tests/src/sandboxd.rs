@@ -47,6 +47,20 @@ pub fn qemu_pids(path: &str) -> Vec<u32> {
     crate::qemu_processes_under(Path::new(path))
 }
 
+/// Whether `GET /healthz` answers `200`; any connection or read error (a node still starting,
+/// or one whose start resets a connection) is a `false`, never a panic.
+fn healthz(addr: &str) -> bool {
+    let probe = || -> std::io::Result<bool> {
+        let mut s = TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw)?;
+        Ok(raw.starts_with(b"HTTP/1.1 200"))
+    };
+    probe().unwrap_or(false)
+}
+
 /// How long [`http`] waits for a response.
 pub const HTTP_WAIT: Duration = Duration::from_secs(120);
 
@@ -275,10 +289,7 @@ impl Harness {
                     panic!("sandboxd exited during start: {st}\n{}", self.logs());
                 }
             }
-            TcpStream::connect(&addr).ok().map(|_| ()).and_then(|()| {
-                let (s, _) = http(&addr, "GET", "/healthz", None, None);
-                (s == 200).then_some(())
-            })
+            healthz(&addr).then_some(())
         });
     }
 
