@@ -327,6 +327,7 @@ impl Node {
         let reason = pools.iter().find_map(|p| p.at_capacity_reason.clone());
         let used = self.vms.ledger.usage();
         let budget = self.vms.ledger.budget();
+        let (checkpoints, checkpoint_disk_bytes) = self.snapshot_summary();
         Info {
             claimed: self.claimed(),
             hibernated: self.hibernated(),
@@ -345,8 +346,8 @@ impl Node {
                 memory_mib: used.memory_mib,
                 disk_mib: used.disk_mib,
             },
-            checkpoints: self.checkpoints().len(),
-            checkpoint_disk_bytes: self.snapshot_disk_bytes(),
+            checkpoints,
+            checkpoint_disk_bytes,
         }
     }
 

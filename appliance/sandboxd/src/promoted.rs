@@ -61,11 +61,16 @@ impl PromotedStore {
         self.dir.join(name.replace('/', "%2F"))
     }
 
+    /// The record of promoted template `name` (no snapshot read).
+    pub fn record(&self, name: &str) -> Option<Promoted> {
+        let rec: Promoted = serde_json::from_slice(&std::fs::read(self.path(name).join(RECORD)).ok()?).ok()?;
+        (rec.name == name).then_some(rec)
+    }
+
     /// A promoted template and its snapshot, by name.
     pub fn get(&self, name: &str) -> Option<(Promoted, Snapshot)> {
         let dir = self.path(name);
-        let rec: Promoted = serde_json::from_slice(&std::fs::read(dir.join(RECORD)).ok()?).ok()?;
-        (rec.name == name).then_some(())?;
+        let rec = self.record(name)?;
         // The snapshot was written in the staging dir: its paths are read from here.
         let mut snap = Snapshot::load(&dir).ok()?;
         let staged = snap.dir.clone();

@@ -180,9 +180,17 @@ impl SnapshotStore {
         removed
     }
 
-    /// Bytes held by every snapshot directory.
-    pub fn disk_bytes(&self) -> u64 {
-        self.entries().map(|d| dir_bytes(&d)).sum()
+    /// Bytes held by the snapshot in `dir`.
+    pub fn bytes_of(dir: &Path) -> u64 {
+        dir_bytes(dir)
+    }
+
+    /// In one walk: how many checkpoints there are, and the bytes every snapshot directory
+    /// holds.
+    pub fn summary(&self) -> (usize, u64) {
+        self.entries().fold((0, 0), |(n, bytes), d| {
+            (n + usize::from(d.join(CHECKPOINT_FILE).is_file()), bytes + dir_bytes(&d))
+        })
     }
 
     fn checkpoint_dir(&self, id: &str) -> Option<PathBuf> {
@@ -263,7 +271,9 @@ mod tests {
         let listed = store.checkpoints();
         assert_eq!(listed.iter().map(|c| c.id.as_str()).collect::<Vec<_>>(), [ck_id.as_str()]);
         assert!(listed[0].size_bytes.unwrap_or(0) >= 8192, "{listed:?}");
-        assert!(store.disk_bytes() >= 3 * 8192);
+        let (n, bytes) = store.summary();
+        assert_eq!(n, 1);
+        assert!(bytes >= 3 * 8192);
 
         // Retention: a checkpoint older than it is deleted, then collected once no VM uses it.
         assert_eq!(store.expire(Duration::from_secs(3600), now), 0);

@@ -25,6 +25,7 @@ use crate::journal::{ClaimRecord, JournalError};
 use crate::limits::Reservation;
 use crate::pool::{Net, PoolKey};
 use crate::refill::{self, RefillError};
+use crate::snapshots::SnapshotStore;
 use crate::vms::disk_mib;
 
 /// Why a fork, a checkpoint or a claim from one failed.
@@ -129,7 +130,7 @@ impl Node {
             let _ = std::fs::remove_dir_all(&dir);
             return Err(BranchError::Io(e));
         }
-        ck.size_bytes = self.snapshots.checkpoints().into_iter().find(|c| c.id == ck.id).and_then(|c| c.size_bytes);
+        ck.size_bytes = Some(SnapshotStore::bytes_of(&dir));
         crate::metrics::inc(&self.metrics.checkpoints);
         tracing::info!(claim = %claim.rec.id, checkpoint = %ck.id, "checkpointed");
         Ok(ck)
@@ -169,9 +170,10 @@ impl Node {
         Ok(())
     }
 
-    /// Bytes the snapshots (checkpoints, fork snapshots, hibernated sandboxes) hold on disk.
-    pub fn snapshot_disk_bytes(&self) -> u64 {
-        self.snapshots.disk_bytes()
+    /// How many checkpoints there are, and the bytes the snapshots (checkpoints, fork
+    /// snapshots, hibernated sandboxes) hold on disk.
+    pub fn snapshot_summary(&self) -> (usize, u64) {
+        self.snapshots.summary()
     }
 
     /// Expires old checkpoints and removes the snapshots nothing needs (and the transition
@@ -237,7 +239,7 @@ impl Node {
 
     /// Snapshots the claim's VM into `dir` (it keeps running) and records the snapshot it
     /// depends on; a failure removes `dir`.
-    async fn snapshot_into(&self, claim: &Claim, dir: &Path) -> Result<Snapshot, BranchError> {
+    pub(super) async fn snapshot_into(&self, claim: &Claim, dir: &Path) -> Result<Snapshot, BranchError> {
         let vm = self.vm_for(claim).await.map_err(BranchError::Snapshot)?;
         let r = async {
             let snap = self.vms.driver.snapshot(&vm, dir, AfterSnapshot::Resumed).await.map_err(BranchError::Snapshot)?;

@@ -117,7 +117,7 @@ impl Node {
             owner_addr: self.advertise_addr.clone(),
             template_digest: match self.refill.catalog.resolve(rec.key.template()) {
                 Ok((_, t)) => Some(t.digest.clone()),
-                Err(_) => self.promoted.get(rec.key.template()).map(|(p, _)| p.content_digest),
+                Err(_) => self.promoted.record(rec.key.template()).map(|p| p.content_digest),
             }
             .filter(|d| !d.is_empty()),
             from_checkpoint: rec.from_checkpoint.clone(),

@@ -3,8 +3,6 @@
 //! warm (`PUT /v1/pools`: its clones start from it) and that a claim can require
 //! (`require_promoted`); `DELETE /v1/templates` removes one that no pool uses.
 
-use vmm::AfterSnapshot;
-
 use super::branch::BranchError;
 use super::Node;
 use crate::claims::Claim;
@@ -47,19 +45,14 @@ impl Node {
         self.branchable(claim)?;
         let _g = self.snapshots.lock().await;
         let staging = self.promoted.staging();
-        let vm = self.vm_for(claim).await.map_err(BranchError::Snapshot)?;
-        let snapped = async {
-            self.vms.driver.snapshot(&vm, &staging, AfterSnapshot::Resumed).await.map_err(BranchError::Snapshot)?;
-            self.snapshots.record_parent(&staging, vm.restored_from.as_deref()).map_err(BranchError::Io)?;
-            let rec = Promoted {
-                name: name.to_string(),
-                key: claim.rec.key.clone().into(),
-                content_digest: String::new(),
-                sandbox_id: claim.rec.id.clone(),
-            };
-            self.promoted.install(&staging, rec).map_err(PromoteError::Io)
-        }
-        .await;
+        self.snapshot_into(claim, &staging).await?;
+        let rec = Promoted {
+            name: name.to_string(),
+            key: claim.rec.key.clone().into(),
+            content_digest: String::new(),
+            sandbox_id: claim.rec.id.clone(),
+        };
+        let snapped = self.promoted.install(&staging, rec).map_err(PromoteError::Io);
         if snapped.is_err() {
             let _ = std::fs::remove_dir_all(&staging);
         }
