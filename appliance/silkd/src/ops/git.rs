@@ -410,6 +410,15 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn output_past_its_cap_is_drained_and_flagged() {
+        let big = vec![b'x'; OUTPUT_CAP + 10_000];
+        let (kept, over) = read_capped(Some(&big[..]), OUTPUT_CAP).await;
+        assert_eq!((kept.len(), over), (OUTPUT_CAP, true));
+        let (kept, over) = read_capped(Some(&b"short"[..]), STDERR_KEEP).await;
+        assert_eq!((kept.as_slice(), over), (&b"short"[..], false));
+    }
+
     #[test]
     fn authors_options_and_lanes() {
         assert_eq!(parse_author("op", "Ada <ada@example.com>").ok(), Some(("Ada".into(), "ada@example.com".into())));
