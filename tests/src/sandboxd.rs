@@ -249,7 +249,6 @@ impl Harness {
         text
     }
 
-
     /// Changes the config file with `change` (takes effect at the next [`Harness::start`]).
     pub fn update_config(&self, change: impl FnOnce(&mut Config)) {
         let mut cfg: Config =

@@ -65,7 +65,8 @@ async fn measure(figures: &mut Vec<Figure>, addr: &str, runs: usize) -> Result<(
         claims.push(t.elapsed());
         release(addr, &g).await?;
         let t = Instant::now();
-        super::bench_sandboxd::post_status(addr, &format!("/v1/sandboxes/{}/hibernate", parent.id), &parent.token).await?;
+        super::bench_sandboxd::post_status(addr, &format!("/v1/sandboxes/{}/hibernate", parent.id), &parent.token)
+            .await?;
         hibernates.push(t.elapsed());
         let t = Instant::now();
         super::bench_sandboxd::post_status(addr, &format!("/v1/sandboxes/{}/wake", parent.id), &parent.token).await?;
@@ -122,7 +123,9 @@ async fn hibernated(figures: &mut Vec<Figure>, addr: &str, pid: u32, dir: &std::
     let rss_after = super::bench::rss_kib(pid).unwrap_or(0);
     figures.push(Figure {
         name: format!("{HIBERNATED} hibernated sandboxes: VM processes held"),
-        value: format!("{held} (QEMUs before {before}, after {running}, of which warm or refilling {warm_and_refilling})"),
+        value: format!(
+            "{held} (QEMUs before {before}, after {running}, of which warm or refilling {warm_and_refilling})"
+        ),
         target: "target: 0 VM processes",
     });
     figures.push(Figure {

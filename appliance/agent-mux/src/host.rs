@@ -19,6 +19,8 @@ use crate::MuxStream;
 
 /// Default time the guest has to answer the session preamble.
 pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the first connection waits for the guest's READY before dialling again.
+pub const FIRST_ATTEMPT: Duration = Duration::from_secs(4);
 /// Time the guest has to answer `CONNECT` on a new stream.
 pub const CONNECT_REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -96,11 +98,33 @@ impl Session {
     }
 
     /// [`Session::connect`] with an explicit preamble timeout.
+    ///
+    /// A connection whose preamble stalls is dropped and made again (with a fresh nonce),
+    /// first after [`FIRST_ATTEMPT`], then after twice as long each time, until `hello_timeout`
+    /// is spent. Hanging up and dialling again is what resets both ends: QEMU forgets the
+    /// port's state for the old client and the guest sees the host leave and come back, so a
+    /// marker lost while the VM was paused or the previous host died cannot wedge the session.
     pub async fn connect_with_timeout(path: &Path, hello_timeout: Duration) -> Result<Session, SessionError> {
-        let s = UnixStream::connect(path)
-            .await
-            .map_err(|source| SessionError::Connect { path: path.to_path_buf(), source })?;
-        Self::over(s, hello_timeout).await
+        let deadline = tokio::time::Instant::now() + hello_timeout;
+        let mut budget = FIRST_ATTEMPT;
+        loop {
+            let s = UnixStream::connect(path)
+                .await
+                .map_err(|source| SessionError::Connect { path: path.to_path_buf(), source })?;
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let last = left <= budget;
+            match Self::over(s, if last { left } else { budget }).await {
+                Err(SessionError::Preamble(PreambleError::Timeout(_) | PreambleError::Closed)) if !last => {
+                    tracing::info!(path = %path.display(), ?budget, "no session yet; dialling the guest again");
+                    budget = budget.saturating_mul(2);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(SessionError::Preamble(PreambleError::Timeout(_))) => {
+                    return Err(SessionError::Preamble(PreambleError::Timeout(hello_timeout)))
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Starts a session over any byte stream (tests use a duplex pipe).

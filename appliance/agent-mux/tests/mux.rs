@@ -379,3 +379,49 @@ async fn bridge_speaks_hybrid_vsock_and_reconnects() {
     drop(bridge);
     assert!(!vsock.exists(), "bridge removes its socket when dropped");
 }
+
+#[tokio::test]
+async fn a_wedged_first_connection_is_dialled_again() {
+    // The first connection swallows every byte and never answers (a READY lost while the VM was
+    // paused and the previous host died); the host hangs up after FIRST_ATTEMPT and the second
+    // connection gets a session.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let chardev = dir.path().join("agent-serial.sock");
+    let l = tokio::net::UnixListener::bind(&chardev).expect("bind chardev");
+    let h = Arc::new(TestHandler::default());
+    let handler: Arc<dyn Handler> = Arc::new(Shared(h.clone()));
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let n = accepted.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = l.accept().await.expect("accept");
+            if n.fetch_add(1, Ordering::SeqCst) == 0 {
+                let mut sink = Vec::new();
+                let _ = s.read_to_end(&mut sink).await; // until the host hangs up
+                continue;
+            }
+            let _ = guest::serve(s, handler.clone()).await;
+        }
+    });
+    let t0 = std::time::Instant::now();
+    let session = Session::connect_with_timeout(&chardev, Duration::from_secs(30)).await.expect("second dial");
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    assert!(t0.elapsed() >= agent_mux::host::FIRST_ATTEMPT);
+    let s = session.open(ECHO).await.expect("open");
+    assert_eq!(echo_round_trip(s, b"after a redial".to_vec()).await, b"after a redial");
+
+    // No guest at all: the whole budget is spent, then a timeout naming it.
+    let dead = dir.path().join("dead.sock");
+    let l2 = tokio::net::UnixListener::bind(&dead).expect("bind");
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = l2.accept().await {
+            held.push(s);
+        }
+    });
+    let r = Session::connect_with_timeout(&dead, Duration::from_millis(300)).await;
+    assert!(
+        matches!(r, Err(SessionError::Preamble(agent_mux::preamble::PreambleError::Timeout(t))) if t == Duration::from_millis(300)),
+        "{r:?}"
+    );
+}

@@ -88,6 +88,7 @@ impl ResolvedImage {
             accel,
             nic: None,
             rng: true,
+            volumes: true,
         }
     }
 }

@@ -67,6 +67,7 @@ fn spec_of(src: &ImageSource) -> vmm::BootSpec {
         accel: vmm::AccelPreference::Tcg,
         nic: None,
         rng: true,
+        volumes: true,
     }
 }
 

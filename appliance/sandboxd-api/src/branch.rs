@@ -137,7 +137,8 @@ mod tests {
 
     #[test]
     fn sdk_bodies_parse_and_tokens_stay_out_of_debug() {
-        let f: ForkRequest = serde_json::from_value(json!({"token": "secret", "count": 4, "ttl_seconds": 60})).expect("fork");
+        let f: ForkRequest =
+            serde_json::from_value(json!({"token": "secret", "count": 4, "ttl_seconds": 60})).expect("fork");
         assert_eq!((f.count, f.ttl_seconds, f.claim_ref_prefix.as_deref()), (4, Some(60), None));
         assert!(!format!("{f:?}").contains("secret"));
         let c: CheckpointRequest = serde_json::from_value(json!({"token": "secret"})).expect("checkpoint");

@@ -24,9 +24,13 @@ pub struct ClaimRequest {
     /// Claim only from a promoted template (`404` for any other).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub require_promoted: Option<bool>,
-    /// Volumes to attach (advanced: a non-empty list answers `501` on this node).
+    /// Catalog volumes to attach (and mount, unless `volumes_attach_only`) before the grant.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub volumes: Option<Vec<serde_json::Value>>,
+    pub volumes: Option<Vec<crate::VolumeSpec>>,
+    /// Attach the volumes without mounting them (the SDK's `mount=False`): each disk is
+    /// linked at `/dev/volumes/<name>` in the guest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volumes_attach_only: Option<bool>,
 }
 
 impl ClaimRequest {
@@ -55,6 +59,9 @@ pub struct Grant {
     /// The checkpoint it was claimed from, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub from_checkpoint: Option<String>,
+    /// The volumes it holds.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<crate::VolumeSpec>,
 }
 
 impl std::fmt::Debug for Grant {
@@ -118,6 +125,7 @@ mod tests {
             claim_ref: Some("ns/pod".into()),
             require_promoted: None,
             volumes: None,
+            volumes_attach_only: None,
         };
         assert_eq!(
             wire(&full),
@@ -145,6 +153,7 @@ mod tests {
             owner_addr: "10.0.0.5:7777".into(),
             template_digest: None,
             from_checkpoint: None,
+            volumes: Vec::new(),
         };
         assert_eq!(
             wire(&g),

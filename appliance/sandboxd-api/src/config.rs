@@ -240,6 +240,20 @@ pub struct Config {
     /// [`DEFAULT_CHECKPOINT_TTL_HOURS`]; 0 keeps them until deleted). Their files stay while a
     /// sandbox claimed from them runs.
     pub checkpoint_ttl_hours: u64,
+    /// Volumes the node creates at start when missing: ext4 images under
+    /// `<data_dir>/volumes/<name>.img`. Any `*.img` an operator puts there is in the catalog too.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeConfig>,
+}
+
+/// A catalog volume the node makes if it is missing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeConfig {
+    /// Its name: 1-64 of `[A-Za-z0-9._-]`, not starting with a dot.
+    pub name: String,
+    /// Its size, MiB (at least 8).
+    pub size_mib: u64,
 }
 
 impl Default for Config {
@@ -279,6 +293,7 @@ impl Default for Config {
             console_log_kib: DEFAULT_CONSOLE_LOG_KIB,
             max_fork_count: DEFAULT_MAX_FORK_COUNT,
             checkpoint_ttl_hours: DEFAULT_CHECKPOINT_TTL_HOURS,
+            volumes: Vec::new(),
         }
     }
 }

@@ -10,6 +10,8 @@
 //!   `…/stats` ([`Stats`]);
 //! - [`info`]: `GET /v1/info` and the drain routes ([`Info`], [`PoolInfo`], [`BudgetInfo`],
 //!   the wire [`Key`]), `GET/PUT /v1/pools` ([`PoolList`]), `GET /v1/peers` ([`Peers`]);
+//! - [`volume`]: `GET /v1/volumes` ([`VolumeCatalog`]) and `…/volumes` ([`SandboxVolumes`],
+//!   [`VolumesPut`], [`VolumesPatch`]);
 //! - [`exec`]: `POST …/exec` ([`ExecRequest`] → [`ExecResult`]);
 //! - [`error`]: every refusal, [`ErrorBody`] (`{"error": "<message>"}`);
 //! - [`config`]: the config file ([`Config`], [`PoolConfig`], [`NetworkConfig`]) and its
@@ -35,11 +37,16 @@ pub mod error;
 pub mod exec;
 pub mod info;
 pub mod sandbox;
+pub mod volume;
 
-pub use branch::{Checkpoint, CheckpointClaimRequest, CheckpointList, CheckpointReply, CheckpointRequest, ForkReply, ForkRequest, PromoteReply, PromoteRequest};
+pub use branch::{
+    Checkpoint, CheckpointClaimRequest, CheckpointList, CheckpointReply, CheckpointRequest, ForkReply, ForkRequest,
+    PromoteReply, PromoteRequest,
+};
 pub use claim::{ClaimReply, ClaimRequest, Grant, RenewRequest, Renewed};
-pub use config::{Config, NetworkConfig, PoolConfig};
+pub use config::{Config, NetworkConfig, PoolConfig, VolumeConfig};
 pub use error::ErrorBody;
 pub use exec::{ExecRequest, ExecResult};
 pub use info::{BudgetInfo, Info, Key, Peers, PoolInfo, PoolList};
 pub use sandbox::{Owner, SandboxList, SandboxRow, Stats};
+pub use volume::{CatalogVolume, SandboxVolumes, VolumeCatalog, VolumeSpec, VolumeState, VolumesPatch, VolumesPut};

@@ -29,6 +29,9 @@ pub struct SandboxRow {
     /// The sandbox token (root only, per-id read only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+    /// The volumes it holds.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<crate::VolumeSpec>,
 }
 
 impl std::fmt::Debug for SandboxRow {
@@ -105,6 +108,7 @@ mod tests {
             claim_ref: None,
             from_checkpoint: None,
             token: None,
+            volumes: Vec::new(),
         }
     }
 

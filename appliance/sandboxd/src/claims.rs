@@ -127,6 +127,7 @@ impl Claim {
             claim_ref: self.rec.claim_ref.clone(),
             from_checkpoint: self.rec.from_checkpoint.clone(),
             token: None,
+            volumes: self.rec.volumes.iter().map(|v| v.spec()).collect(),
         }
     }
 }
@@ -261,6 +262,7 @@ mod tests {
             from_checkpoint: None,
             hibernate_snap: None,
             pending_snap: None,
+            volumes: Vec::new(),
         };
         let mut t = ClaimTable::default();
         assert_eq!(t.insert(Claim { rec: rec("sb_2"), vm: None }), 1);

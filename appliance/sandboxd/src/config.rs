@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::limits::{self, Branching, Budget, BudgetError, ExecTimeouts, HttpLimits, Limits};
-use crate::slots::ClaimCaps;
 use crate::pool::{KeyError, PoolKey};
+use crate::slots::ClaimCaps;
 
 /// The shortest root token accepted (32 characters: 128 bits as hex, 192 as base64).
 pub use foundation::MIN_TOKEN_LEN;

@@ -143,6 +143,36 @@ pub struct ClaimRecord {
     /// snapshot): a restart resolves it from what it finds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_snap: Option<PathBuf>,
+    /// The volumes plugged into its VM.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<HeldVolume>,
+}
+
+/// A volume a sandbox holds: which, in which slot (SCSI target) of its VM, mounted where
+/// (absent: attached only), and whether read-write.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldVolume {
+    /// The catalog volume.
+    pub name: String,
+    /// The slot, 1..=[`vmm::MAX_VOLUMES`].
+    pub slot: u16,
+    /// The guest mount point; absent when attached only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mount: Option<String>,
+    /// Held read-write (exclusively).
+    #[serde(default)]
+    pub rw: bool,
+}
+
+impl HeldVolume {
+    /// How the API shows it.
+    pub fn spec(&self) -> sandboxd_api::VolumeSpec {
+        sandboxd_api::VolumeSpec {
+            name: self.name.clone(),
+            mount: self.mount.clone(),
+            mode: self.rw.then(|| "rw".to_string()),
+        }
+    }
 }
 
 /// One mutation of the claim table.

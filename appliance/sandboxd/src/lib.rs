@@ -16,6 +16,7 @@
 //! - [`claims`]: the claim table, lease rules, id/token minting;
 //! - [`store`]: the claim table and its journal together (commit, compaction);
 //! - [`vms`]: what VMs run on (driver, VM network, budget ledger) and how they end (destroy);
+//! - [`volumes`]: the volume catalog (ext4 images under `<data_dir>/volumes`);
 //! - [`refill`]: the refill task of each pool over its own context ([`refill::Refill`]);
 //! - [`reaper`]: ends expired leases, compacts the journal;
 //! - [`reconcile`]: the restart reconcile;
@@ -41,13 +42,14 @@ pub mod preview;
 pub mod promoted;
 pub mod reaper;
 pub mod reconcile;
+pub mod refill;
 pub mod slots;
 pub mod snapshots;
-pub mod refill;
 pub mod store;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod test_utils;
 pub mod vms;
+pub mod volumes;
 
 pub use config::Config;
 pub use node::{Node, NodeOptions};

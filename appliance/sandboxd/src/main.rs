@@ -48,7 +48,12 @@ use sandboxd::{Node, NodeOptions};
 /// running sandbox; hibernate and wake (explicit, on the next guest call, or after a pool's
 /// `idle_hibernate_seconds`) free a sandbox's VM and RAM; promote keeps a sandbox as a template
 /// a pool can clone (`<data_dir>/templates`); `preview_listen` (and `preview_url`) serves
-/// expiring preview URLs to guest ports. Volumes answer 501.
+/// expiring preview URLs to guest ports. Volumes: ext4 images under `<data_dir>/volumes`
+/// (`{"volumes": [{"name": "datasets", "size_mib": 1024}]}` makes missing ones at start; any
+/// `<name>.img` placed there counts), hot-plugged into a sandbox at claim time or by
+/// `PUT/PATCH …/volumes` and mounted by the guest agent (`/mnt/<name>` unless told; `rw`
+/// holds are exclusive). A sandbox holding volumes cannot fork, checkpoint, promote or
+/// hibernate until it lets them go.
 #[derive(Debug, Parser)]
 #[command(name = "sandboxd", version)]
 struct Args {

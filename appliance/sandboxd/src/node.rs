@@ -28,10 +28,12 @@ mod branch;
 mod claim;
 mod hibernate;
 mod promote;
+mod volumes;
 
 pub use branch::BranchError;
 pub use hibernate::HibernateError;
 pub use promote::PromoteError;
+pub use volumes::{default_mount, VolumeError};
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -45,10 +47,10 @@ use crate::config::{self, ConfigError, PoolConfig};
 use crate::golden::Goldens;
 use crate::journal::JournalError;
 use crate::limits::{BudgetError, Ledger, Limits, Usage};
-use crate::slots::{CapError, ClaimSlots, SlotGuard, Use};
 use crate::metrics::{Gauges, Metrics};
 use crate::pool::{Pool, PoolInfo, PoolKey, Pools};
 use crate::refill::{self, Refill};
+use crate::slots::{CapError, ClaimSlots, SlotGuard, Use};
 use crate::snapshots::SnapshotStore;
 use crate::store::ClaimStore;
 use crate::vms::{disk_mib, Vms};
@@ -69,6 +71,9 @@ pub enum NodeError {
     /// The snapshot or template directory could not be created.
     #[error("creating the snapshot and template directories under the data dir")]
     Snapshots(#[source] std::io::Error),
+    /// The volume catalog could not be opened, or a declared volume made.
+    #[error("volume catalog (config key volumes)")]
+    Volumes(#[source] crate::volumes::CatalogError),
     /// The VM network (bridge, packet filter) could not be set up.
     #[error("setting up the VM network (config key network)")]
     Network(#[source] vmnet::VmnetError),
@@ -123,6 +128,8 @@ pub struct Node {
     previews: Option<crate::preview::Previews>,
     /// Promoted templates.
     promoted: crate::promoted::PromotedStore,
+    /// The volume catalog.
+    volume_catalog: crate::volumes::Catalog,
     /// One hibernate or wake at a time per sandbox.
     transitions: Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     cancel: CancellationToken,
@@ -164,6 +171,8 @@ impl Node {
         }
         let snapshots = SnapshotStore::open(&opts.data_dir).map_err(NodeError::Snapshots)?;
         let promoted = crate::promoted::PromotedStore::open(&opts.data_dir).map_err(NodeError::Snapshots)?;
+        let volume_catalog = crate::volumes::Catalog::open(&opts.data_dir).map_err(NodeError::Volumes)?;
+        volume_catalog.ensure(&opts.volumes).map_err(NodeError::Volumes)?;
         let goldens = Goldens::new(&opts.data_dir);
         goldens.clean_staging();
         let ledger = Ledger::new(opts.limits.budget);
@@ -203,6 +212,7 @@ impl Node {
             snapshots,
             previews: opts.previews,
             promoted,
+            volume_catalog,
             transitions: Mutex::default(),
             cancel: CancellationToken::new(),
         });
@@ -438,7 +448,12 @@ impl Node {
 
 /// Until `cancel` or the node is gone: every `idle_period` hibernates idle sandboxes
 /// ([`Node::hibernate_idle`]), every `gc_period` runs [`Node::gc_snapshots`].
-async fn snapshot_gc(node: std::sync::Weak<Node>, idle_period: Duration, gc_period: Duration, cancel: CancellationToken) {
+async fn snapshot_gc(
+    node: std::sync::Weak<Node>,
+    idle_period: Duration,
+    gc_period: Duration,
+    cancel: CancellationToken,
+) {
     let mut idle = tokio::time::interval(idle_period);
     let mut gc = tokio::time::interval(gc_period);
     idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -79,6 +79,8 @@ pub struct NodeOptions {
     pub network: Option<vmnet::NetConfig>,
     /// Preview URLs (`preview_listen`), if configured.
     pub previews: Option<crate::preview::Previews>,
+    /// Volumes to make at start when missing (config key `volumes`).
+    pub volumes: Vec<sandboxd_api::VolumeConfig>,
 }
 
 impl NodeOptions {
@@ -109,10 +111,14 @@ impl NodeOptions {
                         &c.data_dir,
                         c.preview_url.clone().unwrap_or_else(|| format!("http://{addr}")),
                     )
-                    .map_err(|source| ConfigError::Preview { path: c.data_dir.join(crate::preview::KEY_FILE), source })?,
+                    .map_err(|source| ConfigError::Preview {
+                        path: c.data_dir.join(crate::preview::KEY_FILE),
+                        source,
+                    })?,
                 ),
                 None => None,
             },
+            volumes: c.volumes.clone(),
         })
     }
 
@@ -132,6 +138,7 @@ impl NodeOptions {
             limits: Limits::with_budget(Self::TEST_BUDGET),
             network: None,
             previews: None,
+            volumes: Vec::new(),
         }
     }
 

@@ -142,7 +142,8 @@ impl SnapshotStore {
 
     /// Deletes the checkpoints older than `retention`; returns how many.
     pub fn expire(&self, retention: Duration, now: SystemTime) -> usize {
-        let cutoff = crate::claims::unix_ms(now).saturating_sub(u64::try_from(retention.as_millis()).unwrap_or(u64::MAX));
+        let cutoff =
+            crate::claims::unix_ms(now).saturating_sub(u64::try_from(retention.as_millis()).unwrap_or(u64::MAX));
         let old: Vec<String> = self
             .entries()
             .filter_map(|d| read_stored(&d))
@@ -188,9 +189,8 @@ impl SnapshotStore {
     /// In one walk: how many checkpoints there are, and the bytes every snapshot directory
     /// holds.
     pub fn summary(&self) -> (usize, u64) {
-        self.entries().fold((0, 0), |(n, bytes), d| {
-            (n + usize::from(d.join(CHECKPOINT_FILE).is_file()), bytes + dir_bytes(&d))
-        })
+        self.entries()
+            .fold((0, 0), |(n, bytes), d| (n + usize::from(d.join(CHECKPOINT_FILE).is_file()), bytes + dir_bytes(&d)))
     }
 
     fn checkpoint_dir(&self, id: &str) -> Option<PathBuf> {
@@ -248,7 +248,8 @@ mod tests {
         let tmp = tempfile::tempdir().expect("tempdir");
         let store = SnapshotStore::open(tmp.path()).expect("open");
         let (ck_id, ck) = store.new_checkpoint();
-        let (used, parent, stray, gone_ck) = (store.fork_dir(), store.fork_dir(), store.fork_dir(), store.new_checkpoint());
+        let (used, parent, stray, gone_ck) =
+            (store.fork_dir(), store.fork_dir(), store.fork_dir(), store.new_checkpoint());
         for d in [&ck, &used, &parent, &stray, &gone_ck.1] {
             snap_dir(d);
         }

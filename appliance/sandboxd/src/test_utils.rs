@@ -198,6 +198,7 @@ pub fn fake_spec(name: &str) -> BootSpec {
         accel: vmm::AccelPreference::Tcg,
         nic: None,
         rng: true,
+        volumes: true,
     }
 }
 

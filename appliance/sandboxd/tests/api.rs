@@ -226,10 +226,16 @@ async fn error_shapes() {
             json!({"error": "no warm capacity for base|none|large"}),
         ),
         (json!({"template": "base", "net": "egress"}), StatusCode::CONFLICT, Value::Null),
+        // A volume is checked against the catalog before any VM is taken.
         (
             json!({"template": "base", "volumes": ["v1"]}),
-            StatusCode::NOT_IMPLEMENTED,
-            json!({"error": "volumes is not implemented on this node"}),
+            StatusCode::NOT_FOUND,
+            json!({"error": "no volume \"v1\" in this node's catalog (GET /v1/volumes lists it; config key volumes makes one)"}),
+        ),
+        (
+            json!({"template": "base", "volumes": [{"name": "v1", "mode": "wx"}]}),
+            StatusCode::BAD_REQUEST,
+            json!({"error": "volume \"v1\": mode \"wx\": want rw or ro"}),
         ),
     ];
     for (body, status, want) in cases {
@@ -242,7 +248,18 @@ async fn error_shapes() {
     }
     assert_eq!(warm(&h.node, "base"), 1);
     // Unknown claim fields are accepted (vk-sandbox sends metadata, on_expire, egress).
-    h.claim(json!({"template": "base", "metadata": {"a": "b"}, "on_expire": "x", "no_redirect": true})).await;
+    let g = h.claim(json!({"template": "base", "metadata": {"a": "b"}, "on_expire": "x", "no_redirect": true})).await;
+    // Its volumes: none; asking for one the catalog lacks is a 404 carrying the whole view.
+    let path = format!("/v1/sandboxes/{}/volumes", g["id"].as_str().expect("id"));
+    let empty = json!({"volumes_want": [], "volumes": [], "states": [], "converging": false});
+    assert_eq!(h.call("GET", &path, None, None).await, (StatusCode::OK, empty.clone()));
+    assert_eq!(h.call("PUT", &path, None, Some(json!({"volumes": []}))).await, (StatusCode::OK, empty));
+    let (s, v) = h.call("PATCH", &path, None, Some(json!({"add": [{"name": "nope"}]}))).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_eq!(v["volumes_want"], json!([{"name": "nope"}]));
+    assert_eq!(v["volumes"], json!([]));
+    assert_eq!(v["states"], json!([{"name": "nope", "state": "pending"}]));
+    assert!(v["error"].as_str().expect("error").contains("no volume \"nope\""), "{v}");
 
     let big = format!("{{\"template\":\"base\",\"pad\":\"{}\"}}", "x".repeat(1024 * 1024 + 10));
     let (s, v) = call(&h.app, "POST", "/v1/claim", None, Some(big)).await;
@@ -250,11 +267,12 @@ async fn error_shapes() {
     let (s, _) = call(&h.app, "POST", "/v1/claim", None, Some("{nope".into())).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
 
-    for (m, p, feature) in [
-        ("PUT", "/v1/sandboxes/sb_1/volumes", "volumes"),
-        ("GET", "/v1/volumes", "volumes"),
-        ("GET", "/v1/checkpoints/ck_1/blob", "checkpoint blobs"),
-    ] {
+    // Volumes: an empty catalog; an unknown sandbox's volumes are a 404.
+    let (s, v) = h.call("GET", "/v1/volumes", None, None).await;
+    assert_eq!((s, v), (StatusCode::OK, json!({"volumes": []})));
+    let (s, v) = h.call("PUT", "/v1/sandboxes/sb_1/volumes", None, Some(json!({"volumes": []}))).await;
+    assert_eq!((s, v), (StatusCode::NOT_FOUND, json!({"error": "sandbox not found"})));
+    for (m, p, feature) in [("GET", "/v1/checkpoints/ck_1/blob", "checkpoint blobs")] {
         let (s, v) = h.call(m, p, None, None).await;
         assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{m} {p}");
         assert_eq!(v, json!({"error": format!("{feature} is not implemented on this node")}));
@@ -788,8 +806,12 @@ async fn fork_is_all_or_nothing_and_children_diverge_from_the_parent() {
         assert!((55..=60).contains(&deadline_secs_from_now(c)), "{c}");
     }
     let (_, rows) = h.call("GET", "/v1/sandboxes", None, None).await;
-    let mut refs: Vec<String> =
-        rows["sandboxes"].as_array().expect("rows").iter().filter_map(|r| r["claim_ref"].as_str().map(String::from)).collect();
+    let mut refs: Vec<String> = rows["sandboxes"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .filter_map(|r| r["claim_ref"].as_str().map(String::from))
+        .collect();
     refs.sort();
     assert_eq!(refs, ["branch-0", "branch-1", "branch-2", "parent"]);
     // Each child is its own VM, restored from the fork's snapshot; the parent keeps its VM.
@@ -827,8 +849,14 @@ async fn fork_is_all_or_nothing_and_children_diverge_from_the_parent() {
 
     // The children's snapshot goes once the last child is gone.
     for c in &children {
-        let (s, _) =
-            h.call("POST", &format!("/v1/sandboxes/{}/release", c["id"].as_str().expect("id")), c["token"].as_str(), None).await;
+        let (s, _) = h
+            .call(
+                "POST",
+                &format!("/v1/sandboxes/{}/release", c["id"].as_str().expect("id")),
+                c["token"].as_str(),
+                None,
+            )
+            .await;
         assert_eq!(s, StatusCode::NO_CONTENT);
     }
     wait_for("the fork snapshots to be collected", || snapshot_dirs(&h).is_empty()).await;
@@ -875,7 +903,8 @@ async fn checkpoints_are_claimed_many_times_survive_a_restart_and_are_deleted() 
         from.push(g);
     }
     let (_, rows) = h.call("GET", "/v1/sandboxes", None, None).await;
-    let with_ck = rows["sandboxes"].as_array().expect("rows").iter().filter(|r| r["from_checkpoint"] == ck_id.as_str()).count();
+    let with_ck =
+        rows["sandboxes"].as_array().expect("rows").iter().filter(|r| r["from_checkpoint"] == ck_id.as_str()).count();
     assert_eq!(with_ck, 2, "{rows}");
     let (s, list) = h.call("GET", "/v1/checkpoints", None, None).await;
     assert_eq!(s, StatusCode::OK);
@@ -962,14 +991,21 @@ mod hibernation {
         assert_eq!((info["claimed"].as_u64(), info["hibernated"].as_u64()), (Some(1), Some(1)), "{info}");
         let (_, rows) = h.call("GET", "/v1/sandboxes", None, None).await;
         assert_eq!(rows["sandboxes"][0]["hibernated"], true);
-        let (s, st) = h.call("GET", &format!("/v1/sandboxes/{}/stats", c["id"].as_str().expect("id")), None, None).await;
+        let (s, st) =
+            h.call("GET", &format!("/v1/sandboxes/{}/stats", c["id"].as_str().expect("id")), None, None).await;
         assert_eq!((s, &st["hibernated"]), (StatusCode::OK, &json!(true)), "{st}");
         // A plain request on the relay route never wakes it; nor do fork and checkpoint.
-        let (s, _) =
-            h.call("GET", &format!("/v1/sandboxes/{}/agent", c["id"].as_str().expect("id")), c["token"].as_str(), None).await;
+        let (s, _) = h
+            .call("GET", &format!("/v1/sandboxes/{}/agent", c["id"].as_str().expect("id")), c["token"].as_str(), None)
+            .await;
         assert_eq!(s, StatusCode::UPGRADE_REQUIRED);
         let (s, v) = h
-            .call("POST", &format!("/v1/sandboxes/{}/fork", c["id"].as_str().expect("id")), None, Some(json!({"token": c["token"], "count": 1})))
+            .call(
+                "POST",
+                &format!("/v1/sandboxes/{}/fork", c["id"].as_str().expect("id")),
+                None,
+                Some(json!({"token": c["token"], "count": 1})),
+            )
             .await;
         assert_eq!(s, StatusCode::CONFLICT, "{v}");
         assert!(row(&h, &c).expect("claim").rec.hibernate_snap.is_some());
@@ -995,7 +1031,8 @@ mod hibernation {
         let c3 = node.sandbox(&c2.rec.id).expect("claim");
         assert!(c3.rec.hibernate_snap.is_none() && h.driver.is_live(&c3.vm.expect("vm").id));
         // Released: the snapshots go.
-        let (s, _) = call(&app, "POST", &format!("/v1/sandboxes/{}/release", c2.rec.id), Some(&c2.rec.token), None).await;
+        let (s, _) =
+            call(&app, "POST", &format!("/v1/sandboxes/{}/release", c2.rec.id), Some(&c2.rec.token), None).await;
         assert_eq!(s, StatusCode::NO_CONTENT);
         wait_for("the hibernation snapshots to be collected", || snapshot_dirs(&h).is_empty()).await;
     }
@@ -1075,7 +1112,9 @@ async fn preview_urls_are_501_without_preview_listen_and_tokens_are_checked() {
     }
     let forged = format!("{}x/", token_path.trim_end_matches('/'));
     assert_eq!(call(&previews, "GET", &forged, None, None).await.0, StatusCode::NOT_FOUND);
-    let (s, _) = h.call("POST", &format!("/v1/sandboxes/{}/release", c["id"].as_str().expect("id")), c["token"].as_str(), None).await;
+    let (s, _) = h
+        .call("POST", &format!("/v1/sandboxes/{}/release", c["id"].as_str().expect("id")), c["token"].as_str(), None)
+        .await;
     assert_eq!(s, StatusCode::NO_CONTENT);
     assert_eq!(call(&previews, "GET", token_path, None, None).await.0, StatusCode::NOT_FOUND);
 }
@@ -1105,11 +1144,18 @@ async fn promoted_templates_are_pooled_required_and_deleted() {
 
     // A pool keeps it warm (after a restart, as a PUT would): its clones start from it.
     let (node, app) = h.restart(&[("base", 1), ("my-agent", 1)]).await;
-    wait_for("the promoted pool to fill", || node.info().pools.iter().any(|p| p.key.template == "my-agent" && p.warm == 1))
-        .await;
-    let (s, g) =
-        call(&app, "POST", "/v1/claim", None, Some(json!({"template": "my-agent", "require_promoted": true}).to_string()))
-            .await;
+    wait_for("the promoted pool to fill", || {
+        node.info().pools.iter().any(|p| p.key.template == "my-agent" && p.warm == 1)
+    })
+    .await;
+    let (s, g) = call(
+        &app,
+        "POST",
+        "/v1/claim",
+        None,
+        Some(json!({"template": "my-agent", "require_promoted": true}).to_string()),
+    )
+    .await;
     assert_eq!(s, StatusCode::OK, "{g}");
     assert_eq!(g["template_digest"], digest.as_str());
     let vm = node.sandbox(g["id"].as_str().expect("id")).expect("claim").vm.expect("vm");

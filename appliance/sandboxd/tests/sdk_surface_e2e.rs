@@ -14,7 +14,7 @@ use std::io::Write as _;
 use std::path::Path;
 use std::time::Duration;
 
-use sandboxd_api::{CheckpointList, ClaimRequest, Info, PoolConfig, SandboxList};
+use sandboxd_api::{CheckpointList, ClaimRequest, Info, PoolConfig, SandboxList, VolumeConfig};
 use test_infra::sandboxd::{Harness, TOKEN};
 
 /// How long the pools may take to fill after a restart.
@@ -31,12 +31,17 @@ fn sdk_surface_and_adapters_with_their_defaults() {
         )
     });
     // A medium `base` pool hibernates its sandboxes after 2 idle seconds.
-    let idle = PoolConfig { size: Some("medium".into()), idle_hibernate_seconds: Some(2), ..PoolConfig::warm("base", 1) };
+    let idle =
+        PoolConfig { size: Some("medium".into()), idle_hibernate_seconds: Some(2), ..PoolConfig::warm("base", 1) };
     let preview = std::net::SocketAddr::from(([127, 0, 0, 1], test_infra::sandboxd::free_port()));
     let h = Harness::with_config(
         Path::new(env!("CARGO_BIN_EXE_sandboxd")),
         vec![PoolConfig::warm("base", 1), PoolConfig::warm("rt", 1), idle],
-        |c| c.preview_listen = Some(preview),
+        |c| {
+            c.preview_listen = Some(preview);
+            // The catalog volume `surface.py` attaches (made at start, 32 MiB of ext4).
+            c.volumes = vec![VolumeConfig { name: "datasets".into(), size_mib: 32 }];
+        },
     );
     h.wait_full("base");
     h.wait_full("rt");
@@ -92,6 +97,18 @@ fn crash_mid(h: &mut Harness, verb: &str, after: Duration) {
     let ids = h.sandbox_ids();
     assert!(ids.contains(&id), "the sandbox was lost: {ids:?}\n{}", h.logs());
     let (s, v) = h.exec(&id, &token, &["cat", "/srv/crash.txt"]);
+    if s != 200 {
+        // The guests' side of it (their agents log each mux session), for the reader.
+        for vm in h.vm_dirs() {
+            let log = h.dir.path().join("data/vms/vms").join(&vm).join("console.log");
+            let c = std::fs::read_to_string(&log).unwrap_or_default();
+            let lines: Vec<&str> = c.lines().collect();
+            println!(
+                "---- console of {vm} (last 20 lines) ----\n{}",
+                lines[lines.len().saturating_sub(20)..].join("\n")
+            );
+        }
+    }
     assert_eq!((s, v["stdout"].as_str()), (200, Some("state\n")), "{v}\n{}", h.logs());
     // Every claim is served; a child a fork finished before the kill is a full sandbox.
     let info: Info = test_infra::sandboxd::wait_for("every pool full", FILL, || {

@@ -353,6 +353,32 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
         self.reseed(&data).await
     }
 
+    /// `volume_mount`: the guest links (and, with `mount`, mounts) the disk the host plugged
+    /// at SCSI target `target`.
+    pub async fn volume_mount(
+        &mut self,
+        name: &str,
+        target: u16,
+        mount: Option<&str>,
+        read_only: bool,
+    ) -> Result<(), ClientError> {
+        self.send(&Request::VolumeMount {
+            name: name.to_string(),
+            target,
+            mount: mount.map(str::to_string),
+            read_only,
+        })
+        .await?;
+        self.expect_done().await
+    }
+
+    /// `volume_unmount`: the guest lets go of the disk at SCSI target `target` before the host
+    /// unplugs it.
+    pub async fn volume_unmount(&mut self, name: &str, target: u16) -> Result<(), ClientError> {
+        self.send(&Request::VolumeUnmount { name: name.to_string(), target }).await?;
+        self.expect_done().await
+    }
+
     /// `pty_resize`: sets the terminal size of the pty whose child is `pid` (a pid from
     /// [`start_session`] with a tty). Send it on a second connection: the session's own is
     /// taken by the session. A pid without a pty is [`ClientError::Agent`] `not_found`.

@@ -46,9 +46,18 @@ async fn git_ops_clone_commit_push_pull_and_branch() {
     done(&c.call("git_add", json!({"path": s(&work), "files": ["a.txt"]})).await);
     let st = c.call("git_status", json!({"path": s(&work)})).await;
     assert_eq!(st["files"], json!([{"path": "a.txt", "staged": "A", "unstaged": " "}]));
-    error(&c.call("git_commit", json!({"path": s(&work), "message": "m", "author": "nobody"})).await, "bad_request", "Name <email>");
-    error(&c.call("git_commit", json!({"path": s(&work), "message": " ", "author": "A <a@b>"})).await, "bad_request", "message");
-    let r = c.call("git_commit", json!({"path": s(&work), "message": "first", "author": "Ada <ada@example.com>"})).await;
+    error(
+        &c.call("git_commit", json!({"path": s(&work), "message": "m", "author": "nobody"})).await,
+        "bad_request",
+        "Name <email>",
+    );
+    error(
+        &c.call("git_commit", json!({"path": s(&work), "message": " ", "author": "A <a@b>"})).await,
+        "bad_request",
+        "message",
+    );
+    let r =
+        c.call("git_commit", json!({"path": s(&work), "message": "first", "author": "Ada <ada@example.com>"})).await;
     assert_eq!(ty(&r), "git_commit_result", "{r}");
     let hash = r["hash"].as_str().expect("hash").to_string();
     assert_eq!(hash.len(), 40, "{hash}");
@@ -57,7 +66,10 @@ async fn git_ops_clone_commit_push_pull_and_branch() {
     done(&c.call("git_push", json!({"path": s(&work)})).await);
     assert_eq!(git(&remote, &["rev-parse", "main"]), hash);
     let st = c.call("git_status", json!({"path": s(&work)})).await;
-    assert_eq!((st["branch"].as_str(), st["ahead"].as_u64(), st["files"].as_array().map(Vec::len)), (Some("main"), Some(0), Some(0)));
+    assert_eq!(
+        (st["branch"].as_str(), st["ahead"].as_u64(), st["files"].as_array().map(Vec::len)),
+        (Some("main"), Some(0), Some(0))
+    );
 
     // A second clone pulls what the first pushes next.
     done(&c.call("git_clone", json!({"url": s(&remote), "path": s(&other), "branch": "main", "depth": 1})).await);
@@ -77,24 +89,45 @@ async fn git_ops_clone_commit_push_pull_and_branch() {
     assert_eq!(l, json!({"type": "git_branches", "current": "main", "branches": ["feature", "main"]}));
     done(&c.call("git_branch", json!({"path": s(&work), "action": "checkout", "name": "feature"})).await);
     assert_eq!(c.call("git_branch", json!({"path": s(&work), "action": "list"})).await["current"], "feature");
-    error(&c.call("git_branch", json!({"path": s(&work), "action": "delete", "name": "feature"})).await, "bad_request", "git branch failed");
+    error(
+        &c.call("git_branch", json!({"path": s(&work), "action": "delete", "name": "feature"})).await,
+        "bad_request",
+        "git branch failed",
+    );
     done(&c.call("git_branch", json!({"path": s(&work), "action": "checkout", "name": "main"})).await);
     done(&c.call("git_branch", json!({"path": s(&work), "action": "delete", "name": "feature"})).await);
     error(&c.call("git_branch", json!({"path": s(&work), "action": "create"})).await, "bad_request", "branch name");
-    error(&c.call("git_branch", json!({"path": s(&work), "action": "checkout", "name": "nope"})).await, "bad_request", "nope");
+    error(
+        &c.call("git_branch", json!({"path": s(&work), "action": "checkout", "name": "nope"})).await,
+        "bad_request",
+        "nope",
+    );
 
     // Bad places and smuggled options.
-    error(&c.call("git_status", json!({"path": s(&tmp.path().join("missing"))})).await, "not_found", "no such directory");
+    error(
+        &c.call("git_status", json!({"path": s(&tmp.path().join("missing"))})).await,
+        "not_found",
+        "no such directory",
+    );
     error(&c.call("git_status", json!({"path": s(tmp.path())})).await, "bad_request", "not a git repository");
     let marker = tmp.path().join("pwned");
     let url = format!("--upload-pack=touch {}", marker.display());
-    error(&c.call("git_clone", json!({"url": url, "path": s(&tmp.path().join("x"))})).await, "bad_request", "start with '-'");
+    error(
+        &c.call("git_clone", json!({"url": url, "path": s(&tmp.path().join("x"))})).await,
+        "bad_request",
+        "start with '-'",
+    );
     error(
         &c.call("git_clone", json!({"url": s(&remote), "path": s(&tmp.path().join("y")), "branch": "--foo"})).await,
         "bad_request",
         "start with '-'",
     );
-    error(&c.call("git_clone", json!({"url": "ext::sh -c touch% /tmp/pwned-ext", "path": s(&tmp.path().join("z"))})).await, "bad_request", "git clone failed");
+    error(
+        &c.call("git_clone", json!({"url": "ext::sh -c touch% /tmp/pwned-ext", "path": s(&tmp.path().join("z"))}))
+            .await,
+        "bad_request",
+        "git clone failed",
+    );
     assert!(!marker.exists() && !Path::new("/tmp/pwned-ext").exists());
     error(&c.call("git_pull", json!({"path": s(&tmp.path().join("missing"))})).await, "not_found", "no such directory");
     // The connection is still good.

@@ -73,6 +73,7 @@ mod tests {
             accel: Default::default(),
             nic: None,
             rng: true,
+            volumes: true,
         };
         assert_eq!(writable_disk_cap(&spec).expect("cap"), 0);
         spec.overlay_base = Some(base);

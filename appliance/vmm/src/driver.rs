@@ -83,6 +83,25 @@ pub struct BootSpec {
     /// snapshots keep the device layout they were started with.
     #[serde(default)]
     pub rng: bool,
+    /// A controller volumes hot-plug onto (QEMU: `virtio-scsi`, the microvm machine has no PCI
+    /// hotplug; cloud-hypervisor plugs PCI disks and needs none). Specs recorded before
+    /// volumes existed read `false`, keeping their device layout; such a VM takes no volume.
+    #[serde(default)]
+    pub volumes: bool,
+}
+
+/// The most volumes one VM holds at once (SCSI targets 1..=MAX_VOLUMES).
+pub const MAX_VOLUMES: u16 = 16;
+
+/// A volume to hot-plug: a raw disk image on the host, and the slot (SCSI target) it takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeAttach {
+    /// The slot, 1..=[`MAX_VOLUMES`]; the guest finds the disk by it.
+    pub slot: u16,
+    /// The raw image file.
+    pub path: PathBuf,
+    /// Plugged read-only.
+    pub read_only: bool,
 }
 
 /// The most bytes per second a VM's `virtio-rng` draws from the host.
@@ -182,6 +201,7 @@ impl BootSpec {
             accel: AccelPreference::from_env(),
             nic: None,
             rng: true,
+            volumes: true,
         })
     }
 }
@@ -511,6 +531,19 @@ pub trait Driver: Send + Sync {
         Ok(Vec::new())
     }
 
+    /// Hot-plugs a volume into a running VM (whose spec has `volumes`). Idempotent per slot:
+    /// a slot that holds the same image already is done.
+    async fn attach_volume(&self, vm: &Vm, volume: &VolumeAttach) -> Result<(), DriverError> {
+        let _ = volume;
+        Err(DriverError::Unsupported { backend: self.backend(), what: format!("volumes (vm {})", vm.id) })
+    }
+
+    /// Unplugs the volume in `slot`; an empty slot is done.
+    async fn detach_volume(&self, vm: &Vm, slot: u16) -> Result<(), DriverError> {
+        let _ = slot;
+        Err(DriverError::Unsupported { backend: self.backend(), what: format!("volumes (vm {})", vm.id) })
+    }
+
     /// Re-attaches to a live VM after our own process restarted (reconnects the control
     /// channel, restarts host-side helpers such as the vsock bridge).
     async fn attach(&self, id: &VmId) -> Result<Vm, DriverError>;
@@ -586,6 +619,7 @@ mod tests {
         let spec: BootSpec = serde_json::from_str(old).expect("old spec parses");
         assert_eq!(spec.nic, None);
         assert!(!spec.rng, "a spec recorded before virtio-rng existed has none");
+        assert!(!spec.volumes, "nor a volume controller");
         let json = serde_json::to_value(&spec).expect("ser");
         assert!(json.get("nic").is_none(), "no nic key without a NIC: {json}");
         let with = BootSpec { nic: Some(nic()), ..spec };

@@ -38,7 +38,7 @@ pub use agent::CONTROL_PORT;
 pub use catalog::{Catalog, CatalogError};
 pub use driver::{
     AfterSnapshot, AgentInfo, AgentStream, Backend, BootSpec, Driver, DriverError, NicSpec, RestoreOptions, Snapshot,
-    Vm, VmId, VmState, AGENT_PORT,
+    Vm, VmId, VmState, VolumeAttach, AGENT_PORT, MAX_VOLUMES,
 };
 pub use size::SizeClass;
 

@@ -20,6 +20,7 @@ pub(crate) fn boot_spec(name: &str) -> BootSpec {
         accel: AccelPreference::Auto,
         nic: None,
         rng: true,
+        volumes: true,
     }
 }
 

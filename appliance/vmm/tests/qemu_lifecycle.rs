@@ -44,6 +44,7 @@ fn spec() -> BootSpec {
         accel: AccelPreference::Auto,
         nic: None,
         rng: true,
+        volumes: true,
     }
 }
 

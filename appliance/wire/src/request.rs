@@ -205,6 +205,29 @@ pub enum Request {
         #[serde(default)]
         data: Bytes64,
     },
+    /// Chrysalis extension: the host hot-plugged volume `name` as SCSI target `target`
+    /// (LUN 0). silkd waits for its disk, links `/dev/volumes/<name>` to it and, when `mount`
+    /// is set, mounts it there (read-only unless `read_only` is false). `done`, or `error`
+    /// (`not_found` when no disk appears in time).
+    VolumeMount {
+        name: String,
+        target: u16,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mount: Option<String>,
+        #[serde(default = "default_read_only")]
+        read_only: bool,
+    },
+    /// Chrysalis extension: before the host unplugs volume `name` (SCSI target `target`),
+    /// silkd unmounts it (lazily, if busy), removes its link and detaches the disk. `done`;
+    /// a volume that is not there is already done.
+    VolumeUnmount {
+        name: String,
+        target: u16,
+    },
+}
+
+fn default_read_only() -> bool {
+    true
 }
 
 /// The most bytes one `reseed` carries (the kernel's pool is 256 bytes).
@@ -261,6 +284,8 @@ impl Request {
             Self::LspRequest { .. } => "lsp_request",
             Self::LspStop { .. } => "lsp_stop",
             Self::Reseed { .. } => "reseed",
+            Self::VolumeMount { .. } => "volume_mount",
+            Self::VolumeUnmount { .. } => "volume_unmount",
         }
     }
 
@@ -271,7 +296,7 @@ impl Request {
     }
 
     /// Every op name of the protocol, in declaration order.
-    pub const OPS: [&'static str; 39] = [
+    pub const OPS: [&'static str; 41] = [
         "info",
         "exec",
         "stdin",
@@ -311,5 +336,7 @@ impl Request {
         "lsp_request",
         "lsp_stop",
         "reseed",
+        "volume_mount",
+        "volume_unmount",
     ];
 }

@@ -24,7 +24,9 @@ impl From<BranchError> for ApiError {
     fn from(e: BranchError) -> Self {
         match e {
             e @ BranchError::Count { .. } => ApiError::BadRequest(e.to_string()),
-            e @ (BranchError::Egress(_) | BranchError::Hibernated(_)) => ApiError::Conflict(e.to_string()),
+            e @ (BranchError::Egress(_) | BranchError::Hibernated(_) | BranchError::Volumes(..)) => {
+                ApiError::Conflict(e.to_string())
+            }
             e @ (BranchError::Draining | BranchError::Budget(_)) => ApiError::TooManyRequests(e.to_string()),
             e @ BranchError::NoCheckpoint => ApiError::NotFound(e.to_string()),
             e @ (BranchError::Snapshot(_) | BranchError::Restore(_) | BranchError::Io(_)) => {
@@ -39,12 +41,14 @@ impl From<HibernateError> for ApiError {
     fn from(e: HibernateError) -> Self {
         match e {
             HibernateError::NotFound => ApiError::no_sandbox(),
-            e @ HibernateError::Egress(_) => ApiError::Conflict(e.to_string()),
+            e @ (HibernateError::Egress(_) | HibernateError::Volumes(..)) => ApiError::Conflict(e.to_string()),
             e @ HibernateError::Budget(_) => ApiError::TooManyRequests(e.to_string()),
             e @ (HibernateError::Snapshot(_) | HibernateError::Io(_) | HibernateError::Journal(_)) => {
                 ApiError::internal("hibernate", e)
             }
-            e @ HibernateError::Restore(_) => ApiError::BadGateway(format!("sandbox unreachable: {}", vmm::error_chain(&e))),
+            e @ HibernateError::Restore(_) => {
+                ApiError::BadGateway(format!("sandbox unreachable: {}", vmm::error_chain(&e)))
+            }
         }
     }
 }
@@ -189,13 +193,21 @@ pub(super) async fn hibernate(
     Ok(StatusCode::NO_CONTENT)
 }
 
-pub(super) async fn wake(State(node): Node_, Path(id): Path<String>, headers: HeaderMap) -> Result<StatusCode, ApiError> {
+pub(super) async fn wake(
+    State(node): Node_,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<StatusCode, ApiError> {
     auth::sandbox_route(&node, &headers, &id)?;
     node.wake(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-pub(super) async fn delete(State(node): Node_, Path(id): Path<String>, headers: HeaderMap) -> Result<StatusCode, ApiError> {
+pub(super) async fn delete(
+    State(node): Node_,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<StatusCode, ApiError> {
     auth::node_route(&node, &headers)?;
     node.delete_checkpoint(&id).await?;
     Ok(StatusCode::NO_CONTENT)

@@ -9,8 +9,8 @@ use axum::Json;
 use sandboxd_api::ErrorBody;
 
 use crate::claims::ClaimError;
-use crate::slots::CapError;
 use crate::node::PoolsError;
+use crate::slots::CapError;
 
 /// Everything a handler can answer besides success.
 #[derive(Debug, thiserror::Error)]

@@ -23,9 +23,9 @@ use wire::{ErrorKind, Request as Frame, Response as Reply};
 use super::auth;
 use super::error::ApiError;
 use super::{read_json, sorted_json};
-use crate::slots::Use;
 use crate::metrics::inc;
 use crate::node::Node;
+use crate::slots::Use;
 
 /// Output cap (stdout + stderr): the host-side collectors' shared default, 8 MiB.
 pub const MAX_OUTPUT: usize = silkd_client::DEFAULT_OUTPUT_CAP;

@@ -15,6 +15,7 @@ mod exec;
 mod preview;
 mod relay;
 mod routes;
+mod volumes;
 
 pub use routes::OwnerAddr;
 
@@ -66,8 +67,8 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/v1/sandboxes/{id}/hibernate", post(branch::hibernate))
         .route("/v1/sandboxes/{id}/wake", post(branch::wake))
         .route("/v1/sandboxes/{id}/preview", post(preview::create))
-        .route("/v1/sandboxes/{id}/volumes", unimplemented("volumes"))
-        .route("/v1/volumes", unimplemented("volumes"))
+        .route("/v1/sandboxes/{id}/volumes", get(volumes::sandbox).put(volumes::sandbox).patch(volumes::sandbox))
+        .route("/v1/volumes", get(volumes::catalog))
         .route("/v1/templates", delete(branch::delete_template))
         .route("/v1/checkpoints", get(branch::list))
         .route("/v1/checkpoints/{id}", delete(branch::delete))

@@ -93,7 +93,12 @@ async fn proxy(state: State<Arc<Node>>, Path((token, rest)): Path<(String, Strin
     forward(state, token, rest, req).await.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn forward(State(node): State<Arc<Node>>, token: String, rest: String, mut req: Request) -> Result<Response, ApiError> {
+async fn forward(
+    State(node): State<Arc<Node>>,
+    token: String,
+    rest: String,
+    mut req: Request,
+) -> Result<Response, ApiError> {
     let gone = || ApiError::NotFound("no such preview".into());
     let previews = node.previews().ok_or_else(gone)?;
     let grant = previews.verify(&token, SystemTime::now()).map_err(|_| gone())?;
@@ -106,9 +111,8 @@ async fn forward(State(node): State<Arc<Node>>, token: String, rest: String, mut
         let guest = silkd_client::port_stream(silkd_client::AgentConn::new(agent), grant.port)
             .await
             .map_err(|e| unreachable(vmm::error_chain(&e)))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(guest))
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(guest)).await.map_err(|e| unreachable(e.to_string()))?;
         tokio::spawn(conn.with_upgrades());
         // The guest sees its own path: `/p/<token>` removed, the query kept.
         let path = match req.uri().query() {

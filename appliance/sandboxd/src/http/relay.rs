@@ -33,9 +33,9 @@ use wire::{Bytes64, ErrorKind, Request as Frame, Response as Reply};
 
 use super::auth;
 use super::error::ApiError;
-use crate::slots::{Activity, SlotGuard, Use};
 use crate::metrics::inc;
 use crate::node::Node;
+use crate::slots::{Activity, SlotGuard, Use};
 
 /// Largest raw chunk turned into one `data` frame.
 const PORT_CHUNK: usize = 256 * 1024;

@@ -37,11 +37,8 @@ pub(super) async fn claim(
 ) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
     let b: api::ClaimRequest = read_json(&node, body, None).await?;
-    let req = (|| {
+    let req = (|| -> Result<ClaimRequest, ClaimError> {
         let key = PoolKey::parse(&b.template, b.net.as_deref(), b.size.as_deref())?;
-        if b.volumes.as_ref().is_some_and(|v| !v.is_empty()) {
-            return Err(ClaimError::Unsupported("volumes"));
-        }
         Ok(ClaimRequest { key, ttl: claims::ttl(b.ttl_seconds)?, claim_ref: b.claim_ref })
     })()
     .inspect_err(|_| crate::metrics::inc(&node.metrics.claims_failed))?;
@@ -49,7 +46,27 @@ pub(super) async fn claim(
         crate::metrics::inc(&node.metrics.claims_failed);
         return Err(ApiError::NotFound(format!("{:?} is not a promoted template on this node", req.key.template())));
     }
+    let volumes = b.volumes.unwrap_or_default();
+    let attach_only = b.volumes_attach_only == Some(true);
+    if let Err(e) = node.check_volumes(&volumes, attach_only) {
+        crate::metrics::inc(&node.metrics.claims_failed);
+        return Err(e.into());
+    }
     let mut grant = node.claim(req)?;
+    // Volumes are attached (and mounted) before the grant goes out; a claim whose volumes
+    // fail is released again, so the caller never holds half of what it asked for.
+    if !volumes.is_empty() {
+        let mut failed = std::collections::BTreeMap::new();
+        if let Err(e) = node.set_volumes(&grant.id, &volumes, attach_only, &mut failed).await {
+            crate::metrics::inc(&node.metrics.claims_failed);
+            if let Err(r) = node.release(&grant.id).await {
+                tracing::warn!(claim = %grant.id, error = %r, "releasing a claim whose volumes failed");
+            }
+            return Err(e.into());
+        }
+        grant.volumes =
+            node.sandbox(&grant.id).map(|c| c.rec.volumes.iter().map(|v| v.spec()).collect()).unwrap_or_default();
+    }
     grant.owner_addr = owner_addr(&node, over.as_ref());
     Ok(Json(grant).into_response())
 }

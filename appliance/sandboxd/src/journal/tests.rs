@@ -58,6 +58,7 @@ fn rec(id: &str, deadline: u64) -> ClaimRecord {
         from_checkpoint: None,
         hibernate_snap: None,
         pending_snap: None,
+        volumes: Vec::new(),
     }
 }
 

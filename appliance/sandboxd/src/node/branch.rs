@@ -48,6 +48,11 @@ pub enum BranchError {
     /// The sandbox is hibernated.
     #[error("sandbox {0} is hibernated: wake it first (POST …/wake, or any call into it)")]
     Hibernated(String),
+    /// The sandbox holds volumes, which a snapshot cannot carry.
+    #[error(
+        "sandbox {0} holds volumes ({1}): a snapshot cannot carry them; detach them first (PUT …/volumes with [])"
+    )]
+    Volumes(String, String),
     /// The node is draining.
     #[error("node draining")]
     Draining,
@@ -82,7 +87,8 @@ impl Node {
         claim_ref_prefix: Option<String>,
     ) -> Result<Vec<Grant>, BranchError> {
         let max = self.limits.branching.max_fork_count;
-        let n = usize::try_from(count).ok().filter(|n| (1..=max).contains(n)).ok_or(BranchError::Count { count, max })?;
+        let n =
+            usize::try_from(count).ok().filter(|n| (1..=max).contains(n)).ok_or(BranchError::Count { count, max })?;
         self.branchable(parent)?;
         let key = parent.rec.key.clone();
         let slots = self.reserve(&key, n)?;
@@ -222,6 +228,9 @@ impl Node {
         if claim.rec.key.net() == Net::Egress {
             return Err(BranchError::Egress(claim.rec.id.clone()));
         }
+        if !claim.rec.volumes.is_empty() {
+            return Err(BranchError::Volumes(claim.rec.id.clone(), held_names(claim)));
+        }
         if self.draining() {
             return Err(BranchError::Draining);
         }
@@ -242,7 +251,8 @@ impl Node {
     pub(super) async fn snapshot_into(&self, claim: &Claim, dir: &Path) -> Result<Snapshot, BranchError> {
         let vm = self.vm_for(claim).await.map_err(BranchError::Snapshot)?;
         let r = async {
-            let snap = self.vms.driver.snapshot(&vm, dir, AfterSnapshot::Resumed).await.map_err(BranchError::Snapshot)?;
+            let snap =
+                self.vms.driver.snapshot(&vm, dir, AfterSnapshot::Resumed).await.map_err(BranchError::Snapshot)?;
             self.snapshots.record_parent(dir, vm.restored_from.as_deref()).map_err(BranchError::Io)?;
             Ok(snap)
         }
@@ -303,6 +313,7 @@ impl Node {
             from_checkpoint: from,
             hibernate_snap: None,
             pending_snap: None,
+            volumes: Vec::new(),
         }
     }
 
@@ -340,4 +351,9 @@ impl Node {
         }
         Ok(grants)
     }
+}
+
+/// The names of the volumes a claim holds, for messages.
+pub(super) fn held_names(claim: &Claim) -> String {
+    claim.rec.volumes.iter().map(|v| v.name.as_str()).collect::<Vec<_>>().join(", ")
 }

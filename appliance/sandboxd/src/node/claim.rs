@@ -90,6 +90,7 @@ impl Node {
             from_checkpoint: None,
             hibernate_snap: None,
             pending_snap: None,
+            volumes: Vec::new(),
         };
         let span = tracing::info_span!("claim", claim = %rec.id, vm = %rec.vm, template = %req.key.template());
         let _enter = span.enter();
@@ -121,6 +122,7 @@ impl Node {
             }
             .filter(|d| !d.is_empty()),
             from_checkpoint: rec.from_checkpoint.clone(),
+            volumes: rec.volumes.iter().map(|v| v.spec()).collect(),
         }
     }
 
@@ -162,6 +164,7 @@ impl Node {
                 tracing::warn!(error = %vmm::error_chain(&e), "journaling the release failed");
             }
             inc(&self.metrics.releases);
+            self.unmount_all(&claim).await;
             self.vms.destroy_claim_vm(&claim).await;
             self.forget_transitions(id);
             tracing::info!("released");

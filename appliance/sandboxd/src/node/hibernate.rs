@@ -24,9 +24,9 @@ use vmm::{AfterSnapshot, DriverError, Snapshot, Vm};
 use super::Node;
 use crate::claims::Claim;
 use crate::journal::JournalError;
-use crate::slots::ClaimUse;
 use crate::pool::{Net, PoolKey};
 use crate::refill::{self, RefillError};
+use crate::slots::ClaimUse;
 
 /// Why a hibernate or a wake failed.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +37,9 @@ pub enum HibernateError {
     /// Egress sandboxes keep running: their address and connections would not survive.
     #[error("sandbox {0} is on the egress lane, which cannot hibernate (its address and open connections would not survive)")]
     Egress(String),
+    /// A sandbox holding volumes keeps running: its snapshot could not carry them.
+    #[error("sandbox {0} holds volumes ({1}), which cannot hibernate; detach them first (PUT …/volumes with [])")]
+    Volumes(String, String),
     /// The node budget has no room for the woken VM.
     #[error("{0}")]
     Budget(String),
@@ -56,7 +59,7 @@ pub enum HibernateError {
 
 impl Node {
     /// The per-sandbox transition lock.
-    fn transition(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+    pub(super) fn transition(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
         let mut all = self.transitions.lock().unwrap_or_else(|p| p.into_inner());
         Arc::clone(all.entry(id.to_string()).or_default())
     }
@@ -83,6 +86,9 @@ impl Node {
         }
         if claim.rec.key.net() == Net::Egress {
             return Err(HibernateError::Egress(id.to_string()));
+        }
+        if !claim.rec.volumes.is_empty() {
+            return Err(HibernateError::Volumes(id.to_string(), super::branch::held_names(&claim)));
         }
         let span = tracing::info_span!("hibernate", claim = %id, vm = %claim.rec.vm);
         let _g = self.snapshots.lock().await;
@@ -126,15 +132,13 @@ impl Node {
         let started = Instant::now();
         let key = claim.rec.key.clone();
         let snap = Snapshot::load(&dir).map_err(|e| HibernateError::Io(std::io::Error::other(e)))?;
-        let (mut slots, short) = self.vms.ledger.reserve(
-            1,
-            key.size(),
-            crate::vms::disk_mib(&self.refill.catalog, key.template()),
-        );
+        let (mut slots, short) =
+            self.vms.ledger.reserve(1, key.size(), crate::vms::disk_mib(&self.refill.catalog, key.template()));
         let (Some(slot), None) = (slots.pop(), short.clone()) else {
             return Err(HibernateError::Budget(short.unwrap_or_default()));
         };
-        let vm = refill::restore_ready(&self.refill, &key, &snap).await.map_err(|e| HibernateError::Restore(Box::new(e)))?;
+        let vm =
+            refill::restore_ready(&self.refill, &key, &snap).await.map_err(|e| HibernateError::Restore(Box::new(e)))?;
         match self.journal_change(id, Some(vm.clone()), |r| {
             r.vm = vm.id.clone();
             r.hibernate_snap = None;
@@ -185,7 +189,7 @@ impl Node {
             .store
             .lock()
             .iter()
-            .filter(|c| c.rec.hibernate_snap.is_none() && c.rec.pending_snap.is_none())
+            .filter(|c| c.rec.hibernate_snap.is_none() && c.rec.pending_snap.is_none() && c.rec.volumes.is_empty())
             .filter_map(|c| {
                 let (_, after) = idle_after.iter().find(|(k, _)| *k == c.rec.key)?;
                 let idle = match self.slots.activity(&c.rec.id) {

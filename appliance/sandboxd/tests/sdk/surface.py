@@ -207,6 +207,72 @@ assert status == 200, body
 tpl.delete()
 expect_status(404, lambda: tpl.delete())
 
+step("6. volumes: the catalog, rw at claim time, ro shared, set and patch, refusals")
+from cocoonsandbox import ExitError, VolumeError
+
+
+def catalog_entry(name):
+    return {v["name"]: v for v in client.volumes()}[name]
+
+
+assert catalog_entry("datasets") == {"name": "datasets", "size_bytes": 32 << 20, "holders": 0, "held_rw": False}
+# rw at claim time: mounted where asked, writable, and exclusive.
+with new("base", ttl_seconds=300, volumes=[{"name": "datasets", "mount": "/data", "mode": "rw"}]) as w:
+    assert w.volumes == [{"name": "datasets", "mount": "/data", "mode": "rw"}], w.volumes
+    w.exec("sh", "-c", "echo kept > /data/hello.txt && sync")
+    assert w.exec("cat", "/data/hello.txt") == "kept\n"
+    assert catalog_entry("datasets")["holders"] == 1 and catalog_entry("datasets")["held_rw"] is True
+    rows = [r for r in sandbox_rows() if r["id"] == w.id]
+    assert rows[0]["volumes"] == w.volumes, rows
+    expect_status(409, lambda: new("base", ttl_seconds=60, volumes=["datasets"]))
+    # A snapshot cannot carry a plugged disk: fork, checkpoint, promote and hibernate refuse.
+    for verb in (lambda: w.checkpoint(), lambda: w.fork(1), lambda: w.hibernate(), lambda: w.promote("with-vol")):
+        assert "holds volumes" in expect_status(409, verb).message
+    view = w.get_volumes()
+    assert view["states"] == [{"name": "datasets", "state": "attached"}] and view["converging"] is False, view
+    # PUT [] detaches: the mount and the disk leave the guest.
+    view = w.set_volumes([])
+    assert view["volumes"] == [] and view["volumes_want"] == [] and view["states"] == [], view
+    assert "/data" not in w.exec("cat", "/proc/mounts")
+    assert "sd" not in w.exec("ls", "/sys/block")
+    w.checkpoint().delete()
+# ro, shared: two sandboxes read what the rw holder wrote, neither can write.
+with new("base", ttl_seconds=300) as a, new("base", ttl_seconds=300) as b:
+    view = a.patch_volumes(add=["datasets"])
+    assert view["volumes"] == [{"name": "datasets", "mount": "/mnt/datasets"}], view
+    b.set_volumes([{"name": "datasets", "mount": "/ro", "mode": "ro"}])
+    assert a.exec("cat", "/mnt/datasets/hello.txt") == "kept\n"
+    assert b.exec("cat", "/ro/hello.txt") == "kept\n"
+    try:
+        b.exec("sh", "-c", "echo x > /ro/new.txt")
+        raise AssertionError("a read-only volume took a write")
+    except ExitError as exc:
+        assert "Read-only file system" in exc.stderr, exc.stderr
+    assert catalog_entry("datasets")["holders"] == 2 and catalog_entry("datasets")["held_rw"] is False
+    # Now rw is refused to either of them, with the whole view in the error.
+    try:
+        a.set_volumes([{"name": "datasets", "mode": "rw"}])
+        raise AssertionError("rw granted beside another holder")
+    except VolumeError as exc:
+        assert exc.status == 409 and exc.response["volumes"] == [{"name": "datasets", "mount": "/mnt/datasets"}], exc.response
+        assert "rw is exclusive" in exc.response["error"], exc.response
+    # An unknown volume is a 404 naming the catalog; nothing changes.
+    try:
+        a.patch_volumes(add=["nope"])
+        raise AssertionError("an unknown volume was attached")
+    except VolumeError as exc:
+        assert exc.status == 404 and "GET /v1/volumes" in exc.response["error"], exc.response
+    view = a.patch_volumes(remove=["datasets"])
+    assert view["volumes"] == [], view
+# Attach-only (mount=False): the disk is linked, not mounted.
+with new("base", ttl_seconds=120, volumes=["datasets"], mount=False) as c:
+    assert c.volumes == [{"name": "datasets"}], c.volumes
+    assert c.exec("sh", "-c", "readlink /dev/volumes/datasets").startswith("/dev/sd")
+    assert "/mnt/datasets" not in c.exec("cat", "/proc/mounts")
+expect_status(404, lambda: new("base", ttl_seconds=60, volumes=["nope"]))
+expect_status(400, lambda: new("base", ttl_seconds=60, volumes=[{"name": "datasets", "mount": "relative"}]))
+assert catalog_entry("datasets")["holders"] == 0
+
 step("7. preview URLs: HTTP and a WebSocket-style upgrade to a guest port")
 SERVER = b"""
 import http.server, socketserver

@@ -144,7 +144,12 @@ impl Git {
     async fn remote(&self) -> Result<String, OpError> {
         let branch = self.current_branch().await?;
         let key = format!("branch.{branch}.remote");
-        Ok(self.text(&["config", "--get", &key]).await.ok().filter(|r| !r.is_empty()).unwrap_or_else(|| "origin".into()))
+        Ok(self
+            .text(&["config", "--get", &key])
+            .await
+            .ok()
+            .filter(|r| !r.is_empty())
+            .unwrap_or_else(|| "origin".into()))
     }
 
     /// Refuses a network remote on a lane without a NIC.
@@ -250,16 +255,13 @@ fn parse_status(out: &[u8]) -> (String, u32, u32, Vec<GitFileStatus>, bool) {
 
 /// `main...origin/main [ahead 1, behind 2]`, `No commits yet on main`, `HEAD (no branch)`.
 fn parse_branch_line(head: &str) -> (String, u32, u32) {
-    let head = head.strip_prefix("No commits yet on ").or_else(|| head.strip_prefix("Initial commit on ")).unwrap_or(head);
+    let head =
+        head.strip_prefix("No commits yet on ").or_else(|| head.strip_prefix("Initial commit on ")).unwrap_or(head);
     let (names, counts) = head.split_once(" [").unwrap_or((head, ""));
     let branch = names.split("...").next().unwrap_or(names);
     let branch = if branch.starts_with("HEAD (") { "HEAD" } else { branch };
     let count = |word: &str| {
-        counts
-            .trim_end_matches(']')
-            .split(", ")
-            .find_map(|p| p.strip_prefix(word)?.trim().parse().ok())
-            .unwrap_or(0)
+        counts.trim_end_matches(']').split(", ").find_map(|p| p.strip_prefix(word)?.trim().parse().ok()).unwrap_or(0)
     };
     (branch.to_string(), count("ahead "), count("behind "))
 }

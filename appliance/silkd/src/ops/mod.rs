@@ -14,6 +14,7 @@ pub mod pty;
 mod pump;
 pub mod session;
 pub mod unimplemented;
+pub mod volume;
 
 use crate::agent::Agent;
 use crate::error::OpError;
@@ -57,6 +58,10 @@ pub async fn dispatch(rpc: &mut Rpc, agent: &Arc<Agent>, req: Request) -> Result
         Request::PtyResize { pid, cols, rows } => pty::pty_resize(rpc, agent, pid, cols, rows).await,
         Request::PortForward { port } => port::port_forward(rpc, port).await,
         Request::Reseed { data } => entropy::reseed(rpc, data.0).await,
+        Request::VolumeMount { name, target, mount, read_only } => {
+            volume::volume_mount(rpc, name, target, mount, read_only).await
+        }
+        Request::VolumeUnmount { name, target } => volume::volume_unmount(rpc, name, target).await,
         Request::GitClone { url, path, branch, depth, auth } => {
             git::git_clone(rpc, url, path, branch, depth, auth).await
         }
@@ -66,9 +71,9 @@ pub async fn dispatch(rpc: &mut Rpc, agent: &Arc<Agent>, req: Request) -> Result
         Request::GitStatus { path } => git::git_status(rpc, path).await,
         Request::GitCommit { path, message, author } => git::git_commit(rpc, path, message, author).await,
         Request::GitBranch { path, action, name } => git::git_branch(rpc, path, action, name).await,
-        other @ (Request::LspStart { .. }
-        | Request::LspRequest { .. }
-        | Request::LspStop { .. }) => Err(unimplemented::refuse(other.op())),
+        other @ (Request::LspStart { .. } | Request::LspRequest { .. } | Request::LspStop { .. }) => {
+            Err(unimplemented::refuse(other.op()))
+        }
     }
 }
 

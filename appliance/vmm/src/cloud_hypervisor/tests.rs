@@ -62,6 +62,7 @@ fn spec(root: &Path, name: &str, size: SizeClass, rootfs: bool) -> BootSpec {
         accel: AccelPreference::Auto,
         nic: None,
         rng: true,
+        volumes: true,
     }
 }
 

@@ -145,6 +145,9 @@ fn blockdevs(push: &mut dyn FnMut(&[&str]), node: &str, layers: &[DiskLayer], wr
     }
 }
 
+/// The id of the virtio-scsi controller volumes plug onto.
+pub const SCSI_CONTROLLER: &str = "scsi0";
+
 /// QEMU's arguments (without the program name).
 pub fn qemu_args(l: &Launch<'_>) -> Vec<String> {
     let f = l.fds;
@@ -203,6 +206,10 @@ pub fn qemu_args(l: &Launch<'_>) -> Vec<String> {
             "-device",
             &format!("virtio-rng-device,rng=rng0,max-bytes={},period=1000", crate::driver::RNG_BYTES_PER_SEC),
         ]);
+    }
+    // Last, for the same reason: the controller volumes hot-plug onto (`scsi-hd` per slot).
+    if l.spec.volumes {
+        push(&["-device", &format!("virtio-scsi-device,id={SCSI_CONTROLLER},num_queues=1")]);
     }
     if l.paused {
         push(&["-S"]);
@@ -280,6 +287,7 @@ mod tests {
             accel: AccelPreference::Auto,
             nic: None,
             rng: true,
+            volumes: true,
         }
     }
 
@@ -431,11 +439,12 @@ mod tests {
         assert_eq!(after(&a, "-netdev"), ["tap,id=net0,fd=11"]);
         let devs = after(&a, "-device");
         assert_eq!(
-            devs[devs.len() - 2],
+            devs[devs.len() - 3],
             "virtio-net-device,netdev=net0,mac=02:11:22:33:44:55",
             "the NIC comes after the disks and the serial"
         );
-        assert_eq!(devs.last(), Some(&"virtio-rng-device,rng=rng0,max-bytes=65536,period=1000"), "then the RNG");
+        assert_eq!(devs[devs.len() - 2], "virtio-rng-device,rng=rng0,max-bytes=65536,period=1000", "then the RNG");
+        assert_eq!(devs.last(), Some(&"virtio-scsi-device,id=scsi0,num_queues=1"), "then the volume controller");
         assert_eq!(devs[0], "virtio-blk-device,drive=rootfs");
         assert_eq!(
             after(&a, "-append"),
@@ -476,6 +485,14 @@ mod tests {
         };
         let a = launch(&spec(true));
         assert_eq!(after(&a, "-object").last(), Some(&"rng-builtin,id=rng0"));
+        let devs = after(&a, "-device");
+        assert_eq!(devs[devs.len() - 2], "virtio-rng-device,rng=rng0,max-bytes=65536,period=1000");
+        // The volume controller is last, and only in specs recorded since volumes exist.
+        assert_eq!(devs.last(), Some(&"virtio-scsi-device,id=scsi0,num_queues=1"));
+        let mut before_volumes = spec(true);
+        before_volumes.volumes = false;
+        let a = launch(&before_volumes);
+        assert!(!after(&a, "-device").iter().any(|d| d.starts_with("virtio-scsi")));
         assert_eq!(after(&a, "-device").last(), Some(&"virtio-rng-device,rng=rng0,max-bytes=65536,period=1000"));
         // A spec recorded before the device existed keeps the old layout (restorable snapshots).
         let mut old = spec(true);

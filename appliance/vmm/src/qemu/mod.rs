@@ -36,6 +36,7 @@ pub mod cmdline;
 mod disks;
 pub mod process;
 pub mod qmp;
+mod volumes;
 use disks::Origin;
 
 use std::collections::HashMap;
@@ -493,6 +494,14 @@ impl Driver for QemuDriver {
             }
         }
         q.cont().await.map_err(control(&vm.id))
+    }
+
+    async fn attach_volume(&self, vm: &Vm, volume: &crate::driver::VolumeAttach) -> Result<(), DriverError> {
+        self.plug_volume(vm, volume).await
+    }
+
+    async fn detach_volume(&self, vm: &Vm, slot: u16) -> Result<(), DriverError> {
+        self.unplug_volume(vm, slot).await
     }
 
     async fn snapshot(&self, vm: &Vm, dir: &Path, after: AfterSnapshot) -> Result<Snapshot, DriverError> {

@@ -129,6 +129,21 @@ impl Qmp {
         }
     }
 
+    /// `device_del` (a SCSI disk leaves at once; no guest acknowledgement).
+    pub async fn device_del(&self, id: &str) -> Result<(), QmpError> {
+        self.run("device_del", qmp::device_del { id: id.to_string() }).await.map(|_| ())
+    }
+
+    /// `blockdev-del`.
+    pub async fn blockdev_del(&self, node: &str) -> Result<(), QmpError> {
+        self.run("blockdev-del", qmp::blockdev_del { node_name: node.to_string() }).await.map(|_| ())
+    }
+
+    /// `remove-fd` of a whole fd set.
+    pub async fn remove_fdset(&self, set: i64) -> Result<(), QmpError> {
+        self.run("remove-fd", qmp::remove_fd { fdset_id: set, fd: None }).await.map(|_| ())
+    }
+
     /// `query-status`.
     pub async fn status(&self) -> Result<qmp::StatusInfo, QmpError> {
         self.run("query-status", qmp::query_status {}).await
@@ -193,6 +208,24 @@ pub async fn migrate_to_fd(path: &Path, fd: OwnedFd, timeout: Duration) -> Resul
         .map_err(|e| QmpError::Io { command: "getfd", source: std::io::Error::other(e) })?
 }
 
+/// Sends `fd` with the command `first`, then runs `rest`, on one connection of its own (see
+/// [`raw::with_fd`]); how a volume's image reaches the sandboxed QEMU (`add-fd`).
+pub async fn with_fd(
+    path: &Path,
+    fd: OwnedFd,
+    first: (&'static str, String),
+    rest: Vec<(&'static str, String)>,
+    timeout: Duration,
+) -> Result<(), QmpError> {
+    let path = path.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        let rest: Vec<(&'static str, &str)> = rest.iter().map(|(n, t)| (*n, t.as_str())).collect();
+        raw::with_fd(&path, fd, (first.0, &first.1), &rest, timeout)
+    })
+    .await
+    .map_err(|e| QmpError::Io { command: first.0, source: std::io::Error::other(e) })?
+}
+
 /// A minimal blocking QMP client: the one place that sends a descriptor.
 mod raw {
     use std::io::{BufRead, BufReader, IoSlice, Read, Write};
@@ -249,6 +282,20 @@ mod raw {
     }
 
     pub fn migrate_to_fd(path: &Path, fd: OwnedFd, timeout: Duration) -> Result<(), QmpError> {
+        let getfd = format!("{{\"execute\":\"getfd\",\"arguments\":{{\"fdname\":\"{FD_NAME}\"}}}}\n");
+        let migrate = format!("{{\"execute\":\"migrate\",\"arguments\":{{\"uri\":\"fd:{FD_NAME}\"}}}}\n");
+        with_fd(path, fd, ("getfd", &getfd), &[("migrate", &migrate)], timeout)
+    }
+
+    /// On one fresh connection: sends `first` with `fd` attached, then each of `rest`, each
+    /// after the previous one's reply. Lines are `(name for errors, JSON + newline)`.
+    pub fn with_fd(
+        path: &Path,
+        fd: OwnedFd,
+        first: (&'static str, &str),
+        rest: &[(&'static str, &str)],
+        timeout: Duration,
+    ) -> Result<(), QmpError> {
         let connect = |source| QmpError::Connect { path: path.to_path_buf(), source };
         let s = UnixStream::connect(path).map_err(connect)?;
         s.set_read_timeout(Some(timeout)).map_err(connect)?;
@@ -258,21 +305,23 @@ mod raw {
         line(&mut r, "greeting")?;
         w.write_all(b"{\"execute\":\"qmp_capabilities\"}\n").map_err(io("qmp_capabilities"))?;
         reply(&mut r, "qmp_capabilities")?;
-        let getfd = format!("{{\"execute\":\"getfd\",\"arguments\":{{\"fdname\":\"{FD_NAME}\"}}}}\n");
+        let (name, text) = first;
         let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut cmsg = SendAncillaryBuffer::new(&mut space);
         let fds = [fd.as_fd()];
         cmsg.push(SendAncillaryMessage::ScmRights(&fds));
-        let sent = rustix::net::sendmsg(&w, &[IoSlice::new(getfd.as_bytes())], &mut cmsg, SendFlags::empty())
-            .map_err(|e| io("getfd")(e.into()))?;
-        if sent != getfd.len() {
-            w.write_all(&getfd.as_bytes()[sent..]).map_err(io("getfd"))?;
+        let sent = rustix::net::sendmsg(&w, &[IoSlice::new(text.as_bytes())], &mut cmsg, SendFlags::empty())
+            .map_err(|e| io(name)(e.into()))?;
+        if sent != text.len() {
+            w.write_all(&text.as_bytes()[sent..]).map_err(io(name))?;
         }
         drop(fd);
-        reply(&mut r, "getfd")?;
-        let migrate = format!("{{\"execute\":\"migrate\",\"arguments\":{{\"uri\":\"fd:{FD_NAME}\"}}}}\n");
-        w.write_all(migrate.as_bytes()).map_err(io("migrate"))?;
-        reply(&mut r, "migrate")
+        reply(&mut r, name)?;
+        for (name, text) in rest {
+            w.write_all(text.as_bytes()).map_err(io(name))?;
+            reply(&mut r, name)?;
+        }
+        Ok(())
     }
 
     #[cfg(test)]
