@@ -72,4 +72,24 @@ mod tests {
             assert_eq!(parse_used(bad), None, "{bad:?}");
         }
     }
+
+    #[tokio::test]
+    async fn a_guest_flooding_its_meminfo_stops_at_the_cap() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = crate::test_utils::FakeDriver::new(dir.path());
+        let vm = d.boot(&crate::test_utils::fake_spec("mem")).await.expect("boot");
+        let set = |text: Vec<u8>| *d.procs_of(&vm.id).meminfo.lock().expect("lock") = Some(text);
+        // One byte over the cap, and far over it: refused, never buffered whole.
+        for n in [MAX_MEMINFO + 1, 64 * MAX_MEMINFO] {
+            set(vec![b'x'; n]);
+            let e = used_bytes(d.as_ref(), &vm, u64::MAX).await.expect_err("over the cap");
+            assert!(matches!(e, GuestMemoryError::Read(_)), "{n} bytes: {e:?}");
+        }
+        // At the cap a real answer still parses; the result is clamped to the size class.
+        let mut text = b"MemTotal: 1000 kB\nMemFree: 200 kB\nMemAvailable: 250 kB\nInactive(file): 10 kB\n".to_vec();
+        text.resize(MAX_MEMINFO, b'\n');
+        set(text);
+        assert_eq!(used_bytes(d.as_ref(), &vm, u64::MAX).await.expect("read"), 750 * 1024);
+        assert_eq!(used_bytes(d.as_ref(), &vm, 4096).await.expect("clamped"), 4096);
+    }
 }

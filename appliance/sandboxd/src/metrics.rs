@@ -8,7 +8,7 @@
 //! | `sandboxd_claims_total` | `result` (`granted`, `no_capacity`, `draining`, `error`), `tier` (`warm`, or empty) | counter |
 //! | `sandboxd_claim_duration_seconds` (every `Node::claim`, granted or refused; 50 µs … 1 s) | | histogram |
 //! | `sandboxd_releases_total`, `sandboxd_renews_total`, `sandboxd_reaped_total` | | counter |
-//! | `sandboxd_hibernations_total`, `sandboxd_wakes_total`, `sandboxd_fork_children_total`, `sandboxd_checkpoints_total`, `sandboxd_promotions_total` | | counter |
+//! | `sandboxd_hibernations_total`, `sandboxd_wakes_total`, `sandboxd_fork_children_total`, `sandboxd_checkpoints_total`, `sandboxd_promotions_total`, `sandboxd_volume_attaches_total`, `sandboxd_volume_detaches_total`, `sandboxd_volume_failures_total` | | counter |
 //! | `sandboxd_refills_total` | `tier` (`clone`, `cold`) | counter |
 //! | `sandboxd_refill_failures_total`, `sandboxd_refill_budget_blocked_total` | | counter |
 //! | `sandboxd_golden_builds_total`, `sandboxd_vm_destroys_total` | `result` (`ok`, `failed`) | counter |
@@ -138,6 +138,12 @@ pub struct Metrics {
     pub checkpoints: Counter,
     /// Sandboxes promoted to templates.
     pub promotions: Counter,
+    /// Volumes attached to sandboxes.
+    pub volume_attaches: Counter,
+    /// Volumes detached from sandboxes.
+    pub volume_detaches: Counter,
+    /// Volume attaches or detaches that failed.
+    pub volume_failures: Counter,
 }
 
 /// Bumps a counter.
@@ -263,6 +269,14 @@ impl Collector for Scrape {
         counter(e, "sandboxd_fork_children", "Sandboxes made by fork.", &[(none, m.fork_children.get())])?;
         counter(e, "sandboxd_checkpoints", "Checkpoints made.", &[(none, m.checkpoints.get())])?;
         counter(e, "sandboxd_promotions", "Sandboxes promoted to templates.", &[(none, m.promotions.get())])?;
+        counter(e, "sandboxd_volume_attaches", "Volumes attached to sandboxes.", &[(none, m.volume_attaches.get())])?;
+        counter(e, "sandboxd_volume_detaches", "Volumes detached from sandboxes.", &[(none, m.volume_detaches.get())])?;
+        counter(
+            e,
+            "sandboxd_volume_failures",
+            "Volume attaches and detaches that failed.",
+            &[(none, m.volume_failures.get())],
+        )?;
         counter(
             e,
             "sandboxd_refills",

@@ -72,6 +72,8 @@ pub struct Procs {
     running: Mutex<HashMap<u32, Arc<Notify>>>,
     /// `reseed` requests answered.
     pub reseeds: std::sync::atomic::AtomicU64,
+    /// What `fs_read /proc/meminfo` answers (in 64 KiB `data` frames); `None`: unimplemented.
+    pub meminfo: Mutex<Option<Vec<u8>>>,
 }
 
 impl Procs {
@@ -180,7 +182,8 @@ impl FakeDriver {
         lock(&self.procs).values().map(|p| lock(&p.running).len()).sum()
     }
 
-    fn procs_of(&self, id: &VmId) -> Arc<Procs> {
+    /// The stand-in state of VM `id`'s guest.
+    pub fn procs_of(&self, id: &VmId) -> Arc<Procs> {
         Arc::clone(lock(&self.procs).entry(id.clone()).or_default())
     }
 }
@@ -434,6 +437,14 @@ pub async fn fake_silkd<S: AsyncRead + AsyncWrite + Unpin>(s: S, procs: Arc<Proc
             Ok(Request::Reseed { data }) if (1..=wire::RESEED_MAX_BYTES).contains(&data.0.len()) => {
                 procs.reseeds.fetch_add(1, Ordering::Relaxed);
                 io.send(Response::Done).await
+            }
+            Ok(Request::FsRead { path }) if path == "/proc/meminfo" && lock(&procs.meminfo).is_some() => {
+                let text = lock(&procs.meminfo).clone().unwrap_or_default();
+                let mut ok = true;
+                for chunk in text.chunks(64 * 1024) {
+                    ok = ok && io.send(Response::Data { data: wire::Bytes64(chunk.to_vec()) }).await;
+                }
+                ok && io.send(Response::Done).await
             }
             Ok(r) if r.is_continuation() => true,
             Ok(r) => io.send(Response::error(ErrorKind::Unimplemented, format!("{} (fake silkd)", r.op()))).await,

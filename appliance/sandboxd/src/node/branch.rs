@@ -250,10 +250,24 @@ impl Node {
     /// depends on; a failure removes `dir`.
     pub(super) async fn snapshot_into(&self, claim: &Claim, dir: &Path) -> Result<Snapshot, BranchError> {
         let vm = self.vm_for(claim).await.map_err(BranchError::Snapshot)?;
+        self.snapshot_vm(&vm, dir, AfterSnapshot::Resumed).await.map_err(|e| match e {
+            SnapshotFailure::Vm(e) => BranchError::Snapshot(e),
+            SnapshotFailure::Io(e) => BranchError::Io(e),
+        })
+    }
+
+    /// Snapshots `vm` into `dir`, leaving it as `after` says, and records the snapshot it
+    /// depends on (`parent.json`); a failure removes `dir`. What fork, checkpoint, promote and
+    /// hibernate share.
+    pub(super) async fn snapshot_vm(
+        &self,
+        vm: &Vm,
+        dir: &Path,
+        after: AfterSnapshot,
+    ) -> Result<Snapshot, SnapshotFailure> {
         let r = async {
-            let snap =
-                self.vms.driver.snapshot(&vm, dir, AfterSnapshot::Resumed).await.map_err(BranchError::Snapshot)?;
-            self.snapshots.record_parent(dir, vm.restored_from.as_deref()).map_err(BranchError::Io)?;
+            let snap = self.vms.driver.snapshot(vm, dir, after).await.map_err(SnapshotFailure::Vm)?;
+            self.snapshots.record_parent(dir, vm.restored_from.as_deref()).map_err(SnapshotFailure::Io)?;
             Ok(snap)
         }
         .await;
@@ -351,6 +365,15 @@ impl Node {
         }
         Ok(grants)
     }
+}
+
+/// Why [`Node::snapshot_vm`] failed.
+#[derive(Debug)]
+pub(super) enum SnapshotFailure {
+    /// The driver's snapshot.
+    Vm(DriverError),
+    /// Recording its parent.
+    Io(std::io::Error),
 }
 
 /// The names of the volumes a claim holds, for messages.

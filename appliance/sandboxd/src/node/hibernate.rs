@@ -97,17 +97,14 @@ impl Node {
         // 1. The intent, so that a crash from here on is resolved at the next start.
         self.journal_change(id, Some(vm.clone()), |r| r.pending_snap = Some(dir.clone()))?;
         // 2. The snapshot, the VM left paused.
-        let snapped = async {
-            self.vms.driver.snapshot(&vm, &dir, AfterSnapshot::Paused).await.map_err(HibernateError::Snapshot)?;
-            self.snapshots.record_parent(&dir, vm.restored_from.as_deref()).map_err(HibernateError::Io)
-        }
-        .await;
-        if let Err(e) = snapped {
-            // Undo: the VM runs on, the intent goes.
+        if let Err(e) = self.snapshot_vm(&vm, &dir, AfterSnapshot::Paused).await {
+            // Undo: the VM runs on, the intent goes (the partial snapshot is already gone).
             let _ = self.vms.driver.resume(&vm).await;
-            let _ = std::fs::remove_dir_all(&dir);
             let _ = self.journal_change(id, Some(vm), |r| r.pending_snap = None);
-            return Err(e);
+            return Err(match e {
+                super::branch::SnapshotFailure::Vm(e) => HibernateError::Snapshot(e),
+                super::branch::SnapshotFailure::Io(e) => HibernateError::Io(e),
+            });
         }
         // 3. The result, then the VM goes.
         self.journal_change(id, None, |r| {

@@ -227,8 +227,12 @@ impl Node {
                     tracing::warn!(volume = %h.name, error = %vmm::error_chain(&e), "guest agent unreachable; unplugging anyway")
                 }
             }
-            self.vms.driver.detach_volume(vm, h.slot).await.map_err(|e| apply_err(&h.name, "unplugging", &e))?;
+            if let Err(e) = self.vms.driver.detach_volume(vm, h.slot).await {
+                crate::metrics::inc(&self.metrics.volume_failures);
+                return Err(apply_err(&h.name, "unplugging", &e));
+            }
             self.journal_volumes(id, |held| held.retain(|x| x.slot != h.slot))?;
+            crate::metrics::inc(&self.metrics.volume_detaches);
             tracing::info!(volume = %h.name, slot = h.slot, "volume detached");
         }
         let mut first_err = None;
@@ -258,10 +262,12 @@ impl Node {
                 Ok(()) => {
                     let h = HeldVolume { name: w.name.clone(), slot, mount: w.mount.clone(), rw: w.rw };
                     self.journal_volumes(id, |held| held.push(h))?;
+                    crate::metrics::inc(&self.metrics.volume_attaches);
                     tracing::info!(volume = %w.name, slot, rw = w.rw, mount = ?w.mount, "volume attached");
                 }
                 Err(e) => {
                     tracing::warn!(error = %vmm::error_chain(&e), "volume not attached");
+                    crate::metrics::inc(&self.metrics.volume_failures);
                     failed.insert(w.name.clone(), vmm::error_chain(&e));
                     first_err = first_err.or(Some(e));
                 }

@@ -272,6 +272,12 @@ with new("base", ttl_seconds=120, volumes=["datasets"], mount=False) as c:
 expect_status(404, lambda: new("base", ttl_seconds=60, volumes=["nope"]))
 expect_status(400, lambda: new("base", ttl_seconds=60, volumes=[{"name": "datasets", "mount": "relative"}]))
 assert catalog_entry("datasets")["holders"] == 0
+metrics = http.client.HTTPConnection(host, int(port), timeout=30)
+metrics.request("GET", "/metrics", headers={"Authorization": f"Bearer {root}"})
+samples = dict(l.rsplit(" ", 1) for l in metrics.getresponse().read().decode().splitlines() if l.startswith("sandboxd_volume"))
+metrics.close()
+assert float(samples["sandboxd_volume_attaches_total"]) == 4 and float(samples["sandboxd_volume_detaches_total"]) == 2, samples
+assert float(samples["sandboxd_volume_failures_total"]) == 0, samples
 
 step("7. preview URLs: HTTP and a WebSocket-style upgrade to a guest port")
 SERVER = b"""
