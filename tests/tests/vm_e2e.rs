@@ -254,3 +254,105 @@ async fn a_guest_flooding_its_serial_console_is_held_to_the_cap() -> Result<()> 
     assert!(left.is_empty(), "QEMU processes left behind: {left:?}");
     Ok(())
 }
+
+/// `(Rss, Pss)` of a process in KiB, from `smaps_rollup`.
+fn rss_pss_kib(pid: u32) -> Result<(u64, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))?;
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+            .with_context(|| format!("{name} in smaps_rollup of {pid}"))
+    };
+    Ok((field("Rss:")?, field("Pss:")?))
+}
+
+/// KiB of the golden RAM map of a clone (`/memfd:chrysalis-golden-ram`) that other processes
+/// map too (`Shared_Clean` + `Shared_Dirty` in `smaps`).
+fn golden_ram_shared_kib(pid: u32) -> Result<u64> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
+    let mut inside = false;
+    let mut shared = 0;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            inside = line.contains("/memfd:chrysalis-golden-ram");
+        } else if inside {
+            if let Some(v) = line.strip_prefix("Shared_Clean:").or_else(|| line.strip_prefix("Shared_Dirty:")) {
+                shared += v.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap_or(0);
+            }
+        }
+    }
+    Ok(shared)
+}
+
+/// A golden booted with its RAM in a file (`Ram::SharedFile`) snapshots without streaming
+/// its RAM; its clones map a sealed copy of that file privately: they start from the golden's
+/// memory, diverge on their own pages, share the rest (PSS below RSS), and never change the
+/// golden's file. A full snapshot of such a clone restores too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clones_share_the_golden_ram_copy_on_write() -> Result<()> {
+    init_tracing();
+    let state = state_dir()?;
+    let driver = qemu(state.path())?;
+    let mut spec = vmm::BootSpec::from_template(&catalog()?, "base", SizeClass::Small)?;
+    spec.ram = vmm::Ram::SharedFile;
+    let golden = driver.boot(&spec).await?;
+    driver.wait_agent(&golden, Duration::from_secs(180)).await.context("golden agent")?;
+    assert_jailed(&golden)?;
+    let mut conn = agent(&driver, &golden).await?;
+    exec_ok(&mut conn, &["sh", "-c", "echo golden > /dev/shm/marker"]).await?;
+    drop(conn);
+    let snap_dir = state.path().join("golden");
+    let snap = driver.snapshot(&golden, &snap_dir, AfterSnapshot::Paused).await.context("snapshot")?;
+    driver.kill(&golden).await?;
+    let memory = snap_dir.join("memory");
+    let meta = std::fs::metadata(&memory).context("the snapshot keeps the golden's RAM file")?;
+    assert_eq!(meta.len(), 512 << 20, "the file is the guest's RAM");
+    assert_eq!(std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777, 0o600);
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), rustix::process::geteuid().as_raw());
+    let state_len = std::fs::metadata(snap_dir.join("state"))?.len();
+    assert!(state_len < 8 << 20, "the migration stream holds no RAM: {state_len} bytes");
+    let mtime = meta.modified()?;
+
+    let mut clones = Vec::new();
+    for n in 0..2 {
+        let clone = driver.restore(&snap, &VmId::generate("clone")).await.context("restore")?;
+        assert_eq!(clone.spec.ram, vmm::Ram::Private);
+        driver.wait_agent(&clone, Duration::from_secs(60)).await.context("clone agent")?;
+        assert_jailed(&clone)?;
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", clone.pid))?;
+        assert!(maps.contains("/memfd:chrysalis-golden-ram"), "clone {n} maps the sealed copy");
+        assert!(!maps.contains(&memory.display().to_string()), "clone {n} never maps the golden's file");
+        clones.push(clone);
+    }
+    let mut a = agent(&driver, &clones[0]).await?;
+    let mut b = agent(&driver, &clones[1]).await?;
+    assert_eq!(exec_ok(&mut a, &["cat", "/dev/shm/marker"]).await?, "golden\n");
+    exec_ok(&mut a, &["sh", "-c", "echo clone-a > /dev/shm/marker"]).await?;
+    assert_eq!(exec_ok(&mut b, &["cat", "/dev/shm/marker"]).await?, "golden\n", "a clone's writes are its own");
+    drop(b);
+    for c in &clones {
+        let (rss, pss) = rss_pss_kib(c.pid)?;
+        let shared = golden_ram_shared_kib(c.pid)?;
+        eprintln!("clone {}: RSS {rss} KiB, PSS {pss} KiB, golden RAM shared with the other {shared} KiB", c.id);
+        assert!(shared >= 4096, "clone {}: the golden's pages are one copy for both clones ({shared} KiB)", c.id);
+        assert!(pss < rss, "clone {}: RSS {rss} KiB, PSS {pss} KiB", c.id);
+    }
+    assert_eq!(std::fs::metadata(&memory)?.modified()?, mtime, "no clone wrote the golden's file");
+
+    // A full snapshot of a clone (its RAM is private) restores under the same RAM block.
+    drop(a);
+    let full = driver.snapshot(&clones[0], &state.path().join("clone-a"), AfterSnapshot::Resumed).await?;
+    assert!(!full.dir.join("memory").exists());
+    let again = driver.restore(&full, &VmId::generate("again")).await.context("restore of a clone's snapshot")?;
+    driver.wait_agent(&again, Duration::from_secs(60)).await?;
+    let mut c = agent(&driver, &again).await?;
+    assert_eq!(exec_ok(&mut c, &["cat", "/dev/shm/marker"]).await?, "clone-a\n");
+    drop(c);
+    for vm in clones.iter().chain([&again]) {
+        driver.kill(vm).await?;
+    }
+    let left = qemu_processes_under(state.path());
+    assert!(left.is_empty(), "QEMU processes left behind: {left:?}");
+    Ok(())
+}

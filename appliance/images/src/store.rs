@@ -89,6 +89,7 @@ impl ResolvedImage {
             nic: None,
             rng: true,
             volumes: true,
+            ram: vmm::Ram::Anonymous,
         }
     }
 }

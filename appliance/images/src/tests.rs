@@ -68,6 +68,7 @@ fn spec_of(src: &ImageSource) -> vmm::BootSpec {
         nic: None,
         rng: true,
         volumes: true,
+        ram: vmm::Ram::Anonymous,
     }
 }
 

@@ -7,10 +7,12 @@
 //! deficit `target − warm − refilling` and spawns one job per slot, each bounded by the node's
 //! refill semaphore:
 //! - golden: the first time (clone enabled, no golden yet) a single job cold-boots
-//!   `sbx-gb-<hash>`, waits for silkd, snapshots it into `goldens/<hash>.staging-*`, destroys it and
-//!   renames the staging dir to `goldens/<hash>`. A failure retries after 30 s; meanwhile slots
-//!   cold-boot;
-//! - clone: `restore` from the golden, probe silkd (5 s), then reseed the guest kernel RNG with
+//!   `sbx-gb-<hash>` with its RAM in a file (`Ram::SharedFile`), waits for silkd, snapshots it
+//!   into `goldens/<hash>.staging-*` (the stream without the RAM, the file beside it), destroys
+//!   it and renames the staging dir to `goldens/<hash>`. A failure retries after 30 s; meanwhile
+//!   slots cold-boot;
+//! - clone: `restore` from the golden (the clone maps the golden's RAM copy-on-write: it holds
+//!   only the pages it writes), probe silkd (5 s), then reseed the guest kernel RNG with
 //!   fresh host randomness (silkd `reseed`), since every clone resumes with the golden's RNG
 //!   state; a clone that cannot be reseeded is destroyed, never pooled. Three clone failures in
 //!   a row drop the golden (it is rebuilt); a failed clone falls back to a cold boot in the same
@@ -570,7 +572,10 @@ async fn build_golden(cx: Arc<Refill>, pool: Arc<Pool>, reservation: Reservation
 }
 
 async fn golden_inner(cx: &Refill, pool: &Pool) -> Result<Snapshot, RefillError> {
-    let spec = spec_for(cx, pool, format!("{}gb-{}", OWNERSHIP.prefix(), pool.hash))?;
+    let mut spec = spec_for(cx, pool, format!("{}gb-{}", OWNERSHIP.prefix(), pool.hash))?;
+    // Its RAM stays in a file its clones map copy-on-write: a warm clone holds only the pages
+    // it has written since.
+    spec.ram = vmm::Ram::SharedFile;
     let vm = boot_with_nic(cx, pool, spec, "booting the golden").await?;
     let vm = probe(cx, vm, cx.timing.cold_probe).await?;
     let made = async {

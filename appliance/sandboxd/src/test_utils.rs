@@ -202,6 +202,7 @@ pub fn fake_spec(name: &str) -> BootSpec {
         nic: None,
         rng: true,
         volumes: true,
+        ram: vmm::Ram::Anonymous,
     }
 }
 

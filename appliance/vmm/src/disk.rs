@@ -74,6 +74,7 @@ mod tests {
             nic: None,
             rng: true,
             volumes: true,
+            ram: crate::driver::Ram::Anonymous,
         };
         assert_eq!(writable_disk_cap(&spec).expect("cap"), 0);
         spec.overlay_base = Some(base);

@@ -88,6 +88,42 @@ pub struct BootSpec {
     /// volumes existed read `false`, keeping their device layout; such a VM takes no volume.
     #[serde(default)]
     pub volumes: bool,
+    /// Where the guest's RAM lives ([`Ram`]). Specs recorded before it existed read
+    /// `anonymous`, keeping the RAM block their snapshots name.
+    #[serde(default, skip_serializing_if = "Ram::is_anonymous")]
+    pub ram: Ram,
+}
+
+/// Where a VM's RAM lives. What a snapshot holds follows from it: the RAM of a `shared_file`
+/// VM stays in its file (the snapshot keeps the file as `memory`, the migration stream skips
+/// it), and every clone of such a snapshot maps that file copy-on-write, so the pages a clone
+/// has not written are one copy on the host however many clones run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Ram {
+    /// Anonymous memory in the hypervisor's default RAM block.
+    #[default]
+    Anonymous,
+    /// A file of the VM's own, mapped shared: the golden a pool's clones share.
+    SharedFile,
+    /// A named, private RAM block: a clone of a `shared_file` snapshot (the golden's file
+    /// mapped copy-on-write), or a VM restored from a snapshot of such a clone.
+    Private,
+}
+
+impl Ram {
+    /// The default (for `skip_serializing_if`).
+    pub fn is_anonymous(&self) -> bool {
+        *self == Ram::Anonymous
+    }
+
+    /// The RAM of a VM restored from a snapshot of a VM with this RAM.
+    pub fn restored(self) -> Ram {
+        match self {
+            Ram::Anonymous => Ram::Anonymous,
+            Ram::SharedFile | Ram::Private => Ram::Private,
+        }
+    }
 }
 
 /// The most volumes one VM holds at once (SCSI targets 1..=MAX_VOLUMES).
@@ -202,6 +238,7 @@ impl BootSpec {
             nic: None,
             rng: true,
             volumes: true,
+            ram: Ram::Anonymous,
         })
     }
 }

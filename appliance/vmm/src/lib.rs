@@ -37,8 +37,8 @@ pub use accel::{Accel, AccelPreference};
 pub use agent::CONTROL_PORT;
 pub use catalog::{Catalog, CatalogError};
 pub use driver::{
-    AfterSnapshot, AgentInfo, AgentStream, Backend, BootSpec, Driver, DriverError, NicSpec, RestoreOptions, Snapshot,
-    Vm, VmId, VmState, VolumeAttach, AGENT_PORT, MAX_VOLUMES,
+    AfterSnapshot, AgentInfo, AgentStream, Backend, BootSpec, Driver, DriverError, NicSpec, Ram, RestoreOptions,
+    Snapshot, Vm, VmId, VmState, VolumeAttach, AGENT_PORT, MAX_VOLUMES,
 };
 pub use size::SizeClass;
 

@@ -21,6 +21,7 @@ pub(crate) fn boot_spec(name: &str) -> BootSpec {
         nic: None,
         rng: true,
         volumes: true,
+        ram: crate::driver::Ram::Anonymous,
     }
 }
 

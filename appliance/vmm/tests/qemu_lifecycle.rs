@@ -45,6 +45,7 @@ fn spec() -> BootSpec {
         nic: None,
         rng: true,
         volumes: true,
+        ram: vmm::Ram::Anonymous,
     }
 }
 

@@ -127,6 +127,7 @@ async fn qemu_joins_the_netns_and_opens_the_taps() {
         nic: Some(nic(&net, &pl)),
         rng: true,
         volumes: true,
+        ram: vmm::Ram::Anonymous,
     };
     let vm = driver.boot(&spec).await.expect("boot with a NIC");
     let ns_inode = std::fs::metadata(vmnet::netns::netns_path(&ns.name)).expect("netns file").ino();

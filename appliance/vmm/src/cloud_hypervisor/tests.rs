@@ -63,6 +63,7 @@ fn spec(root: &Path, name: &str, size: SizeClass, rootfs: bool) -> BootSpec {
         nic: None,
         rng: true,
         volumes: true,
+        ram: crate::driver::Ram::Anonymous,
     }
 }
 

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::accel::Accel;
-use crate::driver::BootSpec;
+use crate::driver::{BootSpec, Ram};
 
 /// Per-VM file names inside `<state_dir>/vms/<id>/`.
 pub mod files {
@@ -26,6 +26,9 @@ pub mod files {
     pub const OVERLAY: &str = "overlay.qcow2";
     /// Snapshot: migration stream.
     pub const STATE: &str = "state";
+    /// The RAM of a [`Ram::SharedFile`](crate::driver::Ram::SharedFile) VM (in its dir) and of
+    /// its snapshot (in the snapshot's dir).
+    pub const MEMORY: &str = "memory";
 }
 
 /// One layer of a disk: a descriptor the driver opened and passes in, its format, and the
@@ -62,7 +65,19 @@ pub struct Fds {
     pub tap: Option<i32>,
     /// The migration stream to restore from (`migrate-incoming fd:N`).
     pub incoming: Option<i32>,
+    /// The file the guest's RAM maps (opened by QEMU as `/proc/self/fd/N`): the VM's own,
+    /// read-write, for [`Ram::SharedFile`]; the golden's, sealed against writes, for a clone.
+    pub memory: Option<i32>,
 }
+
+/// The translation-block cache of a TCG guest, MiB. QEMU's default (1 GiB) lets an idle
+/// emulated guest hold hundreds of MiB of translated code; a bounded cache retranslates a
+/// busy guest's hot code more often and keeps an idle one small.
+pub const TCG_TB_SIZE_MIB: u32 = 64;
+
+/// The id of the named RAM backend ([`Ram::SharedFile`], [`Ram::Private`]): the RAM block's
+/// name in migration streams.
+pub const RAM_BACKEND: &str = "ram0";
 
 /// Everything the QEMU command line depends on.
 #[derive(Debug, Clone)]
@@ -154,14 +169,21 @@ pub fn qemu_args(l: &Launch<'_>) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
     push(&["-name", l.name]);
-    push(&["-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on"]);
+    let machine = "microvm,x-option-roms=off,isa-serial=on,rtc=on";
+    match l.spec.ram {
+        Ram::Anonymous => push(&["-M", machine]),
+        Ram::SharedFile | Ram::Private => push(&["-M", &format!("{machine},memory-backend={RAM_BACKEND}")]),
+    }
     match l.accel {
         Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
-        Accel::Tcg => push(&["-accel", "tcg", "-cpu", "max"]),
+        Accel::Tcg => push(&["-accel", &format!("tcg,tb-size={TCG_TB_SIZE_MIB}"), "-cpu", "max"]),
     }
     let smp = l.spec.size.vcpus().to_string();
     let mem = format!("{}M", l.spec.size.memory_mib());
     push(&["-smp", &smp, "-m", &mem]);
+    if let Some(backend) = ram_backend(l.spec.ram, &mem, f.memory) {
+        push(&["-object", &backend]);
+    }
     push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
     push(&["-sandbox", SANDBOX]);
     // Names the VM directory on the command line (nothing opens it): how a VM's process is
@@ -218,6 +240,22 @@ pub fn qemu_args(l: &Launch<'_>) -> Vec<String> {
         push(&["-incoming", "defer"]);
     }
     a
+}
+
+/// The `-object` of the named RAM backend, if the spec has one: the VM's own file mapped
+/// shared (the golden: a snapshot leaves RAM in it); a clone's private map of the golden's
+/// file (the pages it has not written stay shared with every other clone); or anonymous memory
+/// under the same name (a VM restored from a full snapshot of a clone).
+fn ram_backend(ram: Ram, size: &str, memory: Option<i32>) -> Option<String> {
+    let file = |fd: i32, share: &str| {
+        format!("memory-backend-file,id={RAM_BACKEND},size={size},mem-path={},share={share}", proc_fd(fd))
+    };
+    match (ram, memory) {
+        (Ram::Anonymous, _) => None,
+        (Ram::SharedFile, Some(fd)) => Some(file(fd, "on")),
+        (Ram::Private, Some(fd)) => Some(file(fd, "off")),
+        (Ram::SharedFile | Ram::Private, None) => Some(format!("memory-backend-ram,id={RAM_BACKEND},size={size}")),
+    }
 }
 
 /// Parses the TSC frequency from kernel log text (`tsc: Detected 2596.130 MHz processor` or
@@ -288,6 +326,7 @@ mod tests {
             nic: None,
             rng: true,
             volumes: true,
+            ram: crate::driver::Ram::Anonymous,
         }
     }
 
@@ -311,6 +350,7 @@ mod tests {
             },
             tap: None,
             incoming: None,
+            memory: None,
         }
     }
 
@@ -331,7 +371,7 @@ mod tests {
             firmware_only: false,
         });
         assert_eq!(after(&a, "-M"), ["microvm,x-option-roms=off,isa-serial=on,rtc=on"]);
-        assert_eq!(after(&a, "-accel"), ["tcg"]);
+        assert_eq!(after(&a, "-accel"), ["tcg,tb-size=64"]);
         assert_eq!(after(&a, "-cpu"), ["max"]);
         assert_eq!(after(&a, "-smp"), ["2"]);
         assert_eq!(after(&a, "-m"), ["1024M"]);
@@ -500,5 +540,43 @@ mod tests {
         let a = launch(&old);
         assert!(!after(&a, "-object").iter().any(|o| o.starts_with("rng-")));
         assert!(!after(&a, "-device").iter().any(|d| d.starts_with("virtio-rng")));
+    }
+
+    #[test]
+    fn ram_lives_where_the_spec_says_and_tcg_bounds_its_translation_cache() {
+        let launch = |ram: Ram, memory: Option<i32>, accel: Accel| {
+            let mut s = spec(true);
+            s.ram = ram;
+            let f = Fds { memory, ..fds(true) };
+            qemu_args(&Launch {
+                name: "n",
+                dir: Path::new("/d"),
+                spec: &s,
+                accel,
+                tsc_khz: None,
+                fds: &f,
+                incoming: false,
+                paused: false,
+                firmware_only: false,
+            })
+        };
+        // Anonymous: QEMU's default RAM block, as every VM before this field.
+        let a = launch(Ram::Anonymous, None, Accel::Kvm);
+        assert_eq!(after(&a, "-M"), ["microvm,x-option-roms=off,isa-serial=on,rtc=on"]);
+        assert!(!after(&a, "-object").iter().any(|o| o.starts_with("memory-backend")));
+        assert_eq!(after(&a, "-accel"), ["kvm"]);
+        // The golden maps its own file shared; a clone maps the golden's privately.
+        let a = launch(Ram::SharedFile, Some(11), Accel::Tcg);
+        assert_eq!(after(&a, "-M"), ["microvm,x-option-roms=off,isa-serial=on,rtc=on,memory-backend=ram0"]);
+        assert!(
+            after(&a, "-object").contains(&"memory-backend-file,id=ram0,size=1024M,mem-path=/proc/self/fd/11,share=on")
+        );
+        assert_eq!(after(&a, "-accel"), ["tcg,tb-size=64"]);
+        let a = launch(Ram::Private, Some(12), Accel::Tcg);
+        assert!(after(&a, "-object")
+            .contains(&"memory-backend-file,id=ram0,size=1024M,mem-path=/proc/self/fd/12,share=off"));
+        // A restore of a clone's full snapshot: the same block name, anonymous memory.
+        let a = launch(Ram::Private, None, Accel::Tcg);
+        assert!(after(&a, "-object").contains(&"memory-backend-ram,id=ram0,size=1024M"));
     }
 }

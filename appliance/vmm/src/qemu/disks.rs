@@ -81,6 +81,7 @@ impl QemuDriver {
         sock_dir: &Path,
         overlay: Option<&Path>,
         origin: Origin<'_>,
+        owner: Option<(u32, u32)>,
     ) -> Result<OpenedFds, DriverError> {
         let mut o = OpenedFds::default();
         let listen = |name: &str| -> Result<OwnedFd, DriverError> {
@@ -134,6 +135,16 @@ impl QemuDriver {
                 .map_err(|e| DriverError::io(format!("vm {}: opening {}", vm.id, state.display()), e))?;
             o.fds.incoming = Some(o.keep(OwnedFd::from(f)));
         }
+        o.fds.memory = match origin {
+            Origin::Boot(spec) if spec.ram == Ram::SharedFile => {
+                let size = spec.size.memory_mib() << 20;
+                Some(o.keep(memory::create_ram_file(&vm.dir.join(files::MEMORY), size, owner)?))
+            }
+            Origin::Restore(snap, _) if snap.spec.ram == Ram::SharedFile => {
+                Some(o.keep(self.shared_ram.clone_fd(&snap.dir.join(files::MEMORY))?))
+            }
+            _ => None,
+        };
         Ok(o)
     }
 }

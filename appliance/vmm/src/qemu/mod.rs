@@ -34,8 +34,10 @@
 
 pub mod cmdline;
 mod disks;
+mod memory;
 pub mod process;
 pub mod qmp;
+mod snapshot;
 mod volumes;
 use disks::Origin;
 
@@ -51,7 +53,7 @@ use tracing::Instrument;
 use crate::accel::{self, Accel, AccelPreference};
 use crate::console::ConsoleDrain;
 use crate::driver::{
-    AfterSnapshot, Backend, BootSpec, Driver, DriverError, NicSpec, RestoreOptions, Snapshot, Vm, VmId, VmState,
+    AfterSnapshot, Backend, BootSpec, Driver, DriverError, NicSpec, Ram, RestoreOptions, Snapshot, Vm, VmId, VmState,
 };
 use crate::jail::{JailError, JailSettings, Leaf, SpawnPlan};
 use crate::lifecycle::{self, VmRecord};
@@ -119,6 +121,7 @@ pub struct QemuDriver {
     tsc_khz: Option<u64>,
     bridges: Mutex<HashMap<VmId, Bridge>>,
     consoles: Mutex<HashMap<VmId, ConsoleDrain>>,
+    shared_ram: memory::SharedRam,
 }
 
 /// Removes a half-created VM (kills its processes, deletes its dir) unless disarmed.
@@ -166,7 +169,14 @@ impl QemuDriver {
         let accel = accel::resolve(cfg.accel);
         let tsc_khz = cfg.tsc_khz.or_else(|| if accel == Accel::Tcg { cmdline::host_tsc_khz() } else { None });
         tracing::info!(%accel, ?tsc_khz, state_dir = %cfg.state_dir.display(), "qemu driver ready");
-        QemuDriver { cfg, accel, tsc_khz, bridges: Mutex::new(HashMap::new()), consoles: Mutex::new(HashMap::new()) }
+        QemuDriver {
+            cfg,
+            accel,
+            tsc_khz,
+            bridges: Mutex::new(HashMap::new()),
+            consoles: Mutex::new(HashMap::new()),
+            shared_ram: memory::SharedRam::default(),
+        }
     }
 
     fn vms_dir(&self) -> PathBuf {
@@ -322,6 +332,7 @@ impl QemuDriver {
             Origin::Restore(snap, nic) => {
                 let mut spec = snap.spec.clone();
                 spec.nic = nic.cloned();
+                spec.ram = snap.spec.ram.restored();
                 (spec, snap.accel, Some(snap.dir.clone()))
             }
         };
@@ -369,7 +380,8 @@ impl QemuDriver {
             pending.leaf = Some(j.leaf(rec.vm.id.as_str(), rec.vm.spec.size, rec.vm.accel)?);
         }
         let sock_dir = rec.vm.control_socket.parent().unwrap_or(&dir).to_path_buf();
-        let opened = self.open_fds(&rec.vm, &sock_dir, overlay.as_deref(), origin).await?;
+        let owner = jail.as_ref().map(|j| (j.uid, j.gid));
+        let opened = self.open_fds(&rec.vm, &sock_dir, overlay.as_deref(), origin, owner).await?;
         let args = cmdline::qemu_args(&Launch {
             name: rec.vm.id.as_str(),
             dir: &dir,
@@ -408,10 +420,14 @@ impl QemuDriver {
         // Dialled now, the console connection waits in QEMU's backlog: boot output is kept.
         pending.console = Some(self.console_drain(&rec.vm)?);
         process::wait_ready(&self.cfg.qemu, &mut child, &mut output, &rec.vm.control_socket, &log).await?;
-        if let Origin::Restore(..) = origin {
+        if let Origin::Restore(snap, _) = origin {
             let id = &rec.vm.id;
             let q = self.qmp(&rec.vm).await?;
             let fd = incoming_fd.ok_or_else(|| DriverError::Invalid("restore without a migration stream".into()))?;
+            if snap.spec.ram == Ram::SharedFile {
+                // The stream holds no RAM: it is the golden's file, mapped already.
+                q.ignore_shared(true).await.map_err(control(id))?;
+            }
             q.migrate_incoming(&format!("fd:{fd}")).await.map_err(control(id))?;
             self.wait_migration(id, &q, "incoming migration").await?;
             if !self.cfg.start_paused {
@@ -505,62 +521,7 @@ impl Driver for QemuDriver {
     }
 
     async fn snapshot(&self, vm: &Vm, dir: &Path, after: AfterSnapshot) -> Result<Snapshot, DriverError> {
-        let span = tracing::info_span!("vm_snapshot", vm = %vm.id, dir = %dir.display());
-        async {
-            let t0 = Instant::now();
-            let q = self.qmp(vm).await?;
-            let was_running = q.status().await.map_err(control(&vm.id))?.running;
-            q.stop().await.map_err(control(&vm.id))?;
-            // QEMU serves one QMP client at a time: the descriptor goes over a connection of
-            // its own, then the migration is watched on a fresh one.
-            drop(q);
-            let result = async {
-                std::fs::create_dir_all(dir).map_err(|e| DriverError::io(format!("creating {}", dir.display()), e))?;
-                let state = dir.join(files::STATE);
-                let file = std::fs::OpenOptions::new()
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .mode(0o600)
-                    .open(&state)
-                    .map_err(|e| DriverError::io(format!("creating {}", state.display()), e))?;
-                qmp::migrate_to_fd(&vm.control_socket, OwnedFd::from(file), QMP_CONNECT_TIMEOUT)
-                    .await
-                    .map_err(control(&vm.id))?;
-                self.wait_migration(&vm.id, &self.qmp(vm).await?, "migration to file").await?;
-                let src_overlay = vm.dir.join(files::OVERLAY);
-                let overlay = if src_overlay.exists() {
-                    let dst = dir.join(files::OVERLAY);
-                    std::fs::copy(&src_overlay, &dst).map_err(|e| {
-                        DriverError::io(format!("copying {} to {}", src_overlay.display(), dst.display()), e)
-                    })?;
-                    Some(dst)
-                } else {
-                    None
-                };
-                let snap = Snapshot {
-                    dir: dir.to_path_buf(),
-                    backend: Backend::Qemu,
-                    accel: vm.accel,
-                    source: vm.id.clone(),
-                    spec: vm.spec.clone(),
-                    overlay,
-                    created_at_epoch_secs: now_secs(),
-                };
-                record::write_json_atomic(&dir.join(Snapshot::FILE), &snap)?;
-                Ok(snap)
-            }
-            .await;
-            if after == AfterSnapshot::Resumed || (result.is_err() && was_running) {
-                self.qmp(vm).await?.cont().await.map_err(control(&vm.id))?;
-            }
-            if result.is_ok() {
-                tracing::info!(ms = t0.elapsed().as_millis() as u64, "snapshot written");
-            }
-            result
-        }
-        .instrument(span)
-        .await
+        self.snapshot_to(vm, dir, after).await
     }
 
     async fn restore(&self, snapshot: &Snapshot, id: &VmId) -> Result<Vm, DriverError> {

@@ -177,6 +177,12 @@ impl Qmp {
         self.run("migrate-set-capabilities", c).await.map(drop)
     }
 
+    /// `x-ignore-shared`: a migration skips (outgoing) or expects no pages of (incoming) the
+    /// RAM mapped shared from a file (the golden's RAM, [`crate::driver::Ram::SharedFile`]).
+    pub async fn ignore_shared(&self, on: bool) -> Result<(), QmpError> {
+        self.set_capability(qmp::MigrationCapability::x_ignore_shared, on).await
+    }
+
     /// `migrate` to `uri` (returns at once; poll [`Qmp::migration`]).
     pub async fn migrate(&self, uri: &str) -> Result<(), QmpError> {
         let c = qmp::migrate { uri: Some(uri.to_string()), channels: None, detach: None, resume: None };
