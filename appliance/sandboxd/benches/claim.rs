@@ -213,7 +213,7 @@ async fn claim_latency() -> Result<()> {
     for _ in 0..CLAIMS {
         let req = sandboxd::node::ClaimRequest { key: key.clone(), ttl: Duration::from_secs(600), claim_ref: None };
         let t = Instant::now();
-        node.claim(req)?;
+        node.claim(req).await?;
         inproc.push(t.elapsed());
     }
     figure("Node::claim in-process (no HTTP)", &mut inproc, "the node's share: pool pop, minting, journal append")?;

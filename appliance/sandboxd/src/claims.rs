@@ -32,9 +32,17 @@ pub enum ClaimError {
     /// The node is draining.
     #[error("node draining")]
     Draining,
-    /// The pool has no warm VM.
+    /// No pool serves the key (a catalog template nothing keeps warm).
     #[error("no warm capacity for {0}")]
     NoCapacity(PoolKey),
+    /// The pool is empty and no VM could be started for the claim now.
+    #[error("no warm VM for {key}, and none can be started now: {reason}")]
+    Full {
+        /// The pool.
+        key: PoolKey,
+        /// Why (the node budget, draining).
+        reason: String,
+    },
     /// Neither a configured pool nor a catalog template.
     #[error("unknown template {0:?}")]
     UnknownTemplate(String),
@@ -66,6 +74,9 @@ pub enum ClaimError {
         /// Seconds left until the horizon.
         remaining_secs: u64,
     },
+    /// The pool was empty and the VM made for the claim failed.
+    #[error("the pool was empty and starting a VM for the claim failed: {0}")]
+    Start(String),
     /// The journal write failed; the claim was not granted.
     #[error("journaling the claim")]
     Journal(#[source] crate::journal::JournalError),

@@ -5,8 +5,9 @@
 //!
 //! | sample | labels | type |
 //! |---|---|---|
-//! | `sandboxd_claims_total` | `result` (`granted`, `no_capacity`, `draining`, `error`), `tier` (`warm`, or empty) | counter |
-//! | `sandboxd_claim_duration_seconds` (every `Node::claim`, granted or refused; 50 µs … 1 s) | | histogram |
+//! | `sandboxd_claims_total` | `result` (`granted`, `no_capacity`, `draining`, `error`), `tier` (`warm`, `on_demand`, or empty) | counter |
+//! | `sandboxd_claim_duration_seconds` (every `Node::claim`, granted or refused, an on-demand VM's wait included; 50 µs … 1 s) | | histogram |
+//! | `sandboxd_claim_resume_seconds` (resuming the paused warm VM inside a claim) | | histogram |
 //! | `sandboxd_releases_total`, `sandboxd_renews_total`, `sandboxd_reaped_total` | | counter |
 //! | `sandboxd_hibernations_total`, `sandboxd_wakes_total`, `sandboxd_fork_children_total`, `sandboxd_checkpoints_total`, `sandboxd_promotions_total`, `sandboxd_volume_attaches_total`, `sandboxd_volume_detaches_total`, `sandboxd_volume_failures_total` | | counter |
 //! | `sandboxd_refills_total` | `tier` (`clone`, `cold`) | counter |
@@ -76,7 +77,9 @@ impl Latency {
 pub struct Metrics {
     /// Claims granted from a warm VM.
     pub claims_warm: Counter,
-    /// Claims refused: pool empty.
+    /// Claims granted from a VM made for them (the pool was empty).
+    pub claims_on_demand: Counter,
+    /// Claims refused: pool empty and no room in the node budget.
     pub claims_no_capacity: Counter,
     /// Claims refused: draining.
     pub claims_draining: Counter,
@@ -84,6 +87,8 @@ pub struct Metrics {
     pub claims_failed: Counter,
     /// How long `Node::claim` took, granted or refused.
     pub claim_duration: Latency,
+    /// How long resuming a paused warm VM took inside a claim.
+    pub claim_resume: Latency,
     /// Releases.
     pub releases: Counter,
     /// Renewals.
@@ -250,6 +255,7 @@ impl Collector for Scrape {
             "Claims by result and tier.",
             &[
                 (&[("result", "granted"), ("tier", "warm")], m.claims_warm.get()),
+                (&[("result", "granted"), ("tier", "on_demand")], m.claims_on_demand.get()),
                 (&[("result", "no_capacity"), ("tier", "")], m.claims_no_capacity.get()),
                 (&[("result", "draining"), ("tier", "")], m.claims_draining.get()),
                 (&[("result", "error"), ("tier", "")], m.claims_failed.get()),
@@ -258,6 +264,12 @@ impl Collector for Scrape {
         m.claim_duration.0.encode(e.encode_descriptor(
             "sandboxd_claim_duration_seconds",
             "How long a claim took in sandboxd, granted or refused.",
+            None,
+            MetricType::Histogram,
+        )?)?;
+        m.claim_resume.0.encode(e.encode_descriptor(
+            "sandboxd_claim_resume_seconds",
+            "How long resuming the paused warm VM took inside a claim.",
             None,
             MetricType::Histogram,
         )?)?;

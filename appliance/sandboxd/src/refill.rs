@@ -116,6 +116,9 @@ pub enum RefillError {
         /// What it said (trimmed).
         stderr: String,
     },
+    /// The task making an on-demand VM ended without an answer (it panicked).
+    #[error("the task making the VM ended without an answer")]
+    Abandoned,
     /// Making the goldens dir or moving the golden into place failed.
     #[error(transparent)]
     Golden(#[from] GoldenError),
@@ -285,19 +288,11 @@ async fn slot(cx: Arc<Refill>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>, r
         let Ok(_permit) = Arc::clone(&cx.sem).acquire_owned().await else {
             return None;
         };
-        if let Some(g) = &golden {
-            match clone_one(&cx, &pool, g).await {
-                Ok(vm) => {
-                    pool.lock().clone_failures = 0;
-                    return Some(Ok((vm, Tier::Clone)));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %vmm::error_chain(&e), "clone failed; cold-booting instead");
-                    clone_failed(&cx, &pool);
-                }
-            }
-        }
-        Some(cold_one(&cx, &pool).await.map(|vm| (vm, Tier::Cold)))
+        let made = match make_one(&cx, &pool, golden.as_deref()).await {
+            Ok(made) => made,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(park(&cx, made.0).await.map(|vm| (vm, made.1)))
     };
     let outcome = tokio::select! {
         () = pool.cancel.cancelled() => None,
@@ -344,6 +339,92 @@ async fn slot(cx: Arc<Refill>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>, r
     // A slot that admitted nothing frees its share of the budget only now, after its VM (if
     // any) is destroyed.
     drop(reservation);
+}
+
+/// One VM of the pool: a clone of `golden` if there is one (a failed clone counts towards
+/// dropping the golden, and falls back), else a cold boot.
+async fn make_one(cx: &Refill, pool: &Pool, golden: Option<&Snapshot>) -> Result<(Vm, Tier), RefillError> {
+    if let Some(g) = golden {
+        match clone_one(cx, pool, g).await {
+            Ok(vm) => {
+                pool.lock().clone_failures = 0;
+                return Ok((vm, Tier::Clone));
+            }
+            Err(e) => {
+                tracing::warn!(error = %vmm::error_chain(&e), "clone failed; cold-booting instead");
+                clone_failed(cx, pool);
+            }
+        }
+    }
+    cold_one(cx, pool).await.map(|vm| (vm, Tier::Cold))
+}
+
+/// Stops a ready VM's vCPUs before it waits in the pool: a warm VM costs no CPU, and touches
+/// no more memory, until a claim resumes it. One that cannot be paused is destroyed.
+async fn park(cx: &Refill, vm: Vm) -> Result<Vm, RefillError> {
+    match cx.driver().pause(&vm).await {
+        Ok(()) => Ok(vm),
+        Err(source) => {
+            cx.vms.destroy(&vm).await;
+            Err(RefillError::Driver { what: "pausing the warm VM", source })
+        }
+    }
+}
+
+/// A VM for a claim that found its pool empty, made now, as upstream does: a clone of the
+/// golden (else a cold boot), ready (silkd answers) and running. `None` when the node budget
+/// has no room for it (or the node is draining or not reconciled yet): `Refused` with why, and
+/// the claim answers 429.
+/// The VM is made on its own task: a claim that goes away meanwhile (its client hung up) leaves
+/// the VM to the pool, paused, instead of killing it half-made.
+pub async fn on_demand(cx: &Arc<Refill>, pool: &Arc<Pool>) -> Result<Vm, Miss> {
+    if cx.draining() {
+        return Err(Miss::Refused("the node is draining".into()));
+    }
+    if !cx.reconciled() {
+        return Err(Miss::Refused("the node is still reconciling its VMs after a restart".into()));
+    }
+    let disk = disk_mib(&cx.catalog, pool.key.template());
+    let (granted, short) = cx.vms.ledger.reserve(1, pool.key.size(), disk);
+    let Some(reservation) = granted.into_iter().next() else {
+        return Err(Miss::Refused(short.unwrap_or_else(|| "the node budget is full".into())));
+    };
+    let golden = pool.lock().golden.clone().filter(|_| cx.clone_enabled);
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (cx, pool) = (Arc::clone(cx), Arc::clone(pool));
+    let span = tracing::info_span!("on_demand", template = %pool.key.template());
+    tokio::spawn(
+        async move {
+            let made = make_one(&cx, &pool, golden.as_ref()).await.map(|(vm, _)| vm);
+            if let Ok(vm) = &made {
+                reservation.admit(&vm.id);
+            }
+            let Err(Ok(vm)) = tx.send(made) else { return };
+            // The claim is gone: the VM waits in the pool like any warm one.
+            let full = {
+                let s = pool.lock();
+                s.retired || s.warm.len() >= s.target
+            };
+            if full || cx.draining() {
+                cx.vms.destroy(&vm).await;
+            } else if let Ok(vm) = park(&cx, vm).await {
+                pool.lock().warm.push(vm);
+            }
+        }
+        .instrument(span),
+    );
+    rx.await.unwrap_or(Err(RefillError::Abandoned)).map_err(Miss::Failed)
+}
+
+/// Why a claim on an empty pool got no VM made for it.
+#[derive(Debug, thiserror::Error)]
+pub enum Miss {
+    /// No VM was started: the node budget has no room, or the node drains.
+    #[error("{0}")]
+    Refused(String),
+    /// The VM made for the claim failed.
+    #[error(transparent)]
+    Failed(RefillError),
 }
 
 fn clone_failed(cx: &Refill, pool: &Pool) {

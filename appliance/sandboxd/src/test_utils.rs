@@ -61,6 +61,7 @@ pub struct Calls {
 #[derive(Debug, Default)]
 struct State {
     vms: BTreeMap<VmId, Vm>,
+    paused: std::collections::BTreeSet<VmId>,
     fail: Failures,
     calls: Calls,
 }
@@ -136,6 +137,11 @@ impl FakeDriver {
     /// Ids of live VMs.
     pub fn live(&self) -> Vec<VmId> {
         lock(&self.state).vms.keys().cloned().collect()
+    }
+
+    /// Whether a live VM's vCPUs are stopped (paused and not resumed since).
+    pub fn is_paused(&self, id: &VmId) -> bool {
+        lock(&self.state).paused.contains(id)
     }
 
     /// Whether a VM is live.
@@ -291,15 +297,21 @@ impl Driver for FakeDriver {
     }
 
     async fn pause(&self, vm: &Vm) -> Result<(), DriverError> {
-        if lock(&self.state).vms.contains_key(&vm.id) {
-            Ok(())
-        } else {
-            Err(not_found(&vm.id))
+        let mut s = lock(&self.state);
+        if !s.vms.contains_key(&vm.id) {
+            return Err(not_found(&vm.id));
         }
+        s.paused.insert(vm.id.clone());
+        Ok(())
     }
 
     async fn resume(&self, vm: &Vm) -> Result<(), DriverError> {
-        self.pause(vm).await
+        let mut s = lock(&self.state);
+        if !s.vms.contains_key(&vm.id) {
+            return Err(not_found(&vm.id));
+        }
+        s.paused.remove(&vm.id);
+        Ok(())
     }
 
     async fn snapshot(&self, vm: &Vm, dir: &Path, _after: AfterSnapshot) -> Result<Snapshot, DriverError> {

@@ -214,11 +214,6 @@ async fn error_shapes() {
         (json!({"template": "-bad"}), StatusCode::BAD_REQUEST, Value::Null),
         (json!({"template": "base", "net": "wifi"}), StatusCode::BAD_REQUEST, Value::Null),
         (json!({}), StatusCode::BAD_REQUEST, Value::Null),
-        (
-            json!({"template": "rt"}),
-            StatusCode::TOO_MANY_REQUESTS,
-            json!({"error": "no warm capacity for rt|none|small"}),
-        ),
         // A catalog template without a pool: no capacity, not unknown.
         (
             json!({"template": "base", "size": "large"}),
@@ -247,6 +242,9 @@ async fn error_shapes() {
         }
     }
     assert_eq!(warm(&h.node, "base"), 1);
+    // A pool with no warm VM (rt keeps none) makes one for the claim, as upstream does.
+    let (s, v) = h.call("POST", "/v1/claim", None, Some(json!({"template": "rt"}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
     // Unknown claim fields are accepted (vk-sandbox sends metadata, on_expire, egress).
     let g = h.claim(json!({"template": "base", "metadata": {"a": "b"}, "on_expire": "x", "no_redirect": true})).await;
     // Its volumes: none; asking for one the catalog lacks is a 404 carrying the whole view.
@@ -285,7 +283,8 @@ async fn error_shapes() {
     assert_eq!(s, StatusCode::OK);
     let text = v.as_str().expect("text");
     assert!(text.contains("sandboxd_claims_total{result=\"granted\",tier=\"warm\"} 1"), "{text}");
-    assert!(text.contains("sandboxd_claims_total{result=\"no_capacity\",tier=\"\"} 2"), "{text}");
+    assert!(text.contains("sandboxd_claims_total{result=\"granted\",tier=\"on_demand\"} 1"), "{text}");
+    assert!(text.contains("sandboxd_claims_total{result=\"no_capacity\",tier=\"\"} 1"), "{text}");
     assert!(text.contains("sandboxd_pool_target{template=\"base\",net=\"none\",size=\"small\"} 1"), "{text}");
     // Every claim that reached the node is timed, granted or refused.
     let timed = text.lines().find_map(|l| l.strip_prefix("sandboxd_claim_duration_seconds_count "));
@@ -860,6 +859,39 @@ async fn fork_is_all_or_nothing_and_children_diverge_from_the_parent() {
         assert_eq!(s, StatusCode::NO_CONTENT);
     }
     wait_for("the fork snapshots to be collected", || snapshot_dirs(&h).is_empty()).await;
+}
+
+/// A claim on an empty pool is served by a VM made for it (counted as `on_demand`, its wait in
+/// the claim latency) while the node budget has room; past it, 429 names the budget.
+#[tokio::test]
+async fn a_warm_miss_is_served_on_demand_until_the_budget_is_full() {
+    let h = start_with(&[("base", 1)], None, |o| o.limits.budget.max_vms = 2).await;
+    wait_warm(&h.node, "base", 1).await;
+    // A warm VM waits paused; the claim resumes it.
+    let live = h.driver.live();
+    assert_eq!(live.len(), 1, "{live:?}");
+    let warm_vm = live[0].clone();
+    assert!(h.driver.is_paused(&warm_vm), "a warm VM waits with its vCPUs stopped");
+    let first = h.claim(json!({"template": "base"})).await;
+    let claimed = h.node.sandbox(first["id"].as_str().expect("id")).expect("claim").rec.vm;
+    assert_eq!(claimed, warm_vm);
+    assert!(!h.driver.is_paused(&claimed), "a claimed VM runs");
+    // The refill of the pool may take the second VM first; either way one more claim is served.
+    h.claim(json!({"template": "base"})).await;
+    let (s, v) = h.call("POST", "/v1/claim", None, Some(json!({"template": "base"}))).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{v}");
+    let msg = v["error"].as_str().expect("msg");
+    assert!(msg.starts_with("no warm VM for base|none|small, and none can be started now"), "{msg}");
+    assert!(msg.contains("max_vms = 2"), "{msg}");
+    let m = h.node.render_metrics();
+    let granted = |tier: &str| {
+        m.lines()
+            .find(|l| l.starts_with(&format!("sandboxd_claims_total{{result=\"granted\",tier=\"{tier}\"}}")))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(granted("warm") + granted("on_demand"), 2, "{m}");
+    assert!(m.contains("sandboxd_claims_total{result=\"no_capacity\",tier=\"\"} 1"), "{m}");
 }
 
 #[tokio::test]

@@ -108,6 +108,7 @@ async fn egress_vms_get_a_nic_and_give_it_back() {
     // A claim of an egress VM, then its release: TAP and lease go with the VM.
     let grant = node
         .claim(ClaimRequest { key: egress.clone(), ttl: Duration::from_secs(60), claim_ref: None })
+        .await
         .expect("egress claim on a node with an uplink");
     let vm = node.sandbox(&grant.id).and_then(|c| c.vm).expect("claimed vm");
     let tap = vm.spec.nic.as_ref().expect("nic").tap.clone();
@@ -149,8 +150,10 @@ async fn without_an_uplink_egress_is_refused_naming_the_key() {
     let node = Node::start(driver, opts(&data, ns.name(), None)).await.expect("start");
     assert!(!node.egress());
     let egress = PoolKey::parse("base", Some("egress"), None).expect("key");
-    let e =
-        node.claim(ClaimRequest { key: egress, ttl: Duration::from_secs(60), claim_ref: None }).expect_err("refused");
+    let e = node
+        .claim(ClaimRequest { key: egress, ttl: Duration::from_secs(60), claim_ref: None })
+        .await
+        .expect_err("refused");
     assert!(matches!(e, sandboxd::claims::ClaimError::Egress), "{e:?}");
     assert!(e.to_string().contains("network.uplink"), "{e}");
     let put = node.put_pools(vec![egress_pool(1)]).await.expect_err("an egress pool without an uplink");

@@ -121,7 +121,7 @@ impl From<ClaimError> for ApiError {
             ClaimError::Key(k) => ApiError::BadRequest(k.to_string()),
             ClaimError::Ttl(m) => ApiError::BadRequest(m),
             ClaimError::Draining => ApiError::TooManyRequests("node draining".into()),
-            e @ ClaimError::NoCapacity(_) => ApiError::TooManyRequests(e.to_string()),
+            e @ (ClaimError::NoCapacity(_) | ClaimError::Full { .. }) => ApiError::TooManyRequests(e.to_string()),
             e @ ClaimError::UnknownTemplate(_) => ApiError::NotFound(e.to_string()),
             ClaimError::AmbiguousTemplate(m) => ApiError::BadRequest(m),
             e @ ClaimError::Egress => ApiError::Conflict(e.to_string()),
@@ -129,6 +129,7 @@ impl From<ClaimError> for ApiError {
             ClaimError::NotFound => ApiError::no_sandbox(),
             e @ ClaimError::LeaseHorizon { .. } => ApiError::Conflict(e.to_string()),
             e @ ClaimError::Journal(_) => ApiError::internal("claim", e),
+            e @ ClaimError::Start(_) => ApiError::internal("claim", e),
         }
     }
 }

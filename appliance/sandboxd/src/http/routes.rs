@@ -52,7 +52,7 @@ pub(super) async fn claim(
         crate::metrics::inc(&node.metrics.claims_failed);
         return Err(e.into());
     }
-    let mut grant = node.claim(req)?;
+    let mut grant = node.claim(req).await?;
     // Volumes are attached (and mounted) before the grant goes out; a claim whose volumes
     // fail is released again, so the caller never holds half of what it asked for.
     if !volumes.is_empty() {

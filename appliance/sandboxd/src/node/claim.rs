@@ -1,9 +1,13 @@
 //! The per-claim calls of [`Node`]: claim, release, renew and the lookups.
 //!
-//! Guarantees: the claim path does no VM work (pop the newest warm VM, mint an id and a token,
-//! journal, reply); a claim is granted only after a journal write that includes it (a failed
-//! write puts the VM back); no lease runs past `claimed_at` + `max_lifetime_secs`.
+//! Guarantees: the claim path does one VM operation on a hit (pop the newest warm VM, resume its
+//! vCPUs: warm VMs wait paused, mint an id and a token, journal, reply); a miss makes a VM now,
+//! as upstream does (a clone of the golden, else a cold boot; [`refill::on_demand`]), bounded by
+//! the node budget (429 when it has no room), the wait counted in the claim latency; a claim is
+//! granted only after a journal write that includes it (a failed write puts the VM back,
+//! paused); no lease runs past `claimed_at` + `max_lifetime_secs`.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use tracing::Instrument as _;
@@ -13,22 +17,59 @@ use super::{ClaimRequest, Grant, Node};
 use crate::claims::{self, Claim, ClaimError, SandboxRow};
 use crate::journal::ClaimRecord;
 use crate::metrics::inc;
-use crate::pool::{Net, PoolKey};
+use crate::pool::{Net, Pool, PoolKey};
+use crate::refill;
+
+/// Where a claim's VM came from.
+#[derive(Debug, Clone, Copy)]
+enum Tier {
+    /// The pool's newest warm VM.
+    Warm,
+    /// Made for the claim (the pool was empty).
+    OnDemand,
+}
 
 impl Node {
-    /// Grants a claim: ownership transfer of the newest warm VM, no VM work. Its duration is
-    /// observed in `sandboxd_claim_duration_seconds`, granted or refused.
-    pub fn claim(&self, req: ClaimRequest) -> Result<Grant, ClaimError> {
+    /// Grants a claim: ownership transfer of the newest warm VM (resumed), or of one made now
+    /// on a miss. Its duration is observed in `sandboxd_claim_duration_seconds`, granted or
+    /// refused.
+    pub async fn claim(&self, req: ClaimRequest) -> Result<Grant, ClaimError> {
         let started = Instant::now();
-        let r = self.claim_inner(req);
+        let r = self.claim_inner(req).await;
         self.metrics.claim_duration.observe(started.elapsed());
         match &r {
-            Ok(_) => inc(&self.metrics.claims_warm),
-            Err(ClaimError::NoCapacity(_)) => inc(&self.metrics.claims_no_capacity),
+            Ok((_, Tier::Warm)) => inc(&self.metrics.claims_warm),
+            Ok((_, Tier::OnDemand)) => inc(&self.metrics.claims_on_demand),
+            Err(ClaimError::NoCapacity(_) | ClaimError::Full { .. }) => inc(&self.metrics.claims_no_capacity),
             Err(ClaimError::Draining) => inc(&self.metrics.claims_draining),
             Err(_) => inc(&self.metrics.claims_failed),
         }
-        r
+        r.map(|(grant, _)| grant)
+    }
+
+    /// A VM for a claim on `pool`: the newest warm one, resumed; else one made now.
+    async fn vm_for_claim(&self, pool: &Arc<Pool>) -> Result<(Vm, Tier), ClaimError> {
+        while let Some(vm) = pool.take() {
+            pool.kick();
+            let t0 = Instant::now();
+            match self.vms.driver.resume(&vm).await {
+                Ok(()) => {
+                    self.metrics.claim_resume.observe(t0.elapsed());
+                    return Ok((vm, Tier::Warm));
+                }
+                Err(e) => {
+                    // A warm VM that cannot run again is gone; the next one is tried.
+                    tracing::warn!(vm = %vm.id, error = %vmm::error_chain(&e), "a warm VM did not resume; destroying it");
+                    self.vms.destroy(&vm).await;
+                }
+            }
+        }
+        pool.kick();
+        match refill::on_demand(&self.refill, pool).await {
+            Ok(vm) => Ok((vm, Tier::OnDemand)),
+            Err(refill::Miss::Refused(reason)) => Err(ClaimError::Full { key: pool.key.clone(), reason }),
+            Err(refill::Miss::Failed(e)) => Err(ClaimError::Start(vmm::error_chain(&e))),
+        }
     }
 
     /// The pool a claim for `key` is served from. A pool under the exact name wins; otherwise
@@ -56,7 +97,7 @@ impl Node {
         }
     }
 
-    fn claim_inner(&self, mut req: ClaimRequest) -> Result<Grant, ClaimError> {
+    async fn claim_inner(&self, mut req: ClaimRequest) -> Result<(Grant, Tier), ClaimError> {
         req.key = self.pool_key_for(&req.key)?;
         if req.key.net() == Net::Egress && !self.egress() {
             return Err(ClaimError::Egress);
@@ -71,11 +112,7 @@ impl Node {
                 Err(_) => ClaimError::UnknownTemplate(req.key.template().to_string()),
             });
         };
-        let Some(vm) = pool.take() else {
-            pool.kick();
-            return Err(ClaimError::NoCapacity(req.key));
-        };
-        pool.kick();
+        let (vm, tier) = self.vm_for_claim(&pool).await?;
         let now = claims::unix_ms(SystemTime::now());
         // The lease horizon caps the first lease too.
         let ttl_ms = u64::try_from(req.ttl.min(self.limits.max_lifetime).as_millis()).unwrap_or(u64::MAX);
@@ -101,12 +138,15 @@ impl Node {
             tracing::error!(error = %vmm::error_chain(&e), "claim not granted: journal write failed");
             let back = self.store.lock().remove(&id);
             if let Some((Claim { vm: Some(vm), .. }, _)) = back {
-                pool.put_back(vm);
+                match self.vms.driver.pause(&vm).await {
+                    Ok(()) => pool.put_back(vm),
+                    Err(_) => self.vms.destroy(&vm).await,
+                }
             }
             return Err(ClaimError::Journal(e));
         }
-        tracing::info!("claimed");
-        Ok(grant)
+        tracing::info!(?tier, "claimed");
+        Ok((grant, tier))
     }
 
     /// The `200` body of a claim granted as `rec`.
