@@ -339,6 +339,16 @@ async fn clones_share_the_golden_ram_copy_on_write() -> Result<()> {
         assert!(pss < rss, "clone {}: RSS {rss} KiB, PSS {pss} KiB", c.id);
     }
     assert_eq!(std::fs::metadata(&memory)?.modified()?, mtime, "no clone wrote the golden's file");
+    // A paused clone (as a warm VM waits) runs again on resume.
+    for _ in 0..3 {
+        driver.pause(&clones[1]).await?;
+        let t0 = std::time::Instant::now();
+        driver.resume(&clones[1]).await?;
+        eprintln!("resume of a paused clone: {:?}", t0.elapsed());
+    }
+    let mut b = agent(&driver, &clones[1]).await?;
+    assert_eq!(exec_ok(&mut b, &["cat", "/dev/shm/marker"]).await?, "golden\n");
+    drop(b);
 
     // A full snapshot of a clone (its RAM is private) restores under the same RAM block.
     drop(a);

@@ -32,7 +32,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let want_branch = matches!(args.what, BenchWhat::All | BenchWhat::Branch);
     let want_vnode = matches!(args.what, BenchWhat::All | BenchWhat::Vnode);
     let want_cocoon = matches!(args.what, BenchWhat::All | BenchWhat::Cocoon);
-    let bin = if want_sandboxd || want_branch { Some(crate::sandboxd::build_binary()?) } else { None };
+    let want_density = matches!(args.what, BenchWhat::All | BenchWhat::Density);
+    let bin = if want_sandboxd || want_branch || want_density { Some(crate::sandboxd::build_binary()?) } else { None };
     let rt = tokio::runtime::Runtime::new()?;
     let mut figures = Vec::new();
     if want_vm {
@@ -45,6 +46,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
         if want_branch {
             rt.block_on(crate::bench_branch::run(&mut figures, bin, args.branch_runs))?;
+        }
+        if want_density {
+            rt.block_on(crate::bench_density::run(&mut figures, bin, args.density_vms, args.density_claims))?;
         }
     }
     if want_vnode {

@@ -276,7 +276,9 @@ pub struct BenchArgs {
     /// (a Pod bound to the vk-cocoon node → Running, `run` and `clone`), `appliance` (the host
     /// image's size, power-on → supervisor ready → nodes Ready, idle RSS of the supervisor and
     /// its services; builds and boots the host image), `branch` (fork of 4, checkpoint, claim
-    /// from a checkpoint, with the real sandboxd and `rt` VMs), or `all`.
+    /// from a checkpoint, with the real sandboxd and `rt` VMs), `density` (PSS and host CPU per
+    /// idle warm VM, warm VMs that fit in 8 GiB, claim latency with paused warm VMs and the
+    /// resume alone), or `all`.
     #[arg(value_enum, default_value = "all")]
     pub what: BenchWhat,
     /// Claims held when sandboxd's RSS is measured.
@@ -308,6 +310,12 @@ pub struct BenchArgs {
     /// `branch`: forks, checkpoints and claims from a checkpoint to take the median of.
     #[arg(long, default_value_t = 5)]
     pub branch_runs: usize,
+    /// `density`: warm `base` VMs in the pool whose memory and CPU are measured.
+    #[arg(long, default_value_t = 20)]
+    pub density_vms: u64,
+    /// `density`: claims timed against the paused warm VMs.
+    #[arg(long, default_value_t = 10)]
+    pub density_claims: u64,
     /// `appliance`: the board whose image is measured.
     #[arg(long, default_value = "qemu-x86_64")]
     pub board: String,
@@ -335,6 +343,7 @@ pub struct SandboxdArgs {
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum BenchWhat {
     All,
+    Density,
     Vm,
     Sandboxd,
     Vnode,

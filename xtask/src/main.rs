@@ -8,6 +8,7 @@ mod bench;
 mod bench_appliance;
 mod bench_branch;
 mod bench_cocoon;
+mod bench_density;
 mod bench_jail;
 mod bench_kubectl;
 mod bench_sandboxd;

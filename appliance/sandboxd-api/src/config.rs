@@ -138,6 +138,19 @@ pub struct NetworkConfig {
     pub netns: Option<String>,
 }
 
+/// Which hypervisor sandboxd drives (`hypervisor` in the config).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Hypervisor {
+    /// cloud-hypervisor when its binary is present and KVM works; else QEMU (default).
+    #[default]
+    Auto,
+    /// QEMU `-M microvm` (KVM, else TCG).
+    Qemu,
+    /// cloud-hypervisor (needs KVM; `$CLOUD_HYPERVISOR_BIN` or `cloud-hypervisor` on `PATH`).
+    CloudHypervisor,
+}
+
 /// The config file. An absent key takes its value in [`Config::default`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -233,6 +246,9 @@ pub struct Config {
     /// [`DEFAULT_CONSOLE_LOG_KIB`], at least [`MIN_CONSOLE_LOG_KIB`]); `GET …/console` and
     /// `kubectl logs` read it. A guest that writes more only loses its oldest lines.
     pub console_log_kib: u64,
+    /// The hypervisor (default `auto`: cloud-hypervisor when its binary is present and KVM
+    /// works, else QEMU). The choice and why are logged and shown in `GET /v1/info`.
+    pub hypervisor: Hypervisor,
     /// Most children one fork may ask for (default [`DEFAULT_MAX_FORK_COUNT`], 1 to
     /// [`MAX_FORK_COUNT_LIMIT`]); a larger `count` is a `400`.
     pub max_fork_count: usize,
@@ -291,6 +307,7 @@ impl Default for Config {
             body_timeout_secs: DEFAULT_BODY_TIMEOUT_SECS,
             relay_idle_timeout_secs: DEFAULT_RELAY_IDLE_TIMEOUT_SECS,
             console_log_kib: DEFAULT_CONSOLE_LOG_KIB,
+            hypervisor: Hypervisor::Auto,
             max_fork_count: DEFAULT_MAX_FORK_COUNT,
             checkpoint_ttl_hours: DEFAULT_CHECKPOINT_TTL_HOURS,
             volumes: Vec::new(),

@@ -93,6 +93,12 @@ pub struct Info {
     /// Chrysalis extension: bytes the snapshots (checkpoints, fork snapshots, hibernated
     /// sandboxes) hold on disk.
     pub checkpoint_disk_bytes: u64,
+    /// Chrysalis extension: the hypervisor VMs run under (`qemu`, `cloud-hypervisor`).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub hypervisor: String,
+    /// Chrysalis extension: its accelerator (`kvm`, `tcg`).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub accel: String,
 }
 
 /// `GET /v1/pools` and the `PUT /v1/pools` body (decoded strictly): the configured pools.
@@ -145,6 +151,8 @@ mod tests {
             },
             checkpoints: 0,
             checkpoint_disk_bytes: 0,
+            hypervisor: String::new(),
+            accel: String::new(),
         }
     }
 

@@ -54,6 +54,12 @@ use sandboxd::{Node, NodeOptions};
 /// `PUT/PATCH …/volumes` and mounted by the guest agent (`/mnt/<name>` unless told; `rw`
 /// holds are exclusive). A sandbox holding volumes cannot fork, checkpoint, promote or
 /// hibernate until it lets them go.
+///
+/// Density: a pool's golden keeps its RAM in a file that every clone maps copy-on-write (one
+/// sealed copy per golden), warm VMs wait paused and the claim resumes them, and a claim on an
+/// empty pool gets a VM made for it (a clone, else a cold boot) while the node budget has room
+/// (`429` past it). `hypervisor` picks `qemu`, `cloud-hypervisor` or `auto` (cloud-hypervisor
+/// when present and KVM works); `GET /v1/info` shows the choice.
 #[derive(Debug, Parser)]
 #[command(name = "sandboxd", version)]
 struct Args {
@@ -140,7 +146,13 @@ fn driver(c: &Config) -> anyhow::Result<Arc<dyn vmm::Driver>> {
     let mut qemu = vmm::qemu::QemuConfig::from_env();
     qemu.state_dir = state_dir;
     qemu.console_cap = c.console_log_kib.saturating_mul(1024);
-    Ok(Arc::new(vmm::qemu::QemuDriver::new(qemu)))
+    let pref = match c.hypervisor {
+        sandboxd_api::config::Hypervisor::Auto => vmm::hypervisor::HypervisorPreference::Auto,
+        sandboxd_api::config::Hypervisor::Qemu => vmm::hypervisor::HypervisorPreference::Qemu,
+        sandboxd_api::config::Hypervisor::CloudHypervisor => vmm::hypervisor::HypervisorPreference::CloudHypervisor,
+    };
+    let (driver, _choice) = vmm::hypervisor::driver(pref, qemu).context("starting the hypervisor driver")?;
+    Ok(driver)
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {

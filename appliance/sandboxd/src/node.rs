@@ -358,6 +358,8 @@ impl Node {
             },
             checkpoints,
             checkpoint_disk_bytes,
+            hypervisor: self.vms.driver.backend().to_string(),
+            accel: self.vms.driver.accel().to_string(),
         }
     }
 

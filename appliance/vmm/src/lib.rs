@@ -20,6 +20,7 @@ pub mod cloud_hypervisor;
 pub mod console;
 pub mod disk;
 pub mod driver;
+pub mod hypervisor;
 pub mod id;
 pub mod jail;
 pub mod lifecycle;
