@@ -943,6 +943,8 @@ async fn checkpoints_are_claimed_many_times_survive_a_restart_and_are_deleted() 
     assert_eq!(list["checkpoints"][0]["id"], ck_id.as_str());
     let (_, info) = h.call("GET", "/v1/info", None, None).await;
     assert!(info["checkpoint_disk_bytes"].as_u64().is_some(), "{info}");
+    // Which hypervisor the node drives, and under which accelerator.
+    assert_eq!((info["hypervisor"].as_str(), info["accel"].as_str()), (Some("qemu"), Some("tcg")), "{info}");
 
     // A restart keeps the checkpoint and its claims.
     let (node, app) = h.restart(&[("base", 1)]).await;
