@@ -122,6 +122,10 @@ pub struct QemuDriver {
     bridges: Mutex<HashMap<VmId, Bridge>>,
     consoles: Mutex<HashMap<VmId, ConsoleDrain>>,
     shared_ram: memory::SharedRam,
+    /// The QMP connection a [`Driver::pause`] kept open, so the resume of a paused warm VM
+    /// (inside a claim) is one `cont`; any other QMP use closes it first (QEMU serves one QMP
+    /// client at a time).
+    parked: Mutex<HashMap<VmId, Qmp>>,
 }
 
 /// Removes a half-created VM (kills its processes, deletes its dir) unless disarmed.
@@ -176,6 +180,7 @@ impl QemuDriver {
             bridges: Mutex::new(HashMap::new()),
             consoles: Mutex::new(HashMap::new()),
             shared_ram: memory::SharedRam::default(),
+            parked: Mutex::new(HashMap::new()),
         }
     }
 
@@ -289,10 +294,16 @@ impl QemuDriver {
     }
 
     async fn qmp(&self, vm: &Vm) -> Result<Qmp, DriverError> {
+        drop(self.unpark(&vm.id));
         if !record::is_alive(vm.pid, vm.pid_start_time) {
             return Err(DriverError::NotFound(vm.id.clone()));
         }
         Qmp::connect(&vm.control_socket, QMP_CONNECT_TIMEOUT).await.map_err(control(&vm.id))
+    }
+
+    /// Takes the connection [`Driver::pause`] kept for `id`, if any.
+    fn unpark(&self, id: &VmId) -> Option<Qmp> {
+        self.parked.lock().unwrap_or_else(|p| p.into_inner()).remove(id)
     }
 
     fn console_tail(dir: &Path) -> String {
@@ -452,6 +463,7 @@ impl QemuDriver {
         self.check_owned(vm)?;
         self.lock_bridges().remove(&vm.id);
         self.lock_consoles().remove(&vm.id);
+        drop(self.unpark(&vm.id));
         // The caller's copy may predate the pid being recorded.
         let vm = &lifecycle::freshest(vm);
         let recorded = (vm.pid != 0).then_some((vm.pid, vm.pid_start_time));
@@ -494,7 +506,10 @@ impl Driver for QemuDriver {
     }
 
     async fn pause(&self, vm: &Vm) -> Result<(), DriverError> {
-        self.qmp(vm).await?.stop().await.map_err(control(&vm.id))
+        let q = self.qmp(vm).await?;
+        q.stop().await.map_err(control(&vm.id))?;
+        self.parked.lock().unwrap_or_else(|p| p.into_inner()).insert(vm.id.clone(), q);
+        Ok(())
     }
 
     /// Resumes the vCPUs. A snapshot whose caller died mid-way may still be migrating the
@@ -502,6 +517,15 @@ impl Driver for QemuDriver {
     /// QEMU leaves the VM paused when it ends.
     async fn resume(&self, vm: &Vm) -> Result<(), DriverError> {
         use qapi::qmp::MigrationStatus as S;
+        // Paused by us, with nothing run since: one `cont` on the kept connection.
+        if let Some(q) = self.unpark(&vm.id) {
+            match q.cont().await {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    tracing::debug!(vm = %vm.id, error = %crate::error_chain(&e), "the kept QMP connection failed; dialling again")
+                }
+            }
+        }
         let q = self.qmp(vm).await?;
         let (status, _) = q.migration().await.map_err(control(&vm.id))?;
         if !matches!(status, None | Some(S::none | S::completed | S::failed | S::cancelled)) {
