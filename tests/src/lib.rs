@@ -77,6 +77,15 @@ pub fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// `(Rss, Pss)` of a process in KiB, from `/proc/<pid>/smaps_rollup` (`None` once it is gone).
+pub fn rss_pss_kib(pid: u32) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let field = |name: &str| {
+        text.lines().find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+    };
+    Some((field("Rss:")?, field("Pss:")?))
+}
+
 /// Pids of live `qemu-system*` processes with an argument naming `dir` or a path under it
 /// (for leak checks). A zombie has an empty command line and is never counted.
 pub fn qemu_processes_under(dir: &Path) -> Vec<u32> {

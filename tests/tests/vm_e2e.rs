@@ -255,17 +255,6 @@ async fn a_guest_flooding_its_serial_console_is_held_to_the_cap() -> Result<()> 
     Ok(())
 }
 
-/// `(Rss, Pss)` of a process in KiB, from `smaps_rollup`.
-fn rss_pss_kib(pid: u32) -> Result<(u64, u64)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))?;
-    let field = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
-            .with_context(|| format!("{name} in smaps_rollup of {pid}"))
-    };
-    Ok((field("Rss:")?, field("Pss:")?))
-}
-
 /// KiB of the golden RAM map of a clone (`/memfd:chrysalis-golden-ram`) that other processes
 /// map too (`Shared_Clean` + `Shared_Dirty` in `smaps`).
 fn golden_ram_shared_kib(pid: u32) -> Result<u64> {
@@ -332,7 +321,7 @@ async fn clones_share_the_golden_ram_copy_on_write() -> Result<()> {
     assert_eq!(exec_ok(&mut b, &["cat", "/dev/shm/marker"]).await?, "golden\n", "a clone's writes are its own");
     drop(b);
     for c in &clones {
-        let (rss, pss) = rss_pss_kib(c.pid)?;
+        let (rss, pss) = test_infra::rss_pss_kib(c.pid).context("smaps_rollup of a clone")?;
         let shared = golden_ram_shared_kib(c.pid)?;
         eprintln!("clone {}: RSS {rss} KiB, PSS {pss} KiB, golden RAM shared with the other {shared} KiB", c.id);
         assert!(shared >= 4096, "clone {}: the golden's pages are one copy for both clones ({shared} KiB)", c.id);

@@ -17,15 +17,6 @@ use anyhow::{Context, Result};
 use sandboxd_api::{ClaimRequest, Grant, Info, PoolConfig};
 use std::time::{Duration, Instant};
 
-/// `(Rss, Pss)` of a process in KiB.
-fn rss_pss_kib(pid: u32) -> Option<(u64, u64)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    let field = |name: &str| {
-        text.lines().find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
-    };
-    Some((field("Rss:")?, field("Pss:")?))
-}
-
 /// utime + stime of a process, in clock ticks.
 fn cpu_ticks(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -79,7 +70,7 @@ pub async fn run(figures: &mut Vec<Figure>, bin: &std::path::Path, vms: u64, cla
         // Let the last clone settle (its probe and reseed ran just before it was paused).
         tokio::time::sleep(Duration::from_secs(3)).await;
         let pids = test_infra::qemu_processes_under(node.dir.path());
-        let usage: Vec<(u64, u64)> = pids.iter().filter_map(|p| rss_pss_kib(*p)).collect();
+        let usage: Vec<(u64, u64)> = pids.iter().filter_map(|p| test_infra::rss_pss_kib(*p)).collect();
         anyhow::ensure!(!usage.is_empty(), "no QEMU process found under {}", node.dir.path().display());
         let n = usage.len() as f64;
         let pss = usage.iter().map(|u| u.1).sum::<u64>() as f64 / n / 1024.0;
