@@ -195,6 +195,9 @@ node_name = "{COCOON_NODE}"
         let dir = tempfile::Builder::new().prefix("sup").tempdir_in("/tmp").expect("tempdir");
         let run = start(dir.path());
         let before = run.wait_healthy("supervisor ready, both nodes Ready, the pool warm");
+        // `chrysalis status` names the hypervisor sandboxd chose (QEMU here: no cloud-hypervisor).
+        let hv = before.health.hypervisor.as_deref().unwrap_or_default();
+        assert!(hv == "qemu (tcg)" || hv == "qemu (kvm)", "hypervisor {hv:?}");
         // The pool's one warm VM is the one the claim gets: its QEMU must survive everything below.
         let claimed: Vec<u32> = test_infra::qemu_processes_under(&run.state);
         assert_eq!(claimed.len(), 1, "one warm VM expected under {}", run.state.display());

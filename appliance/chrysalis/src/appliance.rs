@@ -208,6 +208,9 @@ pub fn status(a: ClientArgs) -> Result<()> {
     if h.sandboxd_answers == Some(false) {
         println!("sandboxd    not answering");
     }
+    if let Some(hv) = &h.hypervisor {
+        println!("vms         {hv}");
+    }
     for t in &st.tls {
         let origin = if t.minted { "self-signed, minted by the box" } else { "configured" };
         println!("tls         SHA-256 {} ({origin}; serves {})", t.fingerprint, t.surfaces.join(", "));

@@ -107,6 +107,10 @@ pub struct Health {
     /// Why the pools could not be read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pools_error: Option<String>,
+    /// The hypervisor sandboxd's VMs run under, with its accelerator (`qemu (tcg)`), from
+    /// `GET /v1/info`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hypervisor: Option<String>,
     /// Unix time of the snapshot.
     pub checked_at: u64,
 }
@@ -208,9 +212,10 @@ impl Prober {
         Some(matches!(r, Ok(resp) if resp.status.is_success()))
     }
 
-    /// sandboxd's pools from `GET /v1/info` (empty when sandboxd is not configured).
-    pub async fn pools(&self) -> Result<Vec<PoolHealth>, String> {
-        let Some(ep) = &self.sandboxd else { return Ok(Vec::new()) };
+    /// sandboxd's pools from `GET /v1/info` (empty when sandboxd is not configured), and the
+    /// hypervisor it names (`qemu (tcg)`; `None` from a sandboxd that does not say).
+    pub async fn pools(&self) -> Result<(Vec<PoolHealth>, Option<String>), String> {
+        let Some(ep) = &self.sandboxd else { return Ok((Vec::new(), None)) };
         let r = http::send(
             ep,
             self.sandboxd_tls.as_ref(),
@@ -227,7 +232,8 @@ impl Prober {
         }
         let info: sandboxd_api::Info =
             serde_json::from_slice(&r.body).map_err(|e| format!("sandboxd's GET /v1/info: {e}"))?;
-        Ok(info
+        let hypervisor = (!info.hypervisor.is_empty()).then(|| format!("{} ({})", info.hypervisor, info.accel));
+        let pools = info
             .pools
             .into_iter()
             .map(|p| PoolHealth {
@@ -237,7 +243,8 @@ impl Prober {
                 warm: p.warm,
                 target: p.target,
             })
-            .collect())
+            .collect();
+        Ok((pools, hypervisor))
     }
 
     async fn client(&self, kubeconfig: &PathBuf) -> Result<kube::Client, HealthError> {

@@ -101,9 +101,10 @@ async fn full_probe(shared: &Shared, prober: &Prober) {
     let (pools, (nodes, reachable)) = tokio::join!(prober.pools(), prober.nodes());
     shared.update_health(|h| {
         match pools {
-            Ok(p) => {
+            Ok((p, hypervisor)) => {
                 h.pools = p;
                 h.pools_error = None;
+                h.hypervisor = hypervisor;
             }
             Err(e) => h.pools_error = Some(e),
         }
