@@ -384,18 +384,38 @@ pub async fn on_demand(cx: &Arc<Refill>, pool: &Arc<Pool>) -> Result<Vm, Miss> {
     if !cx.reconciled() {
         return Err(Miss::Refused("the node is still reconciling its VMs after a restart".into()));
     }
+    // A clone is cheap; a cold boot is not: while the golden is being built, or while another
+    // boot for this pool is in flight, the claim is refused rather than adding a boot that
+    // competes with those for the CPU (each retry of an impatient client would add one).
+    let golden = {
+        let s = pool.lock();
+        let golden = s.golden.clone().filter(|_| cx.clone_enabled);
+        if golden.is_none() && cx.clone_enabled && s.golden_building {
+            return Err(Miss::Refused("the pool's golden snapshot is still being built".into()));
+        }
+        if golden.is_none() && (s.on_demand_booting > 0 || s.refilling > 0) {
+            return Err(Miss::Refused("a VM for this pool is already booting".into()));
+        }
+        golden
+    };
     let disk = disk_mib(&cx.catalog, pool.key.template());
     let (granted, short) = cx.vms.ledger.reserve(1, pool.key.size(), disk);
     let Some(reservation) = granted.into_iter().next() else {
         return Err(Miss::Refused(short.unwrap_or_else(|| "the node budget is full".into())));
     };
-    let golden = pool.lock().golden.clone().filter(|_| cx.clone_enabled);
+    let cold = golden.is_none();
+    if cold {
+        pool.lock().on_demand_booting += 1;
+    }
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (cx, pool) = (Arc::clone(cx), Arc::clone(pool));
     let span = tracing::info_span!("on_demand", template = %pool.key.template());
     tokio::spawn(
         async move {
             let made = make_one(&cx, &pool, golden.as_ref()).await.map(|(vm, _)| vm);
+            if cold {
+                pool.lock().on_demand_booting -= 1;
+            }
             if let Ok(vm) = &made {
                 reservation.admit(&vm.id);
             }

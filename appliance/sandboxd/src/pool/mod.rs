@@ -55,6 +55,8 @@ pub struct PoolState {
     pub golden: Option<Snapshot>,
     /// A golden build is running.
     pub golden_building: bool,
+    /// Cold boots started for a claim on a miss, in flight (at most one per pool).
+    pub on_demand_booting: usize,
     /// Do not try to build a golden before this instant (after a failure).
     pub golden_retry_at: Option<Instant>,
     /// Clone failures in a row (the golden is dropped after a few).

@@ -9,7 +9,8 @@
 //!   sealed copy of the file ([`SharedRam`]): a memfd, one per golden, that no one can write
 //!   or resize (`F_SEAL_WRITE|GROW|SHRINK|SEAL`), so a hostile QEMU that reopens it read-write
 //!   still cannot change what the next clone starts from; only pages a clone writes become its
-//!   own. The golden file on disk stays root's and unreachable to the VM user.
+//!   own. The copy is allocated whole (the RAM's size, once per golden, charged to sandboxd):
+//!   see [`sealed_copy`]. The golden file on disk stays root's and unreachable to the VM user.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -102,11 +103,18 @@ fn copy_sparse(src: &File, open: impl FnOnce() -> io::Result<OwnedFd>) -> io::Re
 }
 
 /// A golden RAM file sealed into a memfd: the copy a clone maps.
+///
+/// The copy is whole, holes included: a fault on a hole of a memfd allocates the page in the
+/// memfd and charges it to the faulting QEMU's cgroup, so a clone that touched all its RAM
+/// would be charged it twice (the shared page, then its private copy) and be OOM-killed well
+/// inside its size class. Allocated here, the golden's RAM is charged once, to sandboxd.
 pub(super) fn sealed_copy(path: &Path) -> io::Result<OwnedFd> {
     let src = File::open(path)?;
+    let len = src.metadata()?.len();
     let fd = copy_sparse(&src, || {
         Ok(rustix::fs::memfd_create("chrysalis-golden-ram", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?)
     })?;
+    rustix::fs::fallocate(&fd, rustix::fs::FallocateFlags::empty(), 0, len)?;
     rustix::fs::fcntl_add_seals(&fd, SealFlags::WRITE | SealFlags::GROW | SealFlags::SHRINK | SealFlags::SEAL)?;
     Ok(fd)
 }
@@ -166,7 +174,7 @@ mod tests {
     use std::io::Write as _;
 
     #[test]
-    fn a_sealed_copy_holds_the_data_keeps_holes_and_refuses_every_write() {
+    fn a_sealed_copy_holds_the_data_is_allocated_whole_and_refuses_every_write() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("memory");
         let mut f = File::create(&path).unwrap();
@@ -178,8 +186,8 @@ mod tests {
         rustix::io::pread(&fd, &mut back, 3 << 20).unwrap();
         assert_eq!(&back, b"golden");
         assert_eq!(rustix::fs::fstat(&fd).unwrap().st_size, 64 << 20);
-        // Only the chunk with data is backed.
-        assert!(rustix::fs::fstat(&fd).unwrap().st_blocks * 512 <= 2 * CHUNK as i64);
+        // No holes: a clone's fault never allocates in the shared copy.
+        assert!(rustix::fs::fstat(&fd).unwrap().st_blocks * 512 >= 64 << 20);
         // Writes, resizes and new seals are refused, also through a reopened descriptor.
         assert_eq!(rustix::io::pwrite(&fd, b"x", 0).unwrap_err(), rustix::io::Errno::PERM);
         assert_eq!(rustix::fs::ftruncate(&fd, 1).unwrap_err(), rustix::io::Errno::PERM);
