@@ -115,10 +115,17 @@ fn vm_dir_with_console(h: &Harness, marker: &str) -> PathBuf {
 struct Caps {
     vm_dir: PathBuf,
     overlay_cap: u64,
+    /// The attacker's QEMU: whatever the guest does, its own cgroup never kills it.
+    qemu_pid: u32,
 }
 
 impl Caps {
     fn check(&self, what: &str) {
+        assert!(
+            std::path::Path::new(&format!("/proc/{}", self.qemu_pid)).exists(),
+            "{what}: the attacker's QEMU (pid {}) is gone: killed by its cgroup? (dmesg)",
+            self.qemu_pid
+        );
         let console = self.vm_dir.join("console.log");
         let on_disk = size(&console) + size(&vmm::console::rotated_path(&console));
         assert!(
@@ -246,7 +253,9 @@ fn a_hostile_guest_reaches_nothing_and_starves_no_one() {
     assert!(a[2].starts_with("virtio_rng"), "the guest's hwrng is virtio-rng: {a:?}");
     let (s, v) = sh(&h, &attacker, "echo hostile-attacker-marker > /dev/ttyS0", 30);
     assert_eq!((s, v["exit_code"].as_i64()), (200, Some(0)), "{v}");
-    let caps = Caps { vm_dir: vm_dir_with_console(&h, "hostile-attacker-marker"), overlay_cap };
+    let vm_dir = vm_dir_with_console(&h, "hostile-attacker-marker");
+    let qemu_pid = std::fs::read_to_string(vm_dir.join("qemu.pid")).expect("qemu.pid").trim().parse().expect("a pid");
+    let caps = Caps { vm_dir, overlay_cap, qemu_pid };
 
     // (h) The attacker's QEMU, seen from the host: the VM user, no capabilities, seccomp,
     // NoNewPrivs, its own cgroup leaf with the limits of its size class (`vmm::jail`).

@@ -73,6 +73,8 @@ pub struct Procs {
     running: Mutex<HashMap<u32, Arc<Notify>>>,
     /// `reseed` requests answered.
     pub reseeds: std::sync::atomic::AtomicU64,
+    /// `set_clock` requests answered.
+    pub clock_sets: std::sync::atomic::AtomicU64,
     /// What `fs_read /proc/meminfo` answers (in 64 KiB `data` frames); `None`: unimplemented.
     pub meminfo: Mutex<Option<Vec<u8>>>,
 }
@@ -181,6 +183,11 @@ impl FakeDriver {
     /// `reseed` requests the fake guest `id` answered.
     pub fn reseeds(&self, id: &VmId) -> u64 {
         self.procs_of(id).reseeds.load(Ordering::Relaxed)
+    }
+
+    /// `set_clock` requests the fake guest `id` answered.
+    pub fn clock_sets(&self, id: &VmId) -> u64 {
+        self.procs_of(id).clock_sets.load(Ordering::Relaxed)
     }
 
     /// Processes still running in every fake guest (exec children not yet exited or killed).
@@ -449,6 +456,10 @@ pub async fn fake_silkd<S: AsyncRead + AsyncWrite + Unpin>(s: S, procs: Arc<Proc
             Ok(Request::PortForward { port }) => port_forward(&mut io, port).await,
             Ok(Request::Reseed { data }) if (1..=wire::RESEED_MAX_BYTES).contains(&data.0.len()) => {
                 procs.reseeds.fetch_add(1, Ordering::Relaxed);
+                io.send(Response::Done).await
+            }
+            Ok(Request::SetClock { unix_ns }) if unix_ns >= wire::SET_CLOCK_MIN_UNIX_SECS * 1_000_000_000 => {
+                procs.clock_sets.fetch_add(1, Ordering::Relaxed);
                 io.send(Response::Done).await
             }
             Ok(Request::FsRead { path }) if path == "/proc/meminfo" && lock(&procs.meminfo).is_some() => {

@@ -872,10 +872,18 @@ async fn a_warm_miss_is_served_on_demand_until_the_budget_is_full() {
     assert_eq!(live.len(), 1, "{live:?}");
     let warm_vm = live[0].clone();
     assert!(h.driver.is_paused(&warm_vm), "a warm VM waits with its vCPUs stopped");
+    let sets_before = h.driver.clock_sets(&warm_vm);
     let first = h.claim(json!({"template": "base"})).await;
     let claimed = h.node.sandbox(first["id"].as_str().expect("id")).expect("claim").rec.vm;
     assert_eq!(claimed, warm_vm);
     assert!(!h.driver.is_paused(&claimed), "a claimed VM runs");
+    // Its clock stood still while it waited: the claim has it set, on a task of its own.
+    let mut waited = 0;
+    while h.driver.clock_sets(&claimed) <= sets_before && waited < 200 {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        waited += 1;
+    }
+    assert!(h.driver.clock_sets(&claimed) > sets_before, "the resumed guest's clock was set");
     // The refill of the pool may take the second VM first; either way one more claim is served.
     h.claim(json!({"template": "base"})).await;
     let (s, v) = h.call("POST", "/v1/claim", None, Some(json!({"template": "base"}))).await;

@@ -87,7 +87,8 @@ fn restart_after_kill9_keeps_claims_and_leaks_nothing() {
     h.finish();
 }
 
-/// A 2-second lease is reaped within seconds and its VM is destroyed.
+/// A warm VM claimed after waiting paused runs on the host's time; a 2-second lease is reaped
+/// within seconds and its VM is destroyed.
 #[test]
 fn short_lease_is_reaped_and_its_vm_destroyed() {
     let _serial = serial();
@@ -96,10 +97,16 @@ fn short_lease_is_reaped_and_its_vm_destroyed() {
     h.assert_vms(1, "a full pool of 1");
     let before = h.vm_dirs();
     let claimed_vm = before.iter().next().cloned().expect("one warm VM");
+    // The warm VM waits paused, its clock standing still; the claim sets it to the host's.
+    std::thread::sleep(Duration::from_secs(4));
     let t0 = Instant::now();
     let (id, token) = h.claim(&ClaimRequest { ttl_seconds: Some(2), ..ClaimRequest::new("base") });
     let (s, v) = h.exec(&id, &token, &["echo", "leased"]);
     assert_eq!((s, v["stdout"].as_str()), (200, Some("leased\n")), "{v}");
+    let (s, v) = h.exec(&id, &token, &["date", "+%s"]);
+    let host = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("now").as_secs_f64();
+    let guest: f64 = v["stdout"].as_str().and_then(|o| o.trim().parse().ok()).unwrap_or_else(|| panic!("{s} {v}"));
+    assert!((host - guest).abs() <= 2.0, "the guest clock is {:.1} s off the host's after the pause", host - guest);
     wait_for("the lease to be reaped", Duration::from_secs(12), || (!h.sandbox_ids().contains(&id)).then_some(()));
     let reaped_after = t0.elapsed();
     println!("2 s lease reaped after {reaped_after:?}");

@@ -353,6 +353,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
         self.reseed(&data).await
     }
 
+    /// `set_clock`: steps the guest's realtime clock to `at`.
+    pub async fn set_clock(&mut self, at: std::time::SystemTime) -> Result<(), ClientError> {
+        let since = at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let unix_ns = u64::try_from(since.as_nanos()).unwrap_or(u64::MAX);
+        self.send(&Request::SetClock { unix_ns }).await?;
+        self.expect_done().await
+    }
+
     /// `volume_mount`: the guest links (and, with `mount`, mounts) the disk the host plugged
     /// at SCSI target `target`.
     pub async fn volume_mount(

@@ -19,7 +19,7 @@ mod response;
 mod types;
 
 pub use codec::{DecodeError, EncodeError, FrameSplitter, MAX_FRAME};
-pub use request::{Request, RESEED_MAX_BYTES};
+pub use request::{Request, RESEED_MAX_BYTES, SET_CLOCK_MIN_UNIX_SECS};
 pub use response::Response;
 pub use types::{
     Bytes64, DirEntry, ErrorKind, EventKind, FileInfo, FileKind, GitBranchAction, GitFileStatus, ProcInfo, ProcState,

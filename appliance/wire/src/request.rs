@@ -205,6 +205,14 @@ pub enum Request {
         #[serde(default)]
         data: Bytes64,
     },
+    /// Chrysalis extension: set the guest's realtime clock to the host's, `unix_ns`
+    /// nanoseconds since the epoch. A VM restored from a snapshot, or resumed after waiting
+    /// paused, starts with the clock it had when it stopped; the host sends this before the
+    /// guest is used. `done`, or `error` (`bad_request` for a time before
+    /// [`SET_CLOCK_MIN_UNIX_SECS`]).
+    SetClock {
+        unix_ns: u64,
+    },
     /// Chrysalis extension: the host hot-plugged volume `name` as SCSI target `target`
     /// (LUN 0). silkd waits for its disk, links `/dev/volumes/<name>` to it and, when `mount`
     /// is set, mounts it there (read-only unless `read_only` is false). `done`, or `error`
@@ -232,6 +240,10 @@ fn default_read_only() -> bool {
 
 /// The most bytes one `reseed` carries (the kernel's pool is 256 bytes).
 pub const RESEED_MAX_BYTES: usize = 256;
+
+/// The earliest time `set_clock` accepts (2024-01-01T00:00:00Z): an earlier one is a host
+/// whose own clock is wrong, and the guest keeps its own.
+pub const SET_CLOCK_MIN_UNIX_SECS: u64 = 1_704_067_200;
 
 fn default_cols() -> u16 {
     80
@@ -284,6 +296,7 @@ impl Request {
             Self::LspRequest { .. } => "lsp_request",
             Self::LspStop { .. } => "lsp_stop",
             Self::Reseed { .. } => "reseed",
+            Self::SetClock { .. } => "set_clock",
             Self::VolumeMount { .. } => "volume_mount",
             Self::VolumeUnmount { .. } => "volume_unmount",
         }
@@ -296,7 +309,7 @@ impl Request {
     }
 
     /// Every op name of the protocol, in declaration order.
-    pub const OPS: [&'static str; 41] = [
+    pub const OPS: [&'static str; 42] = [
         "info",
         "exec",
         "stdin",
@@ -336,6 +349,7 @@ impl Request {
         "lsp_request",
         "lsp_stop",
         "reseed",
+        "set_clock",
         "volume_mount",
         "volume_unmount",
     ];

@@ -4,6 +4,7 @@
 /// The answer to a data or stdin frame that belongs to no running op.
 pub const STRAY_MESSAGE: &str = "stray data/stdin frame";
 
+pub mod clock;
 pub mod entropy;
 pub mod exec;
 pub mod fs;
@@ -58,6 +59,7 @@ pub async fn dispatch(rpc: &mut Rpc, agent: &Arc<Agent>, req: Request) -> Result
         Request::PtyResize { pid, cols, rows } => pty::pty_resize(rpc, agent, pid, cols, rows).await,
         Request::PortForward { port } => port::port_forward(rpc, port).await,
         Request::Reseed { data } => entropy::reseed(rpc, data.0).await,
+        Request::SetClock { unix_ns } => clock::set_clock(rpc, unix_ns).await,
         Request::VolumeMount { name, target, mount, read_only } => {
             volume::volume_mount(rpc, name, target, mount, read_only).await
         }

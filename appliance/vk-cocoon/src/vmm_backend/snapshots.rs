@@ -1,5 +1,5 @@
 //! Snapshots through the `images` store: `clone_vm` (restore with the clone's own NIC, then a
-//! fresh RNG state), `snapshot_save`, `snapshot_inspect` and `snapshot_rm` (untag only: content
+//! fresh RNG state and the host's time), `snapshot_save`, `snapshot_inspect` and `snapshot_rm` (untag only: content
 //! is collected by `chrysalis image gc`).
 
 use silkd_client::AgentConn;
@@ -10,8 +10,9 @@ use super::{blocking, failed, image_error, running, VmmBackend, VmmBackendError,
 use crate::backend::{BackendError, CloneRequest, SnapshotInfo, SnapshotRef, VmInfo};
 
 impl VmmBackend {
-    /// Gives a fresh clone its own kernel RNG state (host randomness + a forced CRNG reseed),
-    /// before it is handed out: every clone of a snapshot resumes with the same state. A
+    /// Gives a fresh clone its own kernel RNG state (host randomness + a forced CRNG reseed)
+    /// and the host's time, before it is handed out: every clone of a snapshot resumes with
+    /// the same state and the clock of the moment it was saved. A
     /// snapshot whose agent predates `reseed` is cloned with a warning (re-save it to fix);
     /// any other failure fails the clone.
     pub(super) async fn reseed(&self, id: &str, vm: &vmm::Vm) -> Result<(), BackendError> {
@@ -20,8 +21,15 @@ impl VmmBackend {
             // The restored guest's agent may take a moment to accept dials again.
             self.driver.wait_agent(vm, AGENT_CALL).await.map_err(|e| failed(op, id.to_owned(), e))?;
             let stream = self.driver.connect(vm, AGENT_PORT).await.map_err(|e| failed(op, id.to_owned(), e))?;
-            match AgentConn::new(stream).reseed_from_host().await {
-                Ok(()) => Ok(()),
+            let mut agent = AgentConn::new(stream);
+            match agent.reseed_from_host().await {
+                Ok(()) => {
+                    // The snapshot's clock stood still since it was saved; best effort.
+                    if let Err(e) = agent.set_clock(std::time::SystemTime::now()).await {
+                        tracing::warn!(vm = id, error = %e, "the clone's clock was not set");
+                    }
+                    Ok(())
+                }
                 Err(silkd_client::ClientError::Agent { kind: silkd_client::ErrorKind::Unimplemented, .. }) => {
                     tracing::warn!(
                         vm = id,

@@ -42,16 +42,19 @@ use std::time::Instant;
 
 use tokio::sync::Semaphore;
 use tracing::Instrument as _;
-use vmm::{AfterSnapshot, BootSpec, Catalog, Driver, NicSpec, RestoreOptions, Snapshot, Vm, VmId};
+use vmm::{AfterSnapshot, BootSpec, Catalog, Driver, NicSpec, Snapshot, Vm, VmId};
 
 use crate::golden::{GoldenError, Goldens};
 use crate::limits::Reservation;
 use crate::metrics::{inc, Metrics};
 use crate::options::Timing;
-use crate::pool::{Net, Pool, PoolKey};
+use crate::pool::{Net, Pool};
 use crate::vms::{disk_mib, Vms, OWNERSHIP};
 
 /// Clone failures in a row after which the golden is dropped and rebuilt.
+mod ready;
+pub use ready::{restore_ready, set_clock_soon};
+
 const CLONE_FAILURES_TO_REBUILD: u32 = 3;
 
 /// The most output of `guest-init net-config` kept (it prints a line or two).
@@ -525,95 +528,6 @@ async fn unstarted(cx: &Refill, key: &VmId, nic: Option<&(vmnet::Lease, NicSpec)
 
 async fn clone_one(cx: &Refill, pool: &Pool, golden: &Snapshot) -> Result<Vm, RefillError> {
     restore_ready(cx, &pool.key, golden).await
-}
-
-/// Restores a VM of `key` from `snap` and readies it like a pool clone: silkd answers, an
-/// egress lane's VM gets its own NIC and address, the guest RNG is reseeded. A VM that fails a
-/// step is destroyed. Pool clones come from the golden; a fork's children and claims from a
-/// checkpoint come from their own snapshot.
-pub async fn restore_ready(cx: &Refill, key: &PoolKey, snap: &Snapshot) -> Result<Vm, RefillError> {
-    let id = VmId::generate(&prefix_for(&key.hash()));
-    let nic = nic_for(cx, key.net(), &id).await?;
-    let opts = RestoreOptions { nic: nic.as_ref().map(|(_, n)| n.clone()) };
-    let vm = match cx.driver().restore_with(snap, &id, &opts).await {
-        Ok(vm) => vm,
-        Err(source) => {
-            unstarted(cx, &id, nic.as_ref()).await;
-            return Err(RefillError::Driver { what: "restoring from a snapshot", source });
-        }
-    };
-    let vm = probe(cx, vm, cx.timing.clone_probe).await?;
-    if let Some((lease, _)) = &nic {
-        if let Err(e) = readdress(cx, &vm, lease).await {
-            inc(&cx.metrics().network_failures);
-            cx.vms.destroy(&vm).await;
-            return Err(e);
-        }
-    }
-    match reseed(cx, &vm).await {
-        Ok(()) => Ok(vm),
-        Err(e) => {
-            inc(&cx.metrics().clone_reseed_failures);
-            cx.vms.destroy(&vm).await;
-            Err(e)
-        }
-    }
-}
-
-/// Re-addresses a clone's `eth0` to its own lease (the snapshot carries the golden's MAC and
-/// address): `guest-init net-config` through silkd, within the clone probe's budget.
-async fn readdress(cx: &Refill, vm: &Vm, lease: &vmnet::Lease) -> Result<(), RefillError> {
-    let net = cx.vms.net.as_ref().ok_or(RefillError::NoNetwork)?;
-    let argv = net.net_config_argv(lease);
-    let shown = argv.join(" ");
-    let args: Vec<&str> = argv.iter().map(String::as_str).collect();
-    let work = async {
-        agent(cx, vm, "dialling silkd to re-address the clone")
-            .await?
-            .with_output_cap(NET_CONFIG_OUTPUT_CAP)
-            .exec(&args, silkd_client::ExecOptions::default(), b"")
-            .await
-            .map_err(|source| RefillError::NetConfig { argv: shown.clone(), source })
-    };
-    let out = match tokio::time::timeout(cx.timing.clone_probe, work).await {
-        Ok(r) => r?,
-        Err(_) => return Err(RefillError::NetConfig { argv: shown, source: no_answer() }),
-    };
-    if out.code != 0 {
-        let stderr: String = String::from_utf8_lossy(&out.stderr).trim().chars().take(512).collect();
-        return Err(RefillError::NetConfigExit { argv: shown, code: out.code, stderr });
-    }
-    tracing::debug!(vm = %vm.id, ip = %lease.ip, "clone re-addressed");
-    Ok(())
-}
-
-/// A connection to silkd in `vm`; `what` names the step in the error.
-async fn agent(
-    cx: &Refill,
-    vm: &Vm,
-    what: &'static str,
-) -> Result<silkd_client::AgentConn<vmm::AgentStream>, RefillError> {
-    let stream =
-        cx.driver().connect(vm, vmm::AGENT_PORT).await.map_err(|source| RefillError::Driver { what, source })?;
-    Ok(silkd_client::AgentConn::new(stream))
-}
-
-/// What a silkd call that outlived its budget failed with.
-fn no_answer() -> silkd_client::ClientError {
-    silkd_client::ClientError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"))
-}
-
-/// Gives a fresh clone its own RNG state: host randomness into the guest pool and a forced
-/// CRNG reseed, within the clone probe's budget.
-async fn reseed(cx: &Refill, vm: &Vm) -> Result<(), RefillError> {
-    let work = async {
-        let reseeded = agent(cx, vm, "dialling silkd to reseed").await?.reseed_from_host().await;
-        reseeded.map_err(|source| RefillError::Reseed { source })
-    };
-    match tokio::time::timeout(cx.timing.clone_probe, work).await {
-        Ok(r) => r,
-        Err(_) => Err(RefillError::Reseed { source: no_answer() }),
-    }
 }
 
 /// Boots `spec`, with a NIC of its own for an egress pool (given back if the boot fails).
