@@ -375,7 +375,7 @@ async fn park(cx: &Refill, vm: Vm) -> Result<Vm, RefillError> {
 }
 
 /// A VM for a claim that found its pool empty, made now, as upstream does: a clone of the
-/// golden (else a cold boot), ready (silkd answers) and running. `None` when the node budget
+/// golden (a cold boot when the pool has none), ready (silkd answers) and running. `None` when the node budget
 /// has no room for it (or the node is draining or not reconciled yet): `Refused` with why, and
 /// the claim answers 429.
 /// The VM is made on its own task: a claim that goes away meanwhile (its client hung up) leaves
@@ -415,7 +415,21 @@ pub async fn on_demand(cx: &Arc<Refill>, pool: &Arc<Pool>) -> Result<Vm, Miss> {
     let span = tracing::info_span!("on_demand", template = %pool.key.template());
     tokio::spawn(
         async move {
-            let made = make_one(&cx, &pool, golden.as_ref()).await.map(|(vm, _)| vm);
+            // One attempt: a failed clone fails the claim rather than adding a cold boot (the
+            // pool's own refill falls back to those, one slot at a time).
+            let made = match golden.as_ref() {
+                Some(g) => match clone_one(&cx, &pool, g).await {
+                    Ok(vm) => {
+                        pool.lock().clone_failures = 0;
+                        Ok(vm)
+                    }
+                    Err(e) => {
+                        clone_failed(&cx, &pool);
+                        Err(e)
+                    }
+                },
+                None => cold_one(&cx, &pool).await,
+            };
             if cold {
                 pool.lock().on_demand_booting -= 1;
             }
