@@ -62,6 +62,8 @@ pub struct Calls {
 struct State {
     vms: BTreeMap<VmId, Vm>,
     paused: std::collections::BTreeSet<VmId>,
+    /// VMs at the background CPU weight.
+    background: Vec<VmId>,
     fail: Failures,
     calls: Calls,
 }
@@ -183,6 +185,11 @@ impl FakeDriver {
     /// `reseed` requests the fake guest `id` answered.
     pub fn reseeds(&self, id: &VmId) -> u64 {
         self.procs_of(id).reseeds.load(Ordering::Relaxed)
+    }
+
+    /// Whether VM `id` runs at the background CPU weight.
+    pub fn is_background(&self, id: &VmId) -> bool {
+        lock(&self.state).background.contains(id)
     }
 
     /// `set_clock` requests the fake guest `id` answered.
@@ -318,6 +325,18 @@ impl Driver for FakeDriver {
             return Err(not_found(&vm.id));
         }
         s.paused.remove(&vm.id);
+        Ok(())
+    }
+
+    async fn set_cpu_weight(&self, vm: &Vm, weight: vmm::jail::CpuWeight) -> Result<(), DriverError> {
+        let mut s = lock(&self.state);
+        if !s.vms.contains_key(&vm.id) {
+            return Err(not_found(&vm.id));
+        }
+        s.background.retain(|id| *id != vm.id);
+        if weight == vmm::jail::CpuWeight::Background {
+            s.background.push(vm.id.clone());
+        }
         Ok(())
     }
 

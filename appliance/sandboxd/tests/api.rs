@@ -872,6 +872,7 @@ async fn a_warm_miss_is_served_on_demand_until_the_budget_is_full() {
     assert_eq!(live.len(), 1, "{live:?}");
     let warm_vm = live[0].clone();
     assert!(h.driver.is_paused(&warm_vm), "a warm VM waits with its vCPUs stopped");
+    assert!(h.driver.is_background(&warm_vm), "a VM made for the pool runs at the background CPU weight");
     let sets_before = h.driver.clock_sets(&warm_vm);
     let first = h.claim(json!({"template": "base"})).await;
     let claimed = h.node.sandbox(first["id"].as_str().expect("id")).expect("claim").rec.vm;
@@ -884,6 +885,7 @@ async fn a_warm_miss_is_served_on_demand_until_the_budget_is_full() {
         waited += 1;
     }
     assert!(h.driver.clock_sets(&claimed) > sets_before, "the resumed guest's clock was set");
+    assert!(!h.driver.is_background(&claimed), "a claimed VM runs at the normal CPU weight");
     // The refill of the pool may take the second VM first; either way one more claim is served.
     h.claim(json!({"template": "base"})).await;
     let (s, v) = h.call("POST", "/v1/claim", None, Some(json!({"template": "base"}))).await;

@@ -97,7 +97,13 @@ fn short_lease_is_reaped_and_its_vm_destroyed() {
     h.assert_vms(1, "a full pool of 1");
     let before = h.vm_dirs();
     let claimed_vm = before.iter().next().cloned().expect("one warm VM");
-    // The warm VM waits paused, its clock standing still; the claim sets it to the host's.
+    // The warm VM was made at the background CPU weight and waits paused, its clock standing
+    // still; the claim gives it the normal weight and the host's time.
+    let vm_dir = h.dir.path().join("data/vms/vms").join(&claimed_vm);
+    let qemu_pid: u32 =
+        std::fs::read_to_string(vm_dir.join("qemu.pid")).expect("qemu.pid").trim().parse().expect("pid");
+    let weight = || vmm::jail::inspect::process_jail(qemu_pid).and_then(|j| j.cpu_weight);
+    assert_eq!(weight(), Some(vmm::jail::CpuWeight::Background), "a warm VM runs in the background");
     std::thread::sleep(Duration::from_secs(4));
     let t0 = Instant::now();
     let (id, token) = h.claim(&ClaimRequest { ttl_seconds: Some(2), ..ClaimRequest::new("base") });
@@ -107,12 +113,13 @@ fn short_lease_is_reaped_and_its_vm_destroyed() {
     let host = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("now").as_secs_f64();
     let guest: f64 = v["stdout"].as_str().and_then(|o| o.trim().parse().ok()).unwrap_or_else(|| panic!("{s} {v}"));
     assert!((host - guest).abs() <= 2.0, "the guest clock is {:.1} s off the host's after the pause", host - guest);
+    assert_eq!(weight(), Some(vmm::jail::CpuWeight::Normal), "a claimed VM runs at the normal weight");
     wait_for("the lease to be reaped", Duration::from_secs(12), || (!h.sandbox_ids().contains(&id)).then_some(()));
     let reaped_after = t0.elapsed();
     println!("2 s lease reaped after {reaped_after:?}");
     assert!(reaped_after <= Duration::from_secs(10), "reaped only after {reaped_after:?}");
     assert!(reaped_after >= Duration::from_secs(2), "reaped before its deadline: {reaped_after:?}");
-    let vm_dir = h.dir.path().join("data/vms/vms").join(&claimed_vm).display().to_string();
+    let vm_dir = vm_dir.display().to_string();
     // The claim leaves the listing first; its VM is destroyed right after
     // (QEMU stopped, then its directory removed), so wait for both.
     wait_for("the reaped VM's QEMU to exit and its dir to go", Duration::from_secs(10), || {

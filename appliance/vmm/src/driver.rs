@@ -29,6 +29,7 @@ pub use crate::agent::AgentInfo;
 use crate::agent::DialError;
 use crate::catalog::{Catalog, CatalogError};
 pub use crate::id::{VmId, VmIdError};
+use crate::jail::CpuWeight;
 use crate::record::RecordError;
 pub use crate::size::SizeClass;
 
@@ -526,6 +527,14 @@ pub trait Driver: Send + Sync {
 
     /// Pauses the vCPUs.
     async fn pause(&self, vm: &Vm) -> Result<(), DriverError>;
+
+    /// Sets the VM's CPU weight against this driver's other VMs (its cgroup leaf): a VM being
+    /// made for a pool runs at [`CpuWeight::Background`], one a user holds at `Normal`. A
+    /// driver whose VMs have no cgroup leaf of their own (not jailed) does nothing.
+    async fn set_cpu_weight(&self, vm: &Vm, weight: CpuWeight) -> Result<(), DriverError> {
+        let _ = (vm, weight);
+        Ok(())
+    }
 
     /// Resumes the vCPUs.
     async fn resume(&self, vm: &Vm) -> Result<(), DriverError>;

@@ -285,7 +285,8 @@ impl Node {
         snap: &Snapshot,
         slots: Vec<Reservation>,
     ) -> Result<Vec<(Vm, Reservation)>, BranchError> {
-        let restores = slots.iter().map(|_| refill::restore_ready(&self.refill, key, snap));
+        let restores =
+            slots.iter().map(|_| refill::restore_ready(&self.refill, key, snap, vmm::jail::CpuWeight::Normal));
         let results = futures::future::join_all(restores).await;
         let mut made = Vec::new();
         let mut failed = None;

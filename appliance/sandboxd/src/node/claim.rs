@@ -1,8 +1,8 @@
 //! The per-claim calls of [`Node`]: claim, release, renew and the lookups.
 //!
 //! Guarantees: the claim path does one VM operation on a hit (pop the newest warm VM, resume its
-//! vCPUs: warm VMs wait paused, mint an id and a token, journal, reply; the guest clock, which
-//! stood still while it waited, is set on a task of its own); a miss makes a VM now,
+//! vCPUs: warm VMs wait paused, mint an id and a token, journal, reply; the VM's normal CPU
+//! weight and its guest clock, which stood still while it waited, are set on a task of its own); a miss makes a VM now,
 //! as upstream does (a clone of the golden, a cold boot when there is none; [`refill::on_demand`]), bounded by
 //! the node budget (429 when it has no room), the wait counted in the claim latency; a claim is
 //! granted only after a journal write that includes it (a failed write puts the VM back,
@@ -56,8 +56,8 @@ impl Node {
             match self.vms.driver.resume(&vm).await {
                 Ok(()) => {
                     self.metrics.claim_resume.observe(t0.elapsed());
-                    // It waited paused: its clock stood still.
-                    refill::set_clock_soon(Arc::clone(&self.vms.driver), vm.clone());
+                    // Made in the background and paused since: normal weight, the host's time.
+                    refill::handed_out(Arc::clone(&self.vms.driver), vm.clone());
                     return Ok((vm, Tier::Warm));
                 }
                 Err(e) => {

@@ -134,8 +134,9 @@ impl Node {
         let (Some(slot), None) = (slots.pop(), short.clone()) else {
             return Err(HibernateError::Budget(short.unwrap_or_default()));
         };
-        let vm =
-            refill::restore_ready(&self.refill, &key, &snap).await.map_err(|e| HibernateError::Restore(Box::new(e)))?;
+        let vm = refill::restore_ready(&self.refill, &key, &snap, vmm::jail::CpuWeight::Normal)
+            .await
+            .map_err(|e| HibernateError::Restore(Box::new(e)))?;
         match self.journal_change(id, Some(vm.clone()), |r| {
             r.vm = vm.id.clone();
             r.hibernate_snap = None;

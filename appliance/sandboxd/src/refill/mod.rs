@@ -42,6 +42,7 @@ use std::time::Instant;
 
 use tokio::sync::Semaphore;
 use tracing::Instrument as _;
+use vmm::jail::CpuWeight;
 use vmm::{AfterSnapshot, BootSpec, Catalog, Driver, NicSpec, Snapshot, Vm, VmId};
 
 use crate::golden::{GoldenError, Goldens};
@@ -53,7 +54,8 @@ use crate::vms::{disk_mib, Vms, OWNERSHIP};
 
 /// Clone failures in a row after which the golden is dropped and rebuilt.
 mod ready;
-pub use ready::{restore_ready, set_clock_soon};
+use ready::weigh;
+pub use ready::{handed_out, restore_ready};
 
 const CLONE_FAILURES_TO_REBUILD: u32 = 3;
 
@@ -291,7 +293,7 @@ async fn slot(cx: Arc<Refill>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>, r
         let Ok(_permit) = Arc::clone(&cx.sem).acquire_owned().await else {
             return None;
         };
-        let made = match make_one(&cx, &pool, golden.as_deref()).await {
+        let made = match make_one(&cx, &pool, golden.as_deref(), CpuWeight::Background).await {
             Ok(made) => made,
             Err(e) => return Some(Err(e)),
         };
@@ -346,9 +348,14 @@ async fn slot(cx: Arc<Refill>, pool: Arc<Pool>, golden: Option<Box<Snapshot>>, r
 
 /// One VM of the pool: a clone of `golden` if there is one (a failed clone counts towards
 /// dropping the golden, and falls back), else a cold boot.
-async fn make_one(cx: &Refill, pool: &Pool, golden: Option<&Snapshot>) -> Result<(Vm, Tier), RefillError> {
+async fn make_one(
+    cx: &Refill,
+    pool: &Pool,
+    golden: Option<&Snapshot>,
+    weight: CpuWeight,
+) -> Result<(Vm, Tier), RefillError> {
     if let Some(g) = golden {
-        match clone_one(cx, pool, g).await {
+        match clone_one(cx, pool, g, weight).await {
             Ok(vm) => {
                 pool.lock().clone_failures = 0;
                 return Ok((vm, Tier::Clone));
@@ -359,7 +366,7 @@ async fn make_one(cx: &Refill, pool: &Pool, golden: Option<&Snapshot>) -> Result
             }
         }
     }
-    cold_one(cx, pool).await.map(|vm| (vm, Tier::Cold))
+    cold_one(cx, pool, weight).await.map(|vm| (vm, Tier::Cold))
 }
 
 /// Stops a ready VM's vCPUs before it waits in the pool: a warm VM costs no CPU, and touches
@@ -418,7 +425,7 @@ pub async fn on_demand(cx: &Arc<Refill>, pool: &Arc<Pool>) -> Result<Vm, Miss> {
             // One attempt: a failed clone fails the claim rather than adding a cold boot (the
             // pool's own refill falls back to those, one slot at a time).
             let made = match golden.as_ref() {
-                Some(g) => match clone_one(&cx, &pool, g).await {
+                Some(g) => match clone_one(&cx, &pool, g, CpuWeight::Normal).await {
                     Ok(vm) => {
                         pool.lock().clone_failures = 0;
                         Ok(vm)
@@ -428,7 +435,7 @@ pub async fn on_demand(cx: &Arc<Refill>, pool: &Arc<Pool>) -> Result<Vm, Miss> {
                         Err(e)
                     }
                 },
-                None => cold_one(&cx, &pool).await,
+                None => cold_one(&cx, &pool, CpuWeight::Normal).await,
             };
             if cold {
                 pool.lock().on_demand_booting -= 1;
@@ -540,17 +547,27 @@ async fn unstarted(cx: &Refill, key: &VmId, nic: Option<&(vmnet::Lease, NicSpec)
     }
 }
 
-async fn clone_one(cx: &Refill, pool: &Pool, golden: &Snapshot) -> Result<Vm, RefillError> {
-    restore_ready(cx, &pool.key, golden).await
+async fn clone_one(cx: &Refill, pool: &Pool, golden: &Snapshot, weight: CpuWeight) -> Result<Vm, RefillError> {
+    restore_ready(cx, &pool.key, golden, weight).await
 }
 
-/// Boots `spec`, with a NIC of its own for an egress pool (given back if the boot fails).
-async fn boot_with_nic(cx: &Refill, pool: &Pool, mut spec: BootSpec, what: &'static str) -> Result<Vm, RefillError> {
+/// Boots `spec` at `weight`, with a NIC of its own for an egress pool (given back if the boot
+/// fails).
+async fn boot_with_nic(
+    cx: &Refill,
+    pool: &Pool,
+    mut spec: BootSpec,
+    what: &'static str,
+    weight: CpuWeight,
+) -> Result<Vm, RefillError> {
     let key = VmId::generate(&spec.name);
     let nic = nic_for(cx, pool.key.net(), &key).await?;
     spec.nic = nic.as_ref().map(|(_, n)| n.clone());
     match cx.driver().boot(&spec).await {
-        Ok(vm) => Ok(vm),
+        Ok(vm) => {
+            weigh(cx, &vm, weight).await;
+            Ok(vm)
+        }
         Err(source) => {
             unstarted(cx, &key, nic.as_ref()).await;
             Err(RefillError::Driver { what, source })
@@ -558,9 +575,9 @@ async fn boot_with_nic(cx: &Refill, pool: &Pool, mut spec: BootSpec, what: &'sta
     }
 }
 
-async fn cold_one(cx: &Refill, pool: &Pool) -> Result<Vm, RefillError> {
+async fn cold_one(cx: &Refill, pool: &Pool, weight: CpuWeight) -> Result<Vm, RefillError> {
     let spec = spec_for(cx, pool, vm_prefix(pool))?;
-    let vm = boot_with_nic(cx, pool, spec, "cold boot").await?;
+    let vm = boot_with_nic(cx, pool, spec, "cold boot", weight).await?;
     probe(cx, vm, cx.timing.cold_probe).await
 }
 
@@ -605,7 +622,7 @@ async fn golden_inner(cx: &Refill, pool: &Pool) -> Result<Snapshot, RefillError>
     // Its RAM stays in a file its clones map copy-on-write: a warm clone holds only the pages
     // it has written since.
     spec.ram = vmm::Ram::SharedFile;
-    let vm = boot_with_nic(cx, pool, spec, "booting the golden").await?;
+    let vm = boot_with_nic(cx, pool, spec, "booting the golden", CpuWeight::Background).await?;
     let vm = probe(cx, vm, cx.timing.cold_probe).await?;
     let made = async {
         let staging = cx.goldens.staging(&pool.hash)?;

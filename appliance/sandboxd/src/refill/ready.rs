@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tracing::Instrument as _;
+use vmm::jail::CpuWeight;
 use vmm::{Driver, RestoreOptions, Snapshot, Vm, VmId};
 
 use super::{inc, nic_for, prefix_for, probe, unstarted, Refill, RefillError, NET_CONFIG_OUTPUT_CAP};
@@ -19,7 +20,7 @@ const SET_CLOCK_BUDGET: Duration = Duration::from_secs(5);
 /// egress lane's VM gets its own NIC and address, the guest RNG is reseeded. A VM that fails a
 /// step is destroyed. Pool clones come from the golden; a fork's children and claims from a
 /// checkpoint come from their own snapshot.
-pub async fn restore_ready(cx: &Refill, key: &PoolKey, snap: &Snapshot) -> Result<Vm, RefillError> {
+pub async fn restore_ready(cx: &Refill, key: &PoolKey, snap: &Snapshot, weight: CpuWeight) -> Result<Vm, RefillError> {
     let id = VmId::generate(&prefix_for(&key.hash()));
     let nic = nic_for(cx, key.net(), &id).await?;
     let opts = RestoreOptions { nic: nic.as_ref().map(|(_, n)| n.clone()) };
@@ -30,6 +31,7 @@ pub async fn restore_ready(cx: &Refill, key: &PoolKey, snap: &Snapshot) -> Resul
             return Err(RefillError::Driver { what: "restoring from a snapshot", source });
         }
     };
+    weigh(cx, &vm, weight).await;
     let vm = probe(cx, vm, cx.timing.clone_probe).await?;
     if let Some((lease, _)) = &nic {
         if let Err(e) = readdress(cx, &vm, lease).await {
@@ -109,13 +111,27 @@ async fn reseed(cx: &Refill, vm: &Vm) -> Result<(), RefillError> {
     }
 }
 
-/// Sets the guest clock of `vm`, just resumed after waiting paused, to the host's, on a task
-/// of its own: the claim that resumed it does not wait (a claim hit does one VM operation),
-/// and the dial and RPC are done well before a client's first request reaches the guest.
-pub fn set_clock_soon(driver: Arc<dyn Driver>, vm: Vm) {
-    let span = tracing::debug_span!("set_clock", vm = %vm.id);
+/// Puts a VM just made at `weight` (a VM made for the pool runs in the background; a VM's leaf
+/// starts at the normal weight). Best effort: a VM that keeps its weight is still sound.
+pub(super) async fn weigh(cx: &Refill, vm: &Vm, weight: CpuWeight) {
+    if weight != CpuWeight::Normal {
+        if let Err(e) = cx.driver().set_cpu_weight(vm, weight).await {
+            tracing::warn!(vm = %vm.id, error = %vmm::error_chain(&e), "the VM's CPU weight was not set");
+        }
+    }
+}
+
+/// A warm VM a claim has just resumed becomes a user's: back to the normal CPU weight (it was
+/// made in the background), and its guest clock, which stood still while it waited, set to the
+/// host's. On a task of its own: the claim does not wait (a claim hit does one VM operation),
+/// and both are done well before a client's first request reaches the guest.
+pub fn handed_out(driver: Arc<dyn Driver>, vm: Vm) {
+    let span = tracing::debug_span!("handed_out", vm = %vm.id);
     tokio::spawn(
         async move {
+            if let Err(e) = driver.set_cpu_weight(&vm, CpuWeight::Normal).await {
+                tracing::warn!(error = %vmm::error_chain(&e), "the claimed VM's CPU weight was not raised");
+            }
             let work = async {
                 let stream = driver.connect(&vm, vmm::AGENT_PORT).await.map_err(|e| vmm::error_chain(&e))?;
                 let mut a = silkd_client::AgentConn::new(stream);

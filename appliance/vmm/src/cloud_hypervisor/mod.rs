@@ -619,6 +619,10 @@ impl Driver for CloudHypervisor {
         self.api(vm).resume().await.map_err(|e| api_error(&vm.id, e))
     }
 
+    async fn set_cpu_weight(&self, vm: &Vm, weight: crate::jail::CpuWeight) -> Result<(), DriverError> {
+        Ok(self.cfg.jail.set_cpu_weight(vm.id.as_str(), weight)?)
+    }
+
     async fn snapshot(&self, vm: &Vm, dir: &Path, after: AfterSnapshot) -> Result<Snapshot, DriverError> {
         let span = tracing::info_span!("ch_snapshot", vm = %vm.id, dir = %dir.display());
         self.snapshot_to(vm, dir, after).instrument(span).await

@@ -119,6 +119,34 @@ impl Limits {
     }
 }
 
+/// A VM leaf's CPU weight against the other VMs' leaves: a VM being made for a pool runs at
+/// `Background`, so that under contention the VMs users hold get the CPU first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuWeight {
+    /// The kernel's default weight.
+    Normal,
+    /// A tenth of it.
+    Background,
+}
+
+impl CpuWeight {
+    /// `cpu.weight` (cgroup v2, default 100).
+    pub fn v2(self) -> u32 {
+        match self {
+            CpuWeight::Normal => 100,
+            CpuWeight::Background => 10,
+        }
+    }
+
+    /// `cpu.shares` (cgroup v1, default 1024).
+    pub fn v1(self) -> u32 {
+        match self {
+            CpuWeight::Normal => 1024,
+            CpuWeight::Background => 102,
+        }
+    }
+}
+
 /// The controllers a leaf uses.
 pub const CONTROLLERS: [&str; 3] = ["memory", "cpu", "pids"];
 
@@ -305,6 +333,26 @@ impl Leaf {
         &self.dirs
     }
 
+    /// Writes `weight` into the leaf's CPU controller (`cpu.weight` in v2, `cpu.shares` in v1).
+    pub fn set_cpu_weight(&self, weight: CpuWeight) -> Result<(), CgroupError> {
+        for dir in &self.dirs {
+            let (file, value) = if dir.join("cpu.weight").exists() {
+                ("cpu.weight", weight.v2())
+            } else if dir.join("cpu.shares").exists() {
+                ("cpu.shares", weight.v1())
+            } else {
+                continue;
+            };
+            let path = dir.join(file);
+            std::fs::write(&path, value.to_string()).map_err(|source| CgroupError::Write {
+                what: "writing",
+                path,
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
     /// The `cgroup.procs` files a process writes itself into.
     pub fn procs_files(&self) -> Vec<CString> {
         self.dirs
@@ -429,5 +477,26 @@ mod tests {
         std::fs::write(root.join("nope-file"), "").expect("file");
         let e = blocked.create_leaf("sbx-2", &Limits::for_vm(SizeClass::Small, Accel::Kvm)).expect_err("blocked");
         assert!(e.to_string().contains("nope-file"), "{e}");
+    }
+
+    #[test]
+    fn cpu_weight_goes_to_the_cpu_controller_of_either_version() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let (v2, mem, cpu) = (tmp.path().join("v2"), tmp.path().join("memory"), tmp.path().join("cpu"));
+        for d in [&v2, &mem, &cpu] {
+            std::fs::create_dir_all(d).expect("dir");
+        }
+        // A real leaf has the files already; these stand in for them.
+        std::fs::write(v2.join("cpu.weight"), "100").expect("weight");
+        std::fs::write(cpu.join("cpu.shares"), "1024").expect("shares");
+        let read = |p: PathBuf| std::fs::read_to_string(p).expect("read");
+        Leaf { dirs: vec![v2.clone()] }.set_cpu_weight(CpuWeight::Background).expect("v2");
+        assert_eq!(read(v2.join("cpu.weight")), "10");
+        let v1 = Leaf { dirs: vec![mem.clone(), cpu.clone()] };
+        v1.set_cpu_weight(CpuWeight::Background).expect("v1");
+        assert_eq!(read(cpu.join("cpu.shares")), "102");
+        assert!(!mem.join("cpu.shares").exists(), "the memory hierarchy is left alone");
+        v1.set_cpu_weight(CpuWeight::Normal).expect("back");
+        assert_eq!(read(cpu.join("cpu.shares")), "1024");
     }
 }

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::cgroup::{parse_proc_cgroup, Limits, CGROUP_ROOT, CPU_PERIOD_US};
+use super::cgroup::{parse_proc_cgroup, CpuWeight, Limits, CGROUP_ROOT, CPU_PERIOD_US};
 
 /// The jail of one process as the host sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,6 +24,18 @@ pub struct ProcessJail {
     pub limits: Option<Limits>,
     /// Its cgroup directories (one in v2; memory, cpu, pids in v1).
     pub cgroups: Vec<PathBuf>,
+    /// Its CPU weight, when it is one of ours ([`CpuWeight`]).
+    pub cpu_weight: Option<CpuWeight>,
+}
+
+/// The [`CpuWeight`] the CPU controller among `dirs` holds (`cpu.weight` or `cpu.shares`).
+pub fn cpu_weight_of(dirs: &[PathBuf]) -> Option<CpuWeight> {
+    dirs.iter().find_map(|d| {
+        let (v2, v1) = (read_u64(&d.join("cpu.weight")), read_u64(&d.join("cpu.shares")));
+        [CpuWeight::Normal, CpuWeight::Background]
+            .into_iter()
+            .find(|w| v2 == Some(u64::from(w.v2())) || v1 == Some(u64::from(w.v1())))
+    })
 }
 
 /// Parses the fields of `/proc/<pid>/status` we care about.
@@ -86,7 +98,8 @@ pub fn process_jail(pid: u32) -> Option<ProcessJail> {
         })();
         (dirs, limits)
     };
-    Some(ProcessJail { uids, cap_eff, cap_prm, cap_bnd, seccomp, no_new_privs, limits, cgroups })
+    let cpu_weight = cpu_weight_of(&cgroups);
+    Some(ProcessJail { uids, cap_eff, cap_prm, cap_bnd, seccomp, no_new_privs, limits, cgroups, cpu_weight })
 }
 
 #[cfg(test)]

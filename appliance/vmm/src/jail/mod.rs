@@ -40,7 +40,7 @@ use std::path::{Path, PathBuf};
 
 use crate::accel::Accel;
 use crate::size::SizeClass;
-pub use cgroup::{CgroupError, CgroupLayout, Leaf, Limits};
+pub use cgroup::{CgroupError, CgroupLayout, CpuWeight, Leaf, Limits};
 pub use tap::{open_tap, set_owner, TapError};
 
 /// Environment switch: `0` turns the jail off (development), `1` insists on it.
@@ -148,6 +148,14 @@ impl JailSettings {
             enabled: var(JAIL_ENV).map(|v| !matches!(v.as_str(), "0" | "off" | "false" | "no")),
             user: var(USER_ENV).unwrap_or_else(|| DEFAULT_USER.into()),
             cgroup_parent: var(cgroup::PARENT_ENV),
+        }
+    }
+
+    /// Sets the CPU weight of VM `vm`'s leaf (nothing when the jail is off).
+    pub fn set_cpu_weight(&self, vm: &str, weight: CpuWeight) -> Result<(), JailError> {
+        match self.resolve()? {
+            Some(jail) => Ok(jail.cgroups.leaf_of(vm).set_cpu_weight(weight)?),
+            None => Ok(()),
         }
     }
 

@@ -512,6 +512,10 @@ impl Driver for QemuDriver {
         Ok(())
     }
 
+    async fn set_cpu_weight(&self, vm: &Vm, weight: crate::jail::CpuWeight) -> Result<(), DriverError> {
+        Ok(self.cfg.jail.set_cpu_weight(vm.id.as_str(), weight)?)
+    }
+
     /// Resumes the vCPUs. A snapshot whose caller died mid-way may still be migrating the
     /// VM to its file: that migration is let finish (its result does not matter) first, since
     /// QEMU leaves the VM paused when it ends.
