@@ -222,6 +222,26 @@ pub struct RestoreOptions {
     pub nic: Option<NicSpec>,
 }
 
+impl RestoreOptions {
+    /// Checks these options against `snapshot`: the saved device set holds the NIC, so a clone
+    /// has one iff its parent had one. (Its TAP may be the parent's only once the parent is
+    /// gone, as for a woken hibernated VM: a TAP a live hypervisor holds is busy.)
+    pub fn check_against(&self, snapshot: &Snapshot) -> Result<(), DriverError> {
+        match (&snapshot.spec.nic, &self.nic) {
+            (Some(_), None) => Err(DriverError::Invalid(format!(
+                "snapshot {} has a NIC: restore it with RestoreOptions {{ nic: Some(the clone's own) }}",
+                snapshot.dir.display()
+            ))),
+            (None, Some(_)) => Err(DriverError::Invalid(format!(
+                "snapshot {} has no NIC: a clone cannot add one",
+                snapshot.dir.display()
+            ))),
+            (_, Some(nic)) => nic.validate(),
+            (None, None) => Ok(()),
+        }
+    }
+}
+
 impl BootSpec {
     /// Builds a spec from the catalog entry for `name_or_alias` (alias resolved) at `size`,
     /// with the accelerator preference from `CHRYSALIS_ACCEL` (default `auto`).

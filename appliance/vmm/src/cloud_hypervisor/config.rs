@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use cloud_hypervisor_client::models::{
-    ConsoleConfig, ConsoleMode, CpusConfig, DiskConfig, ImageType, MemoryConfig, PayloadConfig, RngConfig,
+    ConsoleConfig, ConsoleMode, CpusConfig, DiskConfig, ImageType, MemoryConfig, NetConfig, PayloadConfig, RngConfig,
     SerialConfig, VmConfig, VsockConfig,
 };
 use serde_json::Value;
@@ -17,6 +17,8 @@ use serde_json::Value;
 pub const ROOTFS_DISK_ID: &str = "rootfs";
 /// Disk id of the per-VM writable overlay (`/dev/vdb`).
 pub const OVERLAY_DISK_ID: &str = "overlay";
+/// Device id of the VM's one NIC (`eth0` in the guest).
+pub const NET_ID: &str = "net0";
 
 /// Errors of [`rewrite_snapshot_config`].
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -57,6 +59,9 @@ pub struct VmPlan {
     pub vsock_socket: PathBuf,
     /// A `virtio-rng` device fed from the host's `/dev/urandom`.
     pub rng: bool,
+    /// The NIC: `(TAP, guest MAC)`. cloud-hypervisor attaches to the persistent TAP by name,
+    /// from inside the NIC's netns, as the VM user the TAP was handed to.
+    pub net: Option<(String, String)>,
 }
 
 /// The host source of a VM's `virtio-rng` device.
@@ -110,6 +115,14 @@ impl VmPlan {
             console: Some(ConsoleConfig::new(ConsoleMode::Off)),
             vsock: Some(VsockConfig::new(i64::from(self.vsock_cid), path_str(&self.vsock_socket))),
             rng: self.rng.then(|| RngConfig::new(RNG_SOURCE.into())),
+            net: self.net.as_ref().map(|(tap, mac)| {
+                vec![NetConfig {
+                    tap: Some(tap.clone()),
+                    mac: Some(mac.clone()),
+                    id: Some(NET_ID.into()),
+                    ..NetConfig::new()
+                }]
+            }),
             ..VmConfig::new(payload)
         }
     }
@@ -141,12 +154,16 @@ pub struct CloneRewrite {
     pub serial_socket: PathBuf,
     /// The clone's own overlay copy, when the parent had an overlay.
     pub overlay: Option<PathBuf>,
+    /// The clone's own TAP, when the parent had a NIC (the guest keeps the parent's MAC until
+    /// it is re-addressed).
+    pub tap: Option<String>,
 }
 
 /// Rewrites a snapshot's `config.json` (cloud-hypervisor's serialised `VmConfig`) in place for
 /// a clone: `vsock.socket`, the serial port (made the clone's own console socket, whatever the
 /// parent had: a parent's `File` console becomes a `Socket`) and the path of the disk with id
-/// [`OVERLAY_DISK_ID`]. Unknown fields are kept as they are.
+/// [`OVERLAY_DISK_ID`], and the TAP of the NIC with id [`NET_ID`]. Unknown fields are kept as
+/// they are.
 pub fn rewrite_snapshot_config(config: &mut Value, with: &CloneRewrite) -> Result<(), ConfigError> {
     let obj = config.as_object_mut().ok_or(ConfigError::NotAnObject)?;
     let vsock = obj.get_mut("vsock").and_then(Value::as_object_mut).ok_or(ConfigError::Missing("vsock"))?;
@@ -164,6 +181,15 @@ pub fn rewrite_snapshot_config(config: &mut Value, with: &CloneRewrite) -> Resul
             .and_then(Value::as_object_mut)
             .ok_or(ConfigError::Missing("disk with id \"overlay\""))?;
         disk.insert("path".into(), Value::String(path_str(overlay)));
+    }
+    if let Some(tap) = &with.tap {
+        let net = obj
+            .get_mut("net")
+            .and_then(Value::as_array_mut)
+            .and_then(|nets| nets.iter_mut().find(|n| n.get("id").and_then(Value::as_str) == Some(NET_ID)))
+            .and_then(Value::as_object_mut)
+            .ok_or(ConfigError::Missing("net device with id \"net0\""))?;
+        net.insert("tap".into(), Value::String(tap.clone()));
     }
     Ok(())
 }

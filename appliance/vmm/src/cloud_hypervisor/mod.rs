@@ -61,9 +61,8 @@
 //! - **The TAP** of a [`BootSpec::nic`]: before the spawn the driver (root) attaches to the
 //!   persistent TAP in its netns and sets its owner and group to the VM user's
 //!   ([`crate::jail::set_owner`]), so the unprivileged process, started inside the NIC's
-//!   netns, may attach to it by name. (The `vm.create` body carries no `net` device yet: the
-//!   TAP and netns are prepared, the NIC itself is still to be wired; a clone never takes
-//!   its parent's NIC.)
+//!   netns, may attach to it by name (`vm.create`'s `net`; a clone's restored config gets
+//!   its own TAP, [`config::rewrite_snapshot_config`]).
 //! - **Its own output** goes through a pipe into the capped `vmm.log`
 //!   ([`crate::jail::output`], 64 KiB), never a file it holds.
 //! - **Its sockets are checked, not trusted.** The driver connects as root to `api.sock`,
@@ -155,7 +154,9 @@ use tracing::Instrument;
 
 use crate::accel::{Accel, AccelPreference, KvmFacts};
 use crate::console::ConsoleDrain;
-use crate::driver::{AfterSnapshot, AgentStream, Backend, BootSpec, Driver, DriverError, Snapshot, Vm, VmId, VmState};
+use crate::driver::{
+    AfterSnapshot, AgentStream, Backend, BootSpec, Driver, DriverError, RestoreOptions, Snapshot, Vm, VmId, VmState,
+};
 use crate::jail::{Jail, JailError, JailSettings, SpawnPlan};
 use crate::lifecycle::{self, VmRecord};
 use crate::peer::{Peer, PeerCheck};
@@ -473,24 +474,6 @@ impl CloudHypervisor {
         }
     }
 
-    /// For a VM with a NIC: hands its persistent TAP to the VM user (cloud-hypervisor attaches
-    /// to it by name, [`crate::jail::set_owner`]) and opens the NIC's network namespace for the
-    /// process to join, as QEMU's is.
-    fn prepare_nic(vm: &Vm, jail: Option<&Jail>) -> Result<Option<std::fs::File>, DriverError> {
-        let Some(nic) = &vm.spec.nic else { return Ok(None) };
-        nic.validate()?;
-        let netns = nic.netns_path();
-        if let Some(j) = jail {
-            crate::jail::set_owner(&nic.tap, netns.as_deref(), j.uid, j.gid).map_err(JailError::from)?;
-        }
-        match netns {
-            Some(path) => std::fs::File::open(&path)
-                .map(Some)
-                .map_err(|e| DriverError::io(format!("opening network namespace {}", path.display()), e)),
-            None => Ok(None),
-        }
-    }
-
     /// Makes the VM's directories below `<vmdir>` (created by [`lifecycle::create_vm_dir`]) as
     /// the module docs' "Jail" lays them out: `<vmdir>/jail/` with the overlay copied from
     /// `overlay_src`, both handed to the VM user only once the driver has written everything it
@@ -629,9 +612,13 @@ impl Driver for CloudHypervisor {
     }
 
     async fn restore(&self, snapshot: &Snapshot, id: &VmId) -> Result<Vm, DriverError> {
+        self.restore_with(snapshot, id, &RestoreOptions::default()).await
+    }
+
+    async fn restore_with(&self, snapshot: &Snapshot, id: &VmId, opts: &RestoreOptions) -> Result<Vm, DriverError> {
         let span =
             tracing::info_span!("ch_restore", vm = %id, source = %snapshot.source, template = %snapshot.spec.name);
-        self.restore_as(snapshot, id).instrument(span).await
+        self.restore_as(snapshot, id, opts).instrument(span).await
     }
 
     async fn shutdown(&self, vm: &Vm, timeout: Duration) -> Result<(), DriverError> {

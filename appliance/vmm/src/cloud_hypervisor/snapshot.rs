@@ -1,4 +1,5 @@
-//! Snapshot and restore of a cloud-hypervisor VM (the restore directory handed to the VM user).
+//! Boot, snapshot and restore of a cloud-hypervisor VM (the restore directory handed to the VM
+//! user, the NIC's TAP).
 
 use super::*;
 
@@ -16,6 +17,24 @@ impl CloudHypervisor {
             let _ = self.remove_dir(dir);
         }
         started
+    }
+
+    /// For a VM with a NIC: hands its persistent TAP to the VM user (cloud-hypervisor attaches
+    /// to it by name, [`crate::jail::set_owner`]) and opens the NIC's network namespace for the
+    /// process to join, as QEMU's is.
+    pub(super) fn prepare_nic(vm: &Vm, jail: Option<&Jail>) -> Result<Option<std::fs::File>, DriverError> {
+        let Some(nic) = &vm.spec.nic else { return Ok(None) };
+        nic.validate()?;
+        let netns = nic.netns_path();
+        if let Some(j) = jail {
+            crate::jail::set_owner(&nic.tap, netns.as_deref(), j.uid, j.gid).map_err(JailError::from)?;
+        }
+        match netns {
+            Some(path) => std::fs::File::open(&path)
+                .map(Some)
+                .map_err(|e| DriverError::io(format!("opening network namespace {}", path.display()), e)),
+            None => Ok(None),
+        }
     }
 
     /// Builds `<vmdir>/restore/` for a clone of `snapshot`; in a jail it is root's, group the
@@ -37,6 +56,7 @@ impl CloudHypervisor {
                 vsock_socket: vm.vsock_socket.clone(),
                 serial_socket: vm.control_socket.with_file_name(CONSOLE_SOCKET),
                 overlay,
+                tap: vm.spec.nic.as_ref().map(|n| n.tap.clone()),
             },
         )
         .map_err(|e| DriverError::Invalid(format!("{}: {e}", src_cfg.display())))?;
@@ -91,6 +111,7 @@ impl CloudHypervisor {
             vsock_cid: vsock_cid(&id),
             vsock_socket: rec.vm.vsock_socket.clone(),
             rng: spec.rng,
+            net: spec.nic.as_ref().map(|n| (n.tap.clone(), n.mac.clone())),
         };
         let proc = self.start_process_in(&mut rec, jail.as_ref(), &dir).await?;
         let api = self.api(&rec.vm);
@@ -175,7 +196,12 @@ impl CloudHypervisor {
         Ok(snap)
     }
 
-    pub(super) async fn restore_as(&self, snapshot: &Snapshot, id: &VmId) -> Result<Vm, DriverError> {
+    pub(super) async fn restore_as(
+        &self,
+        snapshot: &Snapshot,
+        id: &VmId,
+        opts: &RestoreOptions,
+    ) -> Result<Vm, DriverError> {
         if snapshot.backend != Backend::CloudHypervisor {
             return Err(DriverError::Invalid(format!(
                 "snapshot {} was taken by {}, not cloud-hypervisor",
@@ -187,9 +213,9 @@ impl CloudHypervisor {
         let mut vm = self.skeleton(id, &self.vm_dir(id), &snapshot.spec)?;
         vm.accel = snapshot.accel;
         vm.restored_from = Some(snapshot.dir.clone());
-        // A clone never takes its parent's TAP (and a NIC of its own is refused by
-        // `restore_with`).
-        vm.spec.nic = None;
+        // The saved device set has the NIC: a clone has one iff its parent had, on its own TAP.
+        opts.check_against(snapshot)?;
+        vm.spec.nic = opts.nic.clone();
         let mut rec = VmRecord::creating(vm);
         lifecycle::create_vm_dir(&rec)?;
         let dir = rec.vm.dir.clone();

@@ -246,6 +246,7 @@ fn every_size_class_maps_to_cpus_and_memory_bytes() {
             vsock_cid: 3,
             vsock_socket: "/d/vsock.sock".into(),
             rng: size == SizeClass::Small,
+            net: None,
         };
         let body = serde_json::to_value(plan.to_vm_config()).expect("serialize");
         if size == SizeClass::Small {
@@ -264,7 +265,46 @@ fn every_size_class_maps_to_cpus_and_memory_bytes() {
         // Without snapshots, memory is private: no "shared" key at all.
         assert_eq!(body["memory"], json!({"size": mib * 1024 * 1024}), "{size}");
         assert!(body.get("disks").is_none());
+        assert!(body.get("net").is_none() || body["net"].is_null(), "no NIC unless the spec has one");
     }
+}
+
+#[test]
+fn a_nic_is_created_on_its_tap_and_a_clone_gets_its_own() {
+    let plan = config::VmPlan {
+        kernel: "/k".into(),
+        initramfs: "/i".into(),
+        cmdline: "console=ttyS0".into(),
+        vcpus: 1,
+        memory_bytes: 512 << 20,
+        shared_memory: true,
+        rootfs: None,
+        overlay: None,
+        serial_socket: "/d/console.sock".into(),
+        vsock_cid: 3,
+        vsock_socket: "/d/vsock.sock".into(),
+        rng: true,
+        net: Some(("sb-0a1b2c3d".into(), "02:42:0a:58:00:05".into())),
+    };
+    let body = serde_json::to_value(plan.to_vm_config()).expect("serialize");
+    // cloud-hypervisor's NetConfig: the TAP by name (it joins the NIC's netns), the guest MAC.
+    assert_eq!(body["net"], json!([{"tap": "sb-0a1b2c3d", "mac": "02:42:0a:58:00:05", "id": "net0"}]));
+    // A clone's restored config names its own TAP; the saved device keeps the parent's MAC
+    // (the guest is re-addressed through silkd) and every other field.
+    let mut cfg = json!({
+        "vsock": {"cid": 3, "socket": "/p/vsock.sock"},
+        "net": [{"id": "net0", "tap": "sb-parent", "mac": "02:42:0a:58:00:05", "num_queues": 2}]
+    });
+    let with = config::CloneRewrite {
+        vsock_socket: PathBuf::from("/c/vsock.sock"),
+        serial_socket: PathBuf::from("/c/console.sock"),
+        overlay: None,
+        tap: Some("sb-clone".into()),
+    };
+    config::rewrite_snapshot_config(&mut cfg, &with).expect("rewrite");
+    assert_eq!(cfg["net"], json!([{"id": "net0", "tap": "sb-clone", "mac": "02:42:0a:58:00:05", "num_queues": 2}]));
+    let mut no_net = json!({"vsock": {"cid": 3, "socket": "/p/v"}});
+    assert!(matches!(config::rewrite_snapshot_config(&mut no_net, &with), Err(config::ConfigError::Missing(_))));
 }
 
 #[test]
@@ -619,6 +659,7 @@ fn snapshot_config_rewrite_requires_vsock_and_overlay_disk() {
         vsock_socket: PathBuf::from("/c/vsock.sock"),
         serial_socket: PathBuf::from("/c/console.sock"),
         overlay: Some(PathBuf::from("/c/overlay.raw")),
+        tap: None,
     };
     let mut no_vsock = json!({"disks": []});
     assert_eq!(config::rewrite_snapshot_config(&mut no_vsock, &with), Err(config::ConfigError::Missing("vsock")));

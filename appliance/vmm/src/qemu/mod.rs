@@ -565,23 +565,7 @@ impl Driver for QemuDriver {
             )));
         }
         // The migration stream holds the device set: a clone has a NIC iff its parent had one.
-        // Its TAP may be the parent's only once the parent is gone (a woken hibernated VM): a
-        // TAP held by a live QEMU makes the clone's QEMU fail to start (EBUSY).
-        match (&snapshot.spec.nic, &opts.nic) {
-            (Some(_), None) => {
-                return Err(DriverError::Invalid(format!(
-                    "snapshot {} has a NIC: restore it with RestoreOptions {{ nic: Some(the clone's own) }}",
-                    snapshot.dir.display()
-                )))
-            }
-            (None, Some(_)) => {
-                return Err(DriverError::Invalid(format!(
-                    "snapshot {} has no NIC: a clone cannot add one",
-                    snapshot.dir.display()
-                )))
-            }
-            _ => {}
-        }
+        opts.check_against(snapshot)?;
         let span = tracing::info_span!("vm_restore", vm = %id, from = %snapshot.source, template = %snapshot.spec.name);
         self.create(id, Origin::Restore(snapshot, opts.nic.as_ref())).instrument(span).await
     }
