@@ -148,6 +148,8 @@ pub fn env_help() -> String {
          VK_VM_CIDR             VM address range (10.88.0.0/24)\n  \
          VK_NETNS               run the bridge, TAPs and VMs in this named netns (unset)\n  \
          VK_BOOT_TIMEOUT        seconds a boot may take until the guest agent answers (300)\n  \
+         VK_HYPERVISOR          auto, qemu or cloud-hypervisor (auto: cloud-hypervisor when its\n                         \
+         binary is present and KVM works, else QEMU; the choice is logged)\n  \
          VK_CONSOLE_LOG_KIB     serial console each VM keeps on disk, KiB, read by kubectl\n                         \
          logs (1024, at least 16)\n  \
          VK_RESTART_COOLDOWN    seconds after a restart within which a VM that stops again is\n                         \

@@ -56,9 +56,9 @@ struct Cli {
     join: JoinArgs,
 }
 
-/// The VM backend: QEMU microVMs through `vmm`, the image library and the VM network
-/// ([`VmmBackend`]), configured by `COCOON_ROOT_DIR`, `CHRYSALIS_IMAGES`, `VK_BRIDGE`,
-/// `VK_VM_CIDR`, `VK_NETNS`, `VK_BOOT_TIMEOUT` and the filter's `VK_NET_HOST_ALLOW`,
+/// The VM backend: microVMs through `vmm` (QEMU or cloud-hypervisor, `VK_HYPERVISOR`), the
+/// image library and the VM network ([`VmmBackend`]), configured by `COCOON_ROOT_DIR`,
+/// `CHRYSALIS_IMAGES`, `VK_BRIDGE`, `VK_VM_CIDR`, `VK_NETNS`, `VK_BOOT_TIMEOUT` and the filter's `VK_NET_HOST_ALLOW`,
 /// `VK_NET_UPLINK`, `VK_NET_REFUSE` (see [`vk_cocoon::vmm_backend`]).
 async fn open_backend(cfg: &CocoonConfig) -> anyhow::Result<Arc<dyn VmBackend>> {
     let bcfg = BackendConfig::from_env(&cfg.root_dir)?;

@@ -33,6 +33,19 @@ impl fmt::Display for HypervisorPreference {
     }
 }
 
+impl std::str::FromStr for HypervisorPreference {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(HypervisorPreference::Auto),
+            "qemu" => Ok(HypervisorPreference::Qemu),
+            "cloud-hypervisor" => Ok(HypervisorPreference::CloudHypervisor),
+            other => Err(format!("unknown hypervisor {other:?}: expected auto, qemu or cloud-hypervisor")),
+        }
+    }
+}
+
 /// What was chosen, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Choice {
@@ -102,5 +115,9 @@ mod tests {
         assert_eq!(choose(HypervisorPreference::Qemu, Ok(bin), None).backend, Backend::Qemu);
         let c = choose(HypervisorPreference::CloudHypervisor, Err("x".into()), Some("y"));
         assert_eq!(c.backend, Backend::CloudHypervisor);
+        for p in [HypervisorPreference::Auto, HypervisorPreference::Qemu, HypervisorPreference::CloudHypervisor] {
+            assert_eq!(p.to_string().parse::<HypervisorPreference>(), Ok(p));
+        }
+        assert!("kvm".parse::<HypervisorPreference>().unwrap_err().contains("expected auto, qemu or cloud-hypervisor"));
     }
 }

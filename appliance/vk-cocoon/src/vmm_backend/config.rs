@@ -28,6 +28,9 @@ pub struct BackendConfig {
     /// `VK_CONSOLE_LOG_KIB` (1024, at least 16): serial console each VM keeps on disk, in
     /// bytes here; `kubectl logs` reads it.
     pub console_cap: u64,
+    /// `VK_HYPERVISOR` (`auto`, `qemu` or `cloud-hypervisor`; default `auto`: cloud-hypervisor
+    /// when its binary is present and KVM works, else QEMU).
+    pub hypervisor: vmm::hypervisor::HypervisorPreference,
 }
 
 impl BackendConfig {
@@ -76,6 +79,10 @@ impl BackendConfig {
                 _ => return Err(bad("VK_CONSOLE_LOG_KIB", &v, "expected a whole number of KiB, at least 16")),
             },
         };
+        let hypervisor = match val("VK_HYPERVISOR") {
+            None => vmm::hypervisor::HypervisorPreference::Auto,
+            Some(v) => v.parse().map_err(|_| bad("VK_HYPERVISOR", &v, "expected auto, qemu or cloud-hypervisor"))?,
+        };
         let net = |var: &'static str, value: &str, e: vmnet::FilterError| ConfigError::Net {
             var,
             value: value.to_owned(),
@@ -101,6 +108,7 @@ impl BackendConfig {
             netns,
             boot_timeout,
             console_cap,
+            hypervisor,
         })
     }
 
@@ -136,6 +144,13 @@ mod tests {
         assert_eq!(c.leases_path(), PathBuf::from("/r/net/leases.json"));
         assert_eq!(c.boot_timeout, Duration::from_secs(300));
         assert_eq!(c.console_cap, vmm::console::DEFAULT_CONSOLE_CAP);
+        assert_eq!(c.hypervisor, vmm::hypervisor::HypervisorPreference::Auto);
+        let qemu = |k: &str| (k == "VK_HYPERVISOR").then(|| "qemu".to_string());
+        let c = BackendConfig::from_lookup(&qemu, Path::new("/r")).unwrap();
+        assert_eq!(c.hypervisor, vmm::hypervisor::HypervisorPreference::Qemu);
+        let kvm = |k: &str| (k == "VK_HYPERVISOR").then(|| "kvm".to_string());
+        let e = BackendConfig::from_lookup(&kvm, Path::new("/r")).unwrap_err().to_string();
+        assert!(e.contains("VK_HYPERVISOR") && e.contains("cloud-hypervisor"), "{e}");
         assert_eq!(c.filter, FilterPolicy::default(), "VMs reach nothing by default");
         let env = |k: &str| {
             match k {

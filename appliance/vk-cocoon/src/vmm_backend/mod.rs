@@ -170,13 +170,15 @@ impl VmmBackend {
         })
     }
 
-    /// Opens everything `cfg` names: the QEMU driver (state `<root>`), the image library, the
+    /// Opens everything `cfg` names: the hypervisor driver `cfg.hypervisor` chooses (state `<root>`), the image library, the
     /// bridge (created if missing) and the lease table.
     pub async fn open(cfg: &BackendConfig) -> Result<VmmBackend, BackendError> {
         let mut qcfg = vmm::qemu::QemuConfig::from_env();
         qcfg.state_dir = cfg.root_dir.clone();
         qcfg.console_cap = cfg.console_cap;
-        let driver: Arc<dyn Driver> = Arc::new(vmm::qemu::QemuDriver::new(qcfg));
+        let (driver, choice) = vmm::hypervisor::driver(cfg.hypervisor, qcfg)
+            .map_err(|e| failed("starting the hypervisor driver", cfg.hypervisor.to_string(), e))?;
+        tracing::info!(backend = %choice.backend, why = %choice.why, "VM driver chosen");
         let images_dir = cfg.images_dir.clone();
         let store = blocking("opening the image library", &images_dir.display().to_string(), {
             let d = images_dir.clone();
