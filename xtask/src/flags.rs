@@ -102,6 +102,12 @@ pub struct ImageArgs {
     /// generated on first use) instead: for development and tests only.
     #[arg(long)]
     pub dev_keys: bool,
+    /// Ship this cloud-hypervisor binary as /usr/bin/cloud-hypervisor (a static x86_64 build,
+    /// e.g. upstream's `cloud-hypervisor-static` release asset; none comes from the package
+    /// registries). On a box with working KVM, sandboxd's and vk-cocoon's `auto` hypervisor
+    /// then choose it over QEMU.
+    #[arg(long, value_name = "PATH")]
+    pub cloud_hypervisor: Option<std::path::PathBuf>,
     /// The image's security_version (anti-rollback level: boxes refuse bundles below the
     /// highest level they committed). Default: the number in rootfs/security-version.
     #[arg(long, value_name = "N")]

@@ -124,6 +124,7 @@ pub fn run(args: &flags::ImageArgs) -> Result<()> {
         security_version: args.security_version,
         keys: &keys,
         force: args.force,
+        cloud_hypervisor: args.cloud_hypervisor.as_deref(),
     })?;
     println!("{}", built.disk.display());
     Ok(())
@@ -142,13 +143,22 @@ pub struct BuildOptions<'a> {
     pub keys: &'a UpdateKeys,
     /// Rebuild cached steps.
     pub force: bool,
+    /// A cloud-hypervisor binary to ship as `/usr/bin/cloud-hypervisor`.
+    pub cloud_hypervisor: Option<&'a Path>,
 }
 
 impl<'a> BuildOptions<'a> {
     /// The board's default image trusting this machine's dev keys (`cargo xtask run`, `test`,
     /// `bench appliance`: development only).
     pub fn dev(board: &'a str) -> BuildOptions<'a> {
-        BuildOptions { board, version: None, security_version: None, keys: &UpdateKeys::Dev, force: false }
+        BuildOptions {
+            board,
+            version: None,
+            security_version: None,
+            keys: &UpdateKeys::Dev,
+            force: false,
+            cloud_hypervisor: None,
+        }
     }
 }
 
@@ -219,7 +229,12 @@ pub fn build(o: &BuildOptions<'_>) -> Result<Built> {
 
     let (tarball, tarball_key) = step("[1/6] Debian base (mmdebstrap)", || tree::debootstrap(&host, &board, force))?;
     let kernel = step("[2/6] host kernel", || host_kernel(board_name, &board, force))?;
-    let binaries = step("[3/6] release binaries", build_binaries)?;
+    let mut binaries = step("[3/6] release binaries", build_binaries)?;
+    if let Some(ch) = o.cloud_hypervisor {
+        check_cloud_hypervisor(ch)?;
+        eprintln!("image: shipping {} as /usr/bin/{CLOUD_HYPERVISOR}", ch.display());
+        binaries.insert(CLOUD_HYPERVISOR.into(), ch.to_path_buf());
+    }
     let templates = step("[4/6] VM images", || vm_templates(&board))?;
     let sdboot = step("[5/6] systemd-boot", systemd_boot)?;
 
@@ -460,6 +475,27 @@ fn host_kernel(board_name: &str, board: &board::Board, force: bool) -> Result<Pa
 /// `cargo build --profile appliance` of our binaries (or `$CHRYSALIS_IMAGE_BINS`): release
 /// optimised for size (LTO, one codegen unit, stripped), since a process's resident memory is
 /// mostly its binary's mapped text.
+/// The name cloud-hypervisor is shipped under (`/usr/bin`), where the `auto` hypervisor
+/// choice looks for it (`PATH`).
+const CLOUD_HYPERVISOR: &str = "cloud-hypervisor";
+
+/// Checks that `path` is a regular executable ELF file before it goes into an image.
+fn check_cloud_hypervisor(path: &Path) -> Result<()> {
+    use std::io::Read as _;
+    use std::os::unix::fs::PermissionsExt as _;
+    let what = || format!("--cloud-hypervisor {}", path.display());
+    let meta = fs::metadata(path).with_context(what)?;
+    if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+        bail!("{}: not an executable file (chmod +x a static cloud-hypervisor build)", what());
+    }
+    let mut magic = [0u8; 4];
+    fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).with_context(what)?;
+    if &magic != b"\x7fELF" {
+        bail!("{}: not an ELF binary (expected a static x86_64 cloud-hypervisor build)", what());
+    }
+    Ok(())
+}
+
 fn build_binaries() -> Result<BTreeMap<String, PathBuf>> {
     let dir = match std::env::var_os(PREBUILT_ENV) {
         Some(dir) => {
@@ -711,5 +747,23 @@ mod tests {
         let b = assemble::make_root(&tree.join("root"), &out.path().join("b.img"), epoch, &seed).expect("second");
         assert_eq!(a.sha256, b.sha256, "two packs of the same tree differ");
         assert_eq!(a.verity, b.verity);
+    }
+
+    #[test]
+    fn only_an_executable_elf_is_shipped_as_cloud_hypervisor() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let script = dir.path().join("ch.sh");
+        fs::write(&script, "#!/bin/sh\n").expect("write");
+        fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).expect("chmod");
+        let e = check_cloud_hypervisor(&script).expect_err("a script").to_string();
+        assert!(e.contains("not an ELF"), "{e}");
+        let elf = dir.path().join("ch");
+        fs::copy("/bin/true", &elf).expect("copy");
+        fs::set_permissions(&elf, fs::Permissions::from_mode(0o644)).expect("chmod");
+        assert!(check_cloud_hypervisor(&elf).expect_err("not executable").to_string().contains("chmod +x"));
+        fs::set_permissions(&elf, fs::Permissions::from_mode(0o755)).expect("chmod");
+        check_cloud_hypervisor(&elf).expect("an executable ELF");
+        assert!(check_cloud_hypervisor(&dir.path().join("missing")).is_err());
     }
 }
