@@ -223,9 +223,8 @@ pub struct RestoreOptions {
 }
 
 impl RestoreOptions {
-    /// Checks these options against `snapshot`: the saved device set holds the NIC, so a clone
-    /// has one iff its parent had one. (Its TAP may be the parent's only once the parent is
-    /// gone, as for a woken hibernated VM: a TAP a live hypervisor holds is busy.)
+    /// Checks these options against `snapshot`: a clone has a NIC iff its parent had one (the
+    /// saved device set holds it); its TAP is the parent's only once the parent is gone.
     pub fn check_against(&self, snapshot: &Snapshot) -> Result<(), DriverError> {
         match (&snapshot.spec.nic, &self.nic) {
             (Some(_), None) => Err(DriverError::Invalid(format!(
