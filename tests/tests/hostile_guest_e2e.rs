@@ -254,13 +254,12 @@ fn a_hostile_guest_reaches_nothing_and_starves_no_one() {
     let (s, v) = sh(&h, &attacker, "echo hostile-attacker-marker > /dev/ttyS0", 30);
     assert_eq!((s, v["exit_code"].as_i64()), (200, Some(0)), "{v}");
     let vm_dir = vm_dir_with_console(&h, "hostile-attacker-marker");
-    let qemu_pid = std::fs::read_to_string(vm_dir.join("qemu.pid")).expect("qemu.pid").trim().parse().expect("a pid");
-    let caps = Caps { vm_dir, overlay_cap, qemu_pid };
+    let rec = vmm::lifecycle::VmRecord::load(&vm_dir).expect("vm.json").expect("a record");
+    let caps = Caps { vm_dir, overlay_cap, qemu_pid: rec.vm.pid };
 
     // (h) The attacker's QEMU, seen from the host: the VM user, no capabilities, seccomp,
     // NoNewPrivs, its own cgroup leaf with the limits of its size class (`vmm::jail`).
     step("(h) the attacker's QEMU is jailed");
-    let rec = vmm::lifecycle::VmRecord::load(&caps.vm_dir).expect("vm.json").expect("a record");
     test_infra::assert_jailed(&rec.vm).unwrap_or_else(|e| panic!("{e:#}"));
 
     // (a) The serial console: the guest writes as fast as it can for 20 s.

@@ -58,8 +58,9 @@ use sandboxd::{Node, NodeOptions};
 /// Density: a pool's golden keeps its RAM in a file that every clone maps copy-on-write (one
 /// sealed copy per golden), warm VMs wait paused and the claim resumes them, and a claim on an
 /// empty pool gets a VM made for it (a clone of its golden, or a cold boot when it has none)
-/// while the node budget has room (`429` past it). `hypervisor` picks `qemu`, `cloud-hypervisor` or `auto` (cloud-hypervisor
-/// when present and KVM works); `GET /v1/info` shows the choice.
+/// while the node budget has room (`429` past it). `hypervisor` picks `qemu`,
+/// `cloud-hypervisor` or `auto` (cloud-hypervisor when present and KVM works); `GET /v1/info`
+/// shows the choice.
 #[derive(Debug, Parser)]
 #[command(name = "sandboxd", version)]
 struct Args {

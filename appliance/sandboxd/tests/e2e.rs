@@ -100,8 +100,7 @@ fn short_lease_is_reaped_and_its_vm_destroyed() {
     // The warm VM was made at the background CPU weight and waits paused, its clock standing
     // still; the claim gives it the normal weight and the host's time.
     let vm_dir = h.dir.path().join("data/vms/vms").join(&claimed_vm);
-    let qemu_pid: u32 =
-        std::fs::read_to_string(vm_dir.join("qemu.pid")).expect("qemu.pid").trim().parse().expect("pid");
+    let qemu_pid = vmm::lifecycle::VmRecord::load(&vm_dir).expect("vm.json").expect("a record").vm.pid;
     let weight = || vmm::jail::inspect::process_jail(qemu_pid).and_then(|j| j.cpu_weight);
     assert_eq!(weight(), Some(vmm::jail::CpuWeight::Background), "a warm VM runs in the background");
     std::thread::sleep(Duration::from_secs(4));

@@ -361,6 +361,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<S> {
         self.expect_done().await
     }
 
+    /// Sets the guest's clock to the host's now: what the host does to every VM restored from
+    /// a snapshot or resumed after waiting paused, before handing it out.
+    pub async fn set_clock_from_host(&mut self) -> Result<(), ClientError> {
+        self.set_clock(std::time::SystemTime::now()).await
+    }
+
     /// `volume_mount`: the guest links (and, with `mount`, mounts) the disk the host plugged
     /// at SCSI target `target`.
     pub async fn volume_mount(

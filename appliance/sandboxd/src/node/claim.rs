@@ -2,11 +2,12 @@
 //!
 //! Guarantees: the claim path does one VM operation on a hit (pop the newest warm VM, resume its
 //! vCPUs: warm VMs wait paused, mint an id and a token, journal, reply; the VM's normal CPU
-//! weight and its guest clock, which stood still while it waited, are set on a task of its own); a miss makes a VM now,
-//! as upstream does (a clone of the golden, a cold boot when there is none; [`refill::on_demand`]), bounded by
-//! the node budget (429 when it has no room), the wait counted in the claim latency; a claim is
-//! granted only after a journal write that includes it (a failed write puts the VM back,
-//! paused); no lease runs past `claimed_at` + `max_lifetime_secs`.
+//! weight and its guest clock, which stood still while it waited, are set on a task of its
+//! own); a miss makes a VM now, as upstream does (a clone of the golden, a cold boot when there
+//! is none; [`refill::on_demand`]), bounded by the node budget (429 when it has no room), the
+//! wait counted in the claim latency; a claim is granted only after a journal write that
+//! includes it (a failed write puts the VM back, paused); no lease runs past `claimed_at` +
+//! `max_lifetime_secs`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};

@@ -52,11 +52,11 @@ use crate::options::Timing;
 use crate::pool::{Net, Pool};
 use crate::vms::{disk_mib, Vms, OWNERSHIP};
 
-/// Clone failures in a row after which the golden is dropped and rebuilt.
 mod ready;
 use ready::weigh;
 pub use ready::{handed_out, restore_ready};
 
+/// Clone failures in a row after which the golden is dropped and rebuilt.
 const CLONE_FAILURES_TO_REBUILD: u32 = 3;
 
 /// The most output of `guest-init net-config` kept (it prints a line or two).
@@ -356,14 +356,8 @@ async fn make_one(
 ) -> Result<(Vm, Tier), RefillError> {
     if let Some(g) = golden {
         match clone_one(cx, pool, g, weight).await {
-            Ok(vm) => {
-                pool.lock().clone_failures = 0;
-                return Ok((vm, Tier::Clone));
-            }
-            Err(e) => {
-                tracing::warn!(error = %vmm::error_chain(&e), "clone failed; cold-booting instead");
-                clone_failed(cx, pool);
-            }
+            Ok(vm) => return Ok((vm, Tier::Clone)),
+            Err(e) => tracing::warn!(error = %vmm::error_chain(&e), "clone failed; cold-booting instead"),
         }
     }
     cold_one(cx, pool, weight).await.map(|vm| (vm, Tier::Cold))
@@ -382,9 +376,9 @@ async fn park(cx: &Refill, vm: Vm) -> Result<Vm, RefillError> {
 }
 
 /// A VM for a claim that found its pool empty, made now, as upstream does: a clone of the
-/// golden (a cold boot when the pool has none), ready (silkd answers) and running. `None` when the node budget
-/// has no room for it (or the node is draining or not reconciled yet): `Refused` with why, and
-/// the claim answers 429.
+/// golden (a cold boot when the pool has none), ready (silkd answers) and running. `Refused`,
+/// with why, when the node budget has no room for it (or the node is draining or not
+/// reconciled yet): the claim answers 429.
 /// The VM is made on its own task: a claim that goes away meanwhile (its client hung up) leaves
 /// the VM to the pool, paused, instead of killing it half-made.
 pub async fn on_demand(cx: &Arc<Refill>, pool: &Arc<Pool>) -> Result<Vm, Miss> {
@@ -425,16 +419,7 @@ pub async fn on_demand(cx: &Arc<Refill>, pool: &Arc<Pool>) -> Result<Vm, Miss> {
             // One attempt: a failed clone fails the claim rather than adding a cold boot (the
             // pool's own refill falls back to those, one slot at a time).
             let made = match golden.as_ref() {
-                Some(g) => match clone_one(&cx, &pool, g, CpuWeight::Normal).await {
-                    Ok(vm) => {
-                        pool.lock().clone_failures = 0;
-                        Ok(vm)
-                    }
-                    Err(e) => {
-                        clone_failed(&cx, &pool);
-                        Err(e)
-                    }
-                },
+                Some(g) => clone_one(&cx, &pool, g, CpuWeight::Normal).await,
                 None => cold_one(&cx, &pool, CpuWeight::Normal).await,
             };
             if cold {
@@ -547,8 +532,15 @@ async fn unstarted(cx: &Refill, key: &VmId, nic: Option<&(vmnet::Lease, NicSpec)
     }
 }
 
+/// A clone of the pool's golden; the outcome counts towards dropping the golden (a success
+/// resets the count of failures in a row).
 async fn clone_one(cx: &Refill, pool: &Pool, golden: &Snapshot, weight: CpuWeight) -> Result<Vm, RefillError> {
-    restore_ready(cx, &pool.key, golden, weight).await
+    let made = restore_ready(cx, &pool.key, golden, weight).await;
+    match &made {
+        Ok(_) => pool.lock().clone_failures = 0,
+        Err(_) => clone_failed(cx, pool),
+    }
+    made
 }
 
 /// Boots `spec` at `weight`, with a NIC of its own for an egress pool (given back if the boot

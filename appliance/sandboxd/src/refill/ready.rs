@@ -4,7 +4,7 @@
 //! resumed by a claim.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tracing::Instrument as _;
 use vmm::jail::CpuWeight;
@@ -100,7 +100,7 @@ async fn reseed(cx: &Refill, vm: &Vm) -> Result<(), RefillError> {
     let work = async {
         let mut a = agent(cx, vm, "dialling silkd to reseed").await?;
         a.reseed_from_host().await.map_err(|source| RefillError::Reseed { source })?;
-        if let Err(e) = a.set_clock(SystemTime::now()).await {
+        if let Err(e) = a.set_clock_from_host().await {
             tracing::warn!(vm = %vm.id, error = %e, "the clone's clock was not set");
         }
         Ok(())
@@ -135,7 +135,7 @@ pub fn handed_out(driver: Arc<dyn Driver>, vm: Vm) {
             let work = async {
                 let stream = driver.connect(&vm, vmm::AGENT_PORT).await.map_err(|e| vmm::error_chain(&e))?;
                 let mut a = silkd_client::AgentConn::new(stream);
-                a.set_clock(SystemTime::now()).await.map_err(|e| e.to_string())
+                a.set_clock_from_host().await.map_err(|e| e.to_string())
             };
             match tokio::time::timeout(SET_CLOCK_BUDGET, work).await {
                 Ok(Ok(())) => tracing::debug!("guest clock set"),

@@ -170,8 +170,8 @@ impl VmmBackend {
         })
     }
 
-    /// Opens everything `cfg` names: the hypervisor driver `cfg.hypervisor` chooses (state `<root>`), the image library, the
-    /// bridge (created if missing) and the lease table.
+    /// Opens everything `cfg` names: the hypervisor driver `cfg.hypervisor` chooses (state
+    /// `<root>`), the image library, the bridge (created if missing) and the lease table.
     pub async fn open(cfg: &BackendConfig) -> Result<VmmBackend, BackendError> {
         let mut qcfg = vmm::qemu::QemuConfig::from_env();
         qcfg.state_dir = cfg.root_dir.clone();

@@ -25,7 +25,7 @@ impl VmmBackend {
             match agent.reseed_from_host().await {
                 Ok(()) => {
                     // The snapshot's clock stood still since it was saved; best effort.
-                    if let Err(e) = agent.set_clock(std::time::SystemTime::now()).await {
+                    if let Err(e) = agent.set_clock_from_host().await {
                         tracing::warn!(vm = id, error = %e, "the clone's clock was not set");
                     }
                     Ok(())
