@@ -40,13 +40,16 @@ fn mean_from_metrics(text: &str, name: &str) -> Option<Duration> {
     (count > 0.0).then(|| Duration::from_secs_f64(sum / count))
 }
 
-async fn metrics_text(addr: &str) -> Result<String> {
+/// sandboxd's `/metrics` at `addr`, as root when `token` is given.
+pub(crate) async fn metrics_text(addr: &str, token: Option<&str>) -> Result<String> {
     let stream = tokio::net::TcpStream::connect(addr).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
     tokio::spawn(conn);
-    let req = hyper::Request::get("/metrics")
-        .header("host", addr)
-        .body(http_body_util::Full::new(hyper::body::Bytes::new()))?;
+    let mut req = hyper::Request::get("/metrics").header("host", addr);
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let req = req.body(http_body_util::Full::new(hyper::body::Bytes::new()))?;
     let body = http_body_util::BodyExt::collect(sender.send_request(req).await?.into_body()).await?.to_bytes();
     Ok(String::from_utf8_lossy(&body).into_owned())
 }
@@ -110,7 +113,7 @@ pub async fn run(figures: &mut Vec<Figure>, bin: &std::path::Path, vms: u64, cla
             lat.push(t.elapsed());
         }
         lat.sort();
-        let text = metrics_text(&addr).await?;
+        let text = metrics_text(&addr, None).await?;
         let resume = mean_from_metrics(&text, "sandboxd_claim_resume_seconds").context("resume histogram")?;
         figures.push(Figure {
             name: format!("claim over HTTP, paused warm VM ({accel}, p50 of {})", lat.len()),

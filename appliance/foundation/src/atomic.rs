@@ -7,6 +7,13 @@
 //!
 //! [`write_secret`] is the same with mode 0600, in a directory it makes 0700 ([`private_dir`]).
 //!
+//! [`write_secret_unsynced`] is [`write_secret`] without the two fsyncs, for a hot path whose
+//! caller flushes soon after with [`sync_file_and_dir`]: a reader (and a restarted process)
+//! still sees the old file or the new one, never a torn one, since the rename is atomic and
+//! the page cache outlives the process; only a power cut before the flush can bring back the
+//! old file. On ext4 (`auto_da_alloc`) a rename over an existing file also commits its data
+//! with the rename, so even then no empty file is left.
+//!
 //! A filesystem that cannot fsync a directory (`EINVAL`, vfat) is tolerated; no other error is.
 
 use std::fs::{self, File, OpenOptions};
@@ -47,12 +54,32 @@ fn tmp_sibling(path: &Path) -> PathBuf {
 /// The parent directory must exist.
 pub fn write_atomic(path: &Path, contents: &[u8], mode: FileMode) -> io::Result<()> {
     let tmp = tmp_sibling(path);
-    let result =
-        write_tmp(&tmp, contents, mode).and_then(|()| fs::rename(&tmp, path)).and_then(|()| sync_dir(parent(path)));
+    let result = write_tmp(&tmp, contents, mode, Sync::Yes)
+        .and_then(|()| fs::rename(&tmp, path))
+        .and_then(|()| sync_dir(parent(path)));
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// [`write_secret`] without fsyncs: atomic for readers and for a crash of the process, durable
+/// once [`sync_file_and_dir`] has run on `path`.
+pub fn write_secret_unsynced(path: &Path, contents: &[u8]) -> io::Result<()> {
+    private_dir(parent(path))?;
+    let tmp = tmp_sibling(path);
+    let result = write_tmp(&tmp, contents, SECRET_FILE, Sync::No).and_then(|()| fs::rename(&tmp, path));
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Makes what [`write_secret_unsynced`] wrote at `path` durable: fsyncs the file now at `path`,
+/// then its directory (the rename).
+pub fn sync_file_and_dir(path: &Path) -> io::Result<()> {
+    File::open(path).and_then(|f| f.sync_all())?;
+    sync_dir(parent(path))
 }
 
 /// Like [`write_atomic`], but only if `path` does not exist yet: an existing file is left as it
@@ -61,13 +88,21 @@ pub fn write_atomic(path: &Path, contents: &[u8], mode: FileMode) -> io::Result<
 pub fn write_new(path: &Path, contents: &[u8], mode: FileMode) -> io::Result<()> {
     let tmp = tmp_sibling(path);
     // link(2) never replaces its target: the exclusive step.
-    let result = write_tmp(&tmp, contents, mode).and_then(|()| fs::hard_link(&tmp, path));
+    let result = write_tmp(&tmp, contents, mode, Sync::Yes).and_then(|()| fs::hard_link(&tmp, path));
     let _ = fs::remove_file(&tmp);
     result.and_then(|()| sync_dir(parent(path)))
 }
 
-/// Creates `tmp` (which must not exist) with `mode`, writes `contents` and fsyncs it.
-fn write_tmp(tmp: &Path, contents: &[u8], mode: FileMode) -> io::Result<()> {
+/// Whether [`write_tmp`] fsyncs.
+#[derive(PartialEq)]
+enum Sync {
+    Yes,
+    No,
+}
+
+/// Creates `tmp` (which must not exist) with `mode`, writes `contents` and fsyncs it (unless
+/// `sync` is [`Sync::No`]).
+fn write_tmp(tmp: &Path, contents: &[u8], mode: FileMode, sync: Sync) -> io::Result<()> {
     let mut f = OpenOptions::new().write(true).create_new(true).mode(mode.0).open(tmp)?;
     // The umask can only have removed bits from `mode`; this puts them back. A filesystem
     // that cannot represent modes (vfat: `EPERM`) keeps its own, never looser than asked
@@ -77,7 +112,10 @@ fn write_tmp(tmp: &Path, contents: &[u8], mode: FileMode) -> io::Result<()> {
         r => r?,
     }
     f.write_all(contents)?;
-    f.sync_all()
+    if sync == Sync::Yes {
+        f.sync_all()?;
+    }
+    Ok(())
 }
 
 /// `EPERM`: this crate links no libc.
@@ -161,6 +199,20 @@ mod tests {
         let fresh = dir.path().join("x/y/key");
         write_secret(&fresh, b"k").expect("write into missing dirs");
         assert_eq!(mode_of(fresh.parent().expect("parent")), 0o700);
+    }
+
+    #[test]
+    fn an_unsynced_secret_is_replaced_whole_then_synced() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("s/claims.json");
+        write_secret_unsynced(&p, b"one").expect("first");
+        write_secret_unsynced(&p, b"two").expect("second");
+        assert_eq!(fs::read(&p).expect("read"), b"two");
+        assert_eq!(mode_of(&p), 0o600);
+        assert_eq!(mode_of(p.parent().expect("parent")), 0o700);
+        sync_file_and_dir(&p).expect("sync");
+        assert_eq!(fs::read_dir(p.parent().expect("parent")).expect("ls").count(), 1, "no temp left");
+        assert!(sync_file_and_dir(&dir.path().join("missing")).is_err());
     }
 
     #[test]

@@ -28,7 +28,10 @@ pub mod testing;
 pub mod token;
 pub mod tool;
 
-pub use atomic::{private_dir, write_atomic, write_new, write_secret, FileMode, PRIVATE_DIR, PUBLIC_FILE, SECRET_FILE};
+pub use atomic::{
+    private_dir, sync_file_and_dir, write_atomic, write_new, write_secret, write_secret_unsynced, FileMode,
+    PRIVATE_DIR, PUBLIC_FILE, SECRET_FILE,
+};
 pub use error_chain::error_chain;
 pub use token::{read_token_file, TokenFileError, MIN_TOKEN_LEN};
 pub use tool::ToolError;

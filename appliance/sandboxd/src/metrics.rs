@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | `sandboxd_claims_total` | `result` (`granted`, `no_capacity`, `draining`, `error`), `tier` (`warm`, `on_demand`, or empty) | counter |
 //! | `sandboxd_claim_duration_seconds` (every `Node::claim`, granted or refused, an on-demand VM's wait included; 50 µs … 1 s) | | histogram |
-//! | `sandboxd_claim_resume_seconds` (resuming the paused warm VM inside a claim) | | histogram |
+//! | `sandboxd_claim_resume_seconds` (waking the paused warm VM inside a claim: its CPU weight back to normal, then the resume) | | histogram |
 //! | `sandboxd_releases_total`, `sandboxd_renews_total`, `sandboxd_reaped_total` | | counter |
 //! | `sandboxd_hibernations_total`, `sandboxd_wakes_total`, `sandboxd_fork_children_total`, `sandboxd_checkpoints_total`, `sandboxd_promotions_total`, `sandboxd_volume_attaches_total`, `sandboxd_volume_detaches_total`, `sandboxd_volume_failures_total` | | counter |
 //! | `sandboxd_refills_total` | `tier` (`clone`, `cold`) | counter |

@@ -77,6 +77,11 @@ struct Cli {
     /// Pod queue (and API) burst.
     #[arg(long, default_value_t = 400)]
     kube_api_burst: u32,
+    /// Workers per pod queue: how many Pods are claimed (and statuses written) at once. A claim
+    /// waits on sandboxd, not on a CPU, so this is not the core count; --kube-api-qps bounds the
+    /// rate.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pod_sync_workers: u32,
     /// sandboxd's URL: http://host:port, or https://host:port with --sandboxd-ca-file.
     #[arg(long, env = "SANDBOXD_URL", default_value = "http://127.0.0.1:7777")]
     sandboxd_url: String,
@@ -215,7 +220,7 @@ fn node_setup(cli: &Cli) -> anyhow::Result<NodeSetup> {
     let runtime = vnode::RuntimeConfig {
         kube_api_qps: cli.kube_api_qps,
         kube_api_burst: cli.kube_api_burst.max(1),
-        workers: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        workers: cli.pod_sync_workers as usize,
         disable_pod_events: cli.disable_pod_events,
         listen_addr,
         tls_cert: non_empty(&cli.tls_cert),
@@ -260,6 +265,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let provider = Arc::new(SandboxProvider::new(sandboxd, owners.clone(), pcfg).context("starting the provider")?);
     let _loops = provider.spawn_loops();
     setup.runtime.stats.pod_metrics = Some(provider.clone());
+    setup.runtime.stats.runtime =
+        Arc::new(vnode::stats::RuntimeMetrics::with_provider(|r| provider.register_metrics(r)));
 
     let session = Session::open(&cli.join, &cli.node_name).await?;
     session
@@ -302,6 +309,8 @@ mod tests {
         assert_eq!(cli.listen_addr, ":10260");
         assert_eq!((cli.node_cpu.as_str(), cli.node_memory.as_str(), cli.node_pods.as_str()), ("4000", "8Ti", "2000"));
         assert_eq!((cli.kube_api_qps, cli.kube_api_burst), (200.0, 400));
+        assert_eq!(cli.pod_sync_workers, 32);
+        assert!(Cli::try_parse_from(["vk-sandbox", "--pod-sync-workers", "0"]).is_err());
         assert_eq!(cli.sandboxd_url, "http://127.0.0.1:7777");
         assert_eq!(cli.state_path, PathBuf::from("/var/lib/vk-sandbox/claims.json"));
         assert_eq!(cli.orphan_scan_interval, Duration::from_secs(60));

@@ -3,14 +3,28 @@
 //!
 //! Shape: `{"claims":{"ns/name":{id, token, address, podUID, claimedAt, deadline, owner?}}}`,
 //! plus `releasing` (claims decided for release whose release has not yet succeeded). Written
-//! 0600 in a directory made 0700 ([`foundation::write_secret`]: a temp file born 0600, fsync,
-//! rename, directory fsync); writes are serialized. Loading: a missing file is an empty table; a
-//! malformed one is fatal (reading it as empty would forget live credentials).
+//! 0600 in a directory made 0700, atomically (a temp file born 0600, renamed over the file);
+//! writes are serialized. Loading: a missing file is an empty table; a malformed one is fatal
+//! (reading it as empty would forget live credentials).
+//!
+//! # Durability off the claim path
+//! [`StateStore::save`] returns once the rename is done, without waiting for the disk
+//! ([`foundation::write_secret_unsynced`]); a flush task fsyncs the file and its directory
+//! right after, one flush for any number of saves that land while one runs. A crash of the
+//! process loses nothing (the page cache outlives it). Only a power cut (or a host kernel crash)
+//! inside that window of a few milliseconds can bring back the previous table, and it also
+//! ends every VM, so the claims a stale table would miss name VMs that are gone; any that
+//! survive (sandboxd's journal) carry this node's `claim_ref` and are taken back by the
+//! provider's lost-claim scan. A failed flush is logged, counted in
+//! [`StateStore::flush_failures`] (`vk_sandbox_state_flush_failures_total`) and retried on the next save.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use k8s_openapi::jiff::Timestamp;
+use prometheus_client::metrics::counter::Counter;
 use serde::{Deserialize, Serialize};
 
 /// Why the state file could not be read or written.
@@ -107,13 +121,24 @@ pub fn load(path: &Path) -> Result<StateFile, StateError> {
     serde_json::from_slice(&bytes).map_err(|source| StateError::Malformed { path: path.to_owned(), source })
 }
 
-/// Writes `state` to `path` atomically, 0600 in a directory made 0700 (blocking).
+/// Writes `state` to `path` atomically and durably, 0600 in a directory made 0700 (blocking).
 pub fn write(path: &Path, state: &StateFile) -> Result<(), StateError> {
-    let bytes =
-        serde_json::to_vec_pretty(state).map_err(|source| StateError::Encode { path: path.to_owned(), source })?;
-    foundation::write_secret(path, &bytes).map_err(|source| StateError::Io {
+    foundation::write_secret(path, &encode(path, state)?).map_err(|source| StateError::Io {
         path: path.to_owned(),
         what: "writing (temp file, fsync, rename)",
+        source,
+    })
+}
+
+fn encode(path: &Path, state: &StateFile) -> Result<Vec<u8>, StateError> {
+    serde_json::to_vec_pretty(state).map_err(|source| StateError::Encode { path: path.to_owned(), source })
+}
+
+/// [`write`] without waiting for the disk (see the module docs).
+fn write_unsynced(path: &Path, state: &StateFile) -> Result<(), StateError> {
+    foundation::write_secret_unsynced(path, &encode(path, state)?).map_err(|source| StateError::Io {
+        path: path.to_owned(),
+        what: "writing (temp file, rename)",
         source,
     })
 }
@@ -131,11 +156,22 @@ pub fn prepare_dir(path: &Path) -> Result<(), StateError> {
     })
 }
 
-/// The state file with serialized writes.
+/// The state file with group-committed writes and a coalescing flush.
 #[derive(Debug)]
 pub struct StateStore {
     path: PathBuf,
-    write_lock: tokio::sync::Mutex<()>,
+    /// Held while writing; holds the newest save request the file covers.
+    write_lock: tokio::sync::Mutex<u64>,
+    /// Save requests so far: each save takes the next number after its change is in memory.
+    requested: AtomicU64,
+    flush: Arc<Flush>,
+}
+
+/// The flush task's bookkeeping: whether one is queued, and how many failed.
+#[derive(Debug, Default)]
+struct Flush {
+    queued: AtomicBool,
+    failures: Counter,
 }
 
 impl StateStore {
@@ -144,7 +180,13 @@ impl StateStore {
         prepare_dir(path)?;
         let loaded = load(path)?;
         write(path, &loaded)?;
-        Ok((StateStore { path: path.to_owned(), write_lock: tokio::sync::Mutex::new(()) }, loaded))
+        let store = StateStore {
+            path: path.to_owned(),
+            write_lock: tokio::sync::Mutex::new(0),
+            requested: AtomicU64::new(0),
+            flush: Arc::default(),
+        };
+        Ok((store, loaded))
     }
 
     /// The file's path.
@@ -152,8 +194,11 @@ impl StateStore {
         &self.path
     }
 
-    /// Persists the snapshot `take()` returns. The snapshot is taken under the write lock, so
-    /// writes land in the order their snapshots were taken and the last write is the newest.
+    /// Persists the snapshot `take()` returns; call it after the change to persist is in memory.
+    /// The snapshot is taken under the write lock, so writes land in the order their snapshots
+    /// were taken and the last write is the newest. Group commit: a save whose change a write
+    /// that started after it already covered returns without writing (`take` is not called), so
+    /// a burst of saves costs a few writes, not one each.
     pub async fn save(&self, take: impl FnOnce() -> StateFile) -> Result<(), StateError> {
         self.save_with(take, || {}).await
     }
@@ -161,14 +206,44 @@ impl StateStore {
     /// [`StateStore::save`], then `written()` — still under the write lock, so no other
     /// snapshot can be written between this write and what `written` changes.
     pub async fn save_with(&self, take: impl FnOnce() -> StateFile, written: impl FnOnce()) -> Result<(), StateError> {
-        let _guard = self.write_lock.lock().await;
+        let mine = self.requested.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut on_disk = self.write_lock.lock().await;
+        if *on_disk >= mine {
+            written();
+            return Ok(());
+        }
+        // Every save numbered up to `covers` made its change before this snapshot is taken.
+        let covers = self.requested.load(Ordering::SeqCst);
         let snapshot = take();
         let path = self.path.clone();
-        tokio::task::spawn_blocking(move || write(&path, &snapshot))
+        tokio::task::spawn_blocking(move || write_unsynced(&path, &snapshot))
             .await
             .map_err(|_| StateError::Task { path: self.path.clone() })??;
+        *on_disk = covers;
         written();
+        self.queue_flush();
         Ok(())
+    }
+
+    /// Starts a flush unless one is queued and not yet started (that one will see this write).
+    fn queue_flush(&self) {
+        if self.flush.queued.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (flush, path) = (self.flush.clone(), self.path.clone());
+        tokio::task::spawn_blocking(move || {
+            // Cleared before the fsync: a save landing during it queues the next flush.
+            flush.queued.store(false, Ordering::Release);
+            if let Err(e) = foundation::sync_file_and_dir(&path) {
+                flush.failures.inc();
+                tracing::error!(path = %path.display(), error = %e, "flushing the claims state to disk failed; the next save tries again");
+            }
+        });
+    }
+
+    /// Flushes that failed since the store opened (a counter for `/metrics`).
+    pub fn flush_failures(&self) -> Counter {
+        self.flush.failures.clone()
     }
 }
 
@@ -263,6 +338,41 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn saves_waiting_behind_a_write_are_covered_by_one_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("claims.json");
+        let (store, _) = StateStore::open(&path).unwrap();
+        let store = std::sync::Arc::new(store);
+        let table = std::sync::Arc::new(std::sync::Mutex::new(StateFile::default()));
+        let takes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        // Hold the write lock, as a slow write would, while 20 saves queue up.
+        let held = store.write_lock.lock().await;
+        let mut tasks = Vec::new();
+        for n in 0..20 {
+            let (store, table, takes) = (store.clone(), table.clone(), takes.clone());
+            tasks.push(tokio::spawn(async move {
+                table.lock().unwrap().claims.insert(format!("ns/{n}"), rec(&format!("sb_{n}")));
+                store
+                    .save(|| {
+                        takes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        table.lock().unwrap().clone()
+                    })
+                    .await
+                    .unwrap()
+            }));
+        }
+        while store.requested.load(Ordering::SeqCst) < 20 {
+            tokio::task::yield_now().await;
+        }
+        drop(held);
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(takes.load(std::sync::atomic::Ordering::SeqCst), 1, "queued saves were not written as one");
+        assert_eq!(load(&path).unwrap().claims.len(), 20, "a covered save's change is not on disk");
+    }
+
+    #[tokio::test]
     async fn serialized_saves_keep_the_last_snapshot() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("claims.json");
@@ -288,6 +398,7 @@ mod tests {
             t.await.unwrap();
         }
         let st = load(&path).unwrap();
-        assert_eq!(st.claims.keys().collect::<Vec<_>>(), ["ns/7"], "the last snapshot taken was not the one on disk");
+        let last = format!("ns/{}", counter.load(std::sync::atomic::Ordering::SeqCst) - 1);
+        assert_eq!(st.claims.keys().collect::<Vec<_>>(), [&last], "the last snapshot taken was not the one on disk");
     }
 }

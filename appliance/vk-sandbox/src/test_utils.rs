@@ -28,6 +28,8 @@ pub enum ClaimMode {
     Redirect,
     /// This status with this `{"error"}` text.
     Fail(u16, &'static str),
+    /// Grant the claim, then answer `500` (a grant whose answer is lost).
+    LoseAnswer,
 }
 
 /// A claim the fake holds.
@@ -96,8 +98,9 @@ async fn claim(State(s): S, h: HeaderMap, Json(body): Json<serde_json::Value>) -
         return r;
     }
     st.claim_bodies.push(body.clone());
+    let lose_answer = matches!(st.claim_mode, ClaimMode::LoseAnswer);
     match st.claim_mode.clone() {
-        ClaimMode::Grant => {}
+        ClaimMode::Grant | ClaimMode::LoseAnswer => {}
         ClaimMode::TooMany => return err(429, "no warm VM for this pool"),
         ClaimMode::Redirect => {
             return Json(ClaimReply { redirect: vec!["10.0.0.9:7777".into()], ..ClaimReply::default() }).into_response()
@@ -116,6 +119,9 @@ async fn claim(State(s): S, h: HeaderMap, Json(body): Json<serde_json::Value>) -
     };
     let deadline = Timestamp::now() + SignedDuration::from_secs(ttl);
     st.claims.insert(id.clone(), FakeClaim { token: token.clone(), claim_ref: req.claim_ref, deadline });
+    if lose_answer {
+        return err(500, "the answer was lost");
+    }
     let grant =
         Grant { id, token, deadline: deadline.to_string(), owner_addr: st.owner_addr.clone(), ..Grant::default() };
     // A field this client does not know (vk-sandbox's `net_route`) is read past.

@@ -20,7 +20,9 @@ use governor::{Quota, RateLimiter};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::hash::Hash;
 use std::num::NonZeroU32;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
+
+use prometheus_client::metrics::histogram::Histogram;
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -121,6 +123,8 @@ pub struct State<K> {
     /// Added while processing: queue again at this time once done.
     dirty: HashMap<K, Instant>,
     failures: HashMap<K, u32>,
+    /// When each queued key became (or becomes) due: the start of its wait.
+    due: HashMap<K, Instant>,
     seq: u64,
     shut: bool,
 }
@@ -135,6 +139,7 @@ impl<K: Clone + Eq + Hash> Default for State<K> {
             processing: HashSet::new(),
             dirty: HashMap::new(),
             failures: HashMap::new(),
+            due: HashMap::new(),
             seq: 0,
             shut: false,
         }
@@ -163,6 +168,7 @@ impl<K: Clone + Eq + Hash> State<K> {
             self.delayed.remove(&(at, seq));
             self.delayed_at.remove(&key);
         }
+        self.due.insert(key.clone(), when);
         if when <= now {
             self.ready_set.insert(key.clone());
             self.ready.push_back(key);
@@ -222,6 +228,11 @@ impl<K: Clone + Eq + Hash> State<K> {
         Retry::After(delay)
     }
 
+    /// When the key [`State::pop`] just handed out became due (once per hand-out).
+    pub fn take_due(&mut self, key: &K) -> Option<Instant> {
+        self.due.remove(key)
+    }
+
     /// Resets `key`'s failure count.
     pub fn forget(&mut self, key: &K) {
         self.failures.remove(key);
@@ -252,11 +263,24 @@ pub struct WorkQueue<K> {
     state: Mutex<State<K>>,
     wake: Notify,
     bucket: Option<Bucket>,
+    /// Where each handed-out key's wait (due → handed out, the bucket included) is observed.
+    wait: OnceLock<Histogram>,
 }
 
 impl<K: Clone + Eq + Hash> WorkQueue<K> {
     pub fn new(name: &'static str, bucket: Option<BucketSpec>) -> WorkQueue<K> {
-        WorkQueue { name, state: Mutex::new(State::default()), wake: Notify::new(), bucket: bucket.map(Bucket::new) }
+        WorkQueue {
+            name,
+            state: Mutex::new(State::default()),
+            wake: Notify::new(),
+            bucket: bucket.map(Bucket::new),
+            wait: OnceLock::new(),
+        }
+    }
+
+    /// Observes every key's wait in `h` from now on (the first call wins).
+    pub fn observe_waits(&self, h: Histogram) {
+        let _ = self.wait.set(h);
     }
 
     pub fn name(&self) -> &'static str {
@@ -284,13 +308,18 @@ impl<K: Clone + Eq + Hash> WorkQueue<K> {
     /// The next due key (after taking a bucket token), or `None` once shut down. The caller
     /// must call [`WorkQueue::done`] with it.
     pub async fn get(&self) -> Option<K> {
-        let key = loop {
+        let (key, due) = loop {
             let notified = self.wake.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let pop = self.state().pop(Instant::now());
+            let (pop, due) = {
+                let mut st = self.state();
+                let pop = st.pop(Instant::now());
+                let due = if let Pop::Key(k) = &pop { st.take_due(k) } else { None };
+                (pop, due)
+            };
             match pop {
-                Pop::Key(key) => break key,
+                Pop::Key(key) => break (key, due),
                 Pop::Shutdown => return None,
                 Pop::Empty => notified.await,
                 Pop::WaitUntil(at) => {
@@ -315,6 +344,9 @@ impl<K: Clone + Eq + Hash> WorkQueue<K> {
                     _ = tokio::time::sleep(wait) => {}
                 }
             }
+        }
+        if let (Some(h), Some(due)) = (self.wait.get(), due) {
+            h.observe(Instant::now().saturating_duration_since(due).as_secs_f64());
         }
         Some(key)
     }
@@ -380,6 +412,25 @@ mod tests {
         assert_eq!(s.len(), 1);
         assert_eq!(s.pop(t0), Pop::Key("b"));
         assert_eq!(s.pop(t0), Pop::Empty);
+    }
+
+    #[test]
+    fn a_keys_wait_starts_when_it_is_due() {
+        let t0 = Instant::now();
+        let mut s = State::default();
+        s.add_at("now", t0, t0);
+        s.add_at("later", t0 + ms(40), t0);
+        assert!(s.add_at("later", t0 + ms(10), t0), "moved up");
+        assert_eq!(s.pop(t0), Pop::Key("now"));
+        assert_eq!(s.take_due(&"now"), Some(t0));
+        assert_eq!(s.take_due(&"now"), None, "once per hand-out");
+        // Added while processing: its wait starts at that add, not at the next hand-out.
+        s.add_at("now", t0 + ms(1), t0 + ms(1));
+        s.done(&"now", t0 + ms(30));
+        assert_eq!(s.pop(t0 + ms(30)), Pop::Key("now"));
+        assert_eq!(s.take_due(&"now"), Some(t0 + ms(1)));
+        assert_eq!(s.pop(t0 + ms(30)), Pop::Key("later"));
+        assert_eq!(s.take_due(&"later"), Some(t0 + ms(10)), "a delayed key waits from its due time");
     }
 
     #[test]

@@ -160,6 +160,18 @@ fn seed_example(env: &mut Env, ns: &str) -> Outcome {
     let rows = claims.get(&key).ok_or(format!("sandboxd has no claim with claim_ref {key}: {claims:?}"))?;
     ensure!(rows.len() == 1 && rows[0].id == id, "claims for {key}: {rows:?}, pod says {id}");
     ensure!(rows[0].key.template == RT, "claimed from the wrong pool: {:?}", rows[0]);
+    // The node's /metrics splits the way to Running.
+    let (code, metrics) = env.kubelet_get("/metrics")?;
+    ensure!(code == 200, "GET /metrics: {code} {metrics}");
+    for want in [
+        "vnode_pod_queue_wait_seconds_count{queue=\"syncPodsFromKubernetes\"}",
+        "vk_sandbox_create_phase_seconds_count{phase=\"claim\"}",
+        "vk_sandbox_create_phase_seconds_count{phase=\"record\"}",
+        "vnode_pod_queue_work_seconds_count{queue=\"syncPodStatusFromProvider\"}",
+        "vk_sandbox_state_flush_failures_total 0",
+    ] {
+        ensure!(metrics.contains(want), "the node's /metrics lacks {want}:\n{metrics}");
+    }
     // The Sandbox becomes Ready once the provider pushed Running.
     poll("Sandbox Ready", RUNNING, || {
         let s = env.get(&["sandbox", "sandboxd-example", "-n", ns])?;

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use tracing::Instrument as _;
+use vmm::jail::CpuWeight;
 use vmm::{DriverError, Vm};
 
 use super::{ClaimRequest, Grant, Node};
@@ -54,10 +55,16 @@ impl Node {
         while let Some(vm) = pool.take() {
             pool.kick();
             let t0 = Instant::now();
+            // Made in the background: the normal CPU weight first, so that waking it is not
+            // queued behind refill's work at the same low weight (measured under TCG with
+            // refills running: a 26 ms resume otherwise).
+            if let Err(e) = self.vms.driver.set_cpu_weight(&vm, CpuWeight::Normal).await {
+                tracing::warn!(vm = %vm.id, error = %vmm::error_chain(&e), "the claimed VM's CPU weight was not raised");
+            }
             match self.vms.driver.resume(&vm).await {
                 Ok(()) => {
                     self.metrics.claim_resume.observe(t0.elapsed());
-                    // Made in the background and paused since: normal weight, the host's time.
+                    // Paused since it was made: the host's time.
                     refill::handed_out(Arc::clone(&self.vms.driver), vm.clone());
                     return Ok((vm, Tier::Warm));
                 }
@@ -143,7 +150,12 @@ impl Node {
             let back = self.store.lock().remove(&id);
             if let Some((Claim { vm: Some(vm), .. }, _)) = back {
                 match self.vms.driver.pause(&vm).await {
-                    Ok(()) => pool.put_back(vm),
+                    Ok(()) => {
+                        if let Err(e) = self.vms.driver.set_cpu_weight(&vm, CpuWeight::Background).await {
+                            tracing::debug!(vm = %vm.id, error = %vmm::error_chain(&e), "a warm VM put back keeps the normal CPU weight");
+                        }
+                        pool.put_back(vm)
+                    }
                     Err(_) => self.vms.destroy(&vm).await,
                 }
             }

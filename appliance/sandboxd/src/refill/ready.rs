@@ -121,17 +121,14 @@ pub(super) async fn weigh(cx: &Refill, vm: &Vm, weight: CpuWeight) {
     }
 }
 
-/// A warm VM a claim has just resumed becomes a user's: back to the normal CPU weight (it was
-/// made in the background), and its guest clock, which stood still while it waited, set to the
-/// host's. On a task of its own: the claim does not wait (a claim hit does one VM operation),
-/// and both are done well before a client's first request reaches the guest.
+/// A warm VM a claim has just resumed becomes a user's: its guest clock, which stood still while
+/// it waited, is set to the host's (the claim raised its CPU weight before the resume). On a
+/// task of its own: the claim does not wait, and it is done well before a client's first
+/// request reaches the guest.
 pub fn handed_out(driver: Arc<dyn Driver>, vm: Vm) {
     let span = tracing::debug_span!("handed_out", vm = %vm.id);
     tokio::spawn(
         async move {
-            if let Err(e) = driver.set_cpu_weight(&vm, CpuWeight::Normal).await {
-                tracing::warn!(error = %vmm::error_chain(&e), "the claimed VM's CPU weight was not raised");
-            }
             let work = async {
                 let stream = driver.connect(&vm, vmm::AGENT_PORT).await.map_err(|e| vmm::error_chain(&e))?;
                 let mut a = silkd_client::AgentConn::new(stream);

@@ -2,7 +2,7 @@
 //! key, adopt a preserved claim in place, take back a claim whose answer was lost, or claim
 //! afresh; record it, then push Running (the steps are in the module docs of [`super`]).
 
-use std::collections::BTreeSet;
+use std::time::Instant;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
@@ -11,10 +11,12 @@ use vnode::kit::uid_of;
 use vnode::PodKey;
 
 use super::error::SandboxProviderError;
+use super::lost::may_have_been_granted;
+use super::phases::Phase;
 use super::table::{listed_ids, SandboxProvider};
 use crate::annotations;
 use crate::authority::{self, Lookup, Verdict};
-use crate::sandboxd::{claimed_at, Deadline as _, SandboxRow};
+use crate::sandboxd::Deadline as _;
 use crate::state::ClaimRecord;
 use crate::status;
 
@@ -22,6 +24,7 @@ impl SandboxProvider {
     #[tracing::instrument(name = "create_pod", skip_all, fields(pod = %PodKey::of(pod), claim = tracing::field::Empty))]
     pub(super) async fn create(&self, pod: &Pod) -> Result<(), SandboxProviderError> {
         let key = PodKey::of(pod).to_string();
+        let started = Instant::now();
         // 1. Runtime.
         annotations::check_runtime(pod)
             .map_err(|source| SandboxProviderError::Annotation { key: key.clone(), source })?;
@@ -42,16 +45,26 @@ impl SandboxProvider {
         // 6. Claim — or take back a claim sandboxd granted for this key whose answer was lost.
         let spec = annotations::claim_spec(pod)
             .map_err(|source| SandboxProviderError::Annotation { key: key.clone(), source })?;
-        let rec = match self.recover_lost(&key, pod).await? {
-            Some(rec) => rec,
+        let (rec, fresh) = match self.recover_lost(&key, pod).await? {
+            Some(rec) => (rec, false),
             None => {
-                let grant = self
-                    .sandboxd
-                    .claim(&spec, &key)
-                    .await
-                    .map_err(|source| SandboxProviderError::Claim { key: key.clone(), source: Box::new(source) })?;
+                // Marked until the answer is definite: a create dropped mid-claim, or an answer
+                // lost on the way, makes the next create of this key list first.
+                self.lock().lost.keys.insert(key.clone());
+                self.phases.observe(Phase::Settle, started.elapsed());
+                let claiming = Instant::now();
+                let claimed = self.sandboxd.claim(&spec, &key).await;
+                self.phases.observe(Phase::Claim, claiming.elapsed());
+                let grant = claimed.map_err(|source| {
+                    if may_have_been_granted(&source) {
+                        tracing::warn!(error = %error_chain(&source), "the claim may have been granted without its answer; the next create of this pod lists first");
+                    } else {
+                        self.lock().lost.keys.remove(&key);
+                    }
+                    SandboxProviderError::Claim { key: key.clone(), source: Box::new(source) }
+                })?;
                 let deadline = grant.deadline_time();
-                ClaimRecord {
+                let rec = ClaimRecord {
                     id: grant.id,
                     token: grant.token,
                     address: grant.owner_addr,
@@ -59,7 +72,8 @@ impl SandboxProvider {
                     claimed_at: Some(Timestamp::now()),
                     deadline,
                     owner: authority::controller_owner(pod),
-                }
+                };
+                (rec, true)
             }
         };
         tracing::Span::current().record("claim", rec.id.as_str());
@@ -70,8 +84,15 @@ impl SandboxProvider {
             g.tentative.insert(key.clone());
             g.pods.insert(key.clone(), status::pushed(pod, status::pending(pod), None));
             g.rechecks.remove(&key);
+            if fresh {
+                // The grant is in the table now: nothing of this key is lost.
+                g.lost.keys.remove(&key);
+            }
         }
-        if let Err(persist) = self.commit(&key).await {
+        let recording = Instant::now();
+        let committed = self.commit(&key).await;
+        self.phases.observe(Phase::Record, recording.elapsed());
+        if let Err(persist) = committed {
             tracing::error!(error = %error_chain(&persist), "could not record the claim; releasing it");
             return match self.release_detached(&rec.id, &rec.token).await {
                 Ok(()) => {
@@ -215,62 +236,6 @@ impl SandboxProvider {
             self.persist_logged("release queue drained").await;
         }
         Ok(false)
-    }
-
-    /// Before a fresh claim: sandboxd journals a claim before it answers, so a crash (or a lost
-    /// response) between its grant and our persist leaves a live claim with `claim_ref` = this
-    /// key that no row knows. Such a claim was never handed to any Pod: the newest is taken
-    /// back (its token read with the node token, which sandboxd honours as root) and any others
-    /// are released. A failed listing fails the create rather than risk a duplicate VM.
-    async fn recover_lost(&self, key: &str, pod: &Pod) -> Result<Option<ClaimRecord>, SandboxProviderError> {
-        let rows = self
-            .sandboxd
-            .list(Some(key))
-            .await
-            .map_err(|source| SandboxProviderError::LostUnlisted { key: key.to_owned(), source: Box::new(source) })?;
-        let known: BTreeSet<String> = {
-            let g = self.lock();
-            g.claims.values().chain(g.releasing.iter()).map(|c| c.id.clone()).collect()
-        };
-        let mut strays: Vec<SandboxRow> =
-            rows.into_iter().filter(|r| r.claim_ref.as_deref() == Some(key) && !known.contains(&r.id)).collect();
-        if strays.is_empty() {
-            return Ok(None);
-        }
-        // Newest first (RFC 3339 UTC strings of one format sort by time).
-        strays.sort_by(|a, b| b.claimed_at.cmp(&a.claimed_at));
-        let mut taken: Option<ClaimRecord> = None;
-        for row in strays {
-            let token = match self.sandboxd.get(&row.id).await {
-                Ok(Some((_, Some(token)))) => token,
-                Ok(Some((_, None))) => {
-                    tracing::warn!(claim = %row.id, "a claim made for this pod was never recorded and its token cannot be read (no root token); leaving it to its lease");
-                    continue;
-                }
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::warn!(claim = %row.id, error = %error_chain(&e), "reading a lost claim failed; leaving it to its lease");
-                    continue;
-                }
-            };
-            if taken.is_none() {
-                tracing::info!(claim = %row.id, "taking back a claim made for this pod whose answer was lost");
-                taken = Some(ClaimRecord {
-                    id: row.id.clone(),
-                    token,
-                    address: String::new(),
-                    pod_uid: uid_of(pod),
-                    claimed_at: claimed_at(&row).or_else(|| Some(Timestamp::now())),
-                    deadline: row.deadline_time(),
-                    owner: authority::controller_owner(pod),
-                });
-            } else if let Err(e) = self.release_detached(&row.id, &token).await {
-                tracing::warn!(claim = %row.id, error = %error_chain(&e), "releasing a duplicate lost claim failed; leaving it to its lease");
-            } else {
-                tracing::info!(claim = %row.id, "released a duplicate lost claim");
-            }
-        }
-        Ok(taken)
     }
 
     /// Step 5: a tentative claim left by an earlier failed persist is returned first.

@@ -1,4 +1,5 @@
-//! The background loops ([`SandboxProvider::spawn_loops`]): quarantine verification (until
+//! The background loops ([`SandboxProvider::spawn_loops`]): the start-up lost-claim scan
+//! ([`SandboxProvider::scan_lost`], once), quarantine verification (until
 //! every loaded row is vouched for or dropped), the lease watch, the owner recheck of pod-less
 //! preserved claims with the release queue, and the audit-only orphan scan. Each pass is public
 //! so tests (and a caller without the loops) can run one.
@@ -260,6 +261,15 @@ impl SandboxProvider {
     /// Starts the background loops on the current tokio runtime.
     pub fn spawn_loops(self: &Arc<Self>) -> BackgroundLoops {
         let mut loops = BackgroundLoops::default();
+        let p = self.clone();
+        loops.spawn(tracing::info_span!("lost_claim_scan"), async move {
+            match p.scan_lost().await {
+                Ok(rows) => tracing::info!(listed = rows.len(), "lost-claim scan done; clean creates list nothing from now on"),
+                Err(e) => {
+                    tracing::warn!(error = %error_chain(&e), "lost-claim scan: sandboxd cannot be listed; the next create scans")
+                }
+            }
+        });
         let p = self.clone();
         let mut tick = kit::interval(self.cfg.verify_interval);
         loops.spawn(tracing::info_span!("claim_verify"), async move {

@@ -6,10 +6,11 @@
 //!   list fails) → settle a past cached deadline (list; listed → refresh, gone → drop, error →
 //!   fail) → adopt a settled claim in place (or, when this Pod may not adopt it and the recorded
 //!   owner's verdict is Release, queue it for release) → release a stranded tentative claim →
-//!   take back a claim sandboxd granted for this key whose answer was lost (listing by
-//!   `claim_ref`; beyond §2.5, so a crash mid-claim leaves no duplicate) or claim with
-//!   `claim_ref` = key → record it tentative, persist (failure → release, detached, 10 s) →
-//!   push Running.
+//!   take back a claim sandboxd granted for this key whose answer was lost (`lost.rs`: listing
+//!   by `claim_ref` only while one can exist; beyond §2.5, so a crash mid-claim leaves no
+//!   duplicate) or claim with `claim_ref` = key → record it tentative, persist (an atomic
+//!   write flushed to disk off the path, [`crate::state`]; failure → release, detached, 10 s)
+//!   → push Running. A clean create is one sandboxd call and one file write.
 //! * **UpdatePod**: a stale UID is ignored; a tentative claim re-runs CreatePod; else the Pod
 //!   is stored.
 //! * **DeletePod**: a stale UID is ignored; no claim → forget; otherwise the
@@ -33,7 +34,9 @@
 //! # Code map
 //! `config.rs` ([`ProviderConfig`]), `error.rs` ([`SandboxProviderError`]), `table.rs` (the
 //! [`SandboxProvider`] and its table, persisted through [`crate::state`]), `create.rs`
-//! (CreatePod, UpdatePod), `delete.rs` (DeletePod), `loops.rs` (the background loops),
+//! (CreatePod, UpdatePod), `lost.rs` (claims whose answer was lost), `delete.rs` (DeletePod),
+//! `loops.rs` (the background loops), `phases.rs` (the create's phase timings), `metrics.rs`
+//! (`kubectl top`),
 //! `streams.rs` (the kubelet port's streams, not wired to the VMs yet); the
 //! table's lock, the notifier and the loops' handles come from [`vnode::kit`].
 
@@ -42,7 +45,9 @@ mod create;
 mod delete;
 mod error;
 mod loops;
+mod lost;
 mod metrics;
+mod phases;
 mod streams;
 mod table;
 

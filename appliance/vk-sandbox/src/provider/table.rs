@@ -11,6 +11,8 @@ use vnode::kit::{Locked, Notifier};
 
 use super::config::ProviderConfig;
 use super::error::SandboxProviderError;
+use super::lost::LostClaims;
+use super::phases::CreatePhases;
 use crate::authority::OwnerLookup;
 use crate::sandboxd::{SandboxRow, SandboxdClient, SandboxdError};
 use crate::state::{ClaimRecord, StateError, StateFile, StateStore};
@@ -39,6 +41,9 @@ pub(super) struct Inner {
     pub claims: BTreeMap<String, ClaimRecord>,
     /// Keys whose claim is not yet durable (made in this process, persist pending or failed).
     pub tentative: BTreeSet<String>,
+    /// Tentative keys whose persist is under way: every snapshot includes them (one write can
+    /// commit many).
+    pub committing: BTreeSet<String>,
     /// Keys loaded from the state file and not yet vouched for by a listing.
     pub quarantined: BTreeSet<String>,
     /// Claims withdrawn from their key, awaiting a successful release.
@@ -47,6 +52,8 @@ pub(super) struct Inner {
     pub rechecks: BTreeMap<String, Recheck>,
     /// Orphan-scan classification of sandbox ids (audit only).
     pub orphans: BTreeMap<String, OrphanClass>,
+    /// Keys that must list for a lost claim before they claim.
+    pub lost: LostClaims,
 }
 
 impl Inner {
@@ -54,14 +61,14 @@ impl Inner {
         self.claims.contains_key(key) && !self.tentative.contains(key) && !self.quarantined.contains(key)
     }
 
-    /// The durable view: settled and quarantined rows, plus `commit` (a tentative key being
-    /// committed), plus the release queue.
-    pub fn snapshot(&self, commit: Option<&str>) -> StateFile {
+    /// The durable view: settled and quarantined rows, the tentative ones being committed, and
+    /// the release queue.
+    pub fn snapshot(&self) -> StateFile {
         StateFile {
             claims: self
                 .claims
                 .iter()
-                .filter(|(k, _)| !self.tentative.contains(*k) || Some(k.as_str()) == commit)
+                .filter(|(k, _)| !self.tentative.contains(*k) || self.committing.contains(*k))
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
             releasing: self.releasing.clone(),
@@ -74,6 +81,7 @@ impl Inner {
             self.claims.remove(key);
             self.pods.remove(key);
             self.tentative.remove(key);
+            self.committing.remove(key);
             self.quarantined.remove(key);
             self.rechecks.remove(key);
         }
@@ -93,6 +101,7 @@ pub struct SandboxProvider {
     pub(super) cfg: ProviderConfig,
     inner: Locked<Inner>,
     pub(super) notifier: Notifier,
+    pub(super) phases: CreatePhases,
 }
 
 impl SandboxProvider {
@@ -116,7 +125,21 @@ impl SandboxProvider {
             releasing = inner.releasing.len(),
             "loaded the claims state; loaded claims stay quarantined until sandboxd lists them"
         );
-        Ok(SandboxProvider { sandboxd, owners, store, cfg, inner: Locked::new(inner), notifier: Notifier::default() })
+        let phases = CreatePhases::new(store.flush_failures());
+        Ok(SandboxProvider {
+            sandboxd,
+            owners,
+            store,
+            cfg,
+            inner: Locked::new(inner),
+            notifier: Notifier::default(),
+            phases,
+        })
+    }
+
+    /// Registers the provider's own samples ([`super::phases`]) beside the runtime's.
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.phases.register(registry);
     }
 
     /// The table (consistent at every unlock: no await under the lock).
@@ -132,21 +155,29 @@ impl SandboxProvider {
     /// Persists the current table; a failure is logged (the caller's change is already durable
     /// elsewhere or harmless to lose).
     pub(super) async fn persist_logged(&self, why: &'static str) {
-        if let Err(e) = self.store.save(|| self.lock().snapshot(None)).await {
+        if let Err(e) = self.store.save(|| self.lock().snapshot()).await {
             tracing::warn!(error = %error_chain(&e), why, "could not persist the claims state");
         }
     }
 
-    /// Makes the tentative claim at `key` durable.
+    /// Makes the tentative claim at `key` durable (possibly in a write another commit made).
     pub(super) async fn commit(&self, key: &str) -> Result<(), StateError> {
-        self.store
+        self.lock().committing.insert(key.to_owned());
+        let r = self
+            .store
             .save_with(
-                || self.lock().snapshot(Some(key)),
+                || self.lock().snapshot(),
                 || {
-                    self.lock().tentative.remove(key);
+                    let mut g = self.lock();
+                    g.tentative.remove(key);
+                    g.committing.remove(key);
                 },
             )
-            .await
+            .await;
+        if r.is_err() {
+            self.lock().committing.remove(key);
+        }
+        r
     }
 
     /// Releases on a task of its own (a dropped caller does not cancel it), bounded by the

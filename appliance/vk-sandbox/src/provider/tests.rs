@@ -619,6 +619,54 @@ async fn a_claim_whose_answer_was_lost_is_taken_back_not_duplicated() {
 }
 
 #[tokio::test]
+async fn a_clean_create_lists_nothing_and_a_lost_answer_is_taken_back() {
+    let mut r = Rig::new().await;
+    // The start-up scan (one listing) makes later clean creates list nothing.
+    r.provider.scan_lost().await.unwrap();
+    let lists = r.fake.list_count();
+    for name in ["a", "b", "c"] {
+        r.provider.create_pod(&pod(name, &format!("uid-{name}"), None)).await.unwrap();
+    }
+    assert_eq!(r.fake.list_count(), lists, "a clean create listed");
+    assert_eq!(r.fake.claim_count(), 3);
+    // A definite refusal leaves nothing to look for.
+    r.fake.set_claim_mode(ClaimMode::TooMany);
+    r.provider.create_pod(&pod("d", "uid-d", None)).await.unwrap_err();
+    r.fake.set_claim_mode(ClaimMode::Grant);
+    r.provider.create_pod(&pod("d", "uid-d", None)).await.unwrap();
+    assert_eq!(r.fake.list_count(), lists, "a refused claim made the next create list");
+    // A grant whose answer is lost: the next create of that key lists and takes it back.
+    r.fake.set_claim_mode(ClaimMode::LoseAnswer);
+    r.provider.create_pod(&pod("e", "uid-e", None)).await.unwrap_err();
+    let granted = r.fake.live().len();
+    r.fake.set_claim_mode(ClaimMode::Grant);
+    r.provider.create_pod(&pod("e", "uid-e", None)).await.unwrap();
+    assert_eq!(r.fake.list_count(), lists + 1, "the key with a lost answer did not list");
+    assert_eq!(r.fake.live().len(), granted, "claimed a duplicate instead of taking the lost claim back");
+    assert!(r.fake.holds(&r.provider.claim_id("ns/e").unwrap()));
+    // And it is clean again afterwards.
+    r.provider.delete_pod(&pod("e", "uid-e", None)).await.unwrap();
+    r.provider.create_pod(&pod("e", "uid-e2", None)).await.unwrap();
+    assert_eq!(r.fake.list_count(), lists + 1);
+    while r.pushed().is_some() {}
+}
+
+#[tokio::test]
+async fn a_create_before_the_start_up_scan_scans_and_a_stray_of_another_key_is_marked() {
+    let r = Rig::new().await;
+    let far = Timestamp::now() + SignedDuration::from_hours(1);
+    r.fake.insert("sb_000000000000b001", "tok-b", Some("ns/b"), far);
+    // No scan yet: this create scans everything (one listing) and so learns of ns/b's claim.
+    r.provider.create_pod(&pod("a", "uid-a", None)).await.unwrap();
+    assert_eq!(r.fake.list_count(), 1);
+    r.provider.create_pod(&pod("c", "uid-c", None)).await.unwrap();
+    assert_eq!(r.fake.list_count(), 1, "a clean key listed after the scan");
+    r.provider.create_pod(&pod("b", "uid-b", None)).await.unwrap();
+    assert_eq!(r.fake.list_count(), 2, "the key the scan marked did not list");
+    assert_eq!(r.provider.claim_id("ns/b").unwrap(), "sb_000000000000b001", "not taken back");
+}
+
+#[tokio::test]
 async fn without_a_root_token_a_lost_claim_is_left_to_its_lease() {
     let fake = FakeSandboxd::start(None).await;
     let dir = tempfile::tempdir().unwrap();

@@ -75,7 +75,9 @@ where
 {
     while let Some(key) = queue.get().await {
         let span = info_span!("pod", queue = queue.name(), node = %node, pod = %key);
+        let started = std::time::Instant::now();
         let result = handle(key.clone()).instrument(span.clone()).await;
+        metrics.observe_work(queue.name(), started.elapsed());
         let _enter = span.enter();
         if let Err(SyncError::Provider { op, .. }) = &result {
             metrics.provider_error(op);
