@@ -2,7 +2,8 @@
 //!
 //! Expected flow ([`reconcile`]), on `vmm::owned`: list the driver's VMs ([`Listing`]);
 //! re-adopt each journaled claim whose VM is listed ([`owned::adopt`]: attach), drop the claims
-//! whose VM is gone or half-created; destroy every `sbx-` VM no claim or pool names (the
+//! whose VM is gone or half-created; put the paused warm VMs of the previous run back into their
+//! pools ([`rewarm`]); destroy every `sbx-` VM no claim or pool names (the
 //! [`OWNERSHIP`] sweep); release the network leases no listed VM holds; prune the records
 //! of VMs that died on their own; then mark the node reconciled ([`Refill::mark_reconciled`]),
 //! which wakes every pool.
@@ -31,6 +32,8 @@ pub struct ReconcileReport {
     pub adopted: usize,
     /// Journaled claims whose VM was gone.
     pub dropped: usize,
+    /// Paused warm VMs of a previous run put back into their pools.
+    pub rewarmed: usize,
     /// Unowned `sbx-` VMs destroyed.
     pub destroyed: usize,
     /// Network leases (and TAPs) of VMs that no longer exist, released.
@@ -106,6 +109,7 @@ pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileR
         }
         let mut named: HashSet<VmId> =
             store.lock().iter().filter(|c| c.rec.hibernate_snap.is_none()).map(|c| c.rec.vm.clone()).collect();
+        report.rewarmed = rewarm(refill, &listing, &named).await;
         for p in vms.pools.all() {
             named.extend(p.warm_ids());
         }
@@ -121,6 +125,7 @@ pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileR
         refill.mark_reconciled();
         tracing::info!(
             adopted = report.adopted,
+            rewarmed = report.rewarmed,
             dropped = report.dropped,
             destroyed = report.destroyed,
             leases_released = report.leases_released,
@@ -130,6 +135,60 @@ pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileR
     }
     .instrument(span)
     .await
+}
+
+/// Puts the warm VMs of a previous run back into their pools, so a restart does not throw the
+/// pool away: an unclaimed, listed VM named like a pool's VMs, booted from the image that pool
+/// boots now (same lane), and paused, which only a VM refill admitted is (one a claim was
+/// resuming, or refill had not finished, runs, and is swept), up to the pool's target. Each is
+/// counted in the budget again. Returns how many went back.
+async fn rewarm(refill: &Refill, listing: &Listing, claimed: &HashSet<VmId>) -> usize {
+    let vms = &refill.vms;
+    let mut back = 0;
+    for pool in vms.pools.all() {
+        let Ok(now) = vmm::BootSpec::from_template(&refill.catalog, pool.key.template(), pool.key.size()) else {
+            continue;
+        };
+        let prefix = format!("{}-", crate::refill::prefix_for(&pool.hash));
+        let egress = pool.key.net() == crate::pool::Net::Egress;
+        let candidates = listing.vms().iter().filter(|v| {
+            v.state == vmm::VmState::Running
+                && v.id.as_str().starts_with(&prefix)
+                && !claimed.contains(&v.id)
+                && v.spec.nic.is_some() == egress
+                && same_image(&v.spec, &now)
+        });
+        for listed in candidates {
+            {
+                let s = pool.lock();
+                if s.warm.len() >= s.target {
+                    break;
+                }
+            }
+            if !matches!(vms.driver.is_paused(listed).await, Ok(true)) {
+                continue;
+            }
+            let vm = match vms.driver.attach(&listed.id).await {
+                Ok(vm) => vm,
+                Err(e) => {
+                    tracing::warn!(vm = %listed.id, error = %vmm::error_chain(&e), "a paused warm VM could not be re-attached; it is swept");
+                    continue;
+                }
+            };
+            vms.ledger.hold(&vm.id, pool.key.size(), crate::vms::disk_mib(&refill.catalog, pool.key.template()));
+            tracing::info!(vm = %vm.id, template = %pool.key.template(), "a paused warm VM of the previous run is warm again");
+            pool.put_back(vm);
+            back += 1;
+        }
+    }
+    back
+}
+
+/// Whether a VM booted from `was` runs the image `now` describes (kernel, initrd, disks, command
+/// line and size; the name and devices a VM gets of its own are not compared).
+fn same_image(was: &vmm::BootSpec, now: &vmm::BootSpec) -> bool {
+    (&was.kernel, &was.initrd, &was.rootfs, &was.overlay_base, &was.cmdline, was.size)
+        == (&now.kernel, &now.initrd, &now.rootfs, &now.overlay_base, &now.cmdline, now.size)
 }
 
 /// Resolves the hibernations a crash interrupted (a claim with `pending_snap`), from what is

@@ -319,6 +319,14 @@ impl Driver for FakeDriver {
         Ok(())
     }
 
+    async fn is_paused(&self, vm: &Vm) -> Result<bool, DriverError> {
+        let s = lock(&self.state);
+        if !s.vms.contains_key(&vm.id) {
+            return Err(not_found(&vm.id));
+        }
+        Ok(s.paused.contains(&vm.id))
+    }
+
     async fn resume(&self, vm: &Vm) -> Result<(), DriverError> {
         let mut s = lock(&self.state);
         if !s.vms.contains_key(&vm.id) {

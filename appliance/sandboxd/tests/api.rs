@@ -487,6 +487,10 @@ async fn restart_readopts_claims_and_destroys_unowned_vms() {
     h.node.shutdown();
     let b_rec = h.driver.attach(&b_vm).await.expect("b live");
     h.driver.kill(&b_rec).await.expect("kill b");
+    // A claim was resuming one warm VM when sandboxd died: it runs, and no claim names it.
+    assert!(old_warm.iter().all(|id| h.driver.is_paused(id)), "warm VMs wait paused");
+    let resumed = h.driver.attach(&old_warm[0]).await.expect("warm live");
+    h.driver.resume(&resumed).await.expect("resume");
 
     let (node2, app2) = h.restart(&[("base", 2)]).await;
     assert!(node2.reconciled());
@@ -498,9 +502,10 @@ async fn restart_readopts_claims_and_destroys_unowned_vms() {
     assert!(h.driver.is_live(&a_vm), "a claimed VM is never destroyed");
     assert!(!h.driver.is_live(&leftover));
     assert!(h.driver.is_live(&foreign), "only sbx- VMs are ours");
-    for id in &old_warm {
-        assert!(!h.driver.is_live(id), "old warm VM {id} not destroyed");
-    }
+    // The paused warm VM is warm again (not rebuilt); the running one is not taken for one.
+    assert!(!h.driver.is_live(&old_warm[0]), "an unclaimed running VM was kept");
+    assert!(h.driver.is_live(&old_warm[1]), "a paused warm VM was destroyed");
+    assert!(node2.pools()[0].warm_ids().contains(&old_warm[1]), "a paused warm VM is not back in its pool");
     // The re-adopted sandbox still answers, with its old token.
     let (s, v) = call(
         &app2,
@@ -608,11 +613,15 @@ async fn refill_clones_from_a_golden_and_falls_back_to_cold_boots() {
     }
     assert!(h.driver.calls().boots >= 4);
 
-    // A restarted node reuses the golden on disk.
+    // A restarted node keeps its three paused warm VMs and clones only the fourth (from a
+    // golden on disk, or rebuilt if the failures above dropped it).
     h.driver.set_fail(|f| f.restore = false);
-    let (node2, _) = h.restart(&[("base", 3)]).await;
-    wait_warm(&node2, "base", 3).await;
+    let before = h.driver.calls();
+    let (node2, _) = h.restart(&[("base", 4)]).await;
+    wait_warm(&node2, "base", 4).await;
     assert!(node2.info().pools[0].golden);
+    let after = h.driver.calls();
+    assert_eq!(after.restores - before.restores, 1, "{after:?}");
 }
 
 #[tokio::test]

@@ -87,15 +87,22 @@ fn restart_after_kill9_keeps_claims_and_leaks_nothing() {
     h.finish();
 }
 
-/// A warm VM claimed after waiting paused runs on the host's time; a 2-second lease is reaped
-/// within seconds and its VM is destroyed.
+/// A paused warm VM outlives a `kill -9` of sandboxd and is warm again after the restart (not
+/// rebuilt); claimed after waiting paused it runs on the host's time; a 2-second lease is
+/// reaped within seconds and its VM is destroyed.
 #[test]
 fn short_lease_is_reaped_and_its_vm_destroyed() {
     let _serial = serial();
-    let h = sandboxd(vec![PoolConfig::warm("base", 1)]);
+    let mut h = sandboxd(vec![PoolConfig::warm("base", 1)]);
     h.wait_full("base");
     h.assert_vms(1, "a full pool of 1");
     let before = h.vm_dirs();
+    h.kill9();
+    h.start();
+    h.wait_full("base");
+    h.assert_vms(1, "after a restart, the pool of 1");
+    assert_eq!(h.vm_dirs(), before, "the paused warm VM was not re-adopted\n{}", h.logs());
+    assert!(h.logs().contains("is warm again"), "{}", h.logs());
     let claimed_vm = before.iter().next().cloned().expect("one warm VM");
     // The warm VM was made at the background CPU weight and waits paused, its clock standing
     // still; the claim gives it the normal weight and the host's time.

@@ -489,7 +489,7 @@ fn vm_prefix(pool: &Pool) -> String {
 }
 
 /// `sbx-<12 hex of the pool key's hash>`: the names of a pool's VMs (and its forks' children).
-fn prefix_for(key_hash: &str) -> String {
+pub(crate) fn prefix_for(key_hash: &str) -> String {
     format!("{}{}", OWNERSHIP.prefix(), &key_hash[..12])
 }
 

@@ -602,6 +602,11 @@ impl Driver for CloudHypervisor {
         self.api(vm).resume().await.map_err(|e| api_error(&vm.id, e))
     }
 
+    async fn is_paused(&self, vm: &Vm) -> Result<bool, DriverError> {
+        let state = self.api(vm).info().await.map_err(|e| api_error(&vm.id, e))?.state;
+        Ok(state == ChVmState::Paused)
+    }
+
     async fn set_cpu_weight(&self, vm: &Vm, weight: crate::jail::CpuWeight) -> Result<(), DriverError> {
         Ok(self.cfg.jail.set_cpu_weight(vm.id.as_str(), weight)?)
     }

@@ -375,6 +375,10 @@ async fn pause_resume_and_snapshot_send_the_recorded_bodies() {
     e.driver.snapshot(&vm, &snapdir2, AfterSnapshot::Paused).await.expect("snapshot paused vm");
     let lines: Vec<String> = e.fake.calls().iter().map(Recorded::line).collect();
     assert_eq!(lines, vec!["GET /vm.info", "PUT /vm.snapshot"]);
+    // `is_paused` reads vm.info's state (a restarted sandboxd takes only paused VMs as warm).
+    assert!(e.driver.is_paused(&vm).await.expect("is_paused"));
+    e.fake.respond("GET /vm.info", 200, &fixture("vm.info.running.response.json"));
+    assert!(!e.driver.is_paused(&vm).await.expect("is_paused"));
 
     e.driver.kill(&vm).await.expect("kill");
     assert!(proc_gone(&vm));

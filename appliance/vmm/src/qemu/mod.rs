@@ -512,6 +512,12 @@ impl Driver for QemuDriver {
         Ok(())
     }
 
+    async fn is_paused(&self, vm: &Vm) -> Result<bool, DriverError> {
+        let q = self.qmp(vm).await?;
+        let st = q.status().await.map_err(control(&vm.id))?;
+        Ok(st.status == qapi::qmp::RunState::paused)
+    }
+
     async fn set_cpu_weight(&self, vm: &Vm, weight: crate::jail::CpuWeight) -> Result<(), DriverError> {
         Ok(self.cfg.jail.set_cpu_weight(vm.id.as_str(), weight)?)
     }
