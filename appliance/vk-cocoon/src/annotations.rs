@@ -48,7 +48,8 @@ pub const VM_NAME: &str = "vm.cocoonstack.io/name";
 pub const VM_ID: &str = "vm.cocoonstack.io/id";
 /// In (unmanaged, required) and out: the VM IP.
 pub const VM_IP: &str = "vm.cocoonstack.io/ip";
-/// `cloud-hypervisor` | `qemu` (default: the first the host runs) | `firecracker` (refused).
+/// `cloud-hypervisor` | `firecracker` | `qemu` (default: the first the host runs); one the node
+/// lacks is served by the node's own ([`RequestedBackend`]).
 pub const BACKEND: &str = "vm.cocoonstack.io/backend";
 /// TCP port the readiness probe dials; absent = a guest-agent round trip.
 pub const PROBE_PORT: &str = "vm.cocoonstack.io/probe-port";
@@ -121,10 +122,41 @@ pub struct VmSpec {
     pub shared_network: Option<String>,
     pub snapshot_policy: SnapshotPolicy,
     pub probe_port: Option<u16>,
-    /// `None` = the host's default hypervisor.
-    pub hypervisor: Option<Hypervisor>,
+    /// `vm.cocoonstack.io/backend`; `None` = the host's default hypervisor.
+    pub backend: Option<RequestedBackend>,
     pub keep_snapshot_on_delete: bool,
     pub hibernate: bool,
+}
+
+/// The hypervisor a Pod asks for in `vm.cocoonstack.io/backend`, spelled as cocoon-common
+/// writes it: its `Backend` type knows `cloud-hypervisor` (what `Backend.Default()` puts into
+/// every CocoonSet Pod) and `firecracker`; we add `qemu`. A node serves the one it runs when it
+/// has it, else its own (the provider says so with a Normal `BackendSubstituted` event).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestedBackend {
+    CloudHypervisor,
+    Firecracker,
+    Qemu,
+}
+
+impl RequestedBackend {
+    /// The annotation spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestedBackend::CloudHypervisor => "cloud-hypervisor",
+            RequestedBackend::Firecracker => "firecracker",
+            RequestedBackend::Qemu => "qemu",
+        }
+    }
+
+    /// The hypervisor of ours that is this backend (none runs Firecracker).
+    pub fn hypervisor(self) -> Option<Hypervisor> {
+        match self {
+            RequestedBackend::CloudHypervisor => Some(Hypervisor::CloudHypervisor),
+            RequestedBackend::Firecracker => None,
+            RequestedBackend::Qemu => Some(Hypervisor::Qemu),
+        }
+    }
 }
 
 /// Why a Pod's annotations cannot be served. The text becomes the Pod's `ProviderFailed`
@@ -157,7 +189,7 @@ pub enum AnnotationError {
     BadProbePort(String),
     #[error("annotation {SHARED_NETWORK}={0:?}: expected a group name of 1-63 characters a-z, 0-9 and '-'")]
     BadSharedNetwork(String),
-    #[error("annotation {BACKEND}={0:?}: expected cloud-hypervisor or qemu")]
+    #[error("annotation {BACKEND}={0:?}: expected cloud-hypervisor, firecracker or qemu")]
     BadBackend(String),
     /// A valid request this node cannot serve.
     #[error("{what} is unsupported on this node")]
@@ -207,11 +239,11 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, AnnotationError> {
         "static" => return Err(unsupported(format!("{MODE}=static"))),
         other => return Err(AnnotationError::BadMode(other.to_owned())),
     };
-    let hypervisor = match value(pod, BACKEND) {
+    let backend = match value(pod, BACKEND) {
         None => None,
-        Some("cloud-hypervisor") => Some(Hypervisor::CloudHypervisor),
-        Some("qemu") => Some(Hypervisor::Qemu),
-        Some("firecracker") => return Err(unsupported(format!("{BACKEND}=firecracker"))),
+        Some("cloud-hypervisor") => Some(RequestedBackend::CloudHypervisor),
+        Some("firecracker") => Some(RequestedBackend::Firecracker),
+        Some("qemu") => Some(RequestedBackend::Qemu),
         Some(other) => return Err(AnnotationError::BadBackend(other.to_owned())),
     };
     let snapshot_policy = match value(pod, SNAPSHOT_POLICY).unwrap_or("always") {
@@ -288,7 +320,7 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, AnnotationError> {
         shared_network,
         snapshot_policy,
         probe_port,
-        hypervisor,
+        backend,
         keep_snapshot_on_delete: flag(pod, KEEP_SNAPSHOT_ON_DELETE),
         hibernate: flag(pod, HIBERNATE),
     })
@@ -485,11 +517,11 @@ mod tests {
         assert_eq!(s.network.as_deref(), Some("lan"));
         assert_eq!(s.snapshot_policy, SnapshotPolicy::MainOnly);
         assert_eq!(s.probe_port, Some(8080));
-        assert_eq!(s.hypervisor, Some(Hypervisor::Qemu));
+        assert_eq!(s.backend, Some(RequestedBackend::Qemu));
         assert!(s.keep_snapshot_on_delete && s.hibernate);
         let d = parse(&managed(&[])).unwrap();
         assert_eq!(
-            (d.storage_bytes, d.network, d.snapshot_policy, d.probe_port, d.hypervisor),
+            (d.storage_bytes, d.network, d.snapshot_policy, d.probe_port, d.backend),
             (None, None, SnapshotPolicy::Always, None, None)
         );
         assert!(!d.keep_snapshot_on_delete && !d.hibernate);
@@ -503,10 +535,11 @@ mod tests {
             );
         }
         assert!(!parse(&managed(&[(KEEP_SNAPSHOT_ON_DELETE, "yes")])).unwrap().keep_snapshot_on_delete);
-        assert_eq!(
-            parse(&managed(&[(BACKEND, "cloud-hypervisor")])).unwrap().hypervisor,
-            Some(Hypervisor::CloudHypervisor)
-        );
+        for b in [RequestedBackend::CloudHypervisor, RequestedBackend::Firecracker, RequestedBackend::Qemu] {
+            assert_eq!(parse(&managed(&[(BACKEND, b.as_str())])).unwrap().backend, Some(b));
+        }
+        assert_eq!(RequestedBackend::Firecracker.hypervisor(), None);
+        assert_eq!(RequestedBackend::CloudHypervisor.hypervisor(), Some(Hypervisor::CloudHypervisor));
         assert!(matches!(parse(&managed(&[(STORAGE, "ten")])).unwrap_err(), AnnotationError::BadStorage(_)));
         assert_eq!(
             parse(&managed(&[(SNAPSHOT_POLICY, "sometimes")])).unwrap_err(),
@@ -515,11 +548,9 @@ mod tests {
         for bad in ["0", "65536", "http", "-1"] {
             assert_eq!(parse(&managed(&[(PROBE_PORT, bad)])).unwrap_err(), AnnotationError::BadProbePort(bad.into()));
         }
-        assert!(matches!(
-            parse(&managed(&[(BACKEND, "firecracker")])).unwrap_err(),
-            AnnotationError::Unsupported { .. }
-        ));
-        assert_eq!(parse(&managed(&[(BACKEND, "kvm")])).unwrap_err(), AnnotationError::BadBackend("kvm".into()));
+        let e = parse(&managed(&[(BACKEND, "kvm")])).unwrap_err();
+        assert_eq!(e, AnnotationError::BadBackend("kvm".into()));
+        assert!(e.to_string().contains("expected cloud-hypervisor, firecracker or qemu"), "{e}");
     }
 
     #[test]

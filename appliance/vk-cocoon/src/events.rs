@@ -31,6 +31,8 @@ pub const RESTART_COOLDOWN: &str = "RestartCooldown";
 pub const RESTART_FAILED: &str = "RestartFailed";
 /// Normal: the watcher started a VM that had stopped.
 pub const VM_RESTARTED: &str = "VMRestarted";
+/// Normal: the Pod's `vm.cocoonstack.io/backend` is not on this node; its own serves the VM.
+pub const BACKEND_SUBSTITUTED: &str = "BackendSubstituted";
 
 /// Where provider events go. Recording never blocks or fails the caller.
 pub trait EventSink: Send + Sync {

@@ -37,7 +37,7 @@ pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
     cleanup: "sandboxes,pods",
     scenarios: &[
         ("seed_cocoon_example_runs_with_its_vm_ip_and_serves_tcp", seed_example),
-        ("second_sandbox_with_the_same_vm_name_adopts_the_first_vm", same_vm_name),
+        ("second_sandbox_with_the_same_vm_name_adopts_the_first_vm_and_cloud_hypervisor_runs_on_qemu", same_vm_name),
         ("clone_boots_from_the_snapshot_a_policy_always_delete_saved", clone_from_snapshot),
         ("unmanaged_pod_with_id_and_ip_is_tracked_without_a_vm", unmanaged),
         ("missing_vm_name_is_pending_with_event_and_failed_under_restart_never", missing_name),
@@ -182,8 +182,19 @@ s.bind(('0.0.0.0', 8080))\ns.listen()\nwhile True:\n    c, _ = s.accept()\n    c
 }
 
 fn same_vm_name(env: &mut Env, ns: &str) -> Outcome {
-    env.apply(ns, &sandbox("first", run_vm("shared-vm", BASE, "never")))?;
+    // The first Pod names the backend cocoon-common writes into every CocoonSet Pod
+    // (`Backend.Default()`, cloud-hypervisor): this QEMU node serves it, and says so.
+    let mut first_vm = run_vm("shared-vm", BASE, "never");
+    first_vm["vm.cocoonstack.io/backend"] = json!("cloud-hypervisor");
+    env.apply(ns, &sandbox("first", first_vm))?;
     let first = running(env, ns, "first")?;
+    let events = env.events(ns, "first")?;
+    ensure!(
+        events.iter().any(|(t, r, m)| t == "Normal"
+            && r == "BackendSubstituted"
+            && m.contains("backend cloud-hypervisor was asked for; the VM runs under qemu")),
+        "no BackendSubstituted event on the first pod: {events:?}"
+    );
     let (id, ip) = vm_of(env, &first, "shared-vm")?;
     let pid = env.instances(&id).first().map(|v| v.pid).ok_or("no instance")?;
     // The seed's constraint, shown: a second Pod carrying the same VM name adopts the first

@@ -67,7 +67,7 @@ pub(super) async fn create(s: &Arc<Shared>, pod: &Pod) -> Result<(), CocoonProvi
     if !spec.managed {
         return track_unmanaged(s, &key, pod, spec).await;
     }
-    let hypervisor = hypervisor_for(s, &key, &spec)?;
+    let hypervisor = hypervisor_for(s, pod, &spec);
     create_managed(s, &key, pod, spec, hypervisor).await.map_err(|e| refused(s, pod, e, true))
 }
 
@@ -122,17 +122,24 @@ async fn create_managed(
     boot(s, key, pod, spec, hypervisor).await
 }
 
-fn hypervisor_for(s: &Shared, key: &str, spec: &VmSpec) -> Result<Hypervisor, CocoonProviderError> {
+/// The hypervisor `spec`'s VM runs under: the backend the Pod names when this node has it,
+/// else the node's own, with a Normal `BackendSubstituted` event that says which (CocoonSet
+/// Pods name `cloud-hypervisor`, cocoon-common's default, whatever the node runs).
+fn hypervisor_for(s: &Shared, pod: &Pod, spec: &VmSpec) -> Hypervisor {
     let available = s.backend.hypervisors();
-    let wanted = spec.hypervisor.or_else(|| available.first().copied()).unwrap_or(Hypervisor::Qemu);
-    if !available.contains(&wanted) {
-        return Err(CocoonProviderError::Hypervisor {
-            key: key.to_owned(),
-            wanted,
-            available: available.iter().map(|h| h.as_str()).collect::<Vec<_>>().join(", "),
-        });
+    let node = available.first().copied().unwrap_or(Hypervisor::Qemu);
+    let Some(asked) = spec.backend else { return node };
+    if let Some(h) = asked.hypervisor().filter(|h| available.contains(h)) {
+        return h;
     }
-    Ok(wanted)
+    let runs = available.iter().map(|h| h.as_str()).collect::<Vec<_>>().join(", ");
+    let why = match asked.hypervisor() {
+        None => format!("no hypervisor here runs Firecracker; this node runs {runs}"),
+        Some(_) => format!("this node runs {runs}"),
+    };
+    let msg = format!("backend {} was asked for; the VM runs under {} ({why})", asked.as_str(), node.as_str());
+    s.event(pod, false, events::BACKEND_SUBSTITUTED, &msg);
+    node
 }
 
 /// Another live, managed Pod's running VM called `name`, with that Pod's key.

@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::Pod;
 use vnode::error_chain;
 
 use crate::annotations::AnnotationError;
-use crate::backend::{BackendError, Hypervisor, SnapshotRef};
+use crate::backend::{BackendError, SnapshotRef};
 use crate::events;
 use crate::namespaces::Use;
 use crate::shared::{Lifecycle, Shared};
@@ -25,8 +25,6 @@ pub enum CocoonProviderError {
          schedule it onto a node of that class"
     )]
     CpuClass { key: String, wanted: String, node: Option<String> },
-    #[error("pod {key}: hypervisor {wanted} is unsupported on this node (it runs: {available})")]
-    Hypervisor { key: String, wanted: Hypervisor, available: String },
     #[error(
         "pod {key}: pod {other} is still creating VM {name}; retrying (give each pod its own vm.cocoonstack.io/name)"
     )]

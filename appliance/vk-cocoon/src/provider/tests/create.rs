@@ -125,8 +125,8 @@ async fn refusals_name_what_to_change() {
     let r = Rig::new();
     let e = create(&r, &run_pod("w", "vm-w", &[(OS, "windows")])).await.unwrap_err();
     assert!(e.contains("guest OS windows") && e.contains("unsupported on this node"), "{e}");
-    let e = create(&r, &run_pod("c", "vm-c", &[(BACKEND, "cloud-hypervisor")])).await.unwrap_err();
-    assert!(e.contains("hypervisor cloud-hypervisor is unsupported on this node (it runs: qemu)"), "{e}");
+    let e = create(&r, &run_pod("b", "vm-b", &[(BACKEND, "kvm")])).await.unwrap_err();
+    assert!(e.contains("expected cloud-hypervisor, firecracker or qemu"), "{e}");
     let mut p = run_pod("k", "vm-k", &[]);
     p.spec.as_mut().unwrap().node_selector = Some([(CPU_CLASS_LABEL.to_string(), "skylake".to_string())].into());
     let e = create(&r, &p).await.unwrap_err();
@@ -318,4 +318,23 @@ async fn a_probe_port_is_dialled() {
         }
     }
     assert!(!ready(&flipped.expect("Ready flipped off after the port closed")));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_backend_this_node_lacks_is_served_by_its_own_with_an_event() {
+    // The fake runs QEMU only, as this TCG host does.
+    for asked in ["cloud-hypervisor", "firecracker"] {
+        let r = Rig::new();
+        create(&r, &run_pod("c", "vm-c", &[(BACKEND, asked)])).await.unwrap();
+        assert_eq!(r.backend.calls(), ["run vm-c ubuntu-dev-base 1x512"], "{asked}");
+        assert_eq!(r.vm("ns/c").hypervisor, crate::backend::Hypervisor::Qemu);
+        let ev = r.events.all();
+        assert_eq!(ev.len(), 1, "{ev:?}");
+        assert_eq!((ev[0].reason.as_str(), ev[0].warning), (events::BACKEND_SUBSTITUTED, false));
+        assert!(ev[0].message.contains(&format!("backend {asked} was asked for; the VM runs under qemu")), "{ev:?}");
+    }
+    // Named and present: no event.
+    let r = Rig::new();
+    create(&r, &run_pod("q", "vm-q", &[(BACKEND, "qemu")])).await.unwrap();
+    assert!(r.events.all().is_empty());
 }
