@@ -44,6 +44,12 @@ pub const COCOONSET_KIND: &str = "CocoonSet";
 // ---- vm.cocoonstack.io/…
 /// **Required**: the VM's name on the node.
 pub const VM_NAME: &str = "vm.cocoonstack.io/name";
+/// The longest VM name: upstream's conventions (`vk-<ns>-<pod>`, `sandbox-<ns>-<name>`) pass 63
+/// easily. 255 is the image library's repository limit (a delete saves `<vm-name>:latest`).
+/// The VM's id, and so its directory and hypervisor names, is a short stable form of it
+/// (`vmm_backend::vm_id_for`: a readable head and a hash); the record keeps the full name, and
+/// two names of one id are refused (`NameInUse`), never mixed up.
+pub const MAX_VM_NAME: usize = 255;
 /// In (unmanaged, required) and out: the VM id.
 pub const VM_ID: &str = "vm.cocoonstack.io/id";
 /// In (unmanaged, required) and out: the VM IP.
@@ -165,7 +171,7 @@ impl RequestedBackend {
 pub enum AnnotationError {
     #[error("annotation {VM_NAME} is missing: name the VM this pod runs in (e.g. vk-<namespace>-<pod>)")]
     MissingVmName,
-    #[error("annotation {VM_NAME}={0:?} is not a usable VM name (1-63 characters, no whitespace or '/')")]
+    #[error("annotation {VM_NAME}={0:?} is not a usable VM name (1-255 characters, no whitespace or '/')")]
     BadVmName(String),
     #[error(
         "an unmanaged pod ({MANAGED} is not \"true\") must carry the pre-assigned {VM_ID} and {VM_IP}; missing: {0}"
@@ -217,7 +223,7 @@ fn unsupported(what: impl Into<String>) -> AnnotationError {
 /// `vm.cocoonstack.io/name`, required (CreatePod step 1).
 pub fn vm_name(pod: &Pod) -> Result<String, AnnotationError> {
     let name = value(pod, VM_NAME).ok_or(AnnotationError::MissingVmName)?;
-    if name.len() > 63 || name.contains('/') || name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+    if name.len() > MAX_VM_NAME || name.contains('/') || name.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(AnnotationError::BadVmName(name.to_owned()));
     }
     Ok(name.to_owned())
@@ -442,7 +448,9 @@ mod tests {
         assert_eq!(parse(&pod(&[])).unwrap_err(), AnnotationError::MissingVmName);
         assert_eq!(parse(&pod(&[(VM_NAME, "  ")])).unwrap_err(), AnnotationError::MissingVmName);
         assert!(matches!(parse(&pod(&[(VM_NAME, "a/b")])).unwrap_err(), AnnotationError::BadVmName(_)));
-        assert!(matches!(parse(&pod(&[(VM_NAME, &"x".repeat(64))])).unwrap_err(), AnnotationError::BadVmName(_)));
+        assert_eq!(parse(&managed(&[(VM_NAME, &"x".repeat(100))])).unwrap().vm_name, "x".repeat(100));
+        assert!(parse(&managed(&[(VM_NAME, &"x".repeat(MAX_VM_NAME))])).is_ok());
+        assert!(matches!(parse(&pod(&[(VM_NAME, &"x".repeat(256))])).unwrap_err(), AnnotationError::BadVmName(_)));
         let msg = AnnotationError::MissingVmName.to_string();
         assert!(msg.contains("vm.cocoonstack.io/name"), "{msg}");
     }
