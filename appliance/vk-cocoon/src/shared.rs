@@ -92,7 +92,10 @@ impl Lifecycle {
     }
 }
 
-/// Why a tracked Pod is `Failed`.
+/// Why a tracked Pod is `Failed`: the watcher evicted it. As upstream does, an evicted Pod is
+/// deleted (its owner, a Sandbox or CocoonSet controller, makes a new one): every push of it
+/// carries a deletion at `at` with no grace, which the runtime carries out (`pods` delete with
+/// the Pod's UID as precondition).
 #[derive(Debug, Clone)]
 pub(crate) struct Terminal {
     pub reason: String,
@@ -165,7 +168,12 @@ impl Entry {
             Some(t) => status::failed(&self.pod, &v, &t.reason, &t.message, &t.at),
             None => status::running(&self.pod, &v),
         };
-        status::pushed(&self.pod, st, &self.out_annotations())
+        let mut pushed = status::pushed(&self.pod, st, &self.out_annotations());
+        if let Some(t) = &self.terminal {
+            pushed.metadata.deletion_timestamp = Some(t.at.clone());
+            pushed.metadata.deletion_grace_period_seconds = Some(0);
+        }
+        pushed
     }
 
     pub fn stop_probe(&mut self) {

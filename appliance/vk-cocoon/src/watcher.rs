@@ -6,13 +6,16 @@
 //! |---|---|
 //! | running, IP changed | the new IP is pushed |
 //! | stopped, no restart within the cooldown | `start`; Ready off until the probe sees it (Normal `VMRestarted`) |
-//! | stopped again within 30 s of a restart | `remove` + release, Pod `Failed` `RestartCooldown` |
-//! | stopped, `start` fails | `remove` + release (best effort), Pod `Failed` `RestartFailed` |
-//! | not listed, and `inspect` confirms absence | release, Pod `Failed` `VMGone` |
+//! | stopped again within 30 s of a restart | `remove` + release, Warning `RestartCooldown`, Pod deleted |
+//! | stopped, `start` fails | `remove` + release (best effort), Warning `RestartFailed`, Pod deleted |
+//! | not listed, and `inspect` confirms absence | release, Warning `VMGone`, Pod deleted |
 //! | not listed, `inspect` fails | nothing this pass (logged as `VMInspectTimeout`) |
 //!
-//! An evicted Pod stays tracked with its `Failed` status (terminal) so that a resync cannot
-//! boot it a new VM; a new Pod under the key replaces it.
+//! Eviction is upstream's (vk-cocoon deletes the Pod, so that its Sandbox or CocoonSet
+//! controller makes a new one, which gets a fresh VM): the Warning event first, then a push
+//! that carries the deletion ([`crate::shared::Terminal`]). Until the API Pod is gone the
+//! evicted Pod stays tracked as `Failed` (terminal), so that a resync cannot boot it a new VM;
+//! a new Pod under the key replaces it.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

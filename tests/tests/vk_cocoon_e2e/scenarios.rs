@@ -44,7 +44,7 @@ pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
         ("windows_guest_is_refused_with_a_typed_error", windows),
         ("provider_kill9_leaves_vms_running_and_the_restart_readopts_them", kill9),
         ("readiness_follows_the_probe_port", readiness),
-        ("a_vm_that_dies_is_restarted_then_evicted_when_it_dies_again_or_vanishes", vm_deaths),
+        ("a_vm_that_dies_is_restarted_then_its_pod_replaced_when_it_dies_again_or_vanishes", vm_deaths),
         ("another_namespace_cannot_adopt_clone_or_reuse_the_vm_or_its_snapshot", other_namespace),
         ("kubectl_logs_exec_attach_port_forward_and_top_on_a_cocoon_pod", kubectl_streams),
         ("kubectl_bad_inputs_fail_closed_on_a_cocoon_pod", kubectl_bad_inputs),
@@ -408,21 +408,17 @@ fn vm_deaths(env: &mut Env, ns: &str) -> Outcome {
     let p = ready(env, ns, "mortal", VM_RUNNING)?;
     ensure!(p["status"]["podIP"] == ip.as_str(), "the restarted VM moved from {ip} to {}", p["status"]["podIP"]);
     ensure!(annotation(&p, ID) == Some(id.as_str()), "id changed to {:?}", annotation(&p, ID));
-    // 2. Dies again within the 30 s cooldown: removed, address released, Pod Failed RestartCooldown.
+    // 2. Dies again within the 30 s cooldown: removed, Warning RestartCooldown, and the Pod
+    // deleted as upstream does, so the Sandbox controller makes a new one on a new VM.
+    let old_uid = p["metadata"]["uid"].as_str().unwrap_or_default().to_string();
     kill_qemu(second)?;
-    let p = env.wait_pod(ns, "mortal", "Failed RestartCooldown", QUICK, |p| {
-        p["status"]["phase"] == "Failed" && p["status"]["reason"] == "RestartCooldown"
-    })?;
-    let term = &p["status"]["containerStatuses"][0]["state"]["terminated"];
-    ensure!(term["reason"] == "RestartCooldown" && term["exitCode"] == 1, "container state {term}");
-    poll("the VM record and lease to go", QUICK, || {
-        Ok((!env.has_record(&id) && env.lease(&id).is_none()).then_some(()))
-    })?;
-    ensure!(env.instances(&id).is_empty(), "a QEMU of {id} is still running");
+    evicted_then_replaced(env, ns, "mortal", "RestartCooldown", &old_uid, &[first, second])?;
 
-    // 3. Vanishes (its hypervisor and every record of it removed behind the node's back): VMGone.
+    // 3. Vanishes (its hypervisor and every record of it removed behind the node's back): VMGone,
+    // and the same.
     env.apply(ns, &sandbox("vanishing", run_vm("vanishing", BASE, "never")))?;
     let pod = running(env, ns, "vanishing")?;
+    let old_uid = pod["metadata"]["uid"].as_str().unwrap_or_default().to_string();
     let (id, _) = vm_of(env, &pod, "vanishing")?;
     let inst = env.instances(&id);
     let vm = inst.first().ok_or("no instance")?;
@@ -430,10 +426,22 @@ fn vm_deaths(env: &mut Env, ns: &str) -> Outcome {
     let _ = std::fs::remove_dir_all(&vm.dir);
     std::fs::remove_file(env.root.join("cocoon").join(format!("{id}.json")))
         .map_err(|e| format!("removing the record of {id}: {e}"))?;
-    let p = env.wait_pod(ns, "vanishing", "Failed VMGone", QUICK, |p| {
-        p["status"]["phase"] == "Failed" && p["status"]["reason"] == "VMGone"
+    evicted_then_replaced(env, ns, "vanishing", "VMGone", &old_uid, &[vm.pid])
+}
+
+/// The Pod `name` (UID `old_uid`) was evicted with a Warning `reason`; its Sandbox made a new
+/// Pod, which runs on a new VM (none of the `old` QEMU pids).
+fn evicted_then_replaced(env: &Env, ns: &str, name: &str, reason: &str, old_uid: &str, old: &[u32]) -> Outcome {
+    poll(&format!("a {reason} warning"), QUICK, || {
+        let ev = env.events(ns, name)?;
+        Ok(ev.iter().any(|(t, r, _)| t == "Warning" && r == reason).then_some(()))
     })?;
-    ensure!(p["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "VMGone", "status {}", p["status"]);
+    let p = env.wait_pod(ns, name, "a new pod Running", VM_RUNNING, |p| {
+        p["metadata"]["uid"] != old_uid && p["status"]["phase"] == "Running"
+    })?;
+    let (id, _) = vm_of(env, &p, name)?;
+    let now = env.instances(&id);
+    ensure!(now.len() == 1 && !old.contains(&now[0].pid), "the new pod's VM {id}: {now:?}, old QEMUs {old:?}");
     Ok(())
 }
 

@@ -52,7 +52,8 @@
 //! * **Two Pods, one VM name.** As upstream and as the seed documents: a Pod naming the running
 //!   VM of another Pod adopts that VM instead of booting its own (Warning `VMNameShared` on the
 //!   Pod). Both Pods then share one VM, and deleting either removes it (the other is evicted
-//!   with `VMGone`) — the reason a SandboxTemplate cannot carry `vm.cocoonstack.io/name`. While
+//!   with `VMGone`: deleted, for its owner to replace) — the reason a SandboxTemplate cannot
+//!   carry `vm.cocoonstack.io/name`. While
 //!   the first Pod is still creating its VM, the second Pod's create fails and is retried.
 //! * **Namespaces** ([`crate::namespaces`]). The adoption above, the start-up map, a fresh
 //!   listing, a clone's snapshot, the `<vm-name>:latest` a delete saves over or drops, and the

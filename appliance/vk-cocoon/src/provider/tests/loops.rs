@@ -30,9 +30,16 @@ async fn a_dead_vm_is_restarted_then_evicted_within_the_cooldown() {
     let t = st.container_statuses.as_ref().unwrap()[0].state.as_ref().unwrap().terminated.clone().unwrap();
     assert_eq!((t.exit_code, t.reason.as_deref()), (1, Some(events::RESTART_COOLDOWN)));
     assert_eq!(r.events.reasons().last().map(String::as_str), Some(events::RESTART_COOLDOWN));
-    // Failed is terminal: a resync re-pushes it and boots nothing; a delete only forgets.
+    // Evicted as upstream does: the push deletes the Pod (now, no grace), so its owner makes a
+    // new one.
+    assert!(p.metadata.deletion_timestamp.is_some(), "the evicting push does not delete the pod");
+    assert_eq!(p.metadata.deletion_grace_period_seconds, Some(0));
+    // Failed is terminal: a resync re-pushes it (still deleting) and boots nothing; a delete
+    // only forgets.
     r.provider.update_pod(&a).await.unwrap();
-    assert_eq!(phase(&r.last()), "Failed");
+    let p = r.last();
+    assert_eq!(phase(&p), "Failed");
+    assert!(p.metadata.deletion_timestamp.is_some());
     r.backend.clear_calls();
     delete(&r, &a).await.unwrap();
     assert!(r.backend.calls().is_empty());
@@ -74,6 +81,7 @@ async fn a_vanished_vm_evicts_with_vm_gone_and_a_failed_start_with_restart_faile
     };
     assert_eq!(reason_of("a").as_deref(), Some(events::VM_GONE));
     assert_eq!(reason_of("b").as_deref(), Some(events::RESTART_FAILED));
+    assert!(pushes.iter().filter(|p| phase(p) == "Failed").all(|p| p.metadata.deletion_timestamp.is_some()));
     assert!(r.backend.vms().is_empty() && r.backend.leases().is_empty());
 }
 
