@@ -35,9 +35,8 @@ fn golden_ram_kib(data: &std::path::Path) -> u64 {
 }
 
 fn mean_from_metrics(text: &str, name: &str) -> Option<Duration> {
-    let sum: f64 = text.lines().find_map(|l| l.strip_prefix(&format!("{name}_sum "))?.parse().ok())?;
-    let count: f64 = text.lines().find_map(|l| l.strip_prefix(&format!("{name}_count "))?.parse().ok())?;
-    (count > 0.0).then(|| Duration::from_secs_f64(sum / count))
+    let none = std::collections::HashMap::new();
+    crate::bench_vnode::mean_between(&none, &crate::bench_vnode::samples(text), name, "").map(Duration::from_secs_f64)
 }
 
 /// sandboxd's `/metrics` at `addr`, as root when `token` is given.

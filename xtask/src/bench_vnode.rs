@@ -114,7 +114,7 @@ impl Drop for AbortOnDrop {
 }
 
 /// `name{labels} value` lines of a Prometheus text page → value by `name{labels}`.
-fn samples(text: &str) -> HashMap<String, f64> {
+pub(crate) fn samples(text: &str) -> HashMap<String, f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| {
@@ -142,7 +142,7 @@ async fn node_metrics(env: &NodeEnv) -> HashMap<String, f64> {
 }
 
 /// The mean of histogram `family{labels}` over what happened between the two scrapes.
-fn mean_between(
+pub(crate) fn mean_between(
     before: &HashMap<String, f64>,
     after: &HashMap<String, f64>,
     family: &str,
