@@ -17,7 +17,8 @@ const LEAVES: usize = 64;
 fn driver(state_dir: &std::path::Path, jailed: bool) -> Arc<dyn Driver> {
     let mut cfg = vmm::qemu::QemuConfig::from_env();
     cfg.state_dir = state_dir.to_path_buf();
-    cfg.jail = JailSettings { enabled: Some(jailed), ..JailSettings::from_env() };
+    cfg.jail = JailSettings::from_env();
+    cfg.jail.enabled = Some(jailed);
     Arc::new(vmm::qemu::QemuDriver::new(cfg))
 }
 
@@ -113,7 +114,9 @@ fn meminfo_kib(keys: &[&str]) -> Option<u64> {
 /// The kernel memory of one per-VM cgroup leaf: `LEAVES` leaves with a small VM's limits,
 /// (Slab + Percpu after − before) / `LEAVES`.
 pub fn cgroup_memory(figures: &mut Vec<Figure>) -> Result<()> {
-    let Some(jail) = JailSettings { enabled: Some(true), ..JailSettings::from_env() }.resolve()? else {
+    let mut settings = JailSettings::from_env();
+    settings.enabled = Some(true);
+    let Some(jail) = settings.resolve()? else {
         anyhow::bail!("the jail is off here (not root?): no cgroup figure");
     };
     let keys = ["Slab", "Percpu"];

@@ -142,10 +142,12 @@ fn verify(store: &Store, reference: Option<&str>) -> Result<()> {
 /// Digests the live VMs under `vms` use from `store`.
 pub fn live_vm_digests(store: &Store, vms: &VmStateDir) -> Result<Vec<Digest>> {
     let dir = vmm::record::vms_dir(&vms.vm_state_dir);
-    let mut live = vmm::lifecycle::list(&dir, vmm::Backend::Qemu, Some(vmm::qemu::cmdline::files::PID))
+    let jail = vmm::jail::JailSettings::from_env();
+    let find = |pidfile| vmm::lifecycle::Finder { pidfile, cgroups: jail.cgroups() };
+    let mut live = vmm::lifecycle::list(&dir, vmm::Backend::Qemu, &find(Some(vmm::qemu::cmdline::files::PID)))
         .with_context(|| format!("listing the VMs under {}", dir.display()))?;
     live.extend(
-        vmm::lifecycle::list(&dir, vmm::Backend::CloudHypervisor, None)
+        vmm::lifecycle::list(&dir, vmm::Backend::CloudHypervisor, &find(None))
             .with_context(|| format!("listing the VMs under {}", dir.display()))?,
     );
     let mut out = Vec::new();

@@ -141,7 +141,9 @@ pub async fn reconcile(store: &ClaimStore, refill: &Refill) -> Result<ReconcileR
 /// pool away: an unclaimed, listed VM named like a pool's VMs, booted from the image that pool
 /// boots now (same lane), and paused, which only a VM refill admitted is (one a claim was
 /// resuming, or refill had not finished, runs, and is swept), up to the pool's target. Each is
-/// counted in the budget again. Returns how many went back.
+/// re-attached and woken once to open a fresh agent session (the previous run's ended with
+/// it; a guest that does not answer within the clone budget is swept), paused again and counted
+/// in the budget. Returns how many went back.
 async fn rewarm(refill: &Refill, listing: &Listing, claimed: &HashSet<VmId>) -> usize {
     let vms = &refill.vms;
     let mut back = 0;
@@ -151,30 +153,27 @@ async fn rewarm(refill: &Refill, listing: &Listing, claimed: &HashSet<VmId>) -> 
         };
         let prefix = format!("{}-", crate::refill::prefix_for(&pool.hash));
         let egress = pool.key.net() == crate::pool::Net::Egress;
-        let candidates = listing.vms().iter().filter(|v| {
+        let room = {
+            let s = pool.lock();
+            s.target.saturating_sub(s.warm.len())
+        };
+        let mut paused = Vec::new();
+        for listed in listing.vms().iter().filter(|v| {
             v.state == vmm::VmState::Running
                 && v.id.as_str().starts_with(&prefix)
                 && !claimed.contains(&v.id)
                 && v.spec.nic.is_some() == egress
                 && same_image(&v.spec, &now)
-        });
-        for listed in candidates {
-            {
-                let s = pool.lock();
-                if s.warm.len() >= s.target {
-                    break;
-                }
+        }) {
+            if paused.len() >= room {
+                break;
             }
-            if !matches!(vms.driver.is_paused(listed).await, Ok(true)) {
-                continue;
+            if matches!(vms.driver.is_paused(listed).await, Ok(true)) {
+                paused.push(listed.id.clone());
             }
-            let vm = match vms.driver.attach(&listed.id).await {
-                Ok(vm) => vm,
-                Err(e) => {
-                    tracing::warn!(vm = %listed.id, error = %vmm::error_chain(&e), "a paused warm VM could not be re-attached; it is swept");
-                    continue;
-                }
-            };
+        }
+        let revived = futures::future::join_all(paused.iter().map(|id| revive(refill, id))).await;
+        for vm in revived.into_iter().flatten() {
             vms.ledger.hold(&vm.id, pool.key.size(), crate::vms::disk_mib(&refill.catalog, pool.key.template()));
             tracing::info!(vm = %vm.id, template = %pool.key.template(), "a paused warm VM of the previous run is warm again");
             pool.put_back(vm);
@@ -182,6 +181,26 @@ async fn rewarm(refill: &Refill, listing: &Listing, claimed: &HashSet<VmId>) -> 
         }
     }
     back
+}
+
+/// Re-attaches a paused warm VM, resumes it until its agent answers a new session, and pauses
+/// it again; `None` (logged) when any step fails, leaving it to the sweep.
+async fn revive(refill: &Refill, id: &VmId) -> Option<vmm::Vm> {
+    let driver = &refill.vms.driver;
+    let step = async {
+        let vm = driver.attach(id).await.map_err(|e| ("re-attaching", e))?;
+        driver.resume(&vm).await.map_err(|e| ("resuming", e))?;
+        driver.wait_agent(&vm, refill.timing.clone_probe).await.map_err(|e| ("waiting for silkd", e))?;
+        driver.pause(&vm).await.map_err(|e| ("pausing", e))?;
+        Ok::<_, (&str, DriverError)>(vm)
+    };
+    match step.await {
+        Ok(vm) => Some(vm),
+        Err((what, e)) => {
+            tracing::warn!(vm = %id, error = %vmm::error_chain(&e), "{what} a paused warm VM of the previous run failed; it is swept");
+            None
+        }
+    }
 }
 
 /// Whether a VM booted from `was` runs the image `now` describes (kernel, initrd, disks, command

@@ -12,9 +12,12 @@
 //!    record now lives exactly as long as its hypervisor pid.
 //!
 //! A record is [`Liveness::Live`] when its hypervisor pid (by pid + start time) runs; a
-//! `creating` record is also live while its owner runs (a boot in flight) or while any process
-//! names the VM directory on its command line (the pid file's pid, or a `/proc` scan: a
-//! hypervisor whose pid was never recorded because the owner was `kill -9`ed in between).
+//! `creating` record is also live while its owner runs (a boot in flight) or while the
+//! [`Finder`] finds a process of the VM: one naming the VM directory on its command line (the
+//! pid file's pid, or a `/proc` scan) or one in the VM's cgroup leaf (a spawned child writes
+//! itself in before its exec). That covers a hypervisor whose pid was never recorded because
+//! the owner was `kill -9`ed in between; a child whose spawner died before its exec does not
+//! exec at all (`jail::SpawnPlan::parent`).
 //!
 //! **Dead records** (not live) are *omitted* by `Driver::list` and removed by an explicit
 //! `Driver::prune` ([`prune`]); a directory some live process names is never removed. So a
@@ -28,11 +31,41 @@ use std::time::{Duration, SystemTime};
 use serde::{Deserialize, Serialize};
 
 use crate::driver::{Backend, DriverError, Vm, VmId, VmState};
+use crate::jail::cgroup::CgroupLayout;
 use crate::record::{self, RecordError, VM_JSON};
 
 /// How old a VM directory without any record must be before [`prune`] removes it (a driver call
 /// writes the record right after `mkdir`; only a crash in between leaves such a directory).
 pub const PRUNE_GRACE: Duration = Duration::from_secs(60);
+
+/// Where a driver looks for a VM's processes besides its recorded pid. The processes naming
+/// the VM directory are always looked for.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Finder<'a> {
+    /// The hypervisor's pid file name inside the VM directory, if it writes one.
+    pub pidfile: Option<&'a str>,
+    /// The cgroups holding the VMs' leaves (one per VM, named by its id), if jailed.
+    pub cgroups: Option<&'a CgroupLayout>,
+}
+
+impl Finder<'_> {
+    /// The live processes in the cgroup leaf of the VM in `dir`.
+    fn in_leaf(&self, dir: &Path) -> Vec<(u32, u64)> {
+        let (Some(cgroups), Some(id)) = (self.cgroups, dir.file_name().and_then(|n| n.to_str())) else {
+            return Vec::new();
+        };
+        let alive = |pid: u32| record::pid_start_time(pid).filter(|st| record::is_alive(pid, *st)).map(|st| (pid, st));
+        cgroups.leaf_of(id).processes().into_iter().filter_map(alive).collect()
+    }
+
+    /// Every live process of the VM in `dir` found without its record.
+    fn unrecorded(&self, dir: &Path) -> Vec<(u32, u64)> {
+        let mut out: Vec<(u32, u64)> = self.pidfile.and_then(|f| pidfile_process(dir, f)).into_iter().collect();
+        out.extend(processes_naming(dir));
+        out.extend(self.in_leaf(dir));
+        out
+    }
+}
 
 /// The process running the driver call that creates a VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -128,9 +161,8 @@ impl VmRecord {
         }
     }
 
-    /// Whether anything may still run for this record (see the module docs). `pidfile` is the
-    /// hypervisor's pid file name inside the VM directory, if it writes one.
-    pub fn liveness(&self, pidfile: Option<&str>) -> Liveness {
+    /// Whether anything may still run for this record (see the module docs).
+    pub fn liveness(&self, find: &Finder) -> Liveness {
         let vm = &self.vm;
         if record::is_alive(vm.pid, vm.pid_start_time) {
             return Liveness::Live;
@@ -138,10 +170,7 @@ impl VmRecord {
         if vm.state == VmState::Running {
             return Liveness::Dead;
         }
-        if self.owner.is_some_and(|o| o.is_alive())
-            || pidfile.and_then(|f| pidfile_process(&vm.dir, f)).is_some()
-            || !processes_naming(&vm.dir).is_empty()
-        {
+        if self.owner.is_some_and(|o| o.is_alive()) || !find.unrecorded(&vm.dir).is_empty() {
             Liveness::Live
         } else {
             Liveness::Dead
@@ -239,12 +268,11 @@ pub fn processes_naming(dir: &Path) -> Vec<(u32, u64)> {
 }
 
 /// Every live process that belongs to the VM in `dir`: the recorded hypervisor pid, the pid in
-/// its pid file (verified), and any process naming `dir` — the last two matter for a VM whose
-/// pid was never recorded.
-pub fn vm_processes(dir: &Path, recorded: Option<(u32, u64)>, pidfile: Option<&str>) -> Vec<(u32, u64)> {
+/// its pid file (verified), any process naming `dir` and any in its cgroup leaf — all but the
+/// first matter for a VM whose pid was never recorded.
+pub fn vm_processes(dir: &Path, recorded: Option<(u32, u64)>, find: &Finder) -> Vec<(u32, u64)> {
     let mut out: Vec<(u32, u64)> = recorded.filter(|(p, st)| record::is_alive(*p, *st)).into_iter().collect();
-    out.extend(pidfile.and_then(|f| pidfile_process(dir, f)));
-    out.extend(processes_naming(dir));
+    out.extend(find.unrecorded(dir));
     out.sort_unstable();
     out.dedup();
     out
@@ -279,14 +307,14 @@ pub fn kill_all_blocking(procs: &[(u32, u64)], timeout: Duration) -> bool {
 
 /// The records of `backend` under `vms_dir` with their liveness. Directories without a record
 /// are skipped; an unreadable record is an error.
-pub fn scan(vms_dir: &Path, backend: Backend, pidfile: Option<&str>) -> Result<Vec<(VmRecord, Liveness)>, DriverError> {
+pub fn scan(vms_dir: &Path, backend: Backend, find: &Finder) -> Result<Vec<(VmRecord, Liveness)>, DriverError> {
     let mut out = Vec::new();
     for dir in vm_dirs(vms_dir)? {
         let Some(rec) = VmRecord::load(&dir)? else { continue };
         if rec.vm.backend != backend || rec.vm.dir != dir {
             continue;
         }
-        let l = rec.liveness(pidfile);
+        let l = rec.liveness(find);
         out.push((rec, l));
     }
     out.sort_by(|a, b| a.0.vm.id.cmp(&b.0.vm.id));
@@ -294,19 +322,14 @@ pub fn scan(vms_dir: &Path, backend: Backend, pidfile: Option<&str>) -> Result<V
 }
 
 /// The live VMs of `backend` under `vms_dir` (for `Driver::list`).
-pub fn list(vms_dir: &Path, backend: Backend, pidfile: Option<&str>) -> Result<Vec<Vm>, DriverError> {
-    Ok(scan(vms_dir, backend, pidfile)?.into_iter().filter(|(_, l)| *l == Liveness::Live).map(|(r, _)| r.vm).collect())
+pub fn list(vms_dir: &Path, backend: Backend, find: &Finder) -> Result<Vec<Vm>, DriverError> {
+    Ok(scan(vms_dir, backend, find)?.into_iter().filter(|(_, l)| *l == Liveness::Live).map(|(r, _)| r.vm).collect())
 }
 
 /// Removes the directories of dead records of `backend` under `vms_dir`, and VM directories
 /// holding no record that are older than `grace` and named by no process. Returns the ids
 /// removed. A directory a live process names is never removed.
-pub fn prune(
-    vms_dir: &Path,
-    backend: Backend,
-    pidfile: Option<&str>,
-    grace: Duration,
-) -> Result<Vec<VmId>, DriverError> {
+pub fn prune(vms_dir: &Path, backend: Backend, find: &Finder, grace: Duration) -> Result<Vec<VmId>, DriverError> {
     let mut removed = Vec::new();
     for dir in vm_dirs(vms_dir)? {
         let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
@@ -321,15 +344,16 @@ pub fn prune(
         }
         let Some(id) = VmId::new(name).ok() else { continue };
         let stale = match VmRecord::load(&dir) {
-            Ok(Some(rec)) => rec.vm.backend == backend && rec.liveness(pidfile) == Liveness::Dead,
+            Ok(Some(rec)) => rec.vm.backend == backend && rec.liveness(find) == Liveness::Dead,
             Ok(None) => older_than(&dir, grace),
             Err(e) => {
                 tracing::warn!(vm = %id, error = %crate::error_chain(&e), "prune: unreadable record; keeping it");
                 false
             }
         };
-        // Never remove a directory a live process still names, whatever its record says.
-        if !stale || !processes_naming(&dir).is_empty() {
+        // Never remove a directory a live process still names or whose leaf holds one,
+        // whatever its record says.
+        if !stale || !processes_naming(&dir).is_empty() || !find.in_leaf(&dir).is_empty() {
             continue;
         }
         match std::fs::remove_dir_all(&dir) {
@@ -373,6 +397,9 @@ fn vm_dirs(vms_dir: &Path) -> Result<Vec<PathBuf>, DriverError> {
 mod tests {
     use super::*;
     use std::process::{Child, Command};
+
+    const NONE: Finder = Finder { pidfile: None, cgroups: None };
+    const PIDFILE: Finder = Finder { pidfile: Some("qemu.pid"), cgroups: None };
 
     fn vm(vms: &Path, id: &str) -> Vm {
         crate::test_utils::vm(vms, id, VmState::Running)
@@ -459,15 +486,15 @@ mod tests {
         let mut running = VmRecord { vm: vm(tmp.path(), "r"), owner: None };
         running.vm.pid = me.pid;
         running.vm.pid_start_time = me.start_time;
-        assert_eq!(running.liveness(None), Liveness::Live);
+        assert_eq!(running.liveness(&NONE), Liveness::Live);
         running.vm.pid_start_time += 1;
-        assert_eq!(running.liveness(None), Liveness::Dead, "pid reuse is not life");
+        assert_eq!(running.liveness(&NONE), Liveness::Dead, "pid reuse is not life");
 
         // creating, no pid: live while the owner runs.
         let mut creating = VmRecord::creating(vm(tmp.path(), "c"));
-        assert_eq!(creating.liveness(Some("qemu.pid")), Liveness::Live);
+        assert_eq!(creating.liveness(&PIDFILE), Liveness::Live);
         creating.owner = Some(dead_owner);
-        assert_eq!(creating.liveness(Some("qemu.pid")), Liveness::Dead);
+        assert_eq!(creating.liveness(&PIDFILE), Liveness::Dead);
 
         // ... or while a process names its directory (found through the pid file or by scan).
         std::fs::create_dir_all(&creating.vm.dir).expect("mkdir");
@@ -475,21 +502,68 @@ mod tests {
         std::fs::write(creating.vm.dir.join("qemu.pid"), format!("{}\n", child.id())).expect("pidfile");
         let st = record::pid_start_time(child.id()).expect("start time");
         assert_eq!(pidfile_process(&creating.vm.dir, "qemu.pid"), Some((child.id(), st)));
-        assert_eq!(creating.liveness(Some("qemu.pid")), Liveness::Live);
-        assert_eq!(creating.liveness(None), Liveness::Live, "found by the /proc scan");
-        assert_eq!(vm_processes(&creating.vm.dir, None, Some("qemu.pid")), vec![(child.id(), st)]);
+        assert_eq!(creating.liveness(&PIDFILE), Liveness::Live);
+        assert_eq!(creating.liveness(&NONE), Liveness::Live, "found by the /proc scan");
+        assert_eq!(vm_processes(&creating.vm.dir, None, &PIDFILE), vec![(child.id(), st)]);
         stop(child);
-        assert_eq!(creating.liveness(Some("qemu.pid")), Liveness::Dead);
+        assert_eq!(creating.liveness(&PIDFILE), Liveness::Dead);
 
         // A pid file naming a process that does not name the dir (pid reuse) is not trusted.
         std::fs::write(creating.vm.dir.join("qemu.pid"), format!("{}\n", me.pid)).expect("pidfile");
         assert_eq!(pidfile_process(&creating.vm.dir, "qemu.pid"), None);
-        assert_eq!(creating.liveness(Some("qemu.pid")), Liveness::Dead);
+        assert_eq!(creating.liveness(&PIDFILE), Liveness::Dead);
 
         // creating with a live recorded pid.
         creating.vm.pid = me.pid;
         creating.vm.pid_start_time = me.start_time;
-        assert_eq!(creating.liveness(None), Liveness::Live);
+        assert_eq!(creating.liveness(&NONE), Liveness::Live);
+    }
+
+    /// A `creating` record whose owner died before recording the pid, and whose process has
+    /// not exec'd the hypervisor yet (so nothing names the directory), is live while its cgroup
+    /// leaf holds a process; the kill finds that process there, and prune keeps the directory.
+    #[test]
+    fn a_process_in_the_vm_leaf_keeps_a_creating_record_live() {
+        use crate::jail::cgroup::{CgroupLayout, Limits};
+        let parent = format!("chrysalis-lifecycle-test-{}", std::process::id());
+        let Ok(layout) = CgroupLayout::detect(Some(&parent)) else {
+            foundation::testing::skip("no cgroup hierarchy here");
+            return;
+        };
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let mut rec = VmRecord::creating(vm(tmp.path(), "in-leaf"));
+        let (dpid, dst) = dead_pid();
+        rec.owner = Some(Owner { pid: dpid, start_time: dst });
+        create_vm_dir(&rec).expect("create");
+        let Ok(leaf) = layout.create_leaf("in-leaf", &Limits::for_vm(crate::SizeClass::Small, crate::Accel::Kvm))
+        else {
+            foundation::testing::skip("cannot create cgroups here (not root?)");
+            return;
+        };
+        let find = Finder { pidfile: Some("qemu.pid"), cgroups: Some(&layout) };
+        assert_eq!(rec.liveness(&find), Liveness::Dead, "an empty leaf is no life");
+        // A child that names nothing, moved into the leaf the way a spawned child moves itself.
+        let child = Command::new("sh").args(["-c", "read x"]).stdin(std::process::Stdio::piped()).spawn().expect("sh");
+        for procs in leaf.dirs().iter().map(|d| d.join("cgroup.procs")) {
+            std::fs::write(procs, child.id().to_string()).expect("move into the leaf");
+        }
+        let st = record::pid_start_time(child.id()).expect("start time");
+        assert_eq!(rec.liveness(&PIDFILE), Liveness::Dead, "nothing names the directory");
+        assert_eq!(rec.liveness(&find), Liveness::Live);
+        assert_eq!(vm_processes(&rec.vm.dir, None, &find), vec![(child.id(), st)]);
+        assert_eq!(ids(list(tmp.path(), Backend::Qemu, &find).expect("list")), ["in-leaf"]);
+        assert!(prune(tmp.path(), Backend::Qemu, &find, Duration::ZERO).expect("prune").is_empty());
+        assert!(rec.vm.dir.is_dir(), "prune keeps a directory whose leaf holds a process");
+        stop(child);
+        assert_eq!(rec.liveness(&find), Liveness::Dead);
+        leaf.remove();
+        for d in leaf.dirs() {
+            let _ = d.parent().map(std::fs::remove_dir);
+        }
+    }
+
+    fn ids(v: Vec<Vm>) -> Vec<String> {
+        v.into_iter().map(|v| v.id.to_string()).collect()
     }
 
     #[test]
@@ -527,24 +601,23 @@ mod tests {
         // fresh one (maybe a boot that is about to write it).
         std::fs::create_dir_all(vms.join("norecord")).expect("mkdir");
 
-        let ids = |v: Vec<Vm>| v.into_iter().map(|v| v.id.to_string()).collect::<Vec<_>>();
-        assert_eq!(ids(list(&vms, Backend::Qemu, Some("qemu.pid")).expect("list")), ["leaked", "live"]);
-        let listed = list(&vms, Backend::Qemu, None).expect("list");
+        assert_eq!(ids(list(&vms, Backend::Qemu, &PIDFILE).expect("list")), ["leaked", "live"]);
+        let listed = list(&vms, Backend::Qemu, &NONE).expect("list");
         assert_eq!(listed[0].state, VmState::Creating);
         assert_eq!(listed[1].state, VmState::Running);
 
-        let pruned = prune(&vms, Backend::Qemu, Some("qemu.pid"), PRUNE_GRACE).expect("prune");
+        let pruned = prune(&vms, Backend::Qemu, &PIDFILE, PRUNE_GRACE).expect("prune");
         assert_eq!(pruned.iter().map(|i| i.to_string()).collect::<Vec<_>>(), ["gone", "orphan"]);
         for keep in ["live", "leaked", "other", "norecord"] {
             assert!(vms.join(keep).is_dir(), "{keep} must survive prune");
         }
-        let pruned = prune(&vms, Backend::Qemu, Some("qemu.pid"), Duration::ZERO).expect("prune");
+        let pruned = prune(&vms, Backend::Qemu, &PIDFILE, Duration::ZERO).expect("prune");
         assert_eq!(pruned.iter().map(|i| i.to_string()).collect::<Vec<_>>(), ["norecord"]);
 
         // Once the leaked process is gone, its record is dead too.
         stop(child);
-        assert_eq!(ids(list(&vms, Backend::Qemu, Some("qemu.pid")).expect("list")), ["live"]);
-        assert_eq!(prune(&vms, Backend::Qemu, None, PRUNE_GRACE).expect("prune").len(), 1);
+        assert_eq!(ids(list(&vms, Backend::Qemu, &PIDFILE).expect("list")), ["live"]);
+        assert_eq!(prune(&vms, Backend::Qemu, &NONE, PRUNE_GRACE).expect("prune").len(), 1);
         assert!(!vms.join("leaked").exists());
         assert!(vms.join("live").is_dir() && vms.join("other").is_dir());
     }
@@ -570,7 +643,7 @@ mod staging_tests {
         let live = vms.join(format!("{STAGING_PREFIX}vm-b.{}", std::process::id()));
         std::fs::create_dir_all(&dead).expect("mkdir");
         std::fs::create_dir_all(&live).expect("mkdir");
-        prune(vms, Backend::Qemu, None, Duration::from_secs(60)).expect("prune");
+        prune(vms, Backend::Qemu, &Finder::default(), Duration::from_secs(60)).expect("prune");
         assert!(!dead.exists(), "a dead creator's staging dir is removed");
         assert!(live.exists(), "a live creator's staging dir is kept");
     }

@@ -520,8 +520,8 @@ impl CloudHypervisor {
     /// Removes a VM's directory and its cgroup leaf (a leaf that will not go is logged and
     /// counted, [`crate::jail::cgroup::cleanup_failures`]).
     fn remove_dir(&self, dir: &Path) -> Result<(), DriverError> {
-        if let (Ok(Some(jail)), Some(id)) = (self.cfg.jail.resolve(), dir.file_name().and_then(|n| n.to_str())) {
-            jail.cgroups.leaf_of(id).remove();
+        if let (Some(cgroups), Some(id)) = (self.cfg.jail.cgroups(), dir.file_name().and_then(|n| n.to_str())) {
+            cgroups.leaf_of(id).remove();
         }
         crate::sockdir::release(&dir.join(JAIL_DIR));
         crate::sockdir::release(dir);
@@ -636,11 +636,12 @@ impl Driver for CloudHypervisor {
     }
 
     async fn list(&self) -> Result<Vec<Vm>, DriverError> {
-        lifecycle::list(&self.vms_dir(), Backend::CloudHypervisor, None)
+        lifecycle::list(&self.vms_dir(), Backend::CloudHypervisor, &self.finder())
     }
 
     async fn prune(&self) -> Result<Vec<VmId>, DriverError> {
-        let pruned = lifecycle::prune(&self.vms_dir(), Backend::CloudHypervisor, None, lifecycle::PRUNE_GRACE)?;
+        let pruned =
+            lifecycle::prune(&self.vms_dir(), Backend::CloudHypervisor, &self.finder(), lifecycle::PRUNE_GRACE)?;
         let (mut a, mut b) = (self.procs(), self.consoles());
         for id in &pruned {
             a.remove(id);

@@ -55,6 +55,12 @@ impl CloudHypervisor {
         Ok(())
     }
 
+    /// Where this driver's VM processes are found besides their records (cloud-hypervisor
+    /// writes no pid file).
+    pub(super) fn finder(&self) -> lifecycle::Finder<'_> {
+        lifecycle::Finder { pidfile: None, cgroups: self.cfg.jail.cgroups() }
+    }
+
     /// SIGKILLs the VM's process — for a `creating` VM also any process naming its directory
     /// (its pid may never have been recorded) — and removes the directory.
     pub(super) async fn kill_now(&self, vm: &Vm) -> Result<(), DriverError> {
@@ -67,7 +73,7 @@ impl CloudHypervisor {
             return Err(process_error(&vm.id, e));
         }
         if vm.state == VmState::Creating || vm.pid == 0 {
-            let rest = lifecycle::vm_processes(&vm.dir, None, None);
+            let rest = lifecycle::vm_processes(&vm.dir, None, &self.finder());
             if !lifecycle::kill_all(&rest, KILL_WAIT).await {
                 return Err(DriverError::Timeout {
                     vm: vm.id.clone(),

@@ -361,6 +361,20 @@ impl Leaf {
             .collect()
     }
 
+    /// The pids in the leaf (in any of its directories; none if it does not exist): the VM's
+    /// hypervisor from the moment its spawned child wrote itself in, before its exec.
+    pub fn processes(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self
+            .dirs
+            .iter()
+            .filter_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())
+            .flat_map(|text| text.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<u32>>())
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
     /// Removes the leaf, retrying briefly while the kernel finishes tearing the VM's process
     /// down; a leaf still busy after that (or any other failure) is logged and counted.
     pub fn remove(&self) {

@@ -123,7 +123,8 @@ pub enum JailError {
     },
 }
 
-/// What the environment asks for; resolved per boot by [`JailSettings::resolve`].
+/// What the environment asks for; resolved by [`JailSettings::resolve`] (once: a jail found
+/// is kept for the settings' lifetime, a failure is retried on the next call).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JailSettings {
     /// `Some(false)`: off; `Some(true)`: required; `None`: on when running as root.
@@ -132,11 +133,25 @@ pub struct JailSettings {
     pub user: String,
     /// The cgroup parent of the VM leaves (`$CHRYSALIS_VM_CGROUP`, see [`cgroup`]).
     pub cgroup_parent: Option<String>,
+    resolved: Resolved,
 }
+
+/// The jail [`JailSettings::resolve`] found, shared by the settings' clones (a user lookup and
+/// a `/proc/self/cgroup` parse per claim would sit on the claim path). Not part of equality.
+#[derive(Debug, Clone, Default)]
+struct Resolved(std::sync::Arc<std::sync::OnceLock<Option<Jail>>>);
+
+impl PartialEq for Resolved {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Resolved {}
 
 impl Default for JailSettings {
     fn default() -> Self {
-        JailSettings { enabled: None, user: DEFAULT_USER.into(), cgroup_parent: None }
+        JailSettings::new(None, DEFAULT_USER, None)
     }
 }
 
@@ -144,11 +159,16 @@ impl JailSettings {
     /// `CHRYSALIS_JAIL`, `CHRYSALIS_VM_USER`, `CHRYSALIS_VM_CGROUP`.
     pub fn from_env() -> Self {
         let var = |k| std::env::var(k).ok().filter(|v: &String| !v.is_empty());
-        JailSettings {
-            enabled: var(JAIL_ENV).map(|v| !matches!(v.as_str(), "0" | "off" | "false" | "no")),
-            user: var(USER_ENV).unwrap_or_else(|| DEFAULT_USER.into()),
-            cgroup_parent: var(cgroup::PARENT_ENV),
-        }
+        JailSettings::new(
+            var(JAIL_ENV).map(|v| !matches!(v.as_str(), "0" | "off" | "false" | "no")),
+            &var(USER_ENV).unwrap_or_else(|| DEFAULT_USER.into()),
+            var(cgroup::PARENT_ENV),
+        )
+    }
+
+    /// Settings from their parts (see the fields).
+    pub fn new(enabled: Option<bool>, user: &str, cgroup_parent: Option<String>) -> Self {
+        JailSettings { enabled, user: user.into(), cgroup_parent, resolved: Resolved::default() }
     }
 
     /// Sets the CPU weight of VM `vm`'s leaf (nothing when the jail is off).
@@ -161,6 +181,21 @@ impl JailSettings {
 
     /// The jail for this process: `None` when off (asked, or not root and not required).
     pub fn resolve(&self) -> Result<Option<Jail>, JailError> {
+        if let Some(found) = self.resolved.0.get() {
+            return Ok(found.clone());
+        }
+        let found = self.resolve_now()?;
+        Ok(self.resolved.0.get_or_init(|| found).clone())
+    }
+
+    /// The cgroups of the resolved jail (`None` when it is off or does not resolve): where
+    /// [`crate::lifecycle::Finder`] looks for a VM's processes.
+    pub fn cgroups(&self) -> Option<&CgroupLayout> {
+        let _ = self.resolve();
+        self.resolved.0.get().and_then(Option::as_ref).map(|j| &j.cgroups)
+    }
+
+    fn resolve_now(&self) -> Result<Option<Jail>, JailError> {
         let root = rustix::process::geteuid().is_root();
         match (self.enabled, root) {
             (Some(false), _) => return Ok(None),
@@ -338,6 +373,10 @@ pub struct SpawnPlan {
     pub cgroup_procs: Vec<CString>,
     /// Switch to this `(uid, gid)` and drop every capability.
     pub ids: Option<(u32, u32)>,
+    /// The spawning process: the child execs only while it is still its parent. A spawner
+    /// killed between the fork and the exec leaves no hypervisor that nobody recorded (the
+    /// child is in the VM's cgroup leaf before the check, so one that passed it is found).
+    pub parent: u32,
 }
 
 impl SpawnPlan {
@@ -348,6 +387,7 @@ impl SpawnPlan {
             netns: None,
             cgroup_procs: leaf.map(Leaf::procs_files).unwrap_or_default(),
             ids: jail.map(|j| (j.uid, j.gid)),
+            parent: std::process::id(),
         }
     }
 
@@ -400,6 +440,10 @@ impl SpawnPlan {
                 check(libc::setresuid(uid, uid, uid))?;
             }
             check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
+            // Last: the spawner may have been killed while this child ran the steps above.
+            if self.parent != 0 && libc::getppid() as u32 != self.parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ECHILD));
+            }
         }
         Ok(())
     }
@@ -422,16 +466,31 @@ impl JailSettings {
 mod tests {
     use super::*;
 
+    /// A child whose spawner is no longer its parent by the time it would exec (here: a plan
+    /// naming another parent) fails instead of exec'ing; with its real parent it execs.
+    #[tokio::test]
+    async fn a_child_execs_only_under_its_spawner() {
+        let spawn = |parent| {
+            let mut cmd = tokio::process::Command::new("true");
+            SpawnPlan { parent, ..SpawnPlan::default() }.install(&mut cmd);
+            cmd.spawn()
+        };
+        let err = spawn(std::process::id() + 1).expect_err("another parent");
+        assert_eq!(err.raw_os_error(), Some(libc::ECHILD), "{err}");
+        let status = spawn(std::process::id()).expect("spawned").wait().await.expect("wait");
+        assert!(status.success());
+    }
+
     #[test]
     fn off_means_no_jail_and_a_missing_user_names_the_fix() {
-        let off = JailSettings { enabled: Some(false), ..JailSettings::default() };
+        let off = JailSettings::new(Some(false), DEFAULT_USER, None);
         assert_eq!(off.resolve().expect("off"), None);
         let e = lookup_user("chrysalis-no-such-user").expect_err("missing");
         assert!(matches!(e, JailError::UserMissing { .. }), "{e:?}");
         let msg = e.to_string();
         assert!(msg.contains("useradd --system") && msg.contains("cargo xtask prereqs"), "{msg}");
         assert!(msg.contains("CHRYSALIS_JAIL=0"), "{msg}");
-        let required = JailSettings { enabled: Some(true), user: "chrysalis-no-such-user".into(), cgroup_parent: None };
+        let required = JailSettings::new(Some(true), "chrysalis-no-such-user", None);
         let e = required.resolve().expect_err("required");
         if rustix::process::geteuid().is_root() {
             assert!(matches!(e, JailError::UserMissing { .. }), "{e:?}");
@@ -442,7 +501,7 @@ mod tests {
 
     #[test]
     fn root_is_no_vm_user() {
-        let s = JailSettings { enabled: Some(true), user: "root".into(), cgroup_parent: None };
+        let s = JailSettings::new(Some(true), "root", None);
         if rustix::process::geteuid().is_root() {
             assert!(matches!(s.resolve(), Err(JailError::RootUser { .. })));
         }

@@ -56,7 +56,7 @@ use crate::driver::{
     AfterSnapshot, Backend, BootSpec, Driver, DriverError, NicSpec, Ram, RestoreOptions, Snapshot, Vm, VmId, VmState,
 };
 use crate::jail::{JailError, JailSettings, Leaf, SpawnPlan};
-use crate::lifecycle::{self, VmRecord};
+use crate::lifecycle::{self, Finder, VmRecord};
 use crate::record;
 use cmdline::{files, DiskLayer, Launch};
 use qmp::{Qmp, QmpError};
@@ -138,6 +138,8 @@ struct Pending {
     console: Option<ConsoleDrain>,
     /// The VM's cgroup leaf, removed with it.
     leaf: Option<Leaf>,
+    /// The jail's cgroups, where a child not yet exec'd is found.
+    cgroups: Option<crate::jail::CgroupLayout>,
     armed: bool,
 }
 
@@ -147,7 +149,8 @@ impl Drop for Pending {
             return;
         }
         // Also the daemon whose pid was not recorded yet (future dropped mid-spawn).
-        let procs = lifecycle::vm_processes(&self.dir, self.pid, Some(files::PID));
+        let find = Finder { pidfile: Some(files::PID), cgroups: self.cgroups.as_ref() };
+        let procs = lifecycle::vm_processes(&self.dir, self.pid, &find);
         if !lifecycle::kill_all_blocking(&procs, Duration::from_secs(5)) {
             tracing::error!(dir = %self.dir.display(), ?procs, "a half-created VM's QEMU survived SIGKILL; keeping its dir");
             return;
@@ -220,7 +223,8 @@ impl QemuDriver {
     /// Creates the VM directory holding its `creating` record, guarded by [`Pending`].
     fn new_vm_dir(&self, rec: &VmRecord) -> Result<Pending, DriverError> {
         lifecycle::create_vm_dir(rec)?;
-        Ok(Pending { dir: rec.vm.dir.clone(), pid: None, console: None, leaf: None, armed: true })
+        let cgroups = self.cfg.jail.cgroups().cloned();
+        Ok(Pending { dir: rec.vm.dir.clone(), pid: None, console: None, leaf: None, cgroups, armed: true })
     }
 
     fn make_vm(&self, id: &VmId, accel: Accel, spec: &BootSpec, from: Option<PathBuf>) -> Result<Vm, DriverError> {
@@ -452,9 +456,14 @@ impl QemuDriver {
 
     /// Removes the VM's cgroup leaf, if the jail gives it one (a failure is logged and counted).
     fn remove_leaf(&self, id: &VmId) {
-        if let Ok(Some(jail)) = self.cfg.jail.resolve() {
-            jail.cgroups.leaf_of(id.as_str()).remove();
+        if let Some(cgroups) = self.cfg.jail.cgroups() {
+            cgroups.leaf_of(id.as_str()).remove();
         }
+    }
+
+    /// Where this driver's VM processes are found besides their records.
+    fn finder(&self) -> Finder<'_> {
+        Finder { pidfile: Some(files::PID), cgroups: self.cfg.jail.cgroups() }
     }
 
     /// Stops every process of the VM (the recorded pid; for a `creating` VM also the pid file's
@@ -470,7 +479,7 @@ impl QemuDriver {
         let procs = if vm.state == VmState::Running && recorded.is_some() {
             recorded.into_iter().collect()
         } else {
-            lifecycle::vm_processes(&vm.dir, recorded, Some(files::PID))
+            lifecycle::vm_processes(&vm.dir, recorded, &self.finder())
         };
         if !lifecycle::kill_all(&procs, KILL_WAIT).await {
             return Err(DriverError::Timeout {
@@ -619,11 +628,11 @@ impl Driver for QemuDriver {
     }
 
     async fn list(&self) -> Result<Vec<Vm>, DriverError> {
-        lifecycle::list(&self.vms_dir(), Backend::Qemu, Some(files::PID))
+        lifecycle::list(&self.vms_dir(), Backend::Qemu, &self.finder())
     }
 
     async fn prune(&self) -> Result<Vec<VmId>, DriverError> {
-        let pruned = lifecycle::prune(&self.vms_dir(), Backend::Qemu, Some(files::PID), lifecycle::PRUNE_GRACE)?;
+        let pruned = lifecycle::prune(&self.vms_dir(), Backend::Qemu, &self.finder(), lifecycle::PRUNE_GRACE)?;
         let (mut a, mut b) = (self.lock_bridges(), self.lock_consoles());
         for id in &pruned {
             a.remove(id);
