@@ -47,6 +47,8 @@ pub struct CocoonEnv {
     pub netns: Netns,
     /// Cluster, provider and node name.
     pub node: VirtualNode,
+    /// `VK_METRICS_ADDR`: vk-cocoon's `/metrics` in plain HTTP ([`CocoonEnv::metrics`]).
+    pub metrics_addr: SocketAddr,
     rt: tokio::runtime::Runtime,
     stopped: bool,
 }
@@ -83,6 +85,7 @@ impl CocoonEnv {
         cluster.bind_node("vk-cocoon", spec.node_name).map_err(|e| format!("binding the node's RBAC: {e}"))?;
         let args = VirtualNode::join_args(&cluster, &dir)?;
         let s = |p: &Path| p.display().to_string();
+        let metrics_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
         let envs: Vec<(String, String)> = vec![
             ("VK_NODE_NAME".into(), spec.node_name.into()),
             ("VK_NODE_IP".into(), "127.0.0.1".into()),
@@ -95,6 +98,12 @@ impl CocoonEnv {
             ("VK_MAX_STREAMS_PER_POD".into(), "3".into()),
             ("VK_CONSOLE_LOG_KIB".into(), crate::kubelet_streams::SUITE_CONSOLE_KIB.to_string()),
             ("COCOON_ROOT_DIR".into(), s(&root)),
+            ("VK_METRICS_ADDR".into(), metrics_addr.to_string()),
+            // The snapshot GC at test speed: every 3 s, removing what is 40 s old and unreferenced
+            // (every scenario that clones does so within seconds of the save, and the Pods
+            // naming a snapshot keep it).
+            ("VK_SNAPSHOT_GC_INTERVAL".into(), "3s".into()),
+            ("VK_SNAPSHOT_RETENTION".into(), "40s".into()),
             ("VK_TLS_CERT".into(), s(&dir.join("vk/tls.crt"))),
             ("VK_TLS_KEY".into(), s(&dir.join("vk/tls.key"))),
         ];
@@ -118,6 +127,7 @@ impl CocoonEnv {
                 node_name: spec.node_name.into(),
                 ready_within: Duration::from_secs(120),
             },
+            metrics_addr,
             rt,
             stopped: false,
         };
@@ -184,6 +194,22 @@ impl CocoonEnv {
         let text = std::fs::read_to_string(self.root.join("net/leases.json")).ok()?;
         let v: Value = serde_json::from_str(&text).ok()?;
         v["leases"].get(id).cloned()
+    }
+
+    /// One scrape of `VK_METRICS_ADDR`'s `/metrics`, the body (HTTP/1.0: never chunked).
+    pub fn metrics(&self) -> Result<String, String> {
+        use std::io::Write as _;
+        let err = |e: std::io::Error| format!("scraping http://{}/metrics: {e}", self.metrics_addr);
+        let mut c = TcpStream::connect_timeout(&self.metrics_addr, Duration::from_secs(5)).map_err(err)?;
+        c.set_read_timeout(Some(Duration::from_secs(10))).map_err(err)?;
+        write!(c, "GET /metrics HTTP/1.0\r\nHost: {}\r\n\r\n", self.metrics_addr).map_err(err)?;
+        let mut out = String::new();
+        c.read_to_string(&mut out).map_err(err)?;
+        let (head, body) = out.split_once("\r\n\r\n").ok_or_else(|| format!("not an HTTP answer: {out:.200}"))?;
+        if !head.lines().next().is_some_and(|l| l.starts_with("HTTP/1.") && l.contains(" 200")) {
+            return Err(format!("/metrics answered {}", head.lines().next().unwrap_or_default()));
+        }
+        Ok(body.to_owned())
     }
 
     /// The image library.

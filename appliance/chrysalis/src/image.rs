@@ -139,24 +139,9 @@ fn verify(store: &Store, reference: Option<&str>) -> Result<()> {
     Ok(())
 }
 
-/// Digests the live VMs under `vms` use from `store`.
+/// Digests the live VMs under `vms` use from `store` ([`Store::live_vm_digests`]).
 pub fn live_vm_digests(store: &Store, vms: &VmStateDir) -> Result<Vec<Digest>> {
-    let dir = vmm::record::vms_dir(&vms.vm_state_dir);
-    let jail = vmm::jail::JailSettings::from_env();
-    let find = |pidfile| vmm::lifecycle::Finder { pidfile, cgroups: jail.cgroups() };
-    let mut live = vmm::lifecycle::list(&dir, vmm::Backend::Qemu, &find(Some(vmm::qemu::cmdline::files::PID)))
-        .with_context(|| format!("listing the VMs under {}", dir.display()))?;
-    live.extend(
-        vmm::lifecycle::list(&dir, vmm::Backend::CloudHypervisor, &find(None))
-            .with_context(|| format!("listing the VMs under {}", dir.display()))?,
-    );
-    let mut out = Vec::new();
-    for vm in &live {
-        let used = store.in_use_by(vm);
-        tracing::debug!(vm = %vm.id, used = used.len(), "live VM");
-        out.extend(used);
-    }
-    Ok(out)
+    Ok(store.live_vm_digests(&vmm::record::vms_dir(&vms.vm_state_dir))?)
 }
 
 fn gc(store: &Store, a: &GcArgs) -> Result<()> {

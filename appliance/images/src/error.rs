@@ -79,6 +79,16 @@ pub enum ImageError {
         #[source]
         source: std::io::Error,
     },
+    /// The live VMs under a `vmm` state directory could not be listed (their use of the
+    /// store is unknown, so nothing may be collected).
+    #[error("listing the VMs under {}", dir.display())]
+    VmListing {
+        /// The directory (`<state>/vms`).
+        dir: PathBuf,
+        /// The cause.
+        #[source]
+        source: vmm::DriverError,
+    },
     /// `refs.json` is not valid JSON.
     #[error("parsing {}", path.display())]
     Refs {

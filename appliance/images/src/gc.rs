@@ -9,6 +9,7 @@
 //! `tmp/` (no writer runs: gc holds `.gc.lock` exclusively).
 
 use std::collections::HashSet;
+use std::path::Path;
 
 use serde::Serialize;
 
@@ -81,6 +82,28 @@ impl Store {
             }
         }
         Ok(marked)
+    }
+
+    /// The digests the live VMs under `vms_dir` (a `vmm` state directory's `vms/`, QEMU and
+    /// cloud-hypervisor alike) use from this store ([`Store::in_use_by`] of each): what
+    /// [`Store::gc`] must keep for them. A directory that does not exist holds no VM; one that
+    /// cannot be listed is an error, never an empty answer.
+    pub fn live_vm_digests(&self, vms_dir: &Path) -> Result<Vec<Digest>, ImageError> {
+        let jail = vmm::jail::JailSettings::from_env();
+        let find = |pidfile| vmm::lifecycle::Finder { pidfile, cgroups: jail.cgroups() };
+        let listing = |backend, pidfile| {
+            vmm::lifecycle::list(vms_dir, backend, &find(pidfile))
+                .map_err(|source| ImageError::VmListing { dir: vms_dir.to_path_buf(), source })
+        };
+        let mut live = listing(vmm::Backend::Qemu, Some(vmm::qemu::cmdline::files::PID))?;
+        live.extend(listing(vmm::Backend::CloudHypervisor, None)?);
+        let mut out = Vec::new();
+        for vm in &live {
+            let used = self.in_use_by(vm);
+            tracing::debug!(vm = %vm.id, used = used.len(), "live VM");
+            out.extend(used);
+        }
+        Ok(out)
     }
 
     /// Removes every blob and manifest reachable from no name, no named snapshot's base image

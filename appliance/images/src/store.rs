@@ -78,6 +78,7 @@ impl ResolvedImage {
     /// A boot spec for this image. `name` names the VM's template in logs and prefixes its id.
     pub fn boot_spec(&self, name: &str, size: vmm::SizeClass, accel: vmm::AccelPreference) -> vmm::BootSpec {
         vmm::BootSpec {
+            overlay_bytes: None,
             name: name.to_string(),
             kernel: self.kernel.clone(),
             initrd: self.initrd.clone(),

@@ -57,6 +57,7 @@ fn fake_snapshot(dir: &Path, spec: vmm::BootSpec, state: &[u8]) -> vmm::Snapshot
 
 fn spec_of(src: &ImageSource) -> vmm::BootSpec {
     vmm::BootSpec {
+        overlay_bytes: None,
         name: "t".into(),
         kernel: src.kernel.clone(),
         initrd: src.initrd.clone(),

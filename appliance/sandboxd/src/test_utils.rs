@@ -211,6 +211,7 @@ impl FakeDriver {
 /// A boot spec with dummy paths.
 pub fn fake_spec(name: &str) -> BootSpec {
     BootSpec {
+        overlay_bytes: None,
         name: name.into(),
         kernel: "/fake/vmlinux".into(),
         initrd: "/fake/initrd".into(),

@@ -3,12 +3,13 @@
 //! back. Parsing is pure; every refusal names the annotation and what to change.
 //!
 //! Rules: booleans are true only for the literal `"true"`; an empty value is the same as an
-//! absent one. Keys this node cannot serve (other guest OSes, `static` mode, `fork-from`,
-//! `clone-from-dir`, `restore-from-hibernate`, Firecracker) are refused with
-//! [`AnnotationError::Unsupported`] rather than ignored, since ignoring them would boot
-//! something other than what the Pod asked for. `force-pull`, `generation`,
-//! `hibernated-on-node`, `conn-type` and `no-direct-io` are accepted and have no effect here;
-//! `hibernate` is answered by [`crate::provider`] as not supported.
+//! absent one. Keys this node cannot serve (other guest OSes, `static` mode, `clone-from-dir`)
+//! are refused with [`AnnotationError::Unsupported`], naming what is missing, rather than
+//! ignored, since ignoring them would boot something other than what the Pod asked for.
+//! `force-pull`, `generation`, `hibernated-on-node`, `conn-type` and `no-direct-io` are
+//! accepted and have no effect here. The VM sources `restore-from-hibernate` and `fork-from`,
+//! and `hibernate`, are served by [`crate::provider`] (a Firecracker `backend` runs under the
+//! node's hypervisor).
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -64,16 +65,17 @@ pub const KEEP_SNAPSHOT_ON_DELETE: &str = "vm.cocoonstack.io/keep-snapshot-on-de
 /// A shared network group: VMs of Pods of the same namespace carrying the same group may talk
 /// to each other; without it a VM talks to no other VM. `[a-z0-9-]`, 1-63 characters.
 pub const SHARED_NETWORK: &str = "vm.cocoonstack.io/shared-network";
-/// Hibernation request (not supported on this node).
+/// `"true"`: hibernate the VM (saved as `<vm-name>:hibernate`, stopped, address kept); back
+/// to anything else (or removed): wake it.
 pub const HIBERNATE: &str = "vm.cocoonstack.io/hibernate";
-/// Refused: VM sources this node does not implement.
+/// VM sources: fork a running VM of this namespace by its name (served), a snapshot
+/// directory on the host (refused), the VM's own hibernation snapshot (served).
 pub const FORK_FROM: &str = "vm.cocoonstack.io/fork-from";
 pub const CLONE_FROM_DIR: &str = "vm.cocoonstack.io/clone-from-dir";
 pub const RESTORE_FROM_HIBERNATE: &str = "vm.cocoonstack.io/restore-from-hibernate";
-/// Out: `creating` | `ready` | `failed` (`hibernating`/`hibernated` never, here).
+/// Out: `creating` | `ready` | `hibernating` | `hibernated` | `failed`.
 pub const LIFECYCLE_STATE: &str = "vm.cocoonstack.io/lifecycle-state";
-/// Out: why the lifecycle state is what it is (written empty when there is nothing to say:
-/// a status push cannot remove an annotation).
+/// Out: why the lifecycle state is what it is (removed when there is nothing to say).
 pub const LIFECYCLE_MESSAGE: &str = "vm.cocoonstack.io/lifecycle-state-message";
 /// Out: base64 of the guest command that applies the clone's network by hand.
 pub const POST_CLONE_HINT: &str = "vm.cocoonstack.io/post-clone-hint";
@@ -132,6 +134,11 @@ pub struct VmSpec {
     pub backend: Option<RequestedBackend>,
     pub keep_snapshot_on_delete: bool,
     pub hibernate: bool,
+    /// `restore-from-hibernate: "true"`: boot from `<vm-name>:hibernate` (a wake at create).
+    pub restore_from_hibernate: bool,
+    /// `fork-from`: the VM name of a running VM of this namespace to fork (its snapshot
+    /// `fork-<name>` is saved once and cloned).
+    pub fork_from: Option<String>,
 }
 
 /// The hypervisor a Pod asks for in `vm.cocoonstack.io/backend`, spelled as cocoon-common
@@ -280,14 +287,21 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, AnnotationError> {
         }
     };
 
-    let preassigned = if managed {
-        for key in [FORK_FROM, CLONE_FROM_DIR] {
-            if value(pod, key).is_some() {
-                return Err(unsupported(format!("the VM source {key}")));
-            }
+    let restore_from_hibernate = managed && flag(pod, RESTORE_FROM_HIBERNATE);
+    let fork_from = if managed { value(pod, FORK_FROM).map(str::to_owned) } else { None };
+    if let Some(f) = &fork_from {
+        if f.len() > MAX_VM_NAME || f.contains('/') || f.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(AnnotationError::BadVmName(f.clone()));
         }
-        if flag(pod, RESTORE_FROM_HIBERNATE) {
-            return Err(unsupported(format!("{RESTORE_FROM_HIBERNATE} (hibernation)")));
+    }
+    let preassigned = if managed {
+        if value(pod, CLONE_FROM_DIR).is_some() {
+            return Err(unsupported(format!(
+                "the VM source {CLONE_FROM_DIR} (a host directory named by a Pod would let it pick host files for                  its VM; this node restores only snapshots of its image library: save or import the snapshot there                  and name it in {IMAGE})"
+            )));
+        }
+        if fork_from.is_some() && mode == Mode::Run {
+            return Err(unsupported(format!("{FORK_FROM} with {MODE}=run (a fork is a clone)")));
         }
         None
     } else {
@@ -305,7 +319,10 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, AnnotationError> {
     };
 
     let image = value(pod, IMAGE).map(str::to_owned);
+    // A fork or a wake names its own source: the image is not needed (and not used).
+    let own_source = fork_from.is_some() || restore_from_hibernate;
     let snapshot = match (managed, mode, &image) {
+        (true, Mode::Clone, None) if own_source => None,
         (true, Mode::Run, None) => return Err(AnnotationError::MissingImage("run", "image to boot")),
         (true, Mode::Clone, None) => {
             return Err(AnnotationError::MissingImage("clone", "snapshot repo[:tag] to clone"))
@@ -329,6 +346,8 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, AnnotationError> {
         backend,
         keep_snapshot_on_delete: flag(pod, KEEP_SNAPSHOT_ON_DELETE),
         hibernate: flag(pod, HIBERNATE),
+        restore_from_hibernate,
+        fork_from,
     })
 }
 
@@ -562,11 +581,22 @@ mod tests {
     }
 
     #[test]
-    fn unimplemented_sources_are_refused_for_managed_pods() {
-        for (k, v) in [(FORK_FROM, "vm-b"), (CLONE_FROM_DIR, "/x"), (RESTORE_FROM_HIBERNATE, "true")] {
-            assert!(matches!(parse(&managed(&[(k, v)])).unwrap_err(), AnnotationError::Unsupported { .. }), "{k}");
-        }
-        assert!(parse(&managed(&[(RESTORE_FROM_HIBERNATE, "false")])).is_ok());
+    fn vm_sources_fork_and_wake_are_parsed_and_clone_from_dir_is_refused_naming_why() {
+        let e = parse(&managed(&[(CLONE_FROM_DIR, "/x")])).unwrap_err();
+        assert!(matches!(e, AnnotationError::Unsupported { .. }) && e.to_string().contains("image library"), "{e}");
+        let fork = parse(&managed(&[(FORK_FROM, "vm-b")])).unwrap();
+        assert_eq!(fork.fork_from.as_deref(), Some("vm-b"));
+        let no_image = |extra: (&str, &str)| {
+            let mut p = managed(&[extra]);
+            p.metadata.annotations.as_mut().unwrap().remove(IMAGE);
+            parse(&p)
+        };
+        assert_eq!(no_image((FORK_FROM, "vm-b")).unwrap().snapshot, None, "a fork needs no image");
+        assert!(no_image((RESTORE_FROM_HIBERNATE, "true")).unwrap().restore_from_hibernate);
+        assert!(matches!(no_image((RESTORE_FROM_HIBERNATE, "false")).unwrap_err(), AnnotationError::MissingImage(..)));
+        let e = parse(&managed(&[(FORK_FROM, "vm-b"), (MODE, "run")])).unwrap_err();
+        assert!(matches!(e, AnnotationError::Unsupported { .. }), "{e}");
+        assert_eq!(parse(&managed(&[(FORK_FROM, "a b")])).unwrap_err(), AnnotationError::BadVmName("a b".into()));
     }
 
     #[test]

@@ -206,6 +206,29 @@ pub struct SnapshotInfo {
     pub namespace: Option<String>,
 }
 
+/// One snapshot in the library, as [`VmBackend::library`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotEntry {
+    pub reference: SnapshotRef,
+    /// The namespace owning it; `None`: saved without one (never written by this provider).
+    pub namespace: Option<String>,
+    /// When it was saved.
+    pub created: std::time::SystemTime,
+    /// Disk bytes of its own files (not its base image's).
+    pub disk_bytes: u64,
+    /// A live VM of the library uses its content (a clone restored from it).
+    pub in_use: bool,
+}
+
+/// The image library as [`VmBackend::library`] sees it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Library {
+    /// Every snapshot.
+    pub snapshots: Vec<SnapshotEntry>,
+    /// Disk bytes of every image's own files.
+    pub image_disk_bytes: u64,
+}
+
 /// Why a backend call failed. The provider shows the chain on the Pod, so each variant names
 /// its object.
 #[derive(Debug, thiserror::Error)]
@@ -298,6 +321,14 @@ pub trait VmBackend: Send + Sync + 'static {
     /// Deletes `snapshot` from the library (its content is garbage-collected when no VM uses
     /// it). An absent snapshot is success.
     async fn snapshot_rm(&self, snapshot: &SnapshotRef) -> Result<(), BackendError>;
+
+    /// Every snapshot of the library, with the disk its images take (the snapshot GC,
+    /// `crate::gc`). An error when the listing is incomplete, never a partial list.
+    async fn library(&self) -> Result<Library, BackendError>;
+
+    /// Collects the library's content that no name and no live VM uses any more (after
+    /// [`VmBackend::snapshot_rm`] untagged snapshots); returns the disk bytes freed.
+    async fn collect_garbage(&self) -> Result<u64, BackendError>;
 
     /// One guest-agent round trip (silkd `info`); `Ok` means the agent answered.
     async fn probe_agent(&self, id: &str) -> Result<(), BackendError>;

@@ -78,6 +78,29 @@ pub struct CocoonConfig {
     /// `VK_MAX_STREAMS_PER_POD` (16): open `kubectl logs -f`/`exec`/`attach`/`port-forward`
     /// sessions one Pod may have; the next is answered 429.
     pub max_streams_per_pod: usize,
+    /// `VK_SNAPSHOT_GC_INTERVAL` (`10m`, upstream's; `0`: no GC) and `VK_SNAPSHOT_RETENTION`
+    /// (`168h`; `0`: no snapshot is removed by age): the snapshot GC ([`crate::gc`]).
+    pub gc: GcConfig,
+}
+
+/// The snapshot GC's default interval: upstream vk-cocoon's `snapshotReclaimInterval`.
+pub const DEFAULT_GC_INTERVAL: Duration = Duration::from_secs(10 * 60);
+/// A week.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(168 * 3600);
+
+/// The snapshot GC's settings ([`crate::gc`]) (`VK_SNAPSHOT_GC_INTERVAL`, `VK_SNAPSHOT_RETENTION`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GcConfig {
+    /// Between passes; zero: no GC at all.
+    pub interval: Duration,
+    /// Minimum age of a removed snapshot; `None`: none is removed by age.
+    pub retention: Option<Duration>,
+}
+
+impl Default for GcConfig {
+    fn default() -> Self {
+        GcConfig { interval: DEFAULT_GC_INTERVAL, retention: Some(DEFAULT_RETENTION) }
+    }
 }
 
 /// An environment variable that cannot be used.
@@ -172,6 +195,12 @@ pub fn env_help() -> String {
          or :port (unset: only on the kubelet port, authorized as nodes/metrics)\n  \
          VK_MAX_STREAMS_PER_POD open logs -f/exec/attach/port-forward sessions per pod; the\n                         \
          next is refused with 429 Too Many Requests (16)\n  \
+         VK_SNAPSHOT_GC_INTERVAL how often the snapshot GC runs, a duration (10m; 0 = never);\n                         \
+         the first pass runs 30 s after start (or one interval, if shorter)\n  \
+         VK_SNAPSHOT_RETENTION  age after which a snapshot vk-cocoon saved is removed once no pod\n                         \
+         on the node names, clones or forks it and no VM uses it (168h;\n                         \
+         0 = never by age). Durations: 90s, 10m, 168h, 7days; a bare number\n                         \
+         is seconds\n  \
          VK_LOG_LEVEL           log filter (info); RUST_LOG wins\n  \
          VK_JOIN_TOKEN_FILE     as --join-token-file\n  \
          KUBECONFIG             used without --join-server/--kubeconfig outside a cluster\n\n\
@@ -288,6 +317,14 @@ impl CocoonConfig {
                 _ => return Err(invalid("VK_MAX_STREAMS_PER_POD", &v, "expected a positive whole number")),
             },
         };
+        let gc = GcConfig {
+            interval: duration(get, "VK_SNAPSHOT_GC_INTERVAL")?.unwrap_or(DEFAULT_GC_INTERVAL),
+            retention: match duration(get, "VK_SNAPSHOT_RETENTION")? {
+                None => Some(DEFAULT_RETENTION),
+                Some(d) if d.is_zero() => None,
+                Some(d) => Some(d),
+            },
+        };
         let ignored = IGNORED
             .iter()
             .filter_map(|(var, _)| get(var).filter(|v| !v.trim().is_empty()).map(|v| (*var, v)))
@@ -315,8 +352,21 @@ impl CocoonConfig {
             ignored,
             metrics_addr,
             max_streams_per_pod,
+            gc,
         })
     }
+}
+
+/// A duration as upstream's Go variables write them (`90s`, `10m`, `168h`, also `1h30m`,
+/// `7days`), or a bare number of seconds like this node's other variables; `0` is zero.
+fn duration(get: &dyn Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<Duration>, ConfigError> {
+    let Some(v) = non_empty(get, var) else { return Ok(None) };
+    if let Ok(secs) = v.parse::<u64>() {
+        return Ok(Some(Duration::from_secs(secs)));
+    }
+    humantime::parse_duration(&v)
+        .map(Some)
+        .map_err(|_| invalid(var, &v, "expected a duration such as 90s, 10m or 168h, or a number of seconds"))
 }
 
 /// A listen address as upstream's Go flags write it: `host:port`, `[v6]:port`, or `:port` for
@@ -356,6 +406,32 @@ mod tests {
         assert!(c.ignored.is_empty());
         assert_eq!(c.metrics_addr, None);
         assert_eq!(c.max_streams_per_pod, 16);
+        assert_eq!(
+            c.gc,
+            GcConfig { interval: Duration::from_secs(600), retention: Some(Duration::from_secs(7 * 24 * 3600)) }
+        );
+    }
+
+    #[test]
+    fn the_snapshot_gc_takes_go_durations_or_seconds() {
+        let gc = |pairs: &[(&str, &str)]| cfg(pairs).unwrap().gc;
+        let c = gc(&[("VK_SNAPSHOT_GC_INTERVAL", "3s"), ("VK_SNAPSHOT_RETENTION", "40s")]);
+        assert_eq!(c, GcConfig { interval: Duration::from_secs(3), retention: Some(Duration::from_secs(40)) });
+        let c = gc(&[("VK_SNAPSHOT_GC_INTERVAL", "1h30m"), ("VK_SNAPSHOT_RETENTION", "168h")]);
+        assert_eq!(c.interval, Duration::from_secs(5400));
+        assert_eq!(c.retention, Some(Duration::from_secs(168 * 3600)));
+        assert_eq!(gc(&[("VK_SNAPSHOT_GC_INTERVAL", "120")]).interval, Duration::from_secs(120));
+        assert_eq!(gc(&[("VK_SNAPSHOT_RETENTION", "7days")]).retention, Some(Duration::from_secs(7 * 86400)));
+        assert_eq!(gc(&[("VK_SNAPSHOT_RETENTION", "0")]).retention, None, "0: never by age");
+        assert_eq!(gc(&[("VK_SNAPSHOT_GC_INTERVAL", "0s")]).interval, Duration::ZERO, "0: no GC");
+        for (var, bad) in [
+            ("VK_SNAPSHOT_GC_INTERVAL", "soon"),
+            ("VK_SNAPSHOT_GC_INTERVAL", "-1"),
+            ("VK_SNAPSHOT_RETENTION", "10 parsecs"),
+        ] {
+            let e = cfg(&[(var, bad)]).unwrap_err();
+            assert!(e.to_string().starts_with(&format!("{var}=")), "{var}={bad}: {e}");
+        }
     }
 
     #[test]
@@ -468,5 +544,6 @@ mod tests {
         }
         assert!(h.contains("VK_ORPHAN_POLICY") && h.contains("COCOON_ROOT_DIR"));
         assert!(h.contains("VK_SHARED_NAMESPACES") && h.contains("VK_LEGACY_NAMESPACE") && h.contains("golden,team-a"));
+        assert!(h.contains("VK_SNAPSHOT_GC_INTERVAL") && h.contains("VK_SNAPSHOT_RETENTION"));
     }
 }

@@ -23,8 +23,16 @@ pub const VM_NAME_SHARED: &str = "VMNameShared";
 pub const NAMESPACE_REFUSED: &str = "NamespaceRefused";
 /// Warning: an adopted VM was stopped and could not be started.
 pub const RESUME_START_FAILED: &str = "ResumeStartFailed";
-/// Warning: `vm.cocoonstack.io/hibernate` asked for something this node cannot do.
-pub const HIBERNATE_UNSUPPORTED: &str = "HibernateUnsupported";
+/// Normal: the VM was saved to `<vm-name>:hibernate` and stopped (`vm.cocoonstack.io/hibernate`).
+pub const HIBERNATED: &str = "Hibernated";
+/// Normal: a hibernated VM was restored from its snapshot, with its address.
+pub const WOKEN: &str = "Woken";
+/// Warning: saving the hibernation snapshot failed; the VM keeps running (retried).
+pub const HIBERNATE_SNAPSHOT_FAILED: &str = "HibernateSnapshotFailed";
+/// Warning: the saved VM could not be stopped; the snapshot is dropped, the VM keeps running.
+pub const HIBERNATE_REMOVE_FAILED: &str = "HibernateRemoveFailed";
+/// Warning: restoring a hibernated VM failed (retried); its snapshot is kept.
+pub const WAKE_CLONE_FAILED: &str = "WakeCloneFailed";
 /// Warning + pod `Failed` reasons of the VM watcher.
 pub const VM_GONE: &str = "VMGone";
 pub const RESTART_COOLDOWN: &str = "RestartCooldown";

@@ -8,7 +8,8 @@
 //! tables, the entry per Pod, pushes and events, on `vnode::kit`), [`provider`]
 //! ([`CocoonProvider`]: `create`, `delete` and `loops` modules; the decisions on snapshots,
 //! authority and state are documented there), `probe` (readiness), [`watcher`] (VMs that die
-//! on their own), [`reconcile`] (start-up adoption and orphans), [`namespaces`] (which Pods may
+//! on their own), [`reconcile`] (start-up adoption and orphans), [`gc`] (the snapshot GC
+//! timer), [`metrics`] (the `cocoon_vk_*` samples), [`namespaces`] (which Pods may
 //! use which VMs and snapshots), [`status`] (pushed Pod status), [`events`], `test_utils`
 //! (`FakeBackend`; `cfg(test)` or feature `test-utils`), [`vmm_backend`] (the production
 //! backend: QEMU through `vmm`, the `images` library, `vmnet` networking; its environment and
@@ -25,6 +26,9 @@ pub mod annotations;
 pub mod backend;
 pub mod config;
 pub mod events;
+pub mod gc;
+pub mod hibernation;
+pub mod metrics;
 pub mod namespaces;
 pub mod node;
 mod probe;

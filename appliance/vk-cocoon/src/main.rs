@@ -6,8 +6,9 @@
 //! are logged as ignored); create `COCOON_ROOT_DIR` and measure the host; open the VM backend;
 //! join the cluster (`--join-server`) or use a kubeconfig; list the node's Pods and run the
 //! start-up reconcile — retried until it succeeds, since the node must not register before it
-//! knows its VMs; start the VM watcher; run the node until SIGTERM/SIGINT (restarted with a
-//! fresh client after each certificate renewal). A stop — or a crash — leaves every VM running;
+//! knows its VMs; start the VM watcher and the snapshot GC (`VK_SNAPSHOT_GC_INTERVAL`); run
+//! the node until SIGTERM/SIGINT (restarted with a fresh client after each certificate
+//! renewal). A stop — or a crash — leaves every VM running;
 //! the next start adopts them. Errors print as one chain and exit 1.
 
 #![forbid(unsafe_code)]
@@ -22,10 +23,14 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use vk_cocoon::config::{self, CocoonConfig};
 use vk_cocoon::events::KubeEvents;
+use vk_cocoon::gc::KubePods;
 use vk_cocoon::node::{self, HostResources};
 use vk_cocoon::vmm_backend::{BackendConfig, VmmBackend};
 use vk_cocoon::{CocoonProvider, ProviderConfig, VmBackend};
 use vnode::session::{terminated, JoinArgs, Session};
+
+/// How often the CocoonHibernation objects are read ([`vk_cocoon::hibernation`]).
+const HIBERNATION_INTERVAL: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Parser)]
 #[command(
@@ -99,6 +104,8 @@ async fn run(cli: Cli, cfg: CocoonConfig) -> anyhow::Result<()> {
     tracing::info!(shared = ?cfg.namespaces.groups(), unrecorded_owner = cfg.namespaces.legacy(), "namespace scoping: a pod uses only VMs and snapshots of its own namespace or of one VK_SHARED_NAMESPACES groups with it");
     let provider = Arc::new(CocoonProvider::new(backend, pcfg));
     runtime.stats.pod_metrics = Some(provider.clone());
+    // vk-cocoon's samples (`vk_cocoon::metrics`) beside the runtime's, on both listeners.
+    runtime.stats.runtime = Arc::new(vnode::stats::RuntimeMetrics::with_provider(|r| provider.register_metrics(r)));
     if let Some(addr) = cfg.metrics_addr {
         let listener = vnode::stats::bind_metrics(addr)
             .await
@@ -137,8 +144,13 @@ async fn run(cli: Cli, cfg: CocoonConfig) -> anyhow::Result<()> {
         delay = (delay * 2).min(Duration::from_secs(30));
     }
     let _watcher = provider.spawn_watcher();
+    // The snapshot GC lists the node's Pods with the current client (none yet: passes skip).
+    let gc_pods = Arc::new(KubePods::new(cfg.node_name.clone()));
+    let _gc = provider.spawn_snapshot_gc(gc_pods.clone(), cfg.gc);
     let node_name = cfg.node_name.clone();
     let events_for = provider.clone();
+    // The CocoonHibernation loop of the current client (replaced with the client).
+    let mut hibernations: Option<tokio::task::JoinHandle<()>> = None;
     session
         .run(node_cfg, runtime, provider.clone(), provider, &mut stop, move |client| {
             events_for.set_events(Arc::new(KubeEvents(vnode::events::Recorder::new(
@@ -146,6 +158,12 @@ async fn run(cli: Cli, cfg: CocoonConfig) -> anyhow::Result<()> {
                 node_name.clone(),
                 false,
             ))));
+            gc_pods.set_client(client.clone());
+            if let Some(old) = hibernations.take() {
+                old.abort();
+            }
+            let loop_ = vk_cocoon::hibernation::run(client.clone(), events_for.clone(), HIBERNATION_INTERVAL);
+            hibernations = Some(tokio::spawn(loop_));
         })
         .await?;
     Ok(())
@@ -210,6 +228,8 @@ mod tests {
             "VK_NET_HOST_ALLOW",
             "VK_NET_UPLINK",
             "VK_NET_REFUSE",
+            "VK_SNAPSHOT_GC_INTERVAL",
+            "VK_SNAPSHOT_RETENTION",
             "shared-network",
         ] {
             assert!(help.contains(s), "{s} missing from --help");

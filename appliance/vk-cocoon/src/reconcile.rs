@@ -27,6 +27,7 @@ use vnode::error_chain;
 use crate::annotations;
 use crate::backend::VmState;
 use crate::config::OrphanPolicy;
+use crate::metrics::metrics;
 use crate::provider::{CocoonProvider, CocoonProviderError};
 
 /// What a reconcile found and did.
@@ -99,6 +100,7 @@ impl CocoonProvider {
                 g.adoptable.insert(vm.id.clone(), vm);
                 continue;
             }
+            metrics().orphan_found();
             match shared.cfg.orphan_policy {
                 OrphanPolicy::Destroy => {
                     tracing::warn!(vm = %vm.id, name = %vm.name, "orphan VM (no pod on this node references it); destroying it");

@@ -18,7 +18,7 @@ use vnode::kit::{uid_of, Locked, Notifier};
 use crate::annotations::{self, VmSpec};
 use crate::backend::{VmBackend, VmInfo};
 use crate::config::OrphanPolicy;
-use crate::events::{self, EventSink, RecordedEvents};
+use crate::events::{EventSink, RecordedEvents};
 use crate::namespaces::NamespacePolicy;
 use crate::status::{self, VmView};
 
@@ -79,6 +79,10 @@ impl ProviderConfig {
 pub enum Lifecycle {
     Creating,
     Ready,
+    /// The VM is being saved to `<vm-name>:hibernate` and stopped.
+    Hibernating,
+    /// The VM is saved and stopped; its address stays reserved for the wake.
+    Hibernated,
     Failed,
 }
 
@@ -87,6 +91,8 @@ impl Lifecycle {
         match self {
             Lifecycle::Creating => "creating",
             Lifecycle::Ready => "ready",
+            Lifecycle::Hibernating => "hibernating",
+            Lifecycle::Hibernated => "hibernated",
             Lifecycle::Failed => "failed",
         }
     }
@@ -130,11 +136,21 @@ pub(crate) struct Entry {
     pub busy: bool,
     /// The probe loop's task.
     pub probe: Option<AbortHandle>,
-    /// The hibernate request was already answered.
-    pub hibernate_noted: bool,
+    /// The VM is hibernated: saved as `<vm-name>:hibernate` and removed, its lease (address)
+    /// kept; `vm` describes the VM a wake brings back (same id, same address).
+    pub hibernated: bool,
+    /// What a `CocoonHibernation` naming this Pod desires (`true`: Hibernate); it overrides
+    /// the annotation while the object exists ([`crate::hibernation`]).
+    pub desire: Option<bool>,
 }
 
 impl Entry {
+    /// Whether the Pod asks its VM to sleep: the `CocoonHibernation` desire, else the
+    /// `vm.cocoonstack.io/hibernate` annotation.
+    pub fn wants_sleep(&self) -> bool {
+        self.desire.unwrap_or(self.spec.hibernate)
+    }
+
     pub fn ready(&self) -> bool {
         self.probe_ok && self.lifecycle == Lifecycle::Ready && self.terminal.is_none()
     }
@@ -166,9 +182,15 @@ impl Entry {
         };
         let st = match &self.terminal {
             Some(t) => status::failed(&self.pod, &v, &t.reason, &t.message, &t.at),
+            // As upstream: no VM runs, so no container does (the address stays reserved and
+            // is still in `vm.cocoonstack.io/ip`).
+            None if self.hibernated => status::pending(&self.pod),
             None => status::running(&self.pod, &v),
         };
         let mut pushed = status::pushed(&self.pod, st, &self.out_annotations());
+        if self.spec.managed && self.message.is_none() {
+            vnode::pod_status::remove_annotations(&mut pushed, &[annotations::LIFECYCLE_MESSAGE]);
+        }
         if let Some(t) = &self.terminal {
             pushed.metadata.deletion_timestamp = Some(t.at.clone());
             pushed.metadata.deletion_grace_period_seconds = Some(0);
@@ -183,14 +205,16 @@ impl Entry {
     }
 }
 
-/// `lifecycle-state` and `lifecycle-state-message`. The message is written empty when there
-/// is none: a push can add or change annotations but never remove one (the runtime merges
-/// them into `pods/status`), so an empty value is how an earlier message is cleared.
+/// `lifecycle-state`, and `lifecycle-state-message` when there is one. Without one the
+/// message annotation is removed, as upstream's lifecycle patch does (cocoon-common
+/// `meta/lifecycle.go` sends it as `null`): the push lists it in
+/// `vnode::pod_status::REMOVE_ANNOTATIONS`.
 fn lifecycle_annotations(l: Lifecycle, message: Option<&str>) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        (annotations::LIFECYCLE_STATE.to_owned(), l.as_str().to_owned()),
-        (annotations::LIFECYCLE_MESSAGE.to_owned(), message.unwrap_or_default().to_owned()),
-    ])
+    let mut a = BTreeMap::from([(annotations::LIFECYCLE_STATE.to_owned(), l.as_str().to_owned())]);
+    if let Some(m) = message.filter(|m| !m.is_empty()) {
+        a.insert(annotations::LIFECYCLE_MESSAGE.to_owned(), m.to_owned());
+    }
+    a
 }
 
 #[derive(Default)]
@@ -215,10 +239,6 @@ pub(crate) struct Shared {
     notifier: Notifier,
     events: Locked<Arc<dyn EventSink>>,
 }
-
-/// The message answering a hibernate request.
-const HIBERNATE_MESSAGE: &str =
-    "hibernation (vm.cocoonstack.io/hibernate) is not supported on this node; the VM keeps running";
 
 /// The Pod's namespace (empty when it has none: such a Pod owns nothing and shares nothing).
 pub(crate) fn namespace_of(pod: &Pod) -> String {
@@ -276,7 +296,11 @@ impl Shared {
 
     /// A Pending push carrying a lifecycle state (before a VM exists, or after a failed bring-up).
     pub fn push_pending(&self, pod: &Pod, l: Lifecycle, message: Option<&str>) {
-        self.notify(status::pushed(pod, status::pending(pod), &lifecycle_annotations(l, message)));
+        let mut pushed = status::pushed(pod, status::pending(pod), &lifecycle_annotations(l, message));
+        if message.is_none_or(str::is_empty) {
+            vnode::pod_status::remove_annotations(&mut pushed, &[annotations::LIFECYCLE_MESSAGE]);
+        }
+        self.notify(pushed);
     }
 
     pub fn insert_entry(&self, key: &str, pod: &Pod, spec: VmSpec, vm: VmInfo, lifecycle: Lifecycle) -> u64 {
@@ -300,25 +324,12 @@ impl Shared {
             gen,
             busy: true,
             probe: None,
-            hibernate_noted: false,
+            hibernated: false,
+            desire: None,
         };
         if let Some(mut old) = g.entries.insert(key.to_owned(), entry) {
             old.stop_probe();
         }
         gen
-    }
-
-    /// Answers `hibernate: "true"` once per entry: not supported, the VM keeps running.
-    pub fn note_hibernate(&self, key: &str, gen: u64) {
-        let pod = {
-            let mut g = self.lock();
-            let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen && !e.hibernate_noted) else { return };
-            e.hibernate_noted = true;
-            if e.spec.managed {
-                e.message = Some(HIBERNATE_MESSAGE.to_owned());
-            }
-            e.pod.clone()
-        };
-        self.event(&pod, true, events::HIBERNATE_UNSUPPORTED, HIBERNATE_MESSAGE);
     }
 }

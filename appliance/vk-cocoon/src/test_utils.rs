@@ -7,7 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::backend::{
-    BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotInfo, SnapshotRef, VmBackend, VmInfo, VmState,
+    BackendError, CloneRequest, Hypervisor, Library, RunRequest, SnapshotEntry, SnapshotInfo, SnapshotRef, VmBackend,
+    VmInfo, VmState,
 };
 
 /// The failure a [`FakeBackend`] injects.
@@ -37,6 +38,10 @@ struct FakeState {
     no_ip: bool,
     /// What `usage` reports, by VM id.
     usage: BTreeMap<String, crate::backend::VmUsage>,
+    /// When each snapshot was saved (absent: now, for `library`).
+    created: BTreeMap<SnapshotRef, std::time::SystemTime>,
+    /// Runs of `collect_garbage`.
+    collections: u32,
 }
 
 /// The fake backend. Cheap to share behind an `Arc`.
@@ -112,6 +117,16 @@ impl FakeBackend {
         self.lock().snapshots.insert(snapshot.clone(), ("preexisting".into(), namespace.map(str::to_owned)));
     }
 
+    /// The snapshot was saved at `at` (as [`VmBackend::library`] reports it).
+    pub fn set_snapshot_created(&self, snapshot: &SnapshotRef, at: std::time::SystemTime) {
+        self.lock().created.insert(snapshot.clone(), at);
+    }
+
+    /// How many times [`VmBackend::collect_garbage`] ran.
+    pub fn collections(&self) -> u32 {
+        self.lock().collections
+    }
+
     /// The VM's state changes (e.g. to `Stopped`: the hypervisor died).
     pub fn set_state(&self, id: &str, state: VmState) {
         if let Some(v) = self.lock().vms.get_mut(id) {
@@ -177,7 +192,7 @@ impl FakeBackend {
 
     /// Logs the call and answers an injected failure, if one is due.
     fn enter(&self, s: &mut FakeState, op: &'static str, arg: &str) -> Result<(), BackendError> {
-        if !matches!(op, "probe_agent" | "list" | "inspect" | "snapshot_inspect") {
+        if !matches!(op, "probe_agent" | "list" | "inspect" | "snapshot_inspect" | "library") {
             s.calls.push(format!("{op} {arg}"));
         }
         if let Some(n) = s.failures.get_mut(op) {
@@ -287,6 +302,7 @@ impl VmBackend for FakeBackend {
             None => return Err(BackendError::NotFound { what: format!("VM {id}") }),
         };
         s.snapshots.insert(snapshot.clone(), (name, Some(namespace.to_owned())));
+        s.created.insert(snapshot.clone(), std::time::SystemTime::now());
         Ok(())
     }
 
@@ -301,6 +317,30 @@ impl VmBackend for FakeBackend {
         self.enter(&mut s, "snapshot_rm", &snapshot.to_string())?;
         s.snapshots.remove(snapshot);
         Ok(())
+    }
+
+    async fn library(&self) -> Result<Library, BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "library", "")?;
+        let snapshots = s
+            .snapshots
+            .iter()
+            .map(|(r, (_, ns))| SnapshotEntry {
+                reference: r.clone(),
+                namespace: ns.clone(),
+                created: s.created.get(r).copied().unwrap_or_else(std::time::SystemTime::now),
+                disk_bytes: 1 << 20,
+                in_use: s.vms.values().any(|v| v.source == format!("clone:{r}")),
+            })
+            .collect();
+        Ok(Library { snapshots, image_disk_bytes: 8 << 20 })
+    }
+
+    async fn collect_garbage(&self) -> Result<u64, BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "collect_garbage", "")?;
+        s.collections += 1;
+        Ok(0)
     }
 
     async fn probe_agent(&self, id: &str) -> Result<(), BackendError> {

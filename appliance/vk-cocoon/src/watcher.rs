@@ -11,9 +11,11 @@
 //! | not listed, and `inspect` confirms absence | release, Warning `VMGone`, Pod deleted |
 //! | not listed, `inspect` fails | nothing this pass (logged as `VMInspectTimeout`) |
 //!
+//! A hibernated Pod has no VM by design and is not watched.
+//!
 //! Eviction is upstream's (vk-cocoon deletes the Pod, so that its Sandbox or CocoonSet
 //! controller makes a new one, which gets a fresh VM): the Warning event first, then a push
-//! that carries the deletion ([`crate::shared::Terminal`]). Until the API Pod is gone the
+//! that carries the deletion (`crate::shared::Terminal`). Until the API Pod is gone the
 //! evicted Pod stays tracked as `Failed` (terminal), so that a resync cannot boot it a new VM;
 //! a new Pod under the key replaces it.
 
@@ -53,7 +55,7 @@ pub(crate) async fn watch_once(s: &Arc<Shared>) {
         let g = s.lock();
         g.entries
             .iter()
-            .filter(|(_, e)| e.spec.managed && !e.busy && e.terminal.is_none())
+            .filter(|(_, e)| e.spec.managed && !e.busy && e.terminal.is_none() && !e.hibernated)
             .map(|(k, e)| Watched {
                 key: k.clone(),
                 gen: e.gen,

@@ -21,9 +21,36 @@ const METADATA_FIXED: u64 = 4 << 20;
 /// has no overlay disk).
 pub fn writable_disk_cap(spec: &BootSpec) -> std::io::Result<u64> {
     match &spec.overlay_base {
-        Some(base) => overlay_cap(base),
+        Some(base) => Ok(cap_for_virtual_size(std::fs::metadata(base)?.len().max(spec.overlay_bytes.unwrap_or(0)))),
         None => Ok(0),
     }
+}
+
+/// The guest-visible size of the writable overlay `spec` asks for on `base`:
+/// `spec.overlay_bytes` (refused below the base's length: the guest's filesystem fills the
+/// base), else `None` (the base's size).
+pub fn overlay_size(spec: &BootSpec, base: &Path) -> Result<Option<u64>, crate::DriverError> {
+    let Some(want) = spec.overlay_bytes else { return Ok(None) };
+    let have = std::fs::metadata(base)
+        .map_err(|e| crate::DriverError::io(format!("reading the size of {}", base.display()), e))?
+        .len();
+    if want < have {
+        return Err(crate::DriverError::Invalid(format!(
+            "a writable disk of {want} bytes is smaller than its image's {have} bytes ({}); ask for at least {}",
+            base.display(),
+            have
+        )));
+    }
+    Ok(Some(want))
+}
+
+/// Grows the raw overlay `file` (a copy of its base) to `bytes` of guest-visible size (sparse).
+pub fn grow_raw(file: &Path, bytes: u64) -> Result<(), crate::DriverError> {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(file)
+        .map_err(|e| crate::DriverError::io(format!("opening {}", file.display()), e))?;
+    f.set_len(bytes).map_err(|e| crate::DriverError::io(format!("growing {} to {bytes} bytes", file.display()), e))
 }
 
 /// The worst-case size of a qcow2 overlay whose guest-visible size is the length of `base`.
@@ -63,6 +90,7 @@ mod tests {
         let f = std::fs::File::create(&base).expect("create");
         f.set_len(64 << 20).expect("set_len");
         let mut spec = BootSpec {
+            overlay_bytes: None,
             name: "base".into(),
             kernel: "/k".into(),
             initrd: "/i".into(),

@@ -69,6 +69,11 @@ pub struct BootSpec {
     pub rootfs: Option<PathBuf>,
     /// Empty ext4 image; each VM gets a writable copy-on-write overlay on it as `/dev/vdb`.
     pub overlay_base: Option<PathBuf>,
+    /// The size of that writable overlay in bytes, when it must be larger than its base (the
+    /// guest sees a larger `/dev/vdb`; growing its filesystem is the guest's business); `None`:
+    /// the base's size. Smaller than the base is refused at boot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlay_bytes: Option<u64>,
     /// Extra kernel command-line arguments from the template (the driver adds console etc.).
     pub cmdline: String,
     /// vCPUs and memory.
@@ -247,6 +252,7 @@ impl BootSpec {
     pub fn from_template(catalog: &Catalog, name_or_alias: &str, size: SizeClass) -> Result<Self, CatalogError> {
         let (name, t) = catalog.resolve(name_or_alias)?;
         Ok(BootSpec {
+            overlay_bytes: None,
             name: name.to_string(),
             kernel: t.kernel.clone(),
             initrd: t.initrd.clone(),

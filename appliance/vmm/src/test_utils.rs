@@ -10,6 +10,7 @@ use crate::size::SizeClass;
 /// A small spec of template `name` (paths that need not exist).
 pub(crate) fn boot_spec(name: &str) -> BootSpec {
     BootSpec {
+        overlay_bytes: None,
         name: name.into(),
         kernel: "/k".into(),
         initrd: "/i".into(),

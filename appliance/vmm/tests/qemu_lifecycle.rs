@@ -34,6 +34,7 @@ fn config(state: &Path) -> QemuConfig {
 
 fn spec() -> BootSpec {
     BootSpec {
+        overlay_bytes: None,
         name: "fw".into(),
         kernel: "/nonexistent/vmlinux".into(),
         initrd: "/nonexistent/initrd".into(),

@@ -116,6 +116,7 @@ async fn qemu_joins_the_netns_and_opens_the_taps() {
         ..QemuConfig::from_env()
     });
     let spec = BootSpec {
+        overlay_bytes: None,
         name: "fw".into(),
         kernel: "/nonexistent/vmlinux".into(),
         initrd: "/nonexistent/initrd".into(),

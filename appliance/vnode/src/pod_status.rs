@@ -179,6 +179,23 @@ pub fn with_addresses(mut st: PodStatus, pod_ip: &str, host_ip: &str) -> PodStat
     st
 }
 
+/// The annotation a push carries to have annotations *removed* from the API Pod: their keys,
+/// comma-separated. The runtime removes them and never writes this key itself (a pushed
+/// annotation is otherwise added or changed, never removed: see [`crate::status::merged`]).
+pub const REMOVE_ANNOTATIONS: &str = "vnode.chrysalis.dev/remove-annotations";
+
+/// Marks `keys` on a pushed copy for removal from the API Pod (and drops them from the copy).
+pub fn remove_annotations(pushed: &mut Pod, keys: &[&str]) {
+    if keys.is_empty() {
+        return;
+    }
+    let ann = pushed.metadata.annotations.get_or_insert_with(Default::default);
+    for k in keys {
+        ann.remove(*k);
+    }
+    ann.insert(REMOVE_ANNOTATIONS.to_owned(), keys.join(","));
+}
+
 /// A copy of `pod` with `status` and `annotations` added (existing ones kept unless
 /// overwritten; no annotation map is created when there are none).
 pub fn pushed<K, V>(pod: &Pod, status: PodStatus, annotations: impl IntoIterator<Item = (K, V)>) -> Pod

@@ -11,7 +11,8 @@
 //!   precondition; grace 0 once that time has passed, else the pushed grace);
 //! - else replace `pods/status` (`PUT`, the API's resourceVersion) with the API pod whose
 //!   `status` is the pushed one and whose annotations include the pushed annotations (added or
-//!   changed, never removed). On a Conflict the pod is re-read and the PUT tried once more;
+//!   changed; removed only when the push names them in
+//!   [`crate::pod_status::REMOVE_ANNOTATIONS`]). On a Conflict the pod is re-read and the PUT tried once more;
 //!   a second failure retries through the queue's backoff.
 //!
 //! Annotations go through `pods/status` because a node identity may not update the pod object
@@ -19,6 +20,7 @@
 //! the pod status strategy keeps metadata annotations from a status update and NodeRestriction
 //! only refuses *label* changes there ("cannot update labels through pod status").
 
+use crate::pod_status::REMOVE_ANNOTATIONS;
 use crate::provider::PodKey;
 use crate::queue::WorkQueue;
 use crate::sync::is_finished;
@@ -118,17 +120,23 @@ pub fn plan(api: Option<&Pod>, pushed: &Pod, now: Timestamp) -> PushAction {
     PushAction::UpdateStatus(Box::new(merged(api, pushed)))
 }
 
-/// The API pod with the pushed status and the pushed annotations (added or changed).
+/// The API pod with the pushed status and the pushed annotations (added or changed, and those
+/// the push lists in [`REMOVE_ANNOTATIONS`] removed; that key itself is never written).
 pub fn merged(api: &Pod, pushed: &Pod) -> Pod {
     let mut out = api.clone();
     out.status = pushed.status.clone();
     if let Some(pushed_ann) = &pushed.metadata.annotations {
         let ann = out.metadata.annotations.get_or_insert_with(Default::default);
         for (k, v) in pushed_ann {
-            if ann.get(k) != Some(v) {
+            if k == REMOVE_ANNOTATIONS {
+                for gone in v.split(',').map(str::trim).filter(|g| !g.is_empty()) {
+                    ann.remove(gone);
+                }
+            } else if ann.get(k) != Some(v) {
                 ann.insert(k.clone(), v.clone());
             }
         }
+        ann.remove(REMOVE_ANNOTATIONS);
     }
     out
 }
@@ -187,6 +195,20 @@ mod tests {
         p.metadata.resource_version = Some("7".into());
         p.status = Some(PodStatus { phase: Some(phase.into()), ..Default::default() });
         p
+    }
+
+    #[test]
+    fn a_push_removes_the_annotations_it_lists() {
+        let mut api = pod("u", "Pending");
+        api.metadata.annotations =
+            Some(BTreeMap::from([("msg".to_string(), "old".to_string()), ("keep".to_string(), "k".to_string())]));
+        let mut pushed = crate::pod_status::pushed(&pod("u", "Running"), PodStatus::default(), [("new", "n")]);
+        crate::pod_status::remove_annotations(&mut pushed, &["msg", "absent"]);
+        let PushAction::UpdateStatus(out) = plan(Some(&api), &pushed, Timestamp::now()) else {
+            panic!("expected a status update")
+        };
+        let ann = out.metadata.annotations.expect("annotations");
+        assert_eq!(ann.keys().map(String::as_str).collect::<Vec<_>>(), ["keep", "new"], "{ann:?}");
     }
 
     #[test]

@@ -46,8 +46,10 @@ pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
         ("readiness_follows_the_probe_port", readiness),
         ("a_vm_that_dies_is_restarted_then_its_pod_replaced_when_it_dies_again_or_vanishes", vm_deaths),
         ("another_namespace_cannot_adopt_clone_or_reuse_the_vm_or_its_snapshot", other_namespace),
+        ("a_cocoonhibernation_hibernates_then_wakes_a_vm_with_its_state_and_ip_and_fork_from_clones_it", hibernation),
         ("kubectl_logs_exec_attach_port_forward_and_top_on_a_cocoon_pod", kubectl_streams),
         ("kubectl_bad_inputs_fail_closed_on_a_cocoon_pod", kubectl_bad_inputs),
+        ("snapshot_gc_removes_an_unreferenced_snapshot_keeps_a_referenced_one_and_metrics_are_scraped", snapshot_gc),
     ],
 });
 
@@ -160,6 +162,16 @@ fn serve_busybox(env: &Env, id: &str, who: &str, port: u16) -> Outcome {
 // ---------------------------------------------------------------------------------------------
 // Scenarios
 
+/// Starts a Python TCP service in an rt guest answering `reply` to every connection on `port`.
+fn serve_python(env: &Env, id: &str, reply: &str, port: u16) -> Outcome {
+    let server = format!(
+        "import socket\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+s.bind(('0.0.0.0', {port}))\ns.listen()\nwhile True:\n    c, _ = s.accept()\n    c.sendall(b'{reply}\\n')\n    c.close()\n"
+    );
+    env.guest_sh(id, &format!("cat > /tmp/srv.py <<'PY'\n{server}PY\n"))?;
+    env.guest_spawn(id, &["sh", "-c", "exec python3 /tmp/srv.py > /tmp/srv.log 2>&1"])
+}
+
 fn seed_example(env: &mut Env, ns: &str) -> Outcome {
     let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("seed/examples/cocoon-example.yaml");
     env.kubectl_ok(&["apply", "-n", ns, "-f", &seed.display().to_string()])?;
@@ -171,10 +183,7 @@ fn seed_example(env: &mut Env, ns: &str) -> Outcome {
     // The image is ubuntu-dev-base (rt): a Debian userland with python3.
     let os = env.guest_sh(&id, "cat /etc/os-release")?;
     ensure!(os.contains("Debian"), "the guest is not the rt image: {os}");
-    let server = "import socket\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
-s.bind(('0.0.0.0', 8080))\ns.listen()\nwhile True:\n    c, _ = s.accept()\n    c.sendall(b'hello-from-cocoon-example\\n')\n    c.close()\n";
-    env.guest_sh(&id, &format!("cat > /tmp/srv.py <<'PY'\n{server}PY\n"))?;
-    env.guest_spawn(&id, &["sh", "-c", "exec python3 /tmp/srv.py > /tmp/srv.log 2>&1"])?;
+    serve_python(env, &id, "hello-from-cocoon-example", 8080)?;
     let got = env
         .tcp_from_netns(&ip, 8080, Duration::from_secs(60))
         .map_err(|e| format!("{e}; server log: {:?}", env.guest_sh(&id, "cat /tmp/srv.log")))?;
@@ -270,6 +279,80 @@ fn clone_from_snapshot(env: &mut Env, ns: &str) -> Outcome {
     let got = env.tcp_from_netns(&dst_ip, 8080, Duration::from_secs(60))?;
     ensure!(got.trim() == "hello-from-clone", "the clone answered {got:?} on {dst_ip}");
     ready(env, ns, "dst", Duration::from_secs(60))?;
+    Ok(())
+}
+
+/// A `CocoonHibernation` (the CRD `appliance/vk-cocoon/manifests` ships) asks for `desire` of
+/// Pod `pod`.
+fn hibernation_object(pod: &str, desire: &str) -> Value {
+    json!({
+        "apiVersion": "cocoonset.cocoonstack.io/v1",
+        "kind": "CocoonHibernation",
+        "metadata": {"name": format!("{pod}-sleep")},
+        "spec": {"podRef": {"name": pod}, "desire": desire},
+    })
+}
+
+/// Waits for the `CocoonHibernation` of `pod` to show `phase`.
+fn hibernation_phase(env: &Env, ns: &str, pod: &str, phase: &str) -> Outcome {
+    let name = format!("{pod}-sleep");
+    poll(&format!("CocoonHibernation {ns}/{name} {phase}"), VM_RUNNING, || {
+        let o = env.get(&["cocoonhibernations.cocoonset.cocoonstack.io", &name, "-n", ns])?;
+        Ok(o.filter(|o| o["status"]["phase"] == phase).map(|_| ()))
+    })
+}
+
+/// An rt VM whose `storage: 3Gi` sizes its writable disk (the image's is 2 GiB). Hibernate
+/// through a `CocoonHibernation`: the VM is saved as `<name>:hibernate` and stopped (no QEMU),
+/// the Pod is Pending with `lifecycle-state: hibernated`, its lease kept. Wake: the VM is back
+/// under its id with its address, its memory (a listening server) and its disk (a file). Then a
+/// `fork-from` Pod clones the running VM (`fork-<name>`), with its own address.
+fn hibernation(env: &mut Env, ns: &str) -> Outcome {
+    let mut a = run_vm("sleeper", "ubuntu-dev-base", "never");
+    a["cocoonset.cocoonstack.io/storage"] = json!("3Gi");
+    env.apply(ns, &pod("sleeper", a, json!({})))?;
+    let p = running(env, ns, "sleeper")?;
+    let (id, ip) = vm_of(env, &p, "sleeper")?;
+    let sectors = env.guest_sh(&id, "cat /sys/block/vdb/size")?;
+    ensure!(sectors.trim() == (3u64 << 30 >> 9).to_string(), "storage 3Gi gave /dev/vdb {sectors:?} sectors");
+    env.guest_sh(&id, "echo before-sleep > /root/kept && sync")?;
+    serve_python(env, &id, "hello-from-before-sleep", 8080)?;
+    env.tcp_from_netns(&ip, 8080, Duration::from_secs(60))?;
+    env.apply(ns, &hibernation_object("sleeper", "Hibernate"))?;
+    hibernation_phase(env, ns, "sleeper", "Hibernated")?;
+    let p = env.wait_pod(ns, "sleeper", "hibernated", QUICK, |p| annotation(p, LIFECYCLE) == Some("hibernated"))?;
+    ensure!(p["status"]["phase"] == "Pending", "a hibernated Pod is Pending: {}", p["status"]);
+    ensure!(annotation(&p, IP) == Some(ip.as_str()), "the address annotation changed: {:?}", annotation(&p, IP));
+    ensure!(env.instances(&id).is_empty(), "a hibernated VM still runs {} QEMU", env.instances(&id).len());
+    let lease = env.lease(&id).ok_or("the lease went with the VM")?;
+    ensure!(lease["ip"] == ip.as_str(), "the kept lease holds {lease}, not {ip}");
+    let store = env.store()?;
+    ensure!(store.lookup("sleeper:hibernate").is_ok(), "no sleeper:hibernate in the image library");
+
+    env.apply(ns, &hibernation_object("sleeper", "Wake"))?;
+    hibernation_phase(env, ns, "sleeper", "Active")?;
+    let p = ready(env, ns, "sleeper", VM_RUNNING)?;
+    ensure!(vm_of(env, &p, "sleeper")? == (id.clone(), ip.clone()), "the woken VM has another id or address");
+    let got = env.tcp_from_netns(&ip, 8080, Duration::from_secs(60))?;
+    ensure!(got.trim() == "hello-from-before-sleep", "the woken VM answered {got:?}");
+    let kept = env.guest_sh(&id, "cat /root/kept")?;
+    ensure!(kept.trim() == "before-sleep", "the woken VM's disk lost /root/kept: {kept:?}");
+    ensure!(env.store()?.lookup("sleeper:hibernate").is_err(), "the wake keeps sleeper:hibernate");
+    let reasons: Vec<String> = env.events(ns, "sleeper")?.into_iter().map(|(_, r, _)| r).collect();
+    ensure!(reasons.iter().any(|r| r == "Hibernated") && reasons.iter().any(|r| r == "Woken"), "events: {reasons:?}");
+    ensure!(annotation(&p, "vm.cocoonstack.io/lifecycle-state-message").is_none(), "an empty message is removed");
+
+    let mut fork = run_vm("sleeper-fork", "ubuntu-dev-base", "never");
+    fork["cocoonset.cocoonstack.io/mode"] = json!("clone");
+    fork["vm.cocoonstack.io/fork-from"] = json!("sleeper");
+    env.apply(ns, &pod("fork", fork, json!({})))?;
+    let f = running(env, ns, "fork")?;
+    let (fork_id, fork_ip) = vm_of(env, &f, "sleeper-fork")?;
+    ensure!(fork_ip != ip, "the fork shares its source's address {ip}");
+    let kept = env.guest_sh(&fork_id, "cat /root/kept")?;
+    ensure!(kept.trim() == "before-sleep", "the fork does not carry its source's disk: {kept:?}");
+    ensure!(!env.instances(&id).is_empty(), "forking stopped the source");
+    env.kubectl_ok(&["delete", "cocoonhibernations.cocoonset.cocoonstack.io", "sleeper-sleep", "-n", ns])?;
     Ok(())
 }
 
@@ -554,4 +637,75 @@ fn kubectl_bad_inputs(env: &mut Env, ns: &str) -> Outcome {
         env,
         &kubelet_streams::BadInputs { target, pending: "bad-pending", kill_vm: &kill_vm },
     )
+}
+
+/// Deletes Pod `name` (snapshot-policy `always`) and waits for `<vm>:latest` to be saved and
+/// the VM to be gone.
+fn delete_saving(env: &Env, ns: &str, name: &str, vm: &str) -> Outcome {
+    env.kubectl_ok(&["delete", "pod", name, "-n", ns, "--wait=true", "--timeout=240s"])?;
+    let snapshot = format!("{vm}:latest");
+    poll(&format!("{snapshot} saved and VM {vm} removed"), Duration::from_secs(240), || {
+        let store = env.store()?;
+        let saved = match store.lookup(&snapshot) {
+            Ok(d) => store.manifest(&d).map_err(|e| e.to_string())?.kind() == images::Kind::Snapshot,
+            Err(_) => false,
+        };
+        Ok((saved && env.instances(&vm_id(vm)).is_empty()).then_some(()))
+    })
+}
+
+/// The value of the sample line starting with `series ` in a scrape.
+fn sample(scrape: &str, series: &str) -> Option<f64> {
+    scrape.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Issue #18: the snapshot GC (here every 3 s, retention 40 s) removes a snapshot vk-cocoon
+/// saved once it is old and nothing refers to it, keeps one a running Pod clones from however
+/// old, and the provider's metrics are scraped on `VK_METRICS_ADDR`.
+fn snapshot_gc(env: &mut Env, ns: &str) -> Outcome {
+    const RETENTION: Duration = Duration::from_secs(40);
+    // Unreferenced: gc-old's deletion saves gc-old:latest, and no Pod names it afterwards.
+    env.apply(ns, &pod("gc-old", run_vm("gc-old", BASE, "always"), json!({})))?;
+    running(env, ns, "gc-old")?;
+    delete_saving(env, ns, "gc-old", "gc-old")?;
+    // Referenced: gc-src:latest, which the running gc-keeper cloned.
+    env.apply(ns, &pod("gc-src", run_vm("gc-src", BASE, "always"), json!({})))?;
+    running(env, ns, "gc-src")?;
+    delete_saving(env, ns, "gc-src", "gc-src")?;
+    let src_saved = std::time::Instant::now();
+    let mut keeper = run_vm("gc-keeper", "gc-src", "never");
+    keeper["cocoonset.cocoonstack.io/mode"] = json!("clone");
+    env.apply(ns, &pod("gc-keeper", keeper, json!({})))?;
+    running(env, ns, "gc-keeper")?;
+
+    poll("gc-old:latest removed by the snapshot GC", Duration::from_secs(120), || {
+        Ok(env.store()?.lookup("gc-old:latest").is_err().then_some(()))
+    })?;
+    // Past the retention plus a few passes, gc-src:latest is still there: gc-keeper names it.
+    let past = RETENTION + Duration::from_secs(10);
+    if let Some(left) = past.checked_sub(src_saved.elapsed()) {
+        std::thread::sleep(left);
+    }
+    let store = env.store()?;
+    ensure!(store.lookup("gc-src:latest").is_ok(), "the GC removed gc-src:latest, which gc-keeper clones");
+    ensure!(store.lookup("base:latest").is_ok(), "the GC removed the image base");
+    let p = ready(env, ns, "gc-keeper", QUICK)?;
+    ensure!(p["status"]["phase"] == "Running", "gc-keeper: {}", p["status"]);
+
+    let scrape = env.metrics()?;
+    let removed = sample(&scrape, "cocoon_vk_snapshot_gc_removed_total").unwrap_or(0.0);
+    ensure!(removed >= 1.0, "cocoon_vk_snapshot_gc_removed_total {removed}:\n{scrape}");
+    for series in [
+        "cocoon_vk_image_library_bytes{kind=\"image\"}",
+        "cocoon_vk_image_library_bytes{kind=\"snapshot\"}",
+        "cocoon_vk_pod_lifecycle_total{op=\"create\",result=\"success\"}",
+        "cocoon_vk_pod_lifecycle_total{op=\"delete\",result=\"success\"}",
+        "cocoon_vk_snapshot_save_total{result=\"success\"}",
+        "cocoon_vk_snapshot_gc_runs_total{result=\"success\"}",
+        "cocoon_vk_vm_boot_duration_seconds_count{mode=\"clone\",backend=\"qemu\"}",
+        "cocoon_vk_vm_table_size",
+    ] {
+        ensure!(sample(&scrape, series).is_some_and(|v| v > 0.0), "no positive {series} in\n{scrape}");
+    }
+    Ok(())
 }

@@ -13,10 +13,12 @@ use vnode::PodKey;
 
 use super::delete;
 use super::error::{bring_up_failed, check_namespace, refused, CocoonProviderError};
+use super::hibernate;
 use super::loops;
 use crate::annotations::{self, AnnotationError, Mode, VmSpec};
 use crate::backend::{BackendError, CloneRequest, Hypervisor, RunRequest, SnapshotRef, VmInfo, VmState};
 use crate::events;
+use crate::metrics::metrics;
 use crate::namespaces::Use;
 use crate::shared::{namespace_of, Lifecycle, Shared};
 
@@ -68,7 +70,13 @@ pub(super) async fn create(s: &Arc<Shared>, pod: &Pod) -> Result<(), CocoonProvi
         return track_unmanaged(s, &key, pod, spec).await;
     }
     let hypervisor = hypervisor_for(s, pod, &spec);
-    create_managed(s, &key, pod, spec, hypervisor).await.map_err(|e| refused(s, pod, e, true))
+    create_managed(s, &key, pod, spec, hypervisor).await.map_err(|e| refused(s, pod, e, true))?;
+    // A Pod created asking for hibernation (its VM was never saved): up first, then saved.
+    let asleep = s.lock().entries.get(&key).filter(|e| e.wants_sleep() && !e.hibernated).map(|e| e.gen);
+    match asleep {
+        Some(gen) => hibernate::hibernate(s, &key, gen).await,
+        None => Ok(()),
+    }
 }
 
 /// Steps 2 and 4 of a managed Pod; every VM and snapshot it touches passes the namespace
@@ -118,6 +126,10 @@ async fn create_managed(
             let e = CocoonProviderError::BringUp { key: key.to_owned(), what, source };
             return Err(bring_up_failed(s, pod, e));
         }
+    }
+    // 4a. Its VM hibernated (`<name>:hibernate` exists): tracked asleep, or woken.
+    if hibernate::create_from_hibernation(s, key, pod, &spec, hypervisor).await?.is_some() {
+        return Ok(());
     }
     boot(s, key, pod, spec, hypervisor).await
 }
@@ -281,7 +293,13 @@ async fn boot(
     hypervisor: Hypervisor,
 ) -> Result<(), CocoonProviderError> {
     s.push_pending(pod, Lifecycle::Creating, None);
-    let result = match (spec.mode, &spec.snapshot, &spec.image) {
+    let started = std::time::Instant::now();
+    // 4b. A fork clones the source's `fork-<name>` snapshot instead of its image.
+    let forked = match &spec.fork_from {
+        Some(source) => Some(hibernate::fork_source(s, key, pod, source).await?),
+        None => None,
+    };
+    let result = match (spec.mode, forked.as_ref().or(spec.snapshot.as_ref()), &spec.image) {
         (Mode::Clone, Some(snapshot), _) => match s.backend.snapshot_inspect(snapshot).await {
             Ok(Some(info)) => {
                 check_namespace(
@@ -349,6 +367,7 @@ async fn boot(
         loops::post_clone(s, key, gen).await;
     }
     loops::finish(s, key, gen).await;
+    metrics().vm_booted(clone, hypervisor, started.elapsed());
     Ok(())
 }
 
@@ -406,6 +425,7 @@ pub(super) async fn update(s: &Arc<Shared>, pod: &Pod) -> Result<(), CocoonProvi
         Create,
         Push(Box<Pod>),
         Hibernate(u64),
+        Wake(u64),
         Nothing,
     }
     let next = {
@@ -423,8 +443,12 @@ pub(super) async fn update(s: &Arc<Shared>, pod: &Pod) -> Result<(), CocoonProvi
                 }
                 if e.terminal.is_some() {
                     Next::Push(Box::new(e.view(&s.cfg.node_ip)))
-                } else if e.spec.hibernate && !e.hibernate_noted && !e.busy {
-                    Next::Hibernate(e.gen)
+                } else if e.spec.managed && !e.busy && e.wants_sleep() != e.hibernated {
+                    if e.hibernated {
+                        Next::Wake(e.gen)
+                    } else {
+                        Next::Hibernate(e.gen)
+                    }
                 } else {
                     Next::Nothing
                 }
@@ -434,10 +458,8 @@ pub(super) async fn update(s: &Arc<Shared>, pod: &Pod) -> Result<(), CocoonProvi
     match next {
         Next::Create => return Box::pin(create(s, pod)).await,
         Next::Push(p) => s.notify(*p),
-        Next::Hibernate(gen) => {
-            s.note_hibernate(&key, gen);
-            s.push_entry(&key, gen);
-        }
+        Next::Hibernate(gen) => return hibernate::hibernate(s, &key, gen).await,
+        Next::Wake(gen) => return hibernate::wake(s, &key, gen).await,
         Next::Nothing => {}
     }
     Ok(())

@@ -13,6 +13,7 @@ use vnode::PodKey;
 use super::error::{check_namespace, refused, CocoonProviderError};
 use crate::annotations;
 use crate::backend::{BackendError, SnapshotRef, VmInfo, VmState};
+use crate::metrics::timed_save;
 use crate::namespaces::Use;
 use crate::shared::{namespace_of, Shared};
 
@@ -159,19 +160,31 @@ pub(super) async fn delete_vm(
             unbusy(CocoonProviderError::Inspect { key: key.to_owned(), id: vm.id.clone(), source })
         })?;
         if current.as_ref().is_some_and(|v| v.state == VmState::Running) {
-            s.backend.snapshot_save(&vm.id, &snapshot, &owner).await.map_err(snapshot_failed)?;
+            timed_save(s.backend.snapshot_save(&vm.id, &snapshot, &owner)).await.map_err(snapshot_failed)?;
             saved = true;
             tracing::info!(%snapshot, "saved the VM's snapshot");
         } else {
             tracing::info!(state = ?current.map(|v| v.state), "the VM is not running; no snapshot");
         }
     }
-    s.backend
-        .remove(&vm.id)
-        .await
-        .map_err(|source| unbusy(CocoonProviderError::Remove { key: key.to_owned(), id: vm.id.clone(), source }))?;
-    if let Err(e) = s.backend.release_ip(&vm.id).await {
-        tracing::warn!(error = %error_chain(&e), "releasing the VM's lease failed (best effort)");
+    let hibernated = tracked.is_some_and(|gen| s.lock().entries.get(key).is_some_and(|e| e.gen == gen && e.hibernated));
+    if !hibernated {
+        s.backend
+            .remove(&vm.id)
+            .await
+            .map_err(|source| unbusy(CocoonProviderError::Remove { key: key.to_owned(), id: vm.id.clone(), source }))?;
+    }
+    if !vm.id.is_empty() {
+        if let Err(e) = s.backend.release_ip(&vm.id).await {
+            tracing::warn!(error = %error_chain(&e), "releasing the VM's lease failed (best effort)");
+        }
+    }
+    if hibernated && !policy.save && !policy.keep {
+        // The hibernated VM's state goes with its Pod unless a policy keeps snapshots.
+        let asleep = super::hibernate::hibernation_of(&policy.vm_name);
+        if let Err(e) = s.backend.snapshot_rm(&asleep).await {
+            tracing::warn!(snapshot = %asleep, error = %error_chain(&e), "dropping the hibernation snapshot failed (best effort)");
+        }
     }
     if !policy.save && !policy.keep {
         // Best effort, and only a snapshot this Pod's namespace may drop.

@@ -63,16 +63,10 @@ pub(super) async fn post_clone(s: &Shared, key: &str, gen: u64) {
 /// Step 8: one synchronous probe, Running pushed, the probe loop started.
 pub(super) async fn finish(s: &Arc<Shared>, key: &str, gen: u64) {
     if let Some(ok) = probe::probe_entry(s, key, gen).await {
-        let hibernate = {
-            let mut g = s.lock();
-            let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen) else { return };
-            e.probe_ok = ok;
-            e.busy = false;
-            e.spec.hibernate
-        };
-        if hibernate {
-            s.note_hibernate(key, gen);
-        }
+        let mut g = s.lock();
+        let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen) else { return };
+        e.probe_ok = ok;
+        e.busy = false;
     }
     probe::start(s, key, gen);
     s.push_entry(key, gen);

@@ -20,8 +20,10 @@
 //!   without a port: "has an IP". 100 ms ×1.5 → 1 s until Ready, then every 5 s; 3 consecutive
 //!   failures flip Ready off. Every flip is pushed.
 //! * **UpdatePod**: another UID under the key → CreatePod; else the Pod is stored (probe port
-//!   and snapshot policy follow it). Hibernation is not supported: `hibernate: "true"` gets a
-//!   Warning `HibernateUnsupported` and a `lifecycle-state-message`, the VM keeps running.
+//!   and snapshot policy follow it); `hibernate` turned `"true"` hibernates the VM, turned
+//!   anything else wakes it (`hibernate.rs`). Before step 4 a create serves a hibernated VM
+//!   (`<vm-name>:hibernate`: tracked asleep, or woken) and `fork-from` (clone of the source's
+//!   `fork-<name>` snapshot); a Pod created with `hibernate: "true"` is booted, then hibernated.
 //! * **DeletePod**: unmanaged → forget. Managed: [`crate::annotations::delete_policy`] says whether to
 //!   save `<vm-name>:latest`; if so and the VM runs, `snapshot_save` (failure → the VM and the
 //!   entry stay, the error is returned and the runtime retries); `remove` (absent = OK);
@@ -77,22 +79,25 @@
 //! # Code map
 //! The state every call and background task shares is `crate::shared` (one file: the tables,
 //! the entry per Pod, pushes and events). Here: `error.rs` ([`CocoonProviderError`] and the
-//! refusals that also mark the Pod), `create.rs` (CreatePod, UpdatePod), `delete.rs`
-//! (DeletePod), `loops.rs` (the post-clone network loop, the start of the probe loop, the VM
+//! refusals that also mark the Pod), `create.rs` (CreatePod, UpdatePod), `hibernate.rs`
+//! (hibernate, wake, the restore and fork sources), `delete.rs` (DeletePod; a hibernated Pod's
+//! lease goes, its snapshot too unless a policy keeps snapshots), `loops.rs` (the post-clone network loop, the start of the probe loop, the VM
 //! watcher's schedule), `streams.rs` (the kubelet port's streams, not wired yet); this file
 //! holds [`CocoonProvider`], the handle the runtime calls. The lock, the notifier and the
-//! loops' handles come from [`vnode::kit`]. Dependencies run one way: this file → `create` → `delete`, `loops` → `error`, `crate::probe`, [`crate::watcher`]
+//! loops' handles come from [`vnode::kit`]. Dependencies run one way: this file → `create` → `hibernate`, `delete`, `loops` → `error`, `crate::probe`, [`crate::watcher`]
 //! → `crate::shared`; nothing below calls back up.
 
 mod create;
 mod delete;
 mod error;
+mod hibernate;
 mod loops;
 mod metrics;
 mod streams;
 
 pub use crate::shared::{Lifecycle, ProviderConfig};
 pub use error::CocoonProviderError;
+pub use hibernate::HibernationView;
 /// The workspace's one chain formatter, where this crate's modules have always found it.
 pub use vnode::error_chain;
 pub use vnode::kit::BackgroundLoops;
@@ -105,6 +110,7 @@ use vnode::{PodKey, PodNotifier, Provider, ProviderError};
 
 use crate::backend::{VmBackend, VmInfo};
 use crate::events::EventSink;
+use crate::metrics::{counted, Op};
 use crate::shared::Shared;
 use crate::watcher;
 
@@ -147,15 +153,15 @@ impl CocoonProvider {
 #[async_trait::async_trait]
 impl Provider for CocoonProvider {
     async fn create_pod(&self, pod: &Pod) -> Result<(), ProviderError> {
-        reported(create::create(&self.0, pod).await)
+        reported(counted(Op::Create, create::create(&self.0, pod).await))
     }
 
     async fn update_pod(&self, pod: &Pod) -> Result<(), ProviderError> {
-        reported(create::update(&self.0, pod).await)
+        reported(counted(Op::Update, create::update(&self.0, pod).await))
     }
 
     async fn delete_pod(&self, pod: &Pod) -> Result<(), ProviderError> {
-        reported(delete::delete(&self.0, pod).await)
+        reported(counted(Op::Delete, delete::delete(&self.0, pod).await))
     }
 
     fn get_pod(&self, key: &PodKey) -> Option<Pod> {

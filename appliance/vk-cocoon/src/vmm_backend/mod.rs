@@ -35,7 +35,8 @@
 //! # Code map
 //! [`config`](BackendConfig) (the environment), `identity` (ids, network policy, sizes),
 //! `records` (the records and the views on them: list, inspect, start, remove), `network`
-//! (lease, TAP, guest re-addressing, probes), `snapshots` (clone, save, inspect, untag), and here
+//! (lease, TAP, guest re-addressing, probes), `snapshots` (clone, save, inspect, untag), `library` (the
+//! snapshot GC's listing and content collection), and here
 //! the backend itself: open, run, and the [`VmBackend`] impl.
 //!
 //! # Operations
@@ -57,17 +58,19 @@
 //! * `remove`: kill every hypervisor of the id, delete its TAP and record (the lease stays until
 //!   `release_ip`). `snapshot_save`: the driver snapshots into a store scratch directory (the VM
 //!   is resumed), the store takes the files (`save_snapshot_moving`) and names them.
-//!   `snapshot_rm` only untags: content is collected by `chrysalis image gc`, which knows every
-//!   VM's use.
+//!   `snapshot_rm` only untags: content is collected by `collect_garbage` (vk-cocoon's snapshot
+//!   GC) or `chrysalis image gc`, each keeping what every live VM of the library uses.
 //!
 //! # Limits
 //! `hypervisors()` is `[qemu]`: the cloud-hypervisor driver has no NIC support (and needs KVM),
 //! so a Pod asking for it is refused by the provider. `network` other than `default`/`egress`, and
-//! sizes beyond the largest class, are refused ([`BackendError::Unsupported`]); `storage` is
-//! ignored (a VM's writable layer is the image's overlay size).
+//! sizes beyond the largest class, are refused ([`BackendError::Unsupported`]). `storage` sizes
+//! the writable disk of a `run` (`BootSpec::overlay_bytes`; below the image's size refused, on an
+//! image without a writable disk ignored with a warning); a clone keeps its snapshot's, as upstream.
 
 mod config;
 mod identity;
+mod library;
 mod network;
 mod records;
 mod snapshots;
@@ -254,6 +257,15 @@ impl VmmBackend {
         let lease = self.network_for(id, Some(policy)).await?;
         let mut spec = image.boot_spec(id, size, AccelPreference::Auto);
         spec.nic = Some(self.net.nic_spec(&lease));
+        match (req.storage_bytes, spec.overlay_base.is_some()) {
+            // `storage` sizes the writable disk (upstream: `cocoon vm run --storage`); the
+            // driver refuses a size below the image's.
+            (Some(b), true) => spec.overlay_bytes = Some(b),
+            (Some(b), false) => {
+                tracing::warn!(vm = %id, bytes = b, image = %req.image, "storage ignored: this image has no writable disk (it writes to guest memory)");
+            }
+            (None, _) => {}
+        }
         let vm =
             self.driver.boot(&spec).await.map_err(|e| failed("booting", format!("VM {id} from {}", req.image), e))?;
         self.lock_attached().insert(vm.id.clone());
@@ -300,9 +312,6 @@ impl VmBackend for VmmBackend {
                 SizeClass::X2Large.memory_mib()
             ),
         })?;
-        if let Some(b) = req.storage_bytes {
-            tracing::info!(vm = %id, bytes = b, "storage size ignored: the VM's writable layer is the image's");
-        }
         self.claim(&id, meta(&req.name, &req.namespace, req.hypervisor, format!("run {}", req.image)))?;
         let t0 = std::time::Instant::now();
         match tracing::Instrument::instrument(self.run_inner(&id, req, size, &policy), span).await {
@@ -369,6 +378,14 @@ impl VmBackend for VmmBackend {
 
     async fn snapshot_rm(&self, snapshot: &SnapshotRef) -> Result<(), BackendError> {
         self.remove_snapshot(snapshot).await
+    }
+
+    async fn library(&self) -> Result<crate::backend::Library, BackendError> {
+        self.list_library().await
+    }
+
+    async fn collect_garbage(&self) -> Result<u64, BackendError> {
+        self.collect_library_garbage().await
     }
 
     async fn probe_agent(&self, id: &str) -> Result<(), BackendError> {

@@ -1,6 +1,6 @@
 //! Snapshots through the `images` store: `clone_vm` (restore with the clone's own NIC, then a
 //! fresh RNG state and the host's time), `snapshot_save`, `snapshot_inspect` and `snapshot_rm` (untag only: content
-//! is collected by `chrysalis image gc`).
+//! is collected by `collect_garbage`, `library.rs`, or `chrysalis image gc`).
 
 use silkd_client::AgentConn;
 use vmm::{AfterSnapshot, RestoreOptions, VmId, AGENT_PORT};

@@ -490,7 +490,9 @@ impl CloudHypervisor {
         let overlay = match overlay_src {
             Some(src) => {
                 let to = jdir.join(OVERLAY);
+                let size = crate::disk::overlay_size(&vm.spec, src)?;
                 disk::clone_file(src, &to).map_err(disk_error)?;
+                size.map_or(Ok(()), |b| crate::disk::grow_raw(&to, b))?;
                 Some(to)
             }
             None => None,

@@ -52,6 +52,7 @@ fn spec(root: &Path, name: &str, size: SizeClass, rootfs: bool) -> BootSpec {
         std::fs::write(img.join("overlay-empty.ext4"), b"ext4-superblock").expect("write overlay");
     }
     BootSpec {
+        overlay_bytes: None,
         name: name.into(),
         kernel: img.join("vmlinux"),
         initrd: img.join("initrd.cpio.gz"),

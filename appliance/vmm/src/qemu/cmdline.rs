@@ -315,6 +315,7 @@ mod tests {
 
     fn spec(rootfs: bool) -> BootSpec {
         BootSpec {
+            overlay_bytes: None,
             name: "rt".into(),
             kernel: "/k/vmlinux".into(),
             initrd: "/k/initrd".into(),

@@ -35,12 +35,14 @@ impl QemuDriver {
         dir: &Path,
         backing: &Path,
         backing_fmt: &str,
+        size: Option<u64>,
     ) -> Result<PathBuf, DriverError> {
         let o = dir.join(files::OVERLAY);
         let args: Vec<String> = ["create", "-q", "-f", "qcow2", "-F", backing_fmt, "-b"]
             .into_iter()
             .map(String::from)
             .chain([backing.display().to_string(), o.display().to_string()])
+            .chain(size.map(|b| b.to_string()))
             .collect();
         process::run(&self.cfg.qemu_img, &args).await?;
         Ok(o)

@@ -382,11 +382,14 @@ impl QemuDriver {
     ) -> Result<(), DriverError> {
         let dir = rec.vm.dir.clone();
         let backing = match origin {
-            Origin::Boot(spec) => spec.overlay_base.as_deref().map(|b| (b, "raw")),
-            Origin::Restore(snap, _) => snap.overlay.as_deref().map(|o| (o, "qcow2")),
+            Origin::Boot(spec) => match spec.overlay_base.as_deref() {
+                Some(b) => Some((b, "raw", crate::disk::overlay_size(spec, b)?)),
+                None => None,
+            },
+            Origin::Restore(snap, _) => snap.overlay.as_deref().map(|o| (o, "qcow2", None)),
         };
         let overlay = match backing {
-            Some((b, fmt)) => Some(self.create_overlay(&dir, b, fmt).await?),
+            Some((b, fmt, size)) => Some(self.create_overlay(&dir, b, fmt, size).await?),
             None => None,
         };
         let incoming = matches!(origin, Origin::Restore(..));

@@ -33,7 +33,12 @@ async fn run_boots_the_image_and_pushes_running_with_annotations() {
     assert_eq!(ann(last, VM_ID), Some(vm.id.clone()));
     assert_eq!(ann(last, VM_IP), vm.ip);
     assert_eq!(ann(last, LIFECYCLE_STATE).as_deref(), Some("ready"));
-    assert_eq!(ann(last, LIFECYCLE_MESSAGE).as_deref(), Some(""), "cleared, not absent: pushes cannot remove");
+    assert_eq!(ann(last, LIFECYCLE_MESSAGE), None);
+    assert_eq!(
+        ann(last, vnode::pod_status::REMOVE_ANNOTATIONS).as_deref(),
+        Some(LIFECYCLE_MESSAGE),
+        "removed from the API Pod, as upstream"
+    );
     // GetPod answers the same view.
     let got = r.provider.get_pod(&PodKey::new("ns", "a")).unwrap();
     assert_eq!(phase(&got), "Running");
@@ -97,7 +102,8 @@ async fn a_failed_run_is_returned_recorded_and_retried() {
     create(&r, &p).await.unwrap();
     let last = r.last();
     assert_eq!(ann(&last, LIFECYCLE_STATE).as_deref(), Some("ready"));
-    assert_eq!(ann(&last, LIFECYCLE_MESSAGE).as_deref(), Some(""), "the failure message is cleared");
+    assert_eq!(ann(&last, LIFECYCLE_MESSAGE), None, "the failure message is removed");
+    assert_eq!(ann(&last, vnode::pod_status::REMOVE_ANNOTATIONS).as_deref(), Some(LIFECYCLE_MESSAGE));
 }
 
 #[tokio::test(start_paused = true)]

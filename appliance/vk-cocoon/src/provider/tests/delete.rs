@@ -146,25 +146,6 @@ async fn a_delete_for_another_pod_generation_is_ignored() {
 // ---------------------------------------------------------------------- UpdatePod
 
 #[tokio::test(start_paused = true)]
-async fn update_stores_and_answers_hibernate_once() {
-    let mut r = Rig::new();
-    let a = run_pod("a", "vm-a", &[]);
-    create(&r, &a).await.unwrap();
-    r.drain();
-    r.provider.update_pod(&a).await.unwrap();
-    assert!(r.drain().is_empty(), "a plain resync pushes nothing");
-    let h = run_pod("a", "vm-a", &[(HIBERNATE, "true")]);
-    r.provider.update_pod(&h).await.unwrap();
-    r.provider.update_pod(&h).await.unwrap();
-    assert_eq!(r.events.reasons(), [events::HIBERNATE_UNSUPPORTED]);
-    let p = r.drain();
-    assert_eq!(p.len(), 1);
-    assert!(ann(&p[0], LIFECYCLE_MESSAGE).unwrap().contains("not supported"));
-    assert_eq!(ann(&p[0], LIFECYCLE_STATE).as_deref(), Some("ready"), "the VM keeps running");
-    assert!(r.backend.vms().len() == 1 && r.backend.calls().len() == 1);
-}
-
-#[tokio::test(start_paused = true)]
 async fn a_new_pod_under_the_key_takes_over_or_retires_the_vm() {
     let r = Rig::new();
     let a = run_pod("a", "vm-a", &[]);

@@ -40,3 +40,15 @@ async fn each_running_pod_reports_its_vms_usage_as_its_first_container() {
     delete(&r, &run_pod("a", "vm-a", &[])).await.unwrap();
     assert!(r.provider.pod_usage().await.iter().all(|u| u.pod.name != "a"));
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_registry_carries_the_cocoon_samples_and_the_table_size() {
+    let r = Rig::new();
+    create(&r, &run_pod("a", "vm-a", &[])).await.unwrap();
+    let mut registry = prometheus_client::registry::Registry::default();
+    r.provider.register_metrics(&mut registry);
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+    assert!(out.contains("cocoon_vk_vm_table_size 1\n"), "{out}");
+    assert!(out.contains("cocoon_vk_pod_lifecycle_total{op=\"create\",result=\"success\"}"), "{out}");
+}

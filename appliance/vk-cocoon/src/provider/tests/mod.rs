@@ -133,6 +133,7 @@ async fn delete(r: &Rig, p: &Pod) -> Result<(), String> {
 
 mod create;
 mod delete;
+mod hibernate;
 mod loops;
 mod metrics;
 mod namespaces;

@@ -1,0 +1,361 @@
+//! Hibernation (`vm.cocoonstack.io/hibernate`, as upstream vk-cocoon's UpdatePod serves it,
+//! `docs/virtual-node.md` §3.6) and the two VM sources that restore a saved VM instead of
+//! booting the image: `restore-from-hibernate` and `fork-from`.
+//!
+//! * **Hibernate** (the annotation becomes `"true"` on a running managed Pod): lifecycle
+//!   `hibernating` → the VM is saved as `<vm-name>:hibernate` through the VMM's snapshot (it
+//!   keeps running meanwhile) → removed; its address lease is *kept* → lifecycle `hibernated`,
+//!   Normal `Hibernated`, the Pod is `Pending` (no VM, so no container runs) and keeps
+//!   `vm.cocoonstack.io/id` and `ip`. A failed save (Warning `HibernateSnapshotFailed`) or
+//!   remove (Warning `HibernateRemoveFailed`, the saved snapshot dropped) leaves the VM running
+//!   with lifecycle `failed` and returns the error, so the runtime retries.
+//! * **Wake** (the annotation is anything else while hibernated): lifecycle `creating` → the
+//!   VM is restored from `<vm-name>:hibernate` under its own id, so the kept lease gives it the
+//!   same address (no re-addressing: the guest already has it) → the snapshot is dropped,
+//!   Normal `Woken`, lifecycle `ready`, the probe loop again. A failed restore (Warning
+//!   `WakeCloneFailed`) keeps the snapshot and is retried.
+//! * **CreatePod of a Pod whose `<vm-name>:hibernate` exists** (a provider restart while it
+//!   was hibernated, or a new Pod for a hibernated name): tracked as hibernated while the Pod
+//!   asks for it, else woken. `restore-from-hibernate: "true"` without that snapshot fails the
+//!   create with `SnapshotMissing`.
+//! * **Fork** (`fork-from: <vm-name>`): the running VM of that name (tracked, of a namespace
+//!   this Pod may clone from) is saved once as `fork-<vm-name>:latest` (it keeps running) and
+//!   the new VM is a clone of that snapshot, re-addressed like every clone. A source that does
+//!   not run fails the create (retried).
+//!
+//! Upstream (cocoonstack/vk-cocoon `provider/cocoon/hibernate.go`, `create.go`) pushes the
+//! snapshot to a registry and releases the address; here the image library is the registry and
+//! the address stays reserved, so a woken Pod keeps its IP. Who flips the annotation is up to
+//! the user or [`crate::hibernation`] (the `CocoonHibernation` objects).
+
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Pod;
+use vnode::error_chain;
+
+use super::error::{bring_up_failed, check_namespace, CocoonProviderError};
+use super::loops;
+use crate::annotations::{self, VmSpec};
+use crate::backend::{BackendError, CloneRequest, Hypervisor, SnapshotRef, VmInfo, VmState};
+use crate::events;
+use crate::namespaces::Use;
+use crate::shared::{namespace_of, Lifecycle, Shared};
+
+/// The tag a hibernated VM is saved under (`<vm-name>:hibernate`, as upstream).
+pub(crate) const HIBERNATE_TAG: &str = "hibernate";
+
+/// `<vm-name>:hibernate`.
+pub(crate) fn hibernation_of(vm_name: &str) -> SnapshotRef {
+    SnapshotRef::new(vm_name, HIBERNATE_TAG)
+}
+
+/// `fork-<vm-name>:latest`, the snapshot a fork of `vm_name` clones (saved once).
+pub(crate) fn fork_of(vm_name: &str) -> SnapshotRef {
+    SnapshotRef::latest(format!("fork-{vm_name}"))
+}
+
+/// Marks the entry `busy` with `lifecycle` and returns its Pod and VM, if it is still `gen`,
+/// managed, not evicted, not busy, and hibernated as `hibernated` says.
+fn take(s: &Shared, key: &str, gen: u64, hibernated: bool, lifecycle: Lifecycle) -> Option<(Pod, VmInfo)> {
+    let mut g = s.lock();
+    let e = g
+        .entries
+        .get_mut(key)
+        .filter(|e| e.gen == gen && e.spec.managed && e.terminal.is_none() && !e.busy && e.hibernated == hibernated)?;
+    e.busy = true;
+    e.lifecycle = lifecycle;
+    e.message = None;
+    e.stop_probe();
+    Some((e.pod.clone(), e.vm.clone()))
+}
+
+/// Ends a failed hibernate or wake: the entry is released with lifecycle `failed` and `why`,
+/// a Warning `reason` is recorded and the probe loop restarted (the VM, if any, still runs).
+async fn failed(
+    s: &Arc<Shared>,
+    key: &str,
+    gen: u64,
+    pod: &Pod,
+    reason: &str,
+    e: CocoonProviderError,
+) -> CocoonProviderError {
+    let msg = error_chain(&e);
+    s.event(pod, true, reason, &msg);
+    let running = {
+        let mut g = s.lock();
+        match g.entries.get_mut(key).filter(|e| e.gen == gen) {
+            Some(entry) => {
+                entry.lifecycle = Lifecycle::Failed;
+                entry.message = Some(msg);
+                !entry.hibernated
+            }
+            None => false,
+        }
+    };
+    if running {
+        loops::finish(s, key, gen).await;
+    } else {
+        if let Some(entry) = s.lock().entries.get_mut(key).filter(|e| e.gen == gen) {
+            entry.busy = false;
+        }
+        s.push_entry(key, gen);
+    }
+    e
+}
+
+/// Hibernates the VM of the entry at `key` (see the module docs).
+#[tracing::instrument(name = "hibernate", skip_all, fields(pod = %key))]
+pub(super) async fn hibernate(s: &Arc<Shared>, key: &str, gen: u64) -> Result<(), CocoonProviderError> {
+    let Some((pod, vm)) = take(s, key, gen, false, Lifecycle::Hibernating) else { return Ok(()) };
+    s.push_entry(key, gen);
+    let snapshot = hibernation_of(&vm.name);
+    let owner = s.cfg.namespaces.owner(vm.namespace.as_deref()).to_owned();
+    let snap_err = |source: BackendError| CocoonProviderError::Snapshot {
+        key: key.to_owned(),
+        id: vm.id.clone(),
+        snapshot: snapshot.clone(),
+        source: Box::new(source),
+    };
+    if let Err(source) = s.backend.snapshot_save(&vm.id, &snapshot, &owner).await {
+        return Err(failed(s, key, gen, &pod, events::HIBERNATE_SNAPSHOT_FAILED, snap_err(source)).await);
+    }
+    if let Err(source) = s.backend.remove(&vm.id).await {
+        if let Err(e) = s.backend.snapshot_rm(&snapshot).await {
+            tracing::warn!(%snapshot, error = %error_chain(&e), "dropping the snapshot of a failed hibernate failed");
+        }
+        let e = CocoonProviderError::Remove { key: key.to_owned(), id: vm.id.clone(), source };
+        return Err(failed(s, key, gen, &pod, events::HIBERNATE_REMOVE_FAILED, e).await);
+    }
+    {
+        let mut g = s.lock();
+        if let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen) {
+            e.hibernated = true;
+            e.lifecycle = Lifecycle::Hibernated;
+            e.vm.state = VmState::Stopped;
+            e.probe_ok = false;
+            e.busy = false;
+        }
+    }
+    let ip = vm.ip.as_deref().unwrap_or("none");
+    tracing::info!(vm = %vm.id, %snapshot, ip, "hibernated");
+    s.event(
+        &pod,
+        false,
+        events::HIBERNATED,
+        &format!("VM {} saved as {snapshot} and stopped; its address {ip} stays reserved", vm.id),
+    );
+    s.push_entry(key, gen);
+    Ok(())
+}
+
+/// Wakes the hibernated VM of the entry at `key` (see the module docs).
+#[tracing::instrument(name = "wake", skip_all, fields(pod = %key))]
+pub(super) async fn wake(s: &Arc<Shared>, key: &str, gen: u64) -> Result<(), CocoonProviderError> {
+    let Some((pod, vm)) = take(s, key, gen, true, Lifecycle::Creating) else { return Ok(()) };
+    s.push_entry(key, gen);
+    let hypervisor = vm.hypervisor;
+    match restore(s, &pod, &vm.name, hypervisor).await {
+        Ok(woken) => {
+            {
+                let mut g = s.lock();
+                if let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen) {
+                    e.vm = woken;
+                    e.hibernated = false;
+                    e.lifecycle = Lifecycle::Ready;
+                }
+            }
+            loops::finish(s, key, gen).await;
+            Ok(())
+        }
+        Err(source) => {
+            let e = CocoonProviderError::BringUp {
+                key: key.to_owned(),
+                what: format!("VM {} (wake from {})", vm.name, hibernation_of(&vm.name)),
+                source,
+            };
+            Err(failed(s, key, gen, &pod, events::WAKE_CLONE_FAILED, e).await)
+        }
+    }
+}
+
+/// Restores `vm_name` from its hibernation snapshot, drops the snapshot and records `Woken`.
+async fn restore(s: &Shared, pod: &Pod, vm_name: &str, hypervisor: Hypervisor) -> Result<VmInfo, BackendError> {
+    let snapshot = hibernation_of(vm_name);
+    let req = CloneRequest {
+        name: vm_name.to_owned(),
+        namespace: namespace_of(pod),
+        snapshot: snapshot.clone(),
+        network: annotations::value(pod, annotations::NETWORK).map(str::to_owned),
+        shared_network: annotations::value(pod, annotations::SHARED_NETWORK).map(str::to_owned),
+        hypervisor,
+    };
+    let vm = s.backend.clone_vm(&req).await?;
+    if let Err(e) = s.backend.snapshot_rm(&snapshot).await {
+        tracing::warn!(%snapshot, error = %error_chain(&e), "dropping the hibernation snapshot after the wake failed");
+    }
+    let ip = vm.ip.as_deref().unwrap_or("none");
+    s.event(pod, false, events::WOKEN, &format!("VM {} restored from {snapshot} with address {ip}", vm.id));
+    Ok(vm)
+}
+
+/// CreatePod of a managed Pod whose VM was hibernated: `Some` when it was served here
+/// (tracked as hibernated, or woken), `None` when there is nothing hibernated to serve.
+pub(super) async fn create_from_hibernation(
+    s: &Arc<Shared>,
+    key: &str,
+    pod: &Pod,
+    spec: &VmSpec,
+    hypervisor: Hypervisor,
+) -> Result<Option<()>, CocoonProviderError> {
+    let snapshot = hibernation_of(&spec.vm_name);
+    let ns = namespace_of(pod);
+    let info = match s.backend.snapshot_inspect(&snapshot).await {
+        Ok(info) => info,
+        Err(source) => {
+            let what = format!("VM {} (looking up snapshot {snapshot})", spec.vm_name);
+            return Err(bring_up_failed(s, pod, CocoonProviderError::BringUp { key: key.to_owned(), what, source }));
+        }
+    };
+    let Some(info) = info else {
+        if spec.restore_from_hibernate {
+            let e = CocoonProviderError::SnapshotMissing { key: key.to_owned(), snapshot };
+            return Err(bring_up_failed(s, pod, e));
+        }
+        return Ok(None);
+    };
+    check_namespace(s, key, &ns, info.namespace.as_deref(), || format!("snapshot {snapshot}"), Use::Clone)?;
+    if spec.hibernate {
+        // Still asked to sleep: track it as it was, with the id and address it had.
+        let vm = VmInfo {
+            id: annotations::value(pod, annotations::VM_ID).unwrap_or_default().to_owned(),
+            name: spec.vm_name.clone(),
+            namespace: Some(ns),
+            ip: annotations::value(pod, annotations::VM_IP).map(str::to_owned),
+            state: VmState::Stopped,
+            hypervisor,
+        };
+        let gen = s.insert_entry(key, pod, spec.clone(), vm, Lifecycle::Hibernated);
+        if let Some(e) = s.lock().entries.get_mut(key).filter(|e| e.gen == gen) {
+            e.hibernated = true;
+            e.busy = false;
+        }
+        tracing::info!(%snapshot, "tracking a hibernated VM");
+        s.push_entry(key, gen);
+        return Ok(Some(()));
+    }
+    s.push_pending(pod, Lifecycle::Creating, None);
+    let vm = match restore(s, pod, &spec.vm_name, hypervisor).await {
+        Ok(vm) => vm,
+        Err(source) => {
+            let what = format!("VM {} (wake from {snapshot})", spec.vm_name);
+            let e = CocoonProviderError::BringUp { key: key.to_owned(), what, source };
+            return Err(bring_up_failed(s, pod, e));
+        }
+    };
+    tracing::Span::current().record("vm", vm.id.as_str());
+    let gen = s.insert_entry(key, pod, spec.clone(), vm, Lifecycle::Ready);
+    loops::finish(s, key, gen).await;
+    Ok(Some(()))
+}
+
+/// The snapshot a `fork-from` Pod clones: `fork-<source>:latest`, saved from the source's
+/// running VM the first time (the source keeps running). The source must be a tracked, running
+/// VM of a namespace this Pod may clone from.
+pub(super) async fn fork_source(
+    s: &Arc<Shared>,
+    key: &str,
+    pod: &Pod,
+    source: &str,
+) -> Result<SnapshotRef, CocoonProviderError> {
+    let ns = namespace_of(pod);
+    let snapshot = fork_of(source);
+    let bring_up = |what: String, source: BackendError| {
+        bring_up_failed(s, pod, CocoonProviderError::BringUp { key: key.to_owned(), what, source })
+    };
+    match s.backend.snapshot_inspect(&snapshot).await {
+        Ok(Some(info)) => {
+            check_namespace(s, key, &ns, info.namespace.as_deref(), || format!("snapshot {snapshot}"), Use::Clone)?;
+            return Ok(snapshot);
+        }
+        Ok(None) => {}
+        Err(e) => return Err(bring_up(format!("fork of {source} (looking up {snapshot})"), e)),
+    }
+    let vm = {
+        let g = s.lock();
+        g.entries
+            .values()
+            .find(|e| e.spec.managed && e.terminal.is_none() && !e.hibernated && e.spec.vm_name == source)
+            .map(|e| e.vm.clone())
+    };
+    let Some(vm) = vm.filter(|v| v.state == VmState::Running) else {
+        let what = format!("fork of {source}");
+        let e = BackendError::NotFound { what: format!("a running VM named {source} on this node") };
+        return Err(bring_up(what, e));
+    };
+    check_namespace(s, key, &ns, vm.namespace.as_deref(), || format!("VM {source}"), Use::Clone)?;
+    let owner = s.cfg.namespaces.owner(vm.namespace.as_deref()).to_owned();
+    s.backend
+        .snapshot_save(&vm.id, &snapshot, &owner)
+        .await
+        .map_err(|e| bring_up(format!("fork of {source} (saving {snapshot})"), e))?;
+    tracing::info!(%snapshot, source, "saved the fork snapshot");
+    Ok(snapshot)
+}
+
+/// What a `CocoonHibernation` sees of the Pod it names ([`super::CocoonProvider::apply_hibernations`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HibernationView {
+    /// `vm.cocoonstack.io/name`.
+    pub vm_name: String,
+    /// The VM is saved and stopped.
+    pub hibernated: bool,
+    /// A hibernate or wake is running.
+    pub busy: bool,
+    pub lifecycle: Lifecycle,
+}
+
+impl super::CocoonProvider {
+    /// Sets the hibernation desires of `CocoonHibernation` objects (Pod key → `true`:
+    /// Hibernate, `false`: Wake; a tracked Pod missing from the map falls back to its
+    /// annotation), starts the hibernates and wakes they call for (on their own tasks), and
+    /// returns what each named, tracked Pod looks like now.
+    pub fn apply_hibernations(
+        &self,
+        desires: &std::collections::BTreeMap<String, bool>,
+    ) -> std::collections::BTreeMap<String, HibernationView> {
+        let s = &self.0;
+        let mut due = Vec::new();
+        let mut views = std::collections::BTreeMap::new();
+        {
+            let mut g = s.lock();
+            for (key, e) in g.entries.iter_mut() {
+                e.desire = desires.get(key).copied();
+                if !e.spec.managed || e.terminal.is_some() {
+                    continue;
+                }
+                if !e.busy && e.wants_sleep() != e.hibernated {
+                    due.push((key.clone(), e.gen, e.hibernated));
+                }
+                if e.desire.is_some() {
+                    let view = HibernationView {
+                        vm_name: e.spec.vm_name.clone(),
+                        hibernated: e.hibernated,
+                        busy: e.busy,
+                        lifecycle: e.lifecycle,
+                    };
+                    views.insert(key.clone(), view);
+                }
+            }
+        }
+        for (key, gen, hibernated) in due {
+            let s = s.clone();
+            tokio::spawn(async move {
+                let r = if hibernated { wake(&s, &key, gen).await } else { hibernate(&s, &key, gen).await };
+                if let Err(e) = r {
+                    tracing::warn!(pod = %key, error = %error_chain(&e), "a CocoonHibernation's request failed; retried on its next pass");
+                }
+            });
+        }
+        views
+    }
+}
