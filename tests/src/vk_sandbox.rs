@@ -50,7 +50,38 @@ pub struct NodeEnv {
     /// Cluster, provider and node name.
     pub node: VirtualNode,
     pub sandboxd: Harness,
+    /// The binaries, for [`NodeEnv::add_box`].
+    bins: (PathBuf, PathBuf),
     stopped: bool,
+}
+
+/// Another box of the fleet on the same control plane ([`NodeEnv::add_box`]): its own sandboxd
+/// (same node token as every harness) and vk-sandbox joined as its own node. Dropping it
+/// kills both and its VMs.
+pub struct FleetBox {
+    _dir: tempfile::TempDir,
+    pub node_name: String,
+    pub sandboxd: Harness,
+    pub provider: Provider,
+}
+
+impl FleetBox {
+    /// `kill -9` of its sandboxd and its vk-sandbox (the VMs stay, as on a box that died).
+    pub fn kill9(&mut self) {
+        self.sandboxd.kill9();
+        self.provider.kill9();
+    }
+}
+
+impl Drop for FleetBox {
+    fn drop(&mut self) {
+        self.provider.stop();
+        self.sandboxd.kill_everything();
+        let left = crate::sandboxd::wait_for_gone(&self.sandboxd.dir.path().display().to_string());
+        if !left.is_empty() {
+            eprintln!("QEMU processes of box {} survived teardown: {left:?}", self.node_name);
+        }
+    }
 }
 
 derefs_to_virtual_node!(NodeEnv, node);
@@ -66,35 +97,49 @@ impl NodeEnv {
         for pool in &spec.pools {
             sandboxd.wait_full(&pool.template);
         }
-        let sandboxd_token = sandboxd.dir.path().join("token");
-        let s = |p: &Path| p.display().to_string();
-        let mut args: Vec<String> = vec![
-            "--node-name".into(),
-            spec.node_name.into(),
-            "--listen-addr".into(),
-            format!("127.0.0.1:{}", free_port()),
-            "--sandboxd-url".into(),
-            format!("http://{}", sandboxd.addr),
-            "--sandboxd-token-file".into(),
-            s(&sandboxd_token),
-            "--state-path".into(),
-            s(&dir.join("vk/claims.json")),
-        ];
-        args.extend(VirtualNode::join_args(&cluster, &dir)?);
-        args.extend(spec.extra_args);
+        let args = provider_args(spec.node_name, &sandboxd, &dir, &cluster, spec.extra_args)?;
         let provider = Provider::new(
             "vk-sandbox",
-            spec.provider_bin,
+            spec.provider_bin.clone(),
             args,
             Vec::new(),
             "info,vk_sandbox=debug,vnode=debug,kstream=debug,silkd_client=debug",
             dir.clone(),
         );
         let node = VirtualNode { opts, cluster, provider, node_name: spec.node_name.into(), ready_within: RUNNING };
-        let mut env = NodeEnv { _dir: dir_guard, dir, node, sandboxd, stopped: false };
+        let bins = (spec.sandboxd_bin, spec.provider_bin);
+        let mut env = NodeEnv { _dir: dir_guard, dir, node, sandboxd, bins, stopped: false };
         env.provider.ensure_running()?;
         env.wait_node_ready()?;
         Ok(env)
+    }
+
+    /// Starts another box on this control plane: a sandboxd with `pools` (filled before it
+    /// returns) and a vk-sandbox joined as `node_name` with `extra_args`; waits for its Node to
+    /// be Ready.
+    pub fn add_box(
+        &self,
+        node_name: &str,
+        pools: Vec<PoolConfig>,
+        extra_args: Vec<String>,
+    ) -> Result<FleetBox, String> {
+        let dir_guard = tempfile::Builder::new().prefix("vkbox").tempdir_in("/tmp").map_err(|e| e.to_string())?;
+        let dir = dir_guard.path().to_path_buf();
+        self.cluster.bind_node("vk-sandbox", node_name).map_err(|e| format!("binding the node's RBAC: {e}"))?;
+        let sandboxd = Harness::with_config(&self.bins.0, pools.clone(), |_| {});
+        for pool in &pools {
+            sandboxd.wait_full(&pool.template);
+        }
+        let args = provider_args(node_name, &sandboxd, &dir, &self.cluster, extra_args)?;
+        let mut provider =
+            Provider::new("vk-sandbox", self.bins.1.clone(), args, Vec::new(), "info,vk_sandbox=debug", dir.clone());
+        provider.ensure_running()?;
+        let b = FleetBox { _dir: dir_guard, node_name: node_name.into(), sandboxd, provider };
+        crate::suite::poll(&format!("node {node_name} Ready"), RUNNING, || {
+            let node = self.get(&["node", node_name])?;
+            Ok(node.filter(|n| crate::suite::condition(n, "Ready").is_some_and(|c| c["status"] == "True")))
+        })?;
+        Ok(b)
     }
 
     /// Stops the provider (SIGTERM), the cluster, sandboxd and every QEMU of this environment.
@@ -136,6 +181,32 @@ impl NodeEnv {
     pub fn wait_pool_full(&self, template: &str) {
         self.sandboxd.wait_full(template);
     }
+}
+
+/// vk-sandbox's flags for node `node` in front of `sandboxd`, state under `dir`.
+fn provider_args(
+    node: &str,
+    sandboxd: &Harness,
+    dir: &Path,
+    cluster: &crate::cluster::Cluster,
+    extra: Vec<String>,
+) -> Result<Vec<String>, String> {
+    let s = |p: &Path| p.display().to_string();
+    let mut args: Vec<String> = vec![
+        "--node-name".into(),
+        node.into(),
+        "--listen-addr".into(),
+        format!("127.0.0.1:{}", free_port()),
+        "--sandboxd-url".into(),
+        format!("http://{}", sandboxd.addr),
+        "--sandboxd-token-file".into(),
+        s(&sandboxd.dir.path().join("token")),
+        "--state-path".into(),
+        s(&dir.join("vk/claims.json")),
+    ];
+    args.extend(VirtualNode::join_args(cluster, dir)?);
+    args.extend(extra);
+    Ok(args)
 }
 
 impl Drop for NodeEnv {

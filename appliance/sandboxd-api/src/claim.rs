@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The `POST /v1/claim` body. Unknown fields are accepted: the SDK and vk-sandbox may send
-/// `no_redirect`, `metadata`, `on_expire`, `egress`, which this node does not read.
+/// `metadata`, `on_expire`, `egress`, which this node does not read.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClaimRequest {
     /// Template name (an empty or malformed one is refused, `400`).
@@ -31,6 +31,10 @@ pub struct ClaimRequest {
     /// linked at `/dev/volumes/<name>` in the guest.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volumes_attach_only: Option<bool>,
+    /// Serve the claim here, never answer with a redirect (the SDK sets it on the resend to a
+    /// peer; vk-sandbox always: its Pod is bound to this node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_redirect: Option<bool>,
 }
 
 impl ClaimRequest {
@@ -126,6 +130,7 @@ mod tests {
             require_promoted: None,
             volumes: None,
             volumes_attach_only: None,
+            no_redirect: None,
         };
         assert_eq!(
             wire(&full),
@@ -138,7 +143,7 @@ mod tests {
             "template": "base", "no_redirect": true, "metadata": {"a": "b"}, "volumes": [{"name": "v"}], "net": null
         }))
         .expect("unknown fields");
-        assert_eq!(sdk.template, "base");
+        assert_eq!((sdk.template.as_str(), sdk.no_redirect), ("base", Some(true)));
         assert_eq!(sdk.net, None, "null is absent");
         assert_eq!(sdk.volumes.map(|v| v.len()), Some(1));
         assert_eq!(serde_json::from_str::<ClaimRequest>("{}").expect("empty"), ClaimRequest::default());

@@ -117,6 +117,40 @@ pub struct Peers {
     pub peers: Vec<String>,
 }
 
+/// Chrysalis extension, `PUT /v1/peers` (root): the other boxes of the cluster as the node's
+/// provider reads them from their `NodeInventory` objects. It replaces what the node knew and
+/// holds for `ttl_seconds` (a provider that stops pushing leaves the node alone again).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerReport {
+    /// The other boxes (fresh ones only; the node drops its own address if listed).
+    pub peers: Vec<PeerBox>,
+    /// How long the report holds, seconds (at least 1).
+    pub ttl_seconds: u64,
+}
+
+/// One other box in a [`PeerReport`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerBox {
+    /// Its sandboxd's advertised address (`host:port`, or an origin), where the SDK resends a
+    /// redirected claim.
+    pub addr: String,
+    /// Its pools' warm VMs.
+    #[serde(default)]
+    pub pools: Vec<PeerPool>,
+}
+
+/// A pool of a [`PeerBox`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerPool {
+    /// The pool.
+    pub key: Key,
+    /// Its warm VMs when the box last published.
+    pub warm: usize,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -47,6 +47,6 @@ pub use claim::{ClaimReply, ClaimRequest, Grant, RenewRequest, Renewed};
 pub use config::{Config, NetworkConfig, PoolConfig, VolumeConfig};
 pub use error::ErrorBody;
 pub use exec::{ExecRequest, ExecResult};
-pub use info::{BudgetInfo, Info, Key, Peers, PoolInfo, PoolList};
+pub use info::{BudgetInfo, Info, Key, PeerBox, PeerPool, PeerReport, Peers, PoolInfo, PoolList};
 pub use sandbox::{Owner, SandboxList, SandboxRow, Stats};
 pub use volume::{CatalogVolume, SandboxVolumes, VolumeCatalog, VolumeSpec, VolumeState, VolumesPatch, VolumesPut};

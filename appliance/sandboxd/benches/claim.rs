@@ -33,9 +33,9 @@ fn ms(d: Duration) -> String {
 }
 
 const CLAIMS: usize = 1000;
-/// Phases that each take `CLAIMS` VMs from the pool: HTTP with refill running, over TLS, with
-/// idle connections open, HTTP with refill stopped, in-process.
-const PHASES: usize = 5;
+/// Phases that each take `CLAIMS` VMs from the pool: HTTP with refill running, redirected from
+/// a peer, over TLS, with idle connections open, HTTP with refill stopped, in-process.
+const PHASES: usize = 6;
 
 fn figure(name: &str, lat: &mut [Duration], target: &str) -> Result<()> {
     lat.sort();
@@ -172,6 +172,16 @@ async fn claim_latency() -> Result<()> {
         CLAIMS as f64 / total.as_secs_f64()
     );
 
+    // 1b. A claim redirected from a box with no warm VM (issue #19), shaped as SDK 0.1.19 sends
+    //     it: the claim at the empty box, its `{"redirect"}` answer, the resend to the named
+    //     peer with `no_redirect` (each box over its own keep-alive connection).
+    let mut lat = redirected_claims(&dir, addr).await?;
+    figure(
+        "claim redirected from an empty box to a warm peer, over HTTP (2 requests)",
+        &mut lat,
+        "target: a warm local claim plus one loopback round trip (compare the first figure)",
+    )?;
+
     // 2. The same over TLS (one keep-alive connection; the handshake is not in the figures).
     let (mut lat, _) = http_claims(tls(tls_addr, cert_der).await?).await?;
     figure("claim latency over TLS, auth on, refill running", &mut lat, "reported separately (no target)")?;
@@ -223,6 +233,52 @@ async fn claim_latency() -> Result<()> {
     let mut floor = healthz_round_trips(addr).await?;
     figure("GET /healthz over HTTP (the loopback HTTP floor)", &mut floor, "diagnostic: no claim work at all")?;
     Ok(())
+}
+
+/// `CLAIMS` SDK-shaped claims that start at a second, empty node whose peer report names the
+/// node at `warm` (the one every phase claims from) as warm.
+async fn redirected_claims(dir: &tempfile::TempDir, warm: std::net::SocketAddr) -> Result<Vec<Duration>> {
+    let driver = sandboxd::test_utils::FakeDriver::new(&dir.path().join("empty"));
+    let mut opts =
+        sandboxd::node::NodeOptions::new(dir.path().join("empty/data"), sandboxd::test_utils::fake_catalog());
+    opts.api_token = Some(ROOT.into());
+    opts.pools = vec![sandboxd::config::PoolConfig::warm("base", 0)];
+    let empty = sandboxd::Node::start(driver, opts).await?;
+    let key = sandboxd_api::Key { template: "base".into(), net: "none".into(), size: "small".into() };
+    let peer =
+        sandboxd_api::PeerBox { addr: warm.to_string(), pools: vec![sandboxd_api::PeerPool { key, warm: CLAIMS }] };
+    empty.set_peers(sandboxd_api::PeerReport { peers: vec![peer], ttl_seconds: 3600 })?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let entry = listener.local_addr()?;
+    tokio::spawn(sandboxd::http::serve(listener, Arc::clone(&empty), None, std::future::pending()));
+    let (mut at_entry, mut at_peer) = (plain(entry).await?, plain(warm).await?);
+    let post = |body: &'static [u8]| {
+        hyper::Request::post("/v1/claim")
+            .header("host", "sandboxd")
+            .header("authorization", format!("Bearer {ROOT}"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(body)))
+    };
+    let mut lat = Vec::with_capacity(CLAIMS);
+    for _ in 0..CLAIMS {
+        let t = Instant::now();
+        at_entry.ready().await?;
+        let resp = at_entry.send_request(post(br#"{"template":"base","ttl_seconds":600}"#)?).await?;
+        let reply: sandboxd_api::ClaimReply = serde_json::from_slice(&resp.into_body().collect().await?.to_bytes())?;
+        if reply.redirect.first().map(String::as_str) != Some(&warm.to_string()) {
+            bail!("the empty box did not redirect to its warm peer: {:?}", reply.redirect);
+        }
+        at_peer.ready().await?;
+        let resp = at_peer.send_request(post(br#"{"template":"base","ttl_seconds":600,"no_redirect":true}"#)?).await?;
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await?.to_bytes();
+        lat.push(t.elapsed());
+        if !status.is_success() {
+            bail!("the redirected claim answered {status}: {}", String::from_utf8_lossy(&bytes));
+        }
+    }
+    empty.shutdown();
+    Ok(lat)
 }
 
 fn main() -> Result<()> {

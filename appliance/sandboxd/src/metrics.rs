@@ -83,6 +83,8 @@ pub struct Metrics {
     pub claims_no_capacity: Counter,
     /// Claims refused: draining.
     pub claims_draining: Counter,
+    /// Claims answered with a redirect to peers with warm VMs (this pool had none).
+    pub claims_redirected: Counter,
     /// Claims refused for another reason (bad request, journal failure, unknown template).
     pub claims_failed: Counter,
     /// How long `Node::claim` took, granted or refused.
@@ -258,6 +260,7 @@ impl Collector for Scrape {
                 (&[("result", "granted"), ("tier", "on_demand")], m.claims_on_demand.get()),
                 (&[("result", "no_capacity"), ("tier", "")], m.claims_no_capacity.get()),
                 (&[("result", "draining"), ("tier", "")], m.claims_draining.get()),
+                (&[("result", "redirected"), ("tier", "")], m.claims_redirected.get()),
                 (&[("result", "error"), ("tier", "")], m.claims_failed.get()),
             ],
         )?;

@@ -27,6 +27,7 @@
 mod branch;
 mod claim;
 mod hibernate;
+pub mod peers;
 mod promote;
 mod volumes;
 
@@ -130,6 +131,8 @@ pub struct Node {
     promoted: crate::promoted::PromotedStore,
     /// The volume catalog.
     volume_catalog: crate::volumes::Catalog,
+    /// The other boxes of the cluster, as the provider last reported them.
+    peers: Mutex<peers::PeerTable>,
     /// One hibernate or wake at a time per sandbox.
     transitions: Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     cancel: CancellationToken,
@@ -213,6 +216,7 @@ impl Node {
             previews: opts.previews,
             promoted,
             volume_catalog,
+            peers: Mutex::default(),
             transitions: Mutex::default(),
             cancel: CancellationToken::new(),
         });
@@ -345,7 +349,7 @@ impl Node {
             draining: self.draining(),
             at_capacity: reason.is_some(),
             at_capacity_reason: reason,
-            peers: Vec::new(),
+            peers: self.peer_addrs(),
             advertise_addr: self.advertise_addr.clone(),
             pools,
             budget: BudgetInfo {

@@ -726,6 +726,9 @@ mod relay;
 #[path = "api/secure.rs"]
 mod secure;
 
+#[path = "api/peers.rs"]
+mod peers;
+
 /// The public Python SDK (`cocoonstack-sandbox` 0.1.19 from PyPI), unmodified, against a
 /// loopback server. `cargo xtask test` installs it in a venv and points `CHRYSALIS_PYTHON` at
 /// that venv's interpreter; a plain `cargo test` reports this test as ignored, with the reason.

@@ -4,7 +4,8 @@
 //! Code map: [`annotations`] (the Pod contract's inputs), [`sandboxd`] (the HTTP client),
 //! [`state`] (the claims state file), [`authority`] (the delete verdict), [`status`] (pushed
 //! status shapes), [`provider`] ([`SandboxProvider`], the `vnode::Provider`: its table, the
-//! `create`, `delete` and `loops` modules, on `vnode::kit`).
+//! `create`, `delete` and `loops` modules, on `vnode::kit`), [`inventory`] (the fleet:
+//! `NodeInventory`, warm capacity on the Node, the peer report to sandboxd).
 //!
 //! Architecture invariant: no VM is released on ambiguity — only on a positive owner verdict
 //! or a listing that confirms absence.
@@ -13,6 +14,7 @@
 
 pub mod annotations;
 pub mod authority;
+pub mod inventory;
 pub mod provider;
 pub mod sandboxd;
 pub mod state;

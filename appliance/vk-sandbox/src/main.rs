@@ -24,6 +24,8 @@ use foundation::quantity;
 use k8s_openapi::api::core::v1::Taint;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use vk_sandbox::authority::KubeOwners;
+use vk_sandbox::inventory::{InventoryConfig, Publisher};
+use vk_sandbox::provider::BackgroundLoops;
 use vk_sandbox::sandboxd::SandboxdClient;
 use vk_sandbox::{status, ProviderConfig, SandboxProvider};
 use vnode::session::{terminated, JoinArgs, Session};
@@ -101,12 +103,25 @@ struct Cli {
     /// Audit-only orphan scan period (0 = off).
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     orphan_scan_interval: Duration,
-    /// Publish a NodeInventory object (not supported yet: refused when true).
+    /// Publish this node's NodeInventory (sandbox.cocoonstack.io/v1beta1, named after the node:
+    /// its sandboxd address, pools and sandboxes; needs manifests/nodeinventory-crd.yaml) and
+    /// tell sandboxd the other boxes of the fleet from theirs (PUT /v1/peers), so that it
+    /// redirects an SDK claim it has no warm VM for to a box that has one.
     #[arg(long, default_value_t = false)]
     publish_inventory: bool,
-    /// NodeInventory publish period.
+    /// How often the inventory is published and the warm capacity refreshed; also a second
+    /// after each claim or release.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     publish_interval: Duration,
+    /// A box whose NodeInventory was published longer ago than this is stale: sandboxd is not
+    /// told of it (and the report sent to sandboxd holds this long).
+    #[arg(long, default_value = "90s", value_parser = humantime::parse_duration)]
+    inventory_stale_after: Duration,
+    /// Advertise each pool's warm VMs as the extended resource
+    /// sandbox.cocoonstack.io/warm-<template>-<net>-<size> on the Node (a Pod requesting 1 of
+    /// it is scheduled only where its pool is warm); --advertise-warm-capacity=false turns it off.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    advertise_warm_capacity: bool,
     /// Node labels, a comma-separated k=v list.
     #[arg(long, default_value = "sandbox.cocoonstack.io/runtime=sandboxd")]
     node_labels: String,
@@ -234,10 +249,30 @@ fn node_setup(cli: &Cli) -> anyhow::Result<NodeSetup> {
     Ok(NodeSetup { node, runtime })
 }
 
-async fn run(cli: Cli) -> anyhow::Result<()> {
-    if cli.publish_inventory {
-        bail!("--publish-inventory is not supported yet: this build does not publish NodeInventory; drop the flag");
+/// The fleet loop's configuration from the flags.
+fn inventory_config(cli: &Cli, address: &str) -> anyhow::Result<InventoryConfig> {
+    if cli.publish_interval.is_zero() {
+        bail!("--publish-interval is 0: give a period such as 30s");
     }
+    if cli.inventory_stale_after < Duration::from_secs(1) {
+        bail!("--inventory-stale-after is under a second: give a window such as 90s");
+    }
+    if cli.publish_inventory && cli.inventory_stale_after <= cli.publish_interval {
+        tracing::warn!(
+            interval = ?cli.publish_interval,
+            stale_after = ?cli.inventory_stale_after,
+            "--inventory-stale-after is not longer than --publish-interval: live peers will flicker in and out"
+        );
+    }
+    let mut cfg = InventoryConfig::new(cli.node_name.clone(), address.to_owned());
+    cfg.publish = cli.publish_inventory;
+    cfg.advertise_warm = cli.advertise_warm_capacity;
+    cfg.interval = cli.publish_interval;
+    cfg.stale_after = cli.inventory_stale_after;
+    Ok(cfg)
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut setup = node_setup(&cli)?;
     let node_token = match non_empty(&cli.sandboxd_token_file) {
         Some(p) => Some(read_trimmed(&p, "the sandboxd token file")?),
@@ -251,6 +286,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         "" => sandboxd.host_port().to_owned(),
         a => a.to_owned(),
     };
+    let icfg = inventory_config(&cli, &advertise)?;
     match sandboxd.info().await {
         Ok(info) => {
             tracing::info!(url = %cli.sandboxd_url, pools = info.pools.len(), claimed = info.claimed, "sandboxd answers")
@@ -262,8 +298,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let owners = Arc::new(KubeOwners::new());
     let mut pcfg = ProviderConfig::new(cli.state_path.clone(), status::host_of(&advertise));
     pcfg.orphan_scan_interval = cli.orphan_scan_interval;
-    let provider = Arc::new(SandboxProvider::new(sandboxd, owners.clone(), pcfg).context("starting the provider")?);
+    let provider =
+        Arc::new(SandboxProvider::new(sandboxd.clone(), owners.clone(), pcfg).context("starting the provider")?);
     let _loops = provider.spawn_loops();
+    let enabled = icfg.enabled();
+    let publisher = Arc::new(Publisher::new(icfg, sandboxd, provider.clone(), setup.node.handle.clone()));
+    let mut fleet = BackgroundLoops::default();
+    if enabled {
+        fleet.spawn(tracing::info_span!("inventory"), publisher.clone().run());
+    }
     setup.runtime.stats.pod_metrics = Some(provider.clone());
     setup.runtime.stats.runtime =
         Arc::new(vnode::stats::RuntimeMetrics::with_provider(|r| provider.register_metrics(r)));
@@ -271,9 +314,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let session = Session::open(&cli.join, &cli.node_name).await?;
     session
         .run(setup.node, setup.runtime, provider.clone(), provider, terminated(), |client| {
-            owners.set_client(client.clone())
+            owners.set_client(client.clone());
+            publisher.set_client(client.clone());
         })
         .await?;
+    drop(fleet);
     Ok(())
 }
 
@@ -317,6 +362,8 @@ mod tests {
         assert_eq!(cli.publish_interval, Duration::from_secs(30));
         assert_eq!(cli.node_labels, "sandbox.cocoonstack.io/runtime=sandboxd");
         assert!(!cli.publish_inventory && !cli.disable_pod_events);
+        assert_eq!(cli.inventory_stale_after, Duration::from_secs(90));
+        assert!(cli.advertise_warm_capacity);
         assert_eq!(cli.max_streams_per_pod as usize, vnode::streams::StreamLimits::default().per_pod);
         assert_eq!(cli.join.credentials_dir, PathBuf::from("/var/lib/vk-sandbox/pki"));
         let cli = Cli::try_parse_from([
@@ -363,7 +410,15 @@ mod tests {
         ] {
             assert_eq!(env_of(id).as_deref(), Some(env), "{id}");
         }
-        for id in ["kube_api_qps", "kube_api_burst", "node_labels", "disable_pod_events", "publish_inventory"] {
+        for id in [
+            "kube_api_qps",
+            "kube_api_burst",
+            "node_labels",
+            "disable_pod_events",
+            "publish_inventory",
+            "inventory_stale_after",
+            "advertise_warm_capacity",
+        ] {
             assert_eq!(env_of(id), None, "{id} has no env var in the spec");
         }
     }
@@ -415,10 +470,32 @@ mod tests {
         assert!(s.runtime.tls_cert.is_none());
     }
 
-    #[tokio::test]
-    async fn publish_inventory_is_refused_clearly() {
-        let cli = Cli::try_parse_from(["vk-sandbox", "--publish-inventory"]).unwrap();
-        let e = run(cli).await.unwrap_err().to_string();
-        assert!(e.contains("--publish-inventory is not supported yet"), "{e}");
+    #[test]
+    fn fleet_flags_become_the_inventory_config() {
+        let cli = Cli::try_parse_from(["vk-sandbox"]).unwrap();
+        let c = inventory_config(&cli, "10.0.0.5:7777").unwrap();
+        assert!(!c.publish && c.advertise_warm && c.enabled());
+        assert_eq!((c.interval, c.stale_after), (Duration::from_secs(30), Duration::from_secs(90)));
+        assert_eq!((c.node_name.as_str(), c.address.as_str()), ("vk-sandboxd", "10.0.0.5:7777"));
+        let cli = Cli::try_parse_from([
+            "vk-sandbox",
+            "--publish-inventory",
+            "--publish-interval",
+            "2s",
+            "--inventory-stale-after",
+            "8s",
+            "--advertise-warm-capacity=false",
+        ])
+        .unwrap();
+        let c = inventory_config(&cli, "a:1").unwrap();
+        assert!(c.publish && !c.advertise_warm);
+        assert_eq!((c.interval, c.stale_after), (Duration::from_secs(2), Duration::from_secs(8)));
+        let off = Cli::try_parse_from(["vk-sandbox", "--advertise-warm-capacity", "false"]).unwrap();
+        assert!(!inventory_config(&off, "a:1").unwrap().enabled(), "nothing to do: no loop");
+        assert!(Cli::try_parse_from(["vk-sandbox", "--advertise-warm-capacity"]).unwrap().advertise_warm_capacity);
+        for bad in [["--publish-interval", "0s"], ["--inventory-stale-after", "0s"]] {
+            let cli = Cli::try_parse_from(["vk-sandbox", bad[0], bad[1]]).unwrap();
+            assert!(inventory_config(&cli, "a:1").is_err(), "{bad:?}");
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The sandboxd HTTP client (`docs/virtual-node.md` §2.3, shapes in
 //! `docs/sandboxd.md` §5.1): claim, release, list, info, and the console as a container log
-//! (§7.1, streamed: only the answer's head is bounded by the per-call time). Bodies are [`sandboxd_api`]
+//! (§7.1, streamed: only the answer's head is bounded by the per-call time), and the peer report
+//! (`PUT /v1/peers`, the other boxes of the fleet, [`crate::inventory`]). Bodies are [`sandboxd_api`]
 //! types, the ones sandboxd itself serves. One pooled HTTP/1.1 client
 //! (64 idle connections per host, 90 s idle), every call bounded by 10 s including its body.
 //!
@@ -10,7 +11,8 @@
 //! passes the box certificate sandboxd serves.
 //!
 //! Node routes carry the node token (`--sandboxd-token-file`) when one is configured; release
-//! carries the claim's own token. No capacity (`429`, or `200` with an empty `id` and a
+//! carries the claim's own token. A claim always carries `no_redirect: true`: its Pod is bound
+//! to this node, so sandboxd serves it here or refuses it, never redirects it to a peer. No capacity (`429`, or `200` with an empty `id` and a
 //! `redirect`) is the typed [`SandboxdError::NoCapacity`]; other failures carry sandboxd's
 //! `{"error": …}` text.
 
@@ -28,7 +30,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use k8s_openapi::jiff::Timestamp;
 use kstream::logs::LogQuery;
-use sandboxd_api::{ClaimReply, ClaimRequest, ErrorBody, SandboxList};
+use sandboxd_api::{ClaimReply, ClaimRequest, ErrorBody, PeerReport, Peers, SandboxList};
 
 /// A granted claim (its token is the release credential: `Debug` leaves it out), the info
 /// answer and a listing row, as sandboxd sends them.
@@ -296,6 +298,8 @@ impl SandboxdClient {
             size: non_empty(&spec.size),
             ttl_seconds: Some(i64::try_from(spec.ttl_seconds).unwrap_or(i64::MAX)),
             claim_ref: Some(claim_ref.to_owned()),
+            // The Pod is bound to this node: a redirect to a peer must never bounce it.
+            no_redirect: Some(true),
             ..ClaimRequest::new(spec.template.as_str())
         };
         let body = serde_json::to_vec(&body).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
@@ -455,6 +459,21 @@ impl SandboxdClient {
             .await
             .map_err(|_| SandboxdError::Timeout { what: WHAT, timeout })??;
         Ok(TokioIo::new(upgraded))
+    }
+
+    /// `PUT /v1/peers` with the node token (sandboxd's root token): the other boxes of the
+    /// fleet. Returns the peer addresses sandboxd now holds.
+    pub async fn put_peers(&self, report: &PeerReport) -> Result<Vec<String>, SandboxdError> {
+        const WHAT: &str = "peer report";
+        let body = serde_json::to_vec(report).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
+        let (status, bytes) =
+            self.send(WHAT, Method::PUT, "/v1/peers", self.node_token.as_deref(), Some(body), BODY_LIMIT).await?;
+        if !status.is_success() {
+            return Err(SandboxdError::Status { what: WHAT, status: status.as_u16(), message: error_text(&bytes) });
+        }
+        let peers: Peers =
+            serde_json::from_slice(&bytes).map_err(|source| SandboxdError::Decode { what: WHAT, source })?;
+        Ok(peers.peers)
     }
 
     /// `GET /v1/info`.

@@ -11,11 +11,13 @@ use std::sync::{Arc, Mutex};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use futures::StreamExt as _;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use sandboxd_api::{ClaimReply, ClaimRequest, ErrorBody, Grant, Info, Key, SandboxList, SandboxRow};
+use sandboxd_api::{
+    ClaimReply, ClaimRequest, ErrorBody, Grant, Info, Key, PeerReport, Peers, PoolInfo, SandboxList, SandboxRow,
+};
 
 /// How the fake answers `POST /v1/claim`.
 #[derive(Debug, Clone)]
@@ -38,6 +40,8 @@ pub struct FakeClaim {
     pub token: String,
     pub claim_ref: Option<String>,
     pub deadline: Timestamp,
+    /// Its pool (`rt/none/small` when unset).
+    pub key: Option<Key>,
 }
 
 #[derive(Debug)]
@@ -55,6 +59,11 @@ struct FakeState {
     lists: usize,
     /// Sandbox id → (CPU ns, working-set bytes) its `…/stats` reports.
     usage: BTreeMap<String, (u64, u64)>,
+    /// The pools `/v1/info` lists.
+    pools: Vec<PoolInfo>,
+    info_fails: bool,
+    /// `PUT /v1/peers` bodies received.
+    peer_reports: Vec<PeerReport>,
 }
 
 /// The fake; dropping it stops the server.
@@ -118,7 +127,13 @@ async fn claim(State(s): S, h: HeaderMap, Json(body): Json<serde_json::Value>) -
         t => t.min(86_400),
     };
     let deadline = Timestamp::now() + SignedDuration::from_secs(ttl);
-    st.claims.insert(id.clone(), FakeClaim { token: token.clone(), claim_ref: req.claim_ref, deadline });
+    let key = Key {
+        template: req.template.clone(),
+        net: req.net.clone().unwrap_or_else(|| "none".into()),
+        size: req.size.clone().unwrap_or_else(|| "small".into()),
+    };
+    st.claims
+        .insert(id.clone(), FakeClaim { token: token.clone(), claim_ref: req.claim_ref, deadline, key: Some(key) });
     if lose_answer {
         return err(500, "the answer was lost");
     }
@@ -134,7 +149,7 @@ async fn claim(State(s): S, h: HeaderMap, Json(body): Json<serde_json::Value>) -
 fn row(id: &str, c: &FakeClaim) -> SandboxRow {
     SandboxRow {
         id: id.to_owned(),
-        key: Key { template: "rt".into(), net: "none".into(), size: "small".into() },
+        key: c.key.clone().unwrap_or_else(|| Key { template: "rt".into(), net: "none".into(), size: "small".into() }),
         deadline: c.deadline.to_string(),
         claimed_at: c.deadline.to_string(),
         hibernated: false,
@@ -259,7 +274,21 @@ async fn info(State(s): S, h: HeaderMap) -> Response {
     if let Some(r) = node_auth(&st, &h) {
         return r;
     }
-    Json(Info { claimed: st.claims.len(), ..Info::default() }).into_response()
+    if st.info_fails {
+        return err(500, "info failed");
+    }
+    Json(Info { claimed: st.claims.len(), pools: st.pools.clone(), ..Info::default() }).into_response()
+}
+
+/// `PUT /v1/peers` (root): recorded; answers the addresses as sandboxd does.
+async fn put_peers(State(s): S, h: HeaderMap, Json(report): Json<PeerReport>) -> Response {
+    let mut st = s.lock().unwrap();
+    if let Some(r) = node_auth(&st, &h) {
+        return r;
+    }
+    let peers = report.peers.iter().map(|p| p.addr.clone()).collect();
+    st.peer_reports.push(report);
+    Json(Peers { peers }).into_response()
 }
 
 impl FakeSandboxd {
@@ -287,6 +316,9 @@ impl FakeSandboxd {
             releases: Vec::new(),
             lists: 0,
             usage: BTreeMap::new(),
+            pools: Vec::new(),
+            info_fails: false,
+            peer_reports: Vec::new(),
         }));
         let app = Router::new()
             .route("/v1/claim", post(claim))
@@ -296,6 +328,7 @@ impl FakeSandboxd {
             .route("/v1/sandboxes/{id}/console", get(console))
             .route("/v1/sandboxes/{id}/stats", get(stats))
             .route("/v1/info", get(info))
+            .route("/v1/peers", put(put_peers))
             .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -360,7 +393,7 @@ impl FakeSandboxd {
     pub fn insert(&self, id: &str, token: &str, claim_ref: Option<&str>, deadline: Timestamp) {
         self.st().claims.insert(
             id.to_owned(),
-            FakeClaim { token: token.to_owned(), claim_ref: claim_ref.map(str::to_owned), deadline },
+            FakeClaim { token: token.to_owned(), claim_ref: claim_ref.map(str::to_owned), deadline, key: None },
         );
     }
     /// Drops claim `id` as sandboxd's reaper would.
@@ -378,6 +411,25 @@ impl FakeSandboxd {
     /// Ids released so far (successful releases only).
     pub fn releases(&self) -> Vec<String> {
         self.st().releases.clone()
+    }
+    /// The pools `/v1/info` lists.
+    pub fn set_pools(&self, pools: Vec<PoolInfo>) {
+        self.st().pools = pools;
+    }
+    pub fn set_info_fails(&self, f: bool) {
+        self.st().info_fails = f;
+    }
+    /// The `PUT /v1/peers` bodies received so far.
+    pub fn peer_reports(&self) -> Vec<PeerReport> {
+        self.st().peer_reports.clone()
+    }
+    /// Inserts a live claim of pool `key` (as if granted earlier).
+    pub fn insert_in(&self, id: &str, claim_ref: Option<&str>, key: Key) {
+        let deadline = Timestamp::now() + SignedDuration::from_secs(600);
+        self.st().claims.insert(
+            id.to_owned(),
+            FakeClaim { token: format!("tok-{id}"), claim_ref: claim_ref.map(str::to_owned), deadline, key: Some(key) },
+        );
     }
     /// How many listings were served (or refused).
     pub fn list_count(&self) -> usize {

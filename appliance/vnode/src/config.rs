@@ -1,6 +1,6 @@
 //! What a caller hands [`crate::run`]: the Node's identity and shape ([`NodeConfig`]), the
 //! runtime's knobs ([`RuntimeConfig`]), and [`NodeHandle`], the provider's way to change the
-//! Node's extra conditions and ask for an immediate status patch.
+//! Node's extra conditions and extra resources and ask for an immediate status patch.
 
 use crate::auth::AuthConfig;
 use crate::streams::StreamLimits;
@@ -139,6 +139,7 @@ pub struct NodeHandle(Arc<HandleInner>);
 struct HandleInner {
     wake: Notify,
     conditions: Mutex<Option<Vec<NodeCondition>>>,
+    resources: Mutex<BTreeMap<String, Quantity>>,
 }
 
 impl NodeHandle {
@@ -155,6 +156,27 @@ impl NodeHandle {
         *slot = Some(conditions);
         drop(slot);
         self.notify();
+    }
+
+    /// Replaces the extra resources: merged into the Node's capacity and allocatable beside
+    /// [`NodeConfig::capacity`] (which wins on a shared name), e.g. extended resources a
+    /// provider counts. A resource dropped here is removed from the Node by the next status
+    /// patch. Patches the status now when they changed; returns whether they did.
+    pub fn set_extra_resources(&self, resources: BTreeMap<String, Quantity>) -> bool {
+        // Replaced whole under the lock: a poisoned one still holds a whole map.
+        let mut slot = self.0.resources.lock().unwrap_or_else(|p| p.into_inner());
+        if *slot == resources {
+            return false;
+        }
+        *slot = resources;
+        drop(slot);
+        self.notify();
+        true
+    }
+
+    /// The resources set through [`NodeHandle::set_extra_resources`] (empty until then).
+    pub fn extra_resources(&self) -> BTreeMap<String, Quantity> {
+        self.0.resources.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The conditions set through [`NodeHandle::set_conditions`], if any.

@@ -39,6 +39,8 @@ pub mod stats;
 pub mod status;
 pub mod streams;
 pub mod sync;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod testing;
 pub mod tls;
 
 pub use config::{NodeConfig, NodeHandle, RuntimeConfig};

@@ -2,16 +2,19 @@
 //!
 //! Status updates are a JSON **merge patch** of `nodes/status` (not virtual-kubelet's 3-way
 //! strategic merge): the runtime owns every field it writes, so lists (`conditions`,
-//! `addresses`) are replaced whole and resources dropped from the configuration are removed
-//! with explicit `null`s computed against the Node found at registration. The applied status
+//! `addresses`) are replaced whole, and resources the Node lists (found at registration, or
+//! written since) that are no longer wanted are removed with explicit `null`s: one dropped from
+//! the configuration, or an extra resource the provider withdrew
+//! ([`crate::NodeHandle::set_extra_resources`], merged into capacity and allocatable). The applied status
 //! is still recorded in the annotation [`LAST_APPLIED_ANNOTATION`] for tools that look for it.
 
 use crate::config::NodeConfig;
 use k8s_openapi::api::core::v1::{
     DaemonEndpoint, Node, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec, NodeStatus, NodeSystemInfo,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// Where the last applied node status is kept (virtual-kubelet's key).
 pub const LAST_APPLIED_ANNOTATION: &str = "virtual-kubelet.io/last-applied-node-status";
@@ -134,13 +137,29 @@ pub fn addresses(cfg: &NodeConfig) -> Vec<NodeAddress> {
     }
 }
 
-/// The Node's status with the given (already stamped) conditions.
+/// capacity = allocatable: the provider's extra resources
+/// ([`crate::NodeHandle::set_extra_resources`]) and the configured ones, which win on a shared
+/// name.
+pub fn resources(cfg: &NodeConfig, extra: &BTreeMap<String, Quantity>) -> BTreeMap<String, Quantity> {
+    let mut out = extra.clone();
+    out.extend(cfg.capacity.iter().map(|(k, v)| (k.clone(), v.clone())));
+    out
+}
+
+/// The Node's status with the given (already stamped) conditions and the configured resources.
 pub fn status(cfg: &NodeConfig, conditions: Vec<NodeCondition>) -> NodeStatus {
+    status_with(cfg, conditions, &BTreeMap::new())
+}
+
+/// The Node's status with the given (already stamped) conditions and `extra` resources merged
+/// into capacity and allocatable ([`resources`]).
+pub fn status_with(cfg: &NodeConfig, conditions: Vec<NodeCondition>, extra: &BTreeMap<String, Quantity>) -> NodeStatus {
+    let resources = resources(cfg, extra);
     NodeStatus {
         addresses: Some(addresses(cfg)),
         declared_features: Some(DECLARED_FEATURES.iter().map(|f| f.to_string()).collect()),
-        capacity: Some(cfg.capacity.clone()),
-        allocatable: Some(cfg.capacity.clone()),
+        capacity: Some(resources.clone()),
+        allocatable: Some(resources),
         conditions: Some(conditions),
         daemon_endpoints: Some(NodeDaemonEndpoints {
             kubelet_endpoint: Some(DaemonEndpoint { port: i32::from(cfg.kubelet_port) }),
@@ -169,20 +188,21 @@ pub fn node(cfg: &NodeConfig, status: NodeStatus) -> Node {
     }
 }
 
-/// Resources the existing Node lists in capacity/allocatable that `cfg` no longer has.
-pub fn removed_resources(existing: &Node, cfg: &NodeConfig) -> Vec<String> {
-    let Some(status) = &existing.status else { return Vec::new() };
-    let mut keys: Vec<String> = status
-        .capacity
-        .iter()
-        .chain(status.allocatable.iter())
-        .flat_map(|m| m.keys())
-        .filter(|k| !cfg.capacity.contains_key(*k))
-        .cloned()
-        .collect();
-    keys.sort();
-    keys.dedup();
-    keys
+/// The resource names `node` lists in capacity or allocatable.
+pub fn listed_resources(node: &Node) -> BTreeSet<String> {
+    let Some(status) = &node.status else { return BTreeSet::new() };
+    status.capacity.iter().chain(status.allocatable.iter()).flat_map(|m| m.keys()).cloned().collect()
+}
+
+/// Of the resources the Node may list (`listed`: what it had at registration and what this
+/// runtime wrote since), those `status` no longer has: a resource dropped from the
+/// configuration, or an extra resource the provider withdrew.
+pub fn removed_resources(listed: &BTreeSet<String>, status: &NodeStatus) -> Vec<String> {
+    let has = |k: &String| {
+        status.capacity.as_ref().is_some_and(|m| m.contains_key(k))
+            || status.allocatable.as_ref().is_some_and(|m| m.contains_key(k))
+    };
+    listed.iter().filter(|k| !has(k)).cloned().collect()
 }
 
 /// The merge patch of `nodes/status`: the whole status (with `null` for `removed` resources)
@@ -214,7 +234,6 @@ pub fn labels_patch(existing: &Node, cfg: &NodeConfig) -> Option<serde_json::Val
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::Taint;
-    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
     use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
     fn cfg() -> NodeConfig {
@@ -339,9 +358,9 @@ mod tests {
         let mut existing = node(&c, status(&c, vec![]));
         let st = existing.status.as_mut().expect("status");
         st.capacity.as_mut().expect("capacity").insert("nvidia.com/gpu".into(), Quantity("1".into()));
-        let removed = removed_resources(&existing, &c);
-        assert_eq!(removed, ["nvidia.com/gpu"]);
         let st = status(&c, vec![ready_condition(true)]);
+        let removed = removed_resources(&listed_resources(&existing), &st);
+        assert_eq!(removed, ["nvidia.com/gpu"]);
         let patch = status_patch(&st, &removed);
         assert!(patch["status"]["capacity"]["nvidia.com/gpu"].is_null());
         assert!(patch["status"]["allocatable"]["nvidia.com/gpu"].is_null());
@@ -360,5 +379,58 @@ mod tests {
         existing.metadata.labels.as_mut().expect("labels").insert("other".into(), "kept".into());
         let p = labels_patch(&existing, &c).expect("patch");
         assert_eq!(p, serde_json::json!({"metadata": {"labels": {"type": "virtual-kubelet"}}}));
+    }
+
+    #[test]
+    fn extra_resources_join_capacity_and_allocatable_and_the_configured_ones_win() {
+        let c = cfg();
+        let extra = BTreeMap::from([
+            ("sandbox.cocoonstack.io/warm-base-none-small".to_string(), Quantity("3".into())),
+            ("pods".to_string(), Quantity("1".into())),
+        ]);
+        let st = status_with(&c, vec![], &extra);
+        for m in [st.capacity.as_ref().expect("capacity"), st.allocatable.as_ref().expect("allocatable")] {
+            assert_eq!(m["sandbox.cocoonstack.io/warm-base-none-small"], Quantity("3".into()));
+            assert_eq!(m["pods"], Quantity("2000".into()), "the configured capacity wins");
+            assert_eq!(m["cpu"], Quantity("4000".into()));
+        }
+        let patch = status_patch(&st, &[]);
+        assert_eq!(patch["status"]["capacity"]["sandbox.cocoonstack.io/warm-base-none-small"], "3");
+        assert_eq!(patch["status"]["allocatable"]["sandbox.cocoonstack.io/warm-base-none-small"], "3");
+        assert_eq!(status_with(&c, vec![], &BTreeMap::new()), status(&c, vec![]));
+    }
+
+    #[test]
+    fn a_withdrawn_extra_resource_is_nulled_and_a_kept_one_is_not() {
+        let c = cfg();
+        let small = "sandbox.cocoonstack.io/warm-base-none-small".to_string();
+        let medium = "sandbox.cocoonstack.io/warm-base-none-medium".to_string();
+        let both = BTreeMap::from([(small.clone(), Quantity("2".into())), (medium.clone(), Quantity("0".into()))]);
+        let written = node(&c, status_with(&c, vec![], &both));
+        let listed = listed_resources(&written);
+        assert!(listed.contains(&small) && listed.contains(&medium) && listed.contains("cpu"));
+        // The medium pool is gone from sandboxd: the provider sets only the small one.
+        let st = status_with(&c, vec![], &BTreeMap::from([(small.clone(), Quantity("1".into()))]));
+        let removed = removed_resources(&listed, &st);
+        assert_eq!(removed, std::slice::from_ref(&medium));
+        let patch = status_patch(&st, &removed);
+        assert!(patch["status"]["capacity"][&medium].is_null());
+        assert!(patch["status"]["allocatable"][&medium].is_null());
+        assert_eq!(patch["status"]["capacity"][&small], "1");
+        // Every extra withdrawn: both go, the configured ones stay.
+        let st = status(&c, vec![]);
+        assert_eq!(removed_resources(&listed, &st), [medium, small]);
+        assert!(removed_resources(&listed_resources(&node(&c, st.clone())), &st).is_empty());
+    }
+
+    #[test]
+    fn the_handle_patches_only_when_the_extra_resources_change() {
+        let h = crate::NodeHandle::default();
+        assert!(h.extra_resources().is_empty());
+        let m = BTreeMap::from([("example.com/foo".to_string(), Quantity("1".into()))]);
+        assert!(h.set_extra_resources(m.clone()));
+        assert!(!h.set_extra_resources(m.clone()), "the same map again is no change");
+        assert_eq!(h.extra_resources(), m);
+        assert!(h.set_extra_resources(BTreeMap::new()));
     }
 }

@@ -11,6 +11,7 @@ use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::Api;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,8 +34,9 @@ pub(crate) struct Registrar {
     cfg: NodeConfig,
     ready: AtomicBool,
     transitions: Mutex<node::Transitions>,
-    /// Resources to remove from capacity/allocatable (found on the existing Node).
-    removed: Mutex<Vec<String>>,
+    /// Resources the Node may list in capacity/allocatable: found at registration, or written
+    /// since. Those the current status lacks are nulled by the next patch.
+    listed: Mutex<BTreeSet<String>>,
     /// The registered Node's UID (the Lease's ownerRef follows it).
     uid: watch::Sender<String>,
 }
@@ -46,7 +48,7 @@ impl Registrar {
             cfg,
             ready: AtomicBool::new(false),
             transitions: Mutex::new(node::Transitions::default()),
-            removed: Mutex::new(Vec::new()),
+            listed: Mutex::new(BTreeSet::new()),
             uid: watch::Sender::new(String::new()),
         }
     }
@@ -67,7 +69,7 @@ impl Registrar {
         conditions.extend(extra.into_iter().filter(|c| c.type_ != "Ready"));
         let now = Time(k8s_openapi::jiff::Timestamp::now());
         let stamped = self.transitions.lock().unwrap_or_else(|p| p.into_inner()).stamp(conditions, &now);
-        node::status(&self.cfg, stamped)
+        node::status_with(&self.cfg, stamped, &self.cfg.handle.extra_resources())
     }
 
     /// One registration attempt: create the Node, or bring an existing one up to date.
@@ -106,7 +108,7 @@ impl Registrar {
                 existing
             }
         };
-        *self.removed.lock().unwrap_or_else(|p| p.into_inner()) = node::removed_resources(&node, &self.cfg);
+        *self.listed.lock().unwrap_or_else(|p| p.into_inner()) = node::listed_resources(&node);
         self.patch_status().await.map_err(classify)?;
         self.uid.send_replace(node.metadata.uid.clone().unwrap_or_default());
         Ok(node)
@@ -134,11 +136,21 @@ impl Registrar {
         }
     }
 
-    /// Patches `nodes/status` with the current status.
+    /// Patches `nodes/status` with the current status (nulling the resources it no longer has).
     pub(crate) async fn patch_status(&self) -> Result<(), kube::Error> {
-        let removed = self.removed.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let patch = node::status_patch(&self.current_status(), &removed);
-        self.api.patch_status(&self.cfg.name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        let status = self.current_status();
+        let removed = node::removed_resources(&self.listed.lock().unwrap_or_else(|p| p.into_inner()), &status);
+        let patch = node::status_patch(&status, &removed);
+        let result = self.api.patch_status(&self.cfg.name, &PatchParams::default(), &Patch::Merge(&patch)).await;
+        let written = node::listed_resources(&Node { status: Some(status), ..Node::default() });
+        let mut listed = self.listed.lock().unwrap_or_else(|p| p.into_inner());
+        match result {
+            Ok(_) => *listed = written,
+            // It may have been applied all the same: what it would have written may be listed.
+            Err(_) => listed.extend(written),
+        }
+        drop(listed);
+        result?;
         debug!(node = %self.cfg.name, "patched the Node status");
         Ok(())
     }
@@ -201,5 +213,74 @@ impl Registrar {
                 Err(e) => debug!(node = %self.cfg.name, error = %e, "Node status update still failing"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // in a test, a panic is the failure report
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use serde_json::{json, Value};
+    use std::collections::BTreeMap;
+
+    use crate::testing::{path_of, Calls};
+
+    /// An API server holding one Node that already lists `warm-old` (left by a previous run).
+    fn fake_api(calls: Calls) -> kube::Client {
+        crate::testing::fake_api(calls, |_, _, _| {
+            let node = json!({"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": "vk-test", "uid": "n1", "labels": {"type": "virtual-kubelet",
+                    "kubernetes.io/hostname": "vk-test"}},
+                "status": {"capacity": {"pods": "10", "example.com/warm-old": "1"},
+                    "allocatable": {"pods": "10", "example.com/warm-old": "1"}}});
+            (200, node)
+        })
+    }
+
+    fn status_patches(calls: &Calls) -> Vec<Value> {
+        let c = calls.lock().unwrap();
+        c.iter()
+            .filter(|(m, p, _)| m == "PATCH" && path_of(p).ends_with("/status"))
+            .map(|(_, _, b)| b["status"].clone())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn extra_resources_are_written_and_a_withdrawn_one_is_nulled() {
+        let calls = Calls::default();
+        let cfg = NodeConfig {
+            name: "vk-test".into(),
+            capacity: BTreeMap::from([("pods".into(), Quantity("10".into()))]),
+            ..Default::default()
+        };
+        let handle = cfg.handle.clone();
+        let q = |n: &str| Quantity(n.into());
+        handle.set_extra_resources(BTreeMap::from([
+            ("example.com/warm-a".into(), q("2")),
+            ("example.com/warm-b".into(), q("1")),
+        ]));
+        let r = Registrar::new(fake_api(calls.clone()), cfg);
+        r.register().await.unwrap();
+        let first = status_patches(&calls).pop().unwrap();
+        assert_eq!(first["capacity"]["example.com/warm-a"], "2");
+        assert_eq!(first["allocatable"]["example.com/warm-b"], "1");
+        assert!(first["capacity"]["example.com/warm-old"].is_null(), "a previous run's resource goes: {first}");
+        assert!(first["capacity"].as_object().unwrap().contains_key("example.com/warm-old"));
+
+        // Pool b is gone: the next patch nulls it and keeps a.
+        handle.set_extra_resources(BTreeMap::from([("example.com/warm-a".into(), q("3"))]));
+        r.patch_status().await.unwrap();
+        let second = status_patches(&calls).pop().unwrap();
+        assert_eq!(second["capacity"]["example.com/warm-a"], "3");
+        assert!(
+            second["capacity"]["example.com/warm-b"].is_null() && second["allocatable"]["example.com/warm-b"].is_null()
+        );
+        assert_eq!(second["capacity"]["pods"], "10");
+        // Written once as removed: not nulled again.
+        r.patch_status().await.unwrap();
+        let third = status_patches(&calls).pop().unwrap();
+        assert!(!third["capacity"].as_object().unwrap().contains_key("example.com/warm-b"), "{third}");
+        assert!(!third["capacity"].as_object().unwrap().contains_key("example.com/warm-old"), "{third}");
     }
 }

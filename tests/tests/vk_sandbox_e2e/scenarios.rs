@@ -25,6 +25,9 @@ const STREAMS_PER_POD: &str = "3";
 
 type Env = NodeEnv;
 
+#[path = "fleet.rs"]
+mod fleet;
+
 /// The suite (`vk_sandbox_e2e.rs` runs it). Deleting a scenario's objects gives their claims
 /// back (best effort; the next scenario's pool wait catches a leak).
 pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
@@ -51,6 +54,10 @@ pub static SUITE: Suite<Env> = Suite::new(SuiteSpec {
         ("kubelet_port_authenticates_and_authorizes_like_a_kubelet", kubelet_port),
         ("kubectl_logs_exec_attach_port_forward_and_top_on_a_sandbox_pod", kubectl_streams),
         ("kubectl_bad_inputs_fail_closed_on_a_sandbox_pod", kubectl_bad_inputs),
+        (
+            "a_fleet_of_two_boxes_publishes_inventory_places_by_warm_capacity_redirects_and_forgets_a_dead_box",
+            fleet::fleet,
+        ),
     ],
 });
 
@@ -64,8 +71,9 @@ fn env_up() -> Result<Env, String> {
         ],
         sandboxd_bin: sibling_bin("sandboxd")?,
         provider_bin: sibling_bin("vk-sandbox")?,
-        // Low, so that the per-Pod cap on streams is reached with a few execs under TCG.
-        extra_args: vec!["--max-streams-per-pod".into(), STREAMS_PER_POD.into()],
+        // Low, so that the per-Pod cap on streams is reached with a few execs under TCG; and the
+        // fleet's inventory and peers (`fleet.rs`).
+        extra_args: [vec!["--max-streams-per-pod".into(), STREAMS_PER_POD.into()], fleet::fleet_args()].concat(),
         metrics_server: true,
         sandboxd_config: |c| c.console_log_kib = kubelet_streams::SUITE_CONSOLE_KIB,
     })

@@ -50,7 +50,7 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/v1/info", get(routes::info))
         .route("/v1/drain", post(routes::drain).delete(routes::uncordon))
         .route("/v1/pools", put(routes::put_pools).get(routes::get_pools))
-        .route("/v1/peers", get(routes::peers))
+        .route("/v1/peers", get(routes::peers).put(routes::put_peers))
         .route("/v1/sandboxes", get(routes::list))
         .route("/v1/sandboxes/{id}", get(routes::get_one))
         .route("/v1/sandboxes/{id}/release", post(routes::release))

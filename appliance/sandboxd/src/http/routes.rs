@@ -52,6 +52,14 @@ pub(super) async fn claim(
         crate::metrics::inc(&node.metrics.claims_failed);
         return Err(e.into());
     }
+    if b.no_redirect != Some(true) {
+        let redirect = node.redirect_for(&req.key);
+        if !redirect.is_empty() {
+            crate::metrics::inc(&node.metrics.claims_redirected);
+            tracing::info!(template = %req.key.template(), ?redirect, "warm miss: the claim is redirected to peers with warm VMs");
+            return Ok(Json(api::ClaimReply { grant: api::Grant::default(), redirect }).into_response());
+        }
+    }
     let mut grant = node.claim(req).await?;
     // Volumes are attached (and mounted) before the grant goes out; a claim whose volumes
     // fail is released again, so the caller never holds half of what it asked for.
@@ -198,7 +206,16 @@ pub(super) async fn get_pools(State(node): Node_, headers: HeaderMap) -> Result<
 
 pub(super) async fn peers(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {
     auth::node_route(&node, &headers)?;
-    Ok(Json(api::Peers::default()).into_response())
+    Ok(Json(api::Peers { peers: node.peer_addrs() }).into_response())
+}
+
+/// `PUT /v1/peers` (root): the provider's report of the other boxes (`node::peers`).
+pub(super) async fn put_peers(State(node): Node_, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    auth::root_only(&node, &headers, "PUT /v1/peers")?;
+    let report: api::PeerReport = read_json(&node, body, None).await?;
+    let n = node.set_peers(report).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    tracing::debug!(peers = n, "peer report");
+    Ok(Json(api::Peers { peers: node.peer_addrs() }).into_response())
 }
 
 pub(super) async fn metrics(State(node): Node_, headers: HeaderMap) -> Result<Response, ApiError> {

@@ -87,7 +87,7 @@ impl Node {
     /// the name is resolved through the catalog (alias or short name) and a pool of the same
     /// lane and size whose template resolves to the same target serves it. An unknown name
     /// is returned as it came (the caller answers 404).
-    fn pool_key_for(&self, key: &PoolKey) -> Result<PoolKey, ClaimError> {
+    pub(super) fn pool_key_for(&self, key: &PoolKey) -> Result<PoolKey, ClaimError> {
         if self.pool(key).is_some() {
             return Ok(key.clone());
         }

@@ -79,6 +79,7 @@ fn routes(id: &str) -> Vec<Route> {
         ("GET", "/v1/pools".into(), None, None, Node),
         ("PUT", "/v1/pools".into(), Some(json!({"pools": [{"template": "base", "warm": 4}]})), None, RootOnly),
         ("GET", "/v1/peers".into(), None, None, Node),
+        ("PUT", "/v1/peers".into(), Some(json!({"peers": [], "ttl_seconds": 30})), None, RootOnly),
         ("GET", "/metrics".into(), None, None, Node),
         ("POST", "/v1/drain".into(), None, None, Node),
         ("DELETE", "/v1/drain".into(), None, None, Node),

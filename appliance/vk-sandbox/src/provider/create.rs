@@ -115,6 +115,7 @@ impl SandboxProvider {
         self.lock().pods.insert(key, running.clone());
         tracing::info!(addr = %rec.address, "claimed a sandbox");
         self.notify(running);
+        self.changed();
         Ok(())
     }
 
@@ -206,6 +207,7 @@ impl SandboxProvider {
             self.persist_logged("adopting a claim").await;
             tracing::info!(claim = %rec.id, "adopted the preserved sandbox in place");
             self.notify(running);
+            self.changed();
             return Ok(true);
         }
         // Not adoptable by this Pod: its recorded owner decides.

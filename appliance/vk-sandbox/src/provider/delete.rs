@@ -56,6 +56,7 @@ impl SandboxProvider {
                 })?;
                 self.lock().withdraw(&key, &rec.id);
                 tracing::info!(reason = %decision.reason, "released the sandbox");
+                self.changed();
                 self.persist_logged("releasing a claim").await;
             }
             Verdict::Preserve => {
@@ -70,6 +71,7 @@ impl SandboxProvider {
                     }
                 }
                 tracing::info!(reason = %decision.reason, "preserved the sandbox for a replacement pod");
+                self.changed();
                 self.persist_logged("preserving a claim").await;
             }
         }

@@ -133,6 +133,7 @@ impl SandboxProvider {
             self.notify(p);
         }
         if changed {
+            self.changed();
             self.persist_logged("lease watch").await;
         }
     }
@@ -203,6 +204,7 @@ impl SandboxProvider {
                 Ok(()) => {
                     self.lock().releasing.retain(|q| q.id != rec.id);
                     tracing::info!(claim = %rec.id, "released a queued sandbox");
+                    self.changed();
                     any = true;
                 }
                 Err(e) => {

@@ -53,7 +53,7 @@ mod table;
 
 pub use config::ProviderConfig;
 pub use error::SandboxProviderError;
-pub use table::SandboxProvider;
+pub use table::{HeldClaim, SandboxProvider};
 pub use vnode::kit::BackgroundLoops;
 
 use k8s_openapi::api::core::v1::Pod;

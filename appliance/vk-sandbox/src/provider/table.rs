@@ -5,6 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, MutexGuard};
 use std::time::Duration;
 
+use tokio::sync::Notify;
+
 use k8s_openapi::api::core::v1::Pod;
 use vnode::error_chain;
 use vnode::kit::{Locked, Notifier};
@@ -93,6 +95,18 @@ pub(super) fn listed_ids(rows: &[SandboxRow]) -> BTreeMap<&str, &SandboxRow> {
     rows.iter().map(|r| (r.id.as_str(), r)).collect()
 }
 
+/// A claim of the table and the Pod it serves (none while it is preserved for a replacement, or
+/// not yet recorded as the Pod's).
+#[derive(Debug, Clone)]
+pub struct HeldClaim {
+    /// The Pod key (`namespace/name`), the claim's `claim_ref`.
+    pub key: String,
+    /// The sandbox id.
+    pub id: String,
+    /// The provider's copy of the Pod.
+    pub pod: Option<Pod>,
+}
+
 /// The vk-sandbox provider.
 pub struct SandboxProvider {
     pub(super) sandboxd: SandboxdClient,
@@ -102,6 +116,8 @@ pub struct SandboxProvider {
     inner: Locked<Inner>,
     pub(super) notifier: Notifier,
     pub(super) phases: CreatePhases,
+    /// Poked on every claim, adoption, release or drop (one permit: pokes coalesce).
+    changes: Arc<Notify>,
 }
 
 impl SandboxProvider {
@@ -134,6 +150,7 @@ impl SandboxProvider {
             inner: Locked::new(inner),
             notifier: Notifier::default(),
             phases,
+            changes: Arc::new(Notify::new()),
         })
     }
 
@@ -187,6 +204,31 @@ impl SandboxProvider {
         tokio::spawn(async move { c.release(&id, &token).await })
             .await
             .unwrap_or(Err(SandboxdError::Aborted { what: "release" }))
+    }
+
+    /// Poked whenever the claims or the Pods holding them change (a claim, an adoption, a
+    /// release, a claim gone with its lease): [`crate::inventory`] publishes soon after. Pokes
+    /// while nobody waits coalesce into one.
+    pub fn changes(&self) -> Arc<Notify> {
+        self.changes.clone()
+    }
+
+    /// Tells [`SandboxProvider::changes`]' waiter.
+    pub(super) fn changed(&self) {
+        self.changes.notify_one();
+    }
+
+    /// Every claim of the table with its Pod (no token).
+    pub fn held_claims(&self) -> Vec<HeldClaim> {
+        let g = self.lock();
+        g.claims
+            .iter()
+            .map(|(k, c)| HeldClaim {
+                key: k.clone(),
+                id: c.id.clone(),
+                pod: g.pods.get(k).filter(|p| c.pod_uid.is_empty() || vnode::kit::uid_of(p) == c.pod_uid).cloned(),
+            })
+            .collect()
     }
 
     /// The claim id at `key`, if any (no token).

@@ -23,7 +23,7 @@ fn urls_are_validated() {
 }
 
 #[tokio::test]
-async fn claim_sends_the_request_shape_and_returns_the_grant() {
+async fn claim_sends_the_request_shape_with_no_redirect_and_returns_the_grant() {
     let fake = FakeSandboxd::start(Some("node-secret")).await;
     let c = SandboxdClient::new(&fake.url(), Some("node-secret".into())).unwrap();
     let g = c.claim(&spec("rt:24.04"), "default/sb-1").await.unwrap();
@@ -34,7 +34,9 @@ async fn claim_sends_the_request_shape_and_returns_the_grant() {
     let body = fake.last_claim_body().unwrap();
     assert_eq!(
         body,
-        serde_json::json!({"template": "rt:24.04", "size": "small", "ttl_seconds": 86400, "claim_ref": "default/sb-1"})
+        serde_json::json!({"template": "rt:24.04", "size": "small", "ttl_seconds": 86400, "claim_ref": "default/sb-1",
+            "no_redirect": true}),
+        "a Pod bound here is never redirected to a peer"
     );
     // Without the node token the fake answers 401 with sandboxd's error text.
     let anon = SandboxdClient::new(&fake.url(), None).unwrap();

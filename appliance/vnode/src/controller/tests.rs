@@ -12,51 +12,32 @@ use crate::status;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, ContainerStatus, PodSpec, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::client::Body;
 use kube::runtime::reflector;
 use kube::runtime::reflector::store::Writer;
 use kube::runtime::watcher::Event;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-/// (method, path, JSON body)
-type Calls = Arc<Mutex<Vec<(String, String, Value)>>>;
+use crate::testing::{path_of, Calls};
+
 /// Answers a request: (method, path, how many requests came before) → HTTP status.
 type Answer = Arc<dyn Fn(&str, &str, usize) -> u16 + Send + Sync>;
 
 fn fake_api(calls: Calls, answer: Answer) -> kube::Client {
-    let svc = tower::service_fn(move |req: http::Request<Body>| {
-        let (calls, answer) = (calls.clone(), answer.clone());
-        async move {
-            let method = req.method().to_string();
-            let path = req.uri().path().to_string();
-            let bytes = req.into_body().collect_bytes().await.unwrap_or_default();
-            let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-            let n = {
-                let mut c = calls.lock().unwrap_or_else(|p| p.into_inner());
-                c.push((method.clone(), path.clone(), body));
-                c.len() - 1
-            };
-            let code = answer(&method, &path, n);
-            let json = if code >= 400 {
-                serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
-                    "reason": if code == 409 { "Conflict" } else { "NotFound" }, "message": "fake"})
-            } else if path.contains("/events") {
-                serde_json::json!({"apiVersion": "v1", "kind": "Event", "metadata": {"name": "e"},
-                    "involvedObject": {}})
-            } else {
-                serde_json::json!({"apiVersion": "v1", "kind": "Pod",
-                    "metadata": {"name": "p", "namespace": "ns", "uid": "u1", "resourceVersion": "99"}})
-            };
-            let resp = http::Response::builder()
-                .status(code)
-                .header("content-type", "application/json")
-                .body(Body::from(serde_json::to_vec(&json).unwrap_or_default()))
-                .map_err(|e| -> Box<dyn std::error::Error + Send + Sync> { Box::new(e) })?;
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(resp)
-        }
-    });
-    kube::Client::new(svc, "default")
+    crate::testing::fake_api(calls, move |method, path, n| {
+        let code = answer(method, path, n);
+        let json = if code >= 400 {
+            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
+                "reason": if code == 409 { "Conflict" } else { "NotFound" }, "message": "fake"})
+        } else if path.contains("/events") {
+            serde_json::json!({"apiVersion": "v1", "kind": "Event", "metadata": {"name": "e"},
+                "involvedObject": {}})
+        } else {
+            serde_json::json!({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "p", "namespace": "ns", "uid": "u1", "resourceVersion": "99"}})
+        };
+        (code, json)
+    })
 }
 
 #[derive(Default)]
@@ -164,9 +145,14 @@ impl Fixture {
         self.writer.apply_watcher_event(&Event::Delete(p));
     }
     /// API requests other than events (event writes are asynchronous).
+    /// The non-event calls, paths without their query.
     fn api(&self) -> Vec<(String, String, Value)> {
         let calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
-        calls.iter().filter(|(_, path, _)| !path.contains("/events")).cloned().collect()
+        calls
+            .iter()
+            .filter(|(_, path, _)| !path.contains("/events"))
+            .map(|(m, p, b)| (m.clone(), path_of(p).to_owned(), b.clone()))
+            .collect()
     }
     async fn events(&self) -> Vec<Value> {
         tokio::time::sleep(Duration::from_millis(50)).await;
