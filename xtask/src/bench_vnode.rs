@@ -9,6 +9,8 @@
 //! split further by the node's `/metrics` (read on its kubelet port before and after the
 //! samples): the sync queue's wait, the create's phases (`settle`, `claim`, `record`),
 //! the status queue's wait and the `pods/status` write, each the mean over the samples.
+//! Last, the first box empty (issue #19): a second box holds the only warm VMs of a pool, and
+//! Sandboxes asking for that pool's warm capacity are placed there by the scheduler.
 
 use crate::bench::{ms, percentile, Figure};
 use anyhow::{anyhow, Context, Result};
@@ -44,16 +46,25 @@ fn mem_available_mib() -> u64 {
 }
 
 fn sandbox(name: &str) -> DynamicObject {
+    sandbox_of(name, "small", None)
+}
+
+/// A `base` Sandbox of `size`, asking for one unit of `warm` (a box's warm capacity) if given.
+fn sandbox_of(name: &str, size: &str, warm: Option<&str>) -> DynamicObject {
+    let mut agent = serde_json::json!({"name": "agent", "image": "base"});
+    if let Some(r) = warm {
+        agent["resources"] = serde_json::json!({"requests": {r: "1"}, "limits": {r: "1"}});
+    }
     let value = serde_json::json!({
         "apiVersion": "agents.x-k8s.io/v1beta1",
         "kind": "Sandbox",
         "metadata": {"name": name, "namespace": NS},
         "spec": {"podTemplate": {
-            "metadata": {"annotations": {"sandbox.cocoonstack.io/template": "base"}},
+            "metadata": {"annotations": {"sandbox.cocoonstack.io/template": "base", "sandbox.cocoonstack.io/size": size}},
             "spec": {
                 "nodeSelector": {"sandbox.cocoonstack.io/runtime": "sandboxd"},
                 "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}],
-                "containers": [{"name": "agent", "image": "base"}],
+                "containers": [agent],
             },
         }},
     });
@@ -362,6 +373,61 @@ async fn measure(env: &NodeEnv, figures: &mut Vec<Figure>, samples: usize, burst
         });
     }
     hop_split(figures, "    burst: ", &before, &node_metrics(env).await);
+    env.kubectl_ok(&["delete", "sandboxes", "--all", "-n", NS, "--wait=true", "--timeout=120s"])
+        .map_err(|e| anyhow!(e))?;
+
+    // 4. The first box empty (issue #19): the pool `base/none/medium` is warm only on a second
+    //    box; each Sandbox asks for that warm capacity and the unmodified scheduler places it.
+    let far = fleet(env, &sandboxes, &mut feed, &mut seen, samples).await?;
+    figures.push(Figure {
+        name: format!("Sandbox → Pod Running, first box empty, warm on a second (n={}) p50", far.len()),
+        value: format!("{} (warm local claim p50 {})", ms(percentile(&far, 0.5)), ms(percentile(&lat, 0.5))),
+        target: "no worse than a warm local claim plus one API round trip",
+    });
     env.kubectl_ok(&["delete", "sandboxes", "--all", "-n", NS, "--wait=false"]).map_err(|e| anyhow!(e))?;
     Ok(())
+}
+
+/// Step 4 of [`measure`]: a second box whose `base/none/medium` pool holds `samples` warm VMs
+/// (this box has none), then one Sandbox at a time asking for that pool's warm capacity;
+/// returns Sandbox created → Pod Running for each, sorted.
+async fn fleet(
+    env: &NodeEnv,
+    sandboxes: &Api<DynamicObject>,
+    feed: &mut mpsc::UnboundedReceiver<(String, Instant)>,
+    seen: &mut HashMap<String, Instant>,
+    samples: usize,
+) -> Result<Vec<Duration>> {
+    const B: &str = "vk-bench-b";
+    const WARM: &str = "sandbox.cocoonstack.io/warm-base-none-medium";
+    let n = samples.clamp(1, 10);
+    let pools =
+        vec![sandboxd_api::PoolConfig { size: Some("medium".into()), ..sandboxd_api::PoolConfig::warm("base", n) }];
+    let b = tokio::task::block_in_place(|| env.add_box(B, pools, Vec::new())).map_err(|e| anyhow!(e))?;
+    let advertised = tokio::task::block_in_place(|| {
+        test_infra::suite::poll("the second box advertises its warm VMs", Duration::from_secs(120), || {
+            let node = env.get(&["node", B])?.ok_or("no node")?;
+            let have: usize = node["status"]["allocatable"][WARM].as_str().and_then(|q| q.parse().ok()).unwrap_or(0);
+            Ok((have >= n).then_some(()))
+        })
+    });
+    let mut lat = Vec::with_capacity(n);
+    let result = async {
+        advertised.map_err(|e| anyhow!(e))?;
+        for i in 0..n {
+            let name = format!("far-{i}");
+            let t0 = Instant::now();
+            sandboxes.create(&PostParams::default(), &sandbox_of(&name, "medium", Some(WARM))).await?;
+            wait_running(feed, seen, std::slice::from_ref(&name), Duration::from_secs(60)).await?;
+            lat.push(seen[&name] - t0);
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    let _ = env.kubectl(&["delete", "sandboxes", "--all", "-n", NS, "--wait=true", "--timeout=120s"]);
+    drop(b);
+    let _ = env.kubectl(&["delete", "node", B, "--wait=false"]);
+    result?;
+    lat.sort();
+    Ok(lat)
 }
