@@ -139,6 +139,10 @@ pub struct PeerBox {
     /// Its pools' warm VMs.
     #[serde(default)]
     pub pools: Vec<PeerPool>,
+    /// How long this peer stays fresh, seconds, when sooner than the report's `ttl_seconds`
+    /// (a box that last published long ago runs out when its stale-after window ends).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<u64>,
 }
 
 /// A pool of a [`PeerBox`].

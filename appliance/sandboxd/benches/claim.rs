@@ -245,8 +245,11 @@ async fn redirected_claims(dir: &tempfile::TempDir, warm: std::net::SocketAddr) 
     opts.pools = vec![sandboxd::config::PoolConfig::warm("base", 0)];
     let empty = sandboxd::Node::start(driver, opts).await?;
     let key = sandboxd_api::Key { template: "base".into(), net: "none".into(), size: "small".into() };
-    let peer =
-        sandboxd_api::PeerBox { addr: warm.to_string(), pools: vec![sandboxd_api::PeerPool { key, warm: CLAIMS }] };
+    let peer = sandboxd_api::PeerBox {
+        addr: warm.to_string(),
+        pools: vec![sandboxd_api::PeerPool { key, warm: CLAIMS }],
+        ttl_seconds: None,
+    };
     empty.set_peers(sandboxd_api::PeerReport { peers: vec![peer], ttl_seconds: 3600 })?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let entry = listener.local_addr()?;

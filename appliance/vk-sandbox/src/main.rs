@@ -91,7 +91,9 @@ struct Cli {
     /// (trusted exactly, whatever names it carries) or the CA that issued it; empty = none.
     #[arg(long, env = "SANDBOXD_CA_FILE", default_value = "")]
     sandboxd_ca_file: String,
-    /// The address Pods are reported at when a claim carries no owner_addr; empty = host:port of --sandboxd-url.
+    /// The address Pods are reported at when a claim carries no owner_addr, and (with
+    /// --publish-inventory) the one other boxes redirect SDK claims to, whose host must then be
+    /// the node's IP (--node-ip); empty = host:port of --sandboxd-url.
     #[arg(long, env = "SANDBOXD_ADVERTISE_ADDR", default_value = "")]
     sandboxd_advertise_addr: String,
     /// File holding sandboxd's node token (read once, trimmed); empty = none.
@@ -250,7 +252,7 @@ fn node_setup(cli: &Cli) -> anyhow::Result<NodeSetup> {
 }
 
 /// The fleet loop's configuration from the flags.
-fn inventory_config(cli: &Cli, address: &str) -> anyhow::Result<InventoryConfig> {
+fn inventory_config(cli: &Cli, address: &str, node_ip: Option<std::net::IpAddr>) -> anyhow::Result<InventoryConfig> {
     if cli.publish_interval.is_zero() {
         bail!("--publish-interval is 0: give a period such as 30s");
     }
@@ -263,6 +265,24 @@ fn inventory_config(cli: &Cli, address: &str) -> anyhow::Result<InventoryConfig>
             stale_after = ?cli.inventory_stale_after,
             "--inventory-stale-after is not longer than --publish-interval: live peers will flicker in and out"
         );
+    }
+    if cli.publish_inventory {
+        // Peers believe an address only on its Node (inventory::peers): refuse to publish one
+        // they would drop, such as the loopback default of --sandboxd-url.
+        let host = vk_sandbox::status::host_of(address);
+        let on_node = match (node_ip, host.parse::<std::net::IpAddr>()) {
+            (Some(ip), Ok(h)) => ip == h,
+            (Some(_), Err(_)) => false,
+            (None, _) => host.eq_ignore_ascii_case(&cli.node_name),
+        };
+        if !on_node {
+            let node_addr = node_ip.map_or_else(|| cli.node_name.clone(), |ip| ip.to_string());
+            bail!(
+                "--publish-inventory: the sandboxd address published to the fleet, {address} (--sandboxd-advertise-addr, \
+                 else the host:port of --sandboxd-url), is not on this node's address {node_addr} (--node-ip); other \
+                 boxes believe only an address of the Node: set --sandboxd-advertise-addr to {node_addr}:<sandboxd port>"
+            );
+        }
     }
     let mut cfg = InventoryConfig::new(cli.node_name.clone(), address.to_owned());
     cfg.publish = cli.publish_inventory;
@@ -286,7 +306,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         "" => sandboxd.host_port().to_owned(),
         a => a.to_owned(),
     };
-    let icfg = inventory_config(&cli, &advertise)?;
+    let icfg = inventory_config(&cli, &advertise, setup.node.internal_ip)?;
     match sandboxd.info().await {
         Ok(info) => {
             tracing::info!(url = %cli.sandboxd_url, pools = info.pools.len(), claimed = info.claimed, "sandboxd answers")
@@ -473,7 +493,8 @@ mod tests {
     #[test]
     fn fleet_flags_become_the_inventory_config() {
         let cli = Cli::try_parse_from(["vk-sandbox"]).unwrap();
-        let c = inventory_config(&cli, "10.0.0.5:7777").unwrap();
+        let ip: Option<std::net::IpAddr> = Some("10.0.0.5".parse().unwrap());
+        let c = inventory_config(&cli, "10.0.0.5:7777", ip).unwrap();
         assert!(!c.publish && c.advertise_warm && c.enabled());
         assert_eq!((c.interval, c.stale_after), (Duration::from_secs(30), Duration::from_secs(90)));
         assert_eq!((c.node_name.as_str(), c.address.as_str()), ("vk-sandboxd", "10.0.0.5:7777"));
@@ -487,15 +508,25 @@ mod tests {
             "--advertise-warm-capacity=false",
         ])
         .unwrap();
-        let c = inventory_config(&cli, "a:1").unwrap();
+        let c = inventory_config(&cli, "10.0.0.5:7777", ip).unwrap();
         assert!(c.publish && !c.advertise_warm);
+        // Publishing an address other boxes would not believe (not on the Node) is refused,
+        // naming the flag; the loopback default of --sandboxd-url is the common case.
+        for (addr, node_ip) in [("127.0.0.1:7777", ip), ("sbx.example:7777", ip), ("10.0.0.6:7777", ip), ("a:1", None)]
+        {
+            let e = inventory_config(&cli, addr, node_ip).unwrap_err().to_string();
+            assert!(e.contains("--sandboxd-advertise-addr"), "{addr}: {e}");
+        }
+        let v6: Option<std::net::IpAddr> = Some("fd00::1".parse().unwrap());
+        assert!(inventory_config(&cli, "[fd00::1]:7777", v6).is_ok());
+        assert!(inventory_config(&cli, "vk-sandboxd:7777", None).is_ok(), "no IP: the Node's Hostname address");
         assert_eq!((c.interval, c.stale_after), (Duration::from_secs(2), Duration::from_secs(8)));
         let off = Cli::try_parse_from(["vk-sandbox", "--advertise-warm-capacity", "false"]).unwrap();
-        assert!(!inventory_config(&off, "a:1").unwrap().enabled(), "nothing to do: no loop");
+        assert!(!inventory_config(&off, "a:1", None).unwrap().enabled(), "nothing to do: no loop");
         assert!(Cli::try_parse_from(["vk-sandbox", "--advertise-warm-capacity"]).unwrap().advertise_warm_capacity);
         for bad in [["--publish-interval", "0s"], ["--inventory-stale-after", "0s"]] {
             let cli = Cli::try_parse_from(["vk-sandbox", bad[0], bad[1]]).unwrap();
-            assert!(inventory_config(&cli, "a:1").is_err(), "{bad:?}");
+            assert!(inventory_config(&cli, "a:1", None).is_err(), "{bad:?}");
         }
     }
 }

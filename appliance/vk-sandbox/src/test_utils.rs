@@ -62,6 +62,7 @@ struct FakeState {
     /// The pools `/v1/info` lists.
     pools: Vec<PoolInfo>,
     info_fails: bool,
+    draining: bool,
     /// `PUT /v1/peers` bodies received.
     peer_reports: Vec<PeerReport>,
 }
@@ -277,7 +278,8 @@ async fn info(State(s): S, h: HeaderMap) -> Response {
     if st.info_fails {
         return err(500, "info failed");
     }
-    Json(Info { claimed: st.claims.len(), pools: st.pools.clone(), ..Info::default() }).into_response()
+    Json(Info { claimed: st.claims.len(), pools: st.pools.clone(), draining: st.draining, ..Info::default() })
+        .into_response()
 }
 
 /// `PUT /v1/peers` (root): recorded; answers the addresses as sandboxd does.
@@ -318,6 +320,7 @@ impl FakeSandboxd {
             usage: BTreeMap::new(),
             pools: Vec::new(),
             info_fails: false,
+            draining: false,
             peer_reports: Vec::new(),
         }));
         let app = Router::new()
@@ -416,8 +419,13 @@ impl FakeSandboxd {
     pub fn set_pools(&self, pools: Vec<PoolInfo>) {
         self.st().pools = pools;
     }
+    /// Makes `/v1/info` answer 500.
     pub fn set_info_fails(&self, f: bool) {
         self.st().info_fails = f;
+    }
+    /// Makes `/v1/info` say the node is draining.
+    pub fn set_draining(&self, d: bool) {
+        self.st().draining = d;
     }
     /// The `PUT /v1/peers` bodies received so far.
     pub fn peer_reports(&self) -> Vec<PeerReport> {

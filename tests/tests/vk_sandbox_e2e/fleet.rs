@@ -3,7 +3,8 @@
 //! warm only on box B (box A, the suite's node, has none): the scheduler puts ten Sandboxes
 //! asking for its warm capacity on B, the unmodified SDK pointed at A is redirected to B, and a
 //! lookup from A finds the sandbox there. Then B dies (`kill -9` of its sandboxd and provider):
-//! its inventory goes stale, A stops naming it, and A's own Pods run on.
+//! its inventory goes stale, A stops naming it, and A's own Pods run on. Throughout, a forged
+//! inventory (no Node of its name, the most warm VMs) is never believed.
 
 use std::time::Duration;
 
@@ -25,6 +26,27 @@ const WARM_MEDIUM: &str = "sandbox.cocoonstack.io/warm-base-none-medium";
 const WARM_SMALL: &str = "sandbox.cocoonstack.io/warm-base-none-small";
 /// How long inventories, capacities and peers take to follow (a few 2 s publish periods).
 const FOLLOW: Duration = Duration::from_secs(60);
+/// A NodeInventory no Node vouches for, and the address it names.
+const FORGED: &str = "vk-e2e-forged";
+const FORGED_ADDR: &str = "127.0.0.1:1";
+
+/// The forged inventory: fresh for over a minute (stamped 50 s ahead, inside the allowed skew),
+/// claiming more warm VMs of B's pool than anyone.
+fn forged() -> Value {
+    let t = time::OffsetDateTime::now_utc() + time::Duration::seconds(50);
+    let at = format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second()
+    );
+    json!({"apiVersion": "sandbox.cocoonstack.io/v1beta1", "kind": "NodeInventory", "metadata": {"name": FORGED},
+        "node": FORGED, "address": FORGED_ADDR, "publishedAt": at,
+        "pools": [{"template": BASE, "net": "none", "size": MEDIUM, "warm": 1000, "target": 1000}], "entries": []})
+}
 
 /// The vk-sandbox flags of both boxes: publish every 2 s, a peer is stale after 20 s (a loaded
 /// TCG box may publish late; the dead-box check waits that long).
@@ -66,6 +88,7 @@ pub(super) fn fleet(env: &mut Env, ns: &str) -> Outcome {
     let mut b = env.add_box(B_NODE, pools, fleet_args())?;
     let (a_addr, b_addr) = (env.sandboxd.addr.clone(), b.sandboxd.addr.clone());
     let result = fleet_with(env, ns, &mut b, &a_addr, &b_addr);
+    let _ = env.kubectl(&["delete", "nodeinventories.sandbox.cocoonstack.io", FORGED, "--wait=false"]);
     drop(b);
     // B's Node would linger NotReady; its NodeInventory goes with it (owner reference).
     let _ = env.kubectl(&["delete", "node", B_NODE, "--wait=false"]);
@@ -79,6 +102,8 @@ fn fleet_with(
     a_addr: &str,
     b_addr: &str,
 ) -> Outcome {
+    // 0. A forged inventory (written here by the admin; any node identity may write one).
+    env.apply(ns, &forged())?;
     // 1. Both boxes publish their inventory and their warm capacity.
     poll("NodeInventory objects of both boxes with their warm VMs", FOLLOW, || {
         let (Some(a), Some(bi)) = (inventory(env, NODE)?, inventory(env, B_NODE)?) else { return Ok(None) };
@@ -88,6 +113,13 @@ fn fleet_with(
     poll("B advertises its warm medium VMs, A none", FOLLOW, || {
         let (on_a, on_b) = (allocatable(env, NODE, WARM_MEDIUM)?, allocatable(env, B_NODE, WARM_MEDIUM)?);
         Ok((on_a == 0 && on_b == WARM_B as u64).then_some(()))
+    })?;
+    poll("A names B as a peer, never the forged box", FOLLOW, || {
+        let peers: Peers = env.sandboxd.root_as("GET", "/v1/peers", None);
+        if peers.peers.iter().any(|p| p == FORGED_ADDR) {
+            return Err(format!("A believes a NodeInventory no Node vouches for: {:?}", peers.peers));
+        }
+        Ok(peers.peers.iter().any(|p| p == b_addr).then_some(()))
     })?;
     // 2. Ten Sandboxes asking for warm medium capacity all land on B, served from its pool.
     for i in 0..WARM_B {
@@ -108,6 +140,16 @@ fn fleet_with(
     b.sandboxd.wait_full(BASE);
     poll("B's NodeInventory shows its pool warm again", FOLLOW, || {
         Ok(inventory(env, B_NODE)?.filter(|i| warm_of(i, MEDIUM) == Some(WARM_B as u64)).map(|_| ()))
+    })?;
+    // A learns B's refilled pool at its next push (every 2 s): until then a medium claim at A
+    // has nowhere to go (429, nothing claimed).
+    poll("A redirects a medium claim to B", FOLLOW, || {
+        let (_, v) =
+            env.sandboxd.call("POST", "/v1/claim", Some(TOKEN), Some(json!({"template": BASE, "size": MEDIUM})));
+        if let (Some(id), Some(token)) = (v["id"].as_str().filter(|i| !i.is_empty()), v["token"].as_str()) {
+            env.sandboxd.call("POST", &format!("/v1/sandboxes/{id}/release"), Some(token), None);
+        }
+        Ok((v["redirect"] == json!([b_addr])).then_some(()))
     })?;
     // 4. The unmodified SDK at A: redirected to B, commands run there, lookup from A finds it.
     let python = std::env::var_os("CHRYSALIS_PYTHON").ok_or("CHRYSALIS_PYTHON is unset (cargo xtask test sets it)")?;

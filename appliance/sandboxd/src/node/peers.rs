@@ -14,10 +14,11 @@
 //! The node's own advertised address is never a peer. A redirected claim is authenticated by
 //! the peer with the same bearer token: the boxes of one fleet share the node token.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use sandboxd_api::{PeerBox, PeerReport};
+use sandboxd_api::PeerReport;
 
 use super::Node;
 use crate::pool::PoolKey;
@@ -25,19 +26,26 @@ use crate::pool::PoolKey;
 /// Most peers one redirect names (`docs/sandboxd.md` §5.3).
 pub const MAX_REDIRECT: usize = 2;
 
-/// The last report and when it runs out.
+/// One peer as the node keeps it: its pools' keys parsed once when the report is taken.
+#[derive(Debug)]
+pub(crate) struct Peer {
+    addr: String,
+    /// Warm VMs per pool (a key listed twice counts once: the larger count).
+    warm: HashMap<PoolKey, usize>,
+    /// When this peer runs out: the report's ttl, or sooner when the provider said so
+    /// ([`sandboxd_api::PeerBox::ttl_seconds`], a peer already near staleness).
+    until: Instant,
+}
+
+/// The last report.
 #[derive(Debug, Default)]
 pub(crate) struct PeerTable {
-    boxes: Vec<PeerBox>,
-    until: Option<Instant>,
+    peers: Vec<Peer>,
 }
 
 impl PeerTable {
-    fn fresh(&self, now: Instant) -> &[PeerBox] {
-        match self.until {
-            Some(t) if now < t => &self.boxes,
-            _ => &[],
-        }
+    fn fresh(&self, now: Instant) -> impl Iterator<Item = &Peer> {
+        self.peers.iter().filter(move |p| now < p.until)
     }
 }
 
@@ -58,7 +66,13 @@ pub enum PeerError {
 }
 
 /// Reports longer than this are refused (a fleet is tens of boxes).
-const MAX_PEERS: usize = 1024;
+pub const MAX_PEERS: usize = 1024;
+/// Pools one peer may list (a box serves a handful).
+pub const MAX_PEER_POOLS: usize = 256;
+/// Longest address taken.
+pub const MAX_ADDR_LEN: usize = 512;
+/// Longest a report holds, whatever its `ttl_seconds`.
+pub const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
 
 impl Node {
     /// Replaces the peer table with `report` (see the module docs).
@@ -69,31 +83,44 @@ impl Node {
         if report.peers.len() > MAX_PEERS {
             return Err(PeerError::Bad { index: MAX_PEERS, why: format!("more than {MAX_PEERS} peers") });
         }
-        for (index, p) in report.peers.iter().enumerate() {
+        let now = Instant::now();
+        let ttl = Duration::from_secs(report.ttl_seconds).min(MAX_TTL);
+        let own = self.advertise_addr().trim().to_owned();
+        let mut peers = Vec::with_capacity(report.peers.len());
+        for (index, p) in report.peers.into_iter().enumerate() {
             let addr = p.addr.trim();
-            if addr.is_empty() || addr.len() > 512 || addr.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            if addr.is_empty() || addr.len() > MAX_ADDR_LEN || addr.chars().any(|c| c.is_whitespace() || c.is_control())
+            {
                 return Err(PeerError::Bad {
                     index,
                     why: format!("address {:?} is not host:port or an origin", p.addr),
                 });
             }
+            if p.pools.len() > MAX_PEER_POOLS {
+                return Err(PeerError::Bad { index, why: format!("more than {MAX_PEER_POOLS} pools") });
+            }
+            let mut warm = HashMap::with_capacity(p.pools.len());
             for pool in &p.pools {
                 let k = &pool.key;
-                PoolKey::parse(&k.template, Some(&k.net), Some(&k.size))
+                let key = PoolKey::parse(&k.template, Some(&k.net), Some(&k.size))
                     .map_err(|e| PeerError::Bad { index, why: format!("pool key: {e}") })?;
+                let w = warm.entry(key).or_insert(0);
+                *w = pool.warm.max(*w);
             }
+            if !own.is_empty() && addr == own {
+                continue;
+            }
+            let ttl = p.ttl_seconds.map_or(ttl, |s| ttl.min(Duration::from_secs(s)));
+            peers.push(Peer { addr: addr.to_owned(), warm, until: now + ttl });
         }
-        let own = self.advertise_addr().to_owned();
-        let boxes: Vec<PeerBox> = report.peers.into_iter().filter(|p| own.is_empty() || p.addr != own).collect();
-        let n = boxes.len();
-        let ttl = Duration::from_secs(report.ttl_seconds.min(24 * 3600));
-        *lock(&self.peers) = PeerTable { boxes, until: Some(Instant::now() + ttl) };
+        let n = peers.len();
+        *lock(&self.peers) = PeerTable { peers };
         Ok(n)
     }
 
     /// The peers' addresses (none once the last report ran out).
     pub fn peer_addrs(&self) -> Vec<String> {
-        lock(&self.peers).fresh(Instant::now()).iter().map(|p| p.addr.clone()).collect()
+        lock(&self.peers).fresh(Instant::now()).map(|p| p.addr.clone()).collect()
     }
 
     /// Where a claim for `key` goes instead of here: empty when this node has a warm VM for
@@ -106,19 +133,7 @@ impl Node {
         let table = lock(&self.peers);
         let mut warm: Vec<(usize, &str)> = table
             .fresh(Instant::now())
-            .iter()
-            .filter_map(|p| {
-                let w = p
-                    .pools
-                    .iter()
-                    .filter(|pool| {
-                        let k = &pool.key;
-                        PoolKey::parse(&k.template, Some(&k.net), Some(&k.size)).is_ok_and(|k| k == key)
-                    })
-                    .map(|pool| pool.warm)
-                    .sum::<usize>();
-                (w > 0).then_some((w, p.addr.as_str()))
-            })
+            .filter_map(|p| p.warm.get(&key).filter(|w| **w > 0).map(|w| (*w, p.addr.as_str())))
             .collect();
         warm.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(b.1)));
         warm.into_iter().take(MAX_REDIRECT).map(|(_, a)| a.to_owned()).collect()

@@ -20,9 +20,15 @@
 //! adoption, a release).
 //!
 //! # Guarantees
-//! * A failed sandboxd read changes nothing (the previous capacities stay; nothing is applied).
-//! * A failed listing of the objects sends no report: the previous one runs out by itself
-//!   after `--inventory-stale-after`; an empty fleet sends an empty report.
+//! * A failed sandboxd read changes nothing (the previous capacities stay; nothing is applied),
+//!   until sandboxd has not answered for a stale-after window: then every warm capacity is set
+//!   to 0, so that nothing is placed here on old news.
+//! * A peer is believed only where its Node vouches for it ([`peers`]: the Node of the object's
+//!   name exists, owns it, and lists the host of its address); a Node that cannot be read
+//!   vouches for nothing.
+//! * A failed apply of this node's object still lists the others and sends the report (the
+//!   error is returned after); a failed listing sends no report: the previous one runs out by
+//!   itself after `--inventory-stale-after`; an empty fleet sends an empty report.
 //! * The node keeps serving Pods whatever happens here.
 //!
 //! # Caveats
@@ -36,6 +42,7 @@ pub mod object;
 pub mod peers;
 pub mod warm;
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -161,6 +168,8 @@ pub struct Publisher {
     absent: Mutex<Absent>,
     /// The Node was read once: its absence later means it is being registered again.
     node_seen: AtomicBool,
+    /// When sandboxd last answered (or the loop began).
+    last_read: Mutex<tokio::time::Instant>,
 }
 
 impl Publisher {
@@ -179,6 +188,7 @@ impl Publisher {
             client: RwLock::new(None),
             absent: Mutex::default(),
             node_seen: AtomicBool::new(false),
+            last_read: Mutex::new(tokio::time::Instant::now()),
         }
     }
 
@@ -192,15 +202,32 @@ impl Publisher {
     }
 
     fn absent(&self) -> std::sync::MutexGuard<'_, Absent> {
-        // Small plain fields: a poisoned lock still holds whole values.
-        self.absent.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.absent)
+    }
+
+    /// After a stale-after window without an answer from sandboxd, every warm capacity goes to 0.
+    fn zero_when_silent(&self) {
+        let silent = lock(&self.last_read).elapsed();
+        if self.cfg.advertise_warm && silent >= self.cfg.stale_after {
+            let zero = warm::zeroed(&self.node.extra_resources());
+            if self.node.set_extra_resources(zero) {
+                tracing::warn!(silent = ?silent, "sandboxd has not answered for the stale-after window; warm capacity set to 0");
+            }
+        }
     }
 
     /// One pass (see the module docs).
     #[tracing::instrument(name = "inventory_pass", skip_all, fields(node = %self.cfg.node_name))]
     pub async fn pass(&self) -> Result<Pass, InventoryError> {
         let (info, rows) = tokio::join!(self.sandboxd.info(), self.sandboxd.list(None));
-        let (info, rows) = (info.map_err(InventoryError::Sandboxd)?, rows.map_err(InventoryError::Sandboxd)?);
+        let (info, rows) = match (info, rows) {
+            (Ok(info), Ok(rows)) => (info, rows),
+            (Err(e), _) | (_, Err(e)) => {
+                self.zero_when_silent();
+                return Err(InventoryError::Sandboxd(e));
+            }
+        };
+        *lock(&self.last_read) = tokio::time::Instant::now();
         let mut pass = Pass::default();
         if self.cfg.advertise_warm {
             let resources = warm::warm_resources(&info, &rows, &self.provider.held_claims());
@@ -263,6 +290,7 @@ impl Publisher {
             .map_err(|source| InventoryError::Node { node: name.clone(), source })?;
         let owner = found.map(|n| object::NodeOwner { name: name.clone(), uid: n.metadata.uid.unwrap_or_default() });
         let api: Api<DynamicObject> = Api::all_with(client.clone(), &object::resource());
+        let mut applied = Ok(());
         match &owner {
             None if self.node_seen.load(Ordering::SeqCst) => {
                 tracing::debug!("the Node is gone; the apply waits until it is registered again");
@@ -273,18 +301,24 @@ impl Publisher {
                 }
                 let obj = object::inventory(name, &self.cfg.address, info, rows, owner.as_ref(), Timestamp::now());
                 let params = PatchParams::apply(object::FIELD_MANAGER).force();
-                api.patch(name, &params, &Patch::Apply(&obj))
-                    .await
-                    .map_err(|source| InventoryError::Apply { node: name.clone(), source })?;
-                pass.published = true;
+                match api.patch(name, &params, &Patch::Apply(&obj)).await {
+                    Ok(_) => pass.published = true,
+                    Err(source) => applied = Err(InventoryError::Apply { node: name.clone(), source }),
+                }
             }
         }
+        if applied.as_ref().is_err_and(InventoryError::absent) {
+            return applied;
+        }
         let list = api.list(&ListParams::default()).await.map_err(InventoryError::List)?;
-        let report = peers::peer_report(&list.items, name, &self.cfg.address, Timestamp::now(), self.cfg.stale_after);
+        let now = Timestamp::now();
+        let names = peers::candidates(&list.items, name, now, self.cfg.stale_after);
+        let nodes = node_facts(client, names).await;
+        let report = peers::peer_report(&list.items, &nodes, name, &self.cfg.address, now, self.cfg.stale_after);
         let n = report.peers.len();
         self.sandboxd.put_peers(&report).await.map_err(InventoryError::Peers)?;
         pass.peers = Some(n);
-        Ok(())
+        applied
     }
 
     /// Runs passes until the task is dropped: one now, then every interval and a `settle`
@@ -317,6 +351,35 @@ impl Publisher {
             }
         }
     }
+}
+
+/// The facts of the Nodes named (a Node that cannot be read is left out: it vouches for
+/// nothing). One GET each, a few at a time: a fleet is tens of boxes.
+async fn node_facts(client: &kube::Client, names: Vec<String>) -> BTreeMap<String, peers::NodeFacts> {
+    use futures::StreamExt as _;
+    let api = Api::<Node>::all(client.clone());
+    futures::stream::iter(names)
+        .map(|n| {
+            let api = api.clone();
+            async move {
+                match api.get_opt(&n).await {
+                    Ok(found) => found.map(|node| (n, peers::NodeFacts::of(&node))),
+                    Err(e) => {
+                        tracing::debug!(node = %n, error = %error_chain(&e), "a peer's Node could not be read; left out");
+                        None
+                    }
+                }
+            }
+        })
+        .buffer_unordered(8)
+        .filter_map(std::future::ready)
+        .collect()
+        .await
+}
+
+/// Small plain fields: a poisoned lock still holds whole values.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -68,7 +68,8 @@ fn entry(row: &SandboxRow, address: &str) -> Value {
 }
 
 /// The object to apply for node `node` (entries sorted by name, pools in sandboxd's order);
-/// owned by `owner` when given.
+/// owned by `owner` when given. A draining sandboxd publishes `warm: 0` (it takes no claim, so
+/// no peer should send one).
 pub fn inventory(
     node: &str,
     address: &str,
@@ -81,7 +82,8 @@ pub fn inventory(
         .pools
         .iter()
         .map(|p| {
-            json!({"template": p.key.template, "net": p.key.net, "size": p.key.size, "warm": p.warm, "target": p.target})
+            let warm = if info.draining { 0 } else { p.warm };
+            json!({"template": p.key.template, "net": p.key.net, "size": p.key.size, "warm": warm, "target": p.target})
         })
         .collect();
     let mut entries: Vec<Value> = rows.iter().map(|r| entry(r, address)).collect();

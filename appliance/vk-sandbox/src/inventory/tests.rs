@@ -129,6 +129,20 @@ fn listed(name: &str, address: &str, published: Option<&str>, pools: Value) -> D
     o
 }
 
+/// The Nodes of `boxes` (name, address host), each vouching for its own inventory.
+fn nodes(boxes: &[(&str, &str)]) -> BTreeMap<String, peers::NodeFacts> {
+    boxes
+        .iter()
+        .map(|(n, host)| {
+            (n.to_string(), peers::NodeFacts { uid: format!("uid-{n}"), addresses: vec![host.to_string()] })
+        })
+        .collect()
+}
+
+fn peer(addr: &str, pools: Vec<PeerPool>, ttl: u64) -> PeerBox {
+    PeerBox { addr: addr.into(), pools, ttl_seconds: Some(ttl) }
+}
+
 #[test]
 fn stale_missing_and_own_inventories_are_left_out_of_the_peer_report() {
     let warm = |w: u64| json!([{"template": "base", "net": "none", "size": "small", "warm": w, "target": 3}]);
@@ -150,37 +164,99 @@ fn stale_missing_and_own_inventories_are_left_out_of_the_peer_report() {
                 {"template": "base", "net": "wifi", "warm": 4, "target": 4},
                 {"template": "base", "size": "huge", "warm": 4, "target": 4},
                 {"template": "rt", "net": "egress", "size": "2xlarge"},
+                {"template": "base", "net": "none", "size": "small", "warm": 3},
             ]),
-        ), // ahead of our clock: fresh; the bad pools dropped, the defaults filled
+        ), // a minute ahead of our clock: fresh; bad pools dropped, defaults filled, a key twice: the larger
+        listed("box-i", "10.0.0.11:7777", Some("2099-01-01T00:00:00Z"), warm(5)), // far ahead: never stale, so left out
     ];
-    let report = peers::peer_report(&objects, "box-a", "10.0.0.5:7777", now(), Duration::from_secs(90));
+    let fleet = nodes(&[
+        ("box-b", "10.0.0.6"),
+        ("box-b2", "10.0.0.6"),
+        ("box-c", "10.0.0.7"),
+        ("box-h", "10.0.0.10"),
+        ("box-i", "10.0.0.11"),
+    ]);
+    let report = peers::peer_report(&objects, &fleet, "box-a", "10.0.0.5:7777", now(), Duration::from_secs(90));
     assert_eq!(report.ttl_seconds, 90);
     assert_eq!(
         report.peers,
         vec![
-            PeerBox {
-                addr: "10.0.0.10:7777".into(),
-                pools: vec![
-                    PeerPool { key: key("base", "none", "small"), warm: 1 },
+            peer(
+                "10.0.0.10:7777",
+                vec![
+                    PeerPool { key: key("base", "none", "small"), warm: 3 },
                     PeerPool { key: key("rt", "egress", "2xlarge"), warm: 0 },
                 ],
-            },
-            PeerBox {
-                addr: "10.0.0.6:7777".into(),
-                pools: vec![PeerPool { key: key("base", "none", "small"), warm: 2 }]
-            },
-        ]
+                90
+            ),
+            peer("10.0.0.6:7777", vec![PeerPool { key: key("base", "none", "small"), warm: 2 }], 30),
+        ],
+        "each peer holds until its own window ends"
     );
     // A wider window takes box-c back; the same address twice keeps the fresher object.
     let mut twice = objects.clone();
     twice.push(listed("box-b2", "10.0.0.6:7777", Some("2030-01-01T00:04:30Z"), warm(7)));
-    let report = peers::peer_report(&twice, "box-a", "10.0.0.5:7777", now(), Duration::from_millis(150_500));
+    let report = peers::peer_report(&twice, &fleet, "box-a", "10.0.0.5:7777", now(), Duration::from_millis(150_500));
     assert_eq!(report.ttl_seconds, 151, "whole seconds, rounded up");
-    let addrs: Vec<(&str, usize)> = report.peers.iter().map(|p| (p.addr.as_str(), p.pools[0].warm)).collect();
-    assert_eq!(addrs, [("10.0.0.10:7777", 1), ("10.0.0.6:7777", 7), ("10.0.0.7:7777", 5)]);
+    let addrs: Vec<(&str, usize, Option<u64>)> =
+        report.peers.iter().map(|p| (p.addr.as_str(), p.pools[0].warm, p.ttl_seconds)).collect();
+    assert_eq!(
+        addrs,
+        [("10.0.0.10:7777", 3, Some(151)), ("10.0.0.6:7777", 7, Some(121)), ("10.0.0.7:7777", 5, Some(31))]
+    );
     // An empty fleet is an empty report, not none.
-    let alone = peers::peer_report(&objects[..1], "box-a", "10.0.0.5:7777", now(), Duration::from_secs(90));
+    let alone = peers::peer_report(&objects[..1], &fleet, "box-a", "10.0.0.5:7777", now(), Duration::from_secs(90));
     assert!(alone.peers.is_empty() && alone.ttl_seconds == 90);
+    assert_eq!(
+        peers::candidates(&twice, "box-a", now(), Duration::from_secs(90)),
+        ["box-b", "box-b2", "box-f", "box-g", "box-h"],
+        "the Nodes to read: fresh objects of other names"
+    );
+}
+
+#[test]
+fn an_inventory_its_node_does_not_vouch_for_is_left_out() {
+    let warm = json!([{"template": "base", "warm": 9}]);
+    let at = Some("2030-01-01T00:05:00Z");
+    let fresh = |name: &str, addr: &str| listed(name, addr, at, warm.clone());
+    let owned = |name: &str, addr: &str, owner: &str, uid: &str| {
+        let mut o = fresh(name, addr);
+        o.metadata.owner_references = Some(vec![k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: owner.into(),
+            uid: uid.into(),
+            ..Default::default()
+        }]);
+        o
+    };
+    let mut another_node = fresh("box-b", "10.0.0.6:7777");
+    another_node.data["node"] = "box-c".into();
+    let fleet = nodes(&[("box-b", "10.0.0.6"), ("box-c", "10.0.0.7"), ("box-d", "sbx-d.example")]);
+    let report = |objects: Vec<DynamicObject>| {
+        peers::peer_report(&objects, &fleet, "box-a", "10.0.0.5:7777", now(), Duration::from_secs(90)).peers
+    };
+    for (obj, why) in [
+        (fresh("box-z", "10.0.0.6:7777"), "no Node of its name"),
+        (fresh("box-b", "10.0.0.66:7777"), "an address not on its Node (another box's, or the writer's own)"),
+        (fresh("box-b", "evil.example:7777"), "a name its Node does not list"),
+        (another_node, "its `node` names another Node"),
+        (owned("box-b", "10.0.0.6:7777", "box-b", "uid-old"), "owned by an earlier Node of its name"),
+        (owned("box-b", "10.0.0.6:7777", "box-c", "uid-box-c"), "owned by another Node"),
+    ] {
+        assert_eq!(report(vec![obj]), vec![], "{why}");
+    }
+    let believed = report(vec![
+        owned("box-b", "10.0.0.6:7777", "box-b", "uid-box-b"),
+        fresh("box-c", "http://10.0.0.7:7777"),
+        fresh("box-d", "SBX-D.example:7777"),
+    ]);
+    let addrs: Vec<&str> = believed.iter().map(|p| p.addr.as_str()).collect();
+    assert_eq!(addrs, ["10.0.0.6:7777", "SBX-D.example:7777", "http://10.0.0.7:7777"]);
+    // Pools past the cap are dropped.
+    let many: Vec<Value> = (0..300).map(|i| json!({"template": format!("t{i}"), "warm": 1})).collect();
+    let big = report(vec![listed("box-b", "10.0.0.6:7777", at, Value::Array(many))]);
+    assert_eq!(big[0].pools.len(), peers::MAX_PEER_POOLS);
 }
 
 #[test]
@@ -249,7 +325,8 @@ fn status(code: u16) -> (u16, Value) {
 
 const INV: &str = "/apis/sandbox.cocoonstack.io/v1beta1/nodeinventories";
 
-/// The fleet as the fake API server lists it: this node, a fresh peer, a stale one.
+/// The fleet as the fake API server lists it: this node, a fresh peer, a stale one, a fresh one
+/// without a Node.
 fn fleet() -> Value {
     let fresh = Timestamp::now() - SignedDuration::from_secs(5);
     let stale = Timestamp::now() - SignedDuration::from_secs(600);
@@ -260,7 +337,7 @@ fn fleet() -> Value {
     };
     json!({"apiVersion": "sandbox.cocoonstack.io/v1beta1", "kind": "NodeInventoryList", "metadata": {},
         "items": [item("box-a", "10.0.0.5:7777", fresh), item("box-b", "10.0.0.6:7777", fresh),
-            item("box-c", "10.0.0.7:7777", stale)]})
+            item("box-c", "10.0.0.7:7777", stale), item("box-d", "10.0.0.8:7777", fresh)]})
 }
 
 /// An API server with the Node `box-a` (uid `n-uid`), applying and listing as `inv` says.
@@ -269,6 +346,11 @@ fn cluster(inv_patch: u16, inv_list: u16) -> Answer {
         ("GET", "/api/v1/nodes/box-a") => {
             (200, json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "box-a", "uid": "n-uid"}}))
         }
+        ("GET", "/api/v1/nodes/box-b") => (
+            200,
+            json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "box-b", "uid": "b-uid"},
+                "status": {"addresses": [{"type": "InternalIP", "address": "10.0.0.6"}]}}),
+        ),
         ("PATCH", p) if p == format!("{INV}/box-a") && inv_patch == 200 => (
             200,
             json!({"apiVersion": "sandbox.cocoonstack.io/v1beta1", "kind": "NodeInventory", "metadata": {"name": "box-a"}}),
@@ -290,6 +372,10 @@ struct Rig {
 }
 
 async fn rig(publish: bool, answer: Answer) -> Rig {
+    rig_with(publish, answer, |_| {}).await
+}
+
+async fn rig_with(publish: bool, answer: Answer, adjust: impl FnOnce(&mut InventoryConfig)) -> Rig {
     let fake = FakeSandboxd::start(Some("root")).await;
     fake.set_pools(vec![pool("base", "small", 2, 3)]);
     let dir = tempfile::tempdir().unwrap();
@@ -299,6 +385,7 @@ async fn rig(publish: bool, answer: Answer) -> Rig {
     let mut cfg = InventoryConfig::new("box-a".into(), "10.0.0.5:7777".into());
     cfg.publish = publish;
     cfg.settle = Duration::from_millis(20);
+    adjust(&mut cfg);
     let node = vnode::NodeHandle::default();
     let publisher = Arc::new(Publisher::new(cfg, client, provider.clone(), node.clone()));
     let calls = Calls::default();
@@ -326,16 +413,20 @@ async fn a_pass_applies_the_owned_object_and_sends_the_fresh_peers() {
     assert_eq!(body["address"], "10.0.0.5:7777");
     assert_eq!(body["pools"][0]["warm"], 2);
     assert_eq!(body["entries"][0]["name"], "ns/p1");
-    let reports = r.fake.peer_reports();
+    let mut reports = r.fake.peer_reports();
     assert_eq!(reports.len(), 1);
     assert_eq!(reports[0].ttl_seconds, 90);
+    let ttl = reports[0].peers.first().and_then(|p| p.ttl_seconds).unwrap_or(0);
+    assert!((80..=85).contains(&ttl), "the peer published ~5 s ago holds ~85 s more: {ttl}");
+    reports[0].peers.iter_mut().for_each(|p| p.ttl_seconds = None);
     assert_eq!(
         reports[0].peers,
         vec![PeerBox {
             addr: "10.0.0.6:7777".into(),
-            pools: vec![PeerPool { key: key("base", "none", "small"), warm: 4 }]
+            pools: vec![PeerPool { key: key("base", "none", "small"), warm: 4 }],
+            ttl_seconds: None,
         }],
-        "not this node, not the stale box"
+        "not this node, not the stale box, not the box without a Node (box-d)"
     );
     assert_eq!(r.node.extra_resources(), BTreeMap::from([(SMALL.to_string(), Quantity("2".into()))]));
 }
@@ -417,4 +508,39 @@ async fn a_claim_and_a_release_move_the_capacity_soon_after() {
     r.provider.delete_pod(&p).await.unwrap();
     assert!(want("2").await, "so is a release");
     task.abort();
+}
+
+#[tokio::test]
+async fn a_failed_apply_still_reports_the_peers_and_a_draining_box_offers_nothing() {
+    let r = rig(true, cluster(500, 200)).await;
+    match r.publisher.pass().await {
+        Err(InventoryError::Apply { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(r.fake.peer_reports().len(), 1, "the others are still listed and reported");
+    // Draining: no claim is taken here, so neither the Node nor the object offers a warm VM.
+    let r = rig(true, cluster(200, 200)).await;
+    r.fake.set_draining(true);
+    r.publisher.pass().await.unwrap();
+    assert_eq!(r.node.extra_resources(), BTreeMap::from([(SMALL.to_string(), Quantity("0".into()))]));
+    let calls = r.calls();
+    let (_, _, body) = calls.iter().find(|(m, _, _)| m == "PATCH").unwrap();
+    assert_eq!(body["pools"][0]["warm"], 0, "{body}");
+    assert_eq!(body["pools"][0]["target"], 3, "{body}");
+}
+
+#[tokio::test]
+async fn a_sandboxd_silent_for_the_stale_window_has_its_warm_capacity_zeroed() {
+    let r = rig_with(false, cluster(200, 200), |c| c.stale_after = Duration::from_millis(300)).await;
+    r.publisher.pass().await.unwrap();
+    assert_eq!(r.node.extra_resources()[SMALL], Quantity("2".into()));
+    r.fake.set_info_fails(true);
+    assert!(r.publisher.pass().await.is_err());
+    assert_eq!(r.node.extra_resources()[SMALL], Quantity("2".into()), "a blip changes nothing");
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    assert!(r.publisher.pass().await.is_err());
+    assert_eq!(r.node.extra_resources()[SMALL], Quantity("0".into()), "silent for the window: 0");
+    r.fake.set_info_fails(false);
+    r.publisher.pass().await.unwrap();
+    assert_eq!(r.node.extra_resources()[SMALL], Quantity("2".into()), "back when it answers");
 }

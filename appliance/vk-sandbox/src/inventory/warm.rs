@@ -68,19 +68,30 @@ pub fn requested(pod: &Pod) -> BTreeSet<String> {
 /// this provider whose Pod requests the pool's resource (the scheduler subtracts that Pod's
 /// request). A claim without its Pod (preserved for a replacement), or whose Pod requests
 /// nothing or another pool, adds nothing. Pools that share a name after the character
-/// replacement add up.
+/// replacement add up. A draining sandboxd takes no claim: every pool counts 0.
 pub fn warm_resources(info: &Info, rows: &[SandboxRow], held: &[HeldClaim]) -> BTreeMap<String, Quantity> {
     let mut counts: BTreeMap<String, usize> = BTreeMap::new();
     for pool in &info.pools {
-        *counts.entry(resource_name(&pool.key)).or_default() += pool.warm;
+        let n = counts.entry(resource_name(&pool.key)).or_default();
+        *n = n.saturating_add(pool.warm);
+    }
+    if info.draining {
+        return counts.into_keys().map(|k| (k, Quantity("0".into()))).collect();
     }
     let asked: BTreeMap<&str, BTreeSet<String>> =
         held.iter().filter_map(|h| Some((h.id.as_str(), requested(h.pod.as_ref()?)))).collect();
     for row in rows {
         let name = resource_name(&row.key);
         if asked.get(row.id.as_str()).is_some_and(|names| names.contains(&name)) {
-            *counts.entry(name).or_default() += 1;
+            let n = counts.entry(name).or_default();
+            *n = n.saturating_add(1);
         }
     }
     counts.into_iter().map(|(k, n)| (k, Quantity(n.to_string()))).collect()
+}
+
+/// `resources` with every count 0 (what the Node shows once sandboxd has not answered for a
+/// stale-after window: nothing may be placed here on old news).
+pub fn zeroed(resources: &BTreeMap<String, Quantity>) -> BTreeMap<String, Quantity> {
+    resources.keys().map(|k| (k.clone(), Quantity("0".into()))).collect()
 }
