@@ -197,6 +197,11 @@ pub struct CloneRequest {
     pub shared_network: Option<String>,
     /// Must match the hypervisor that wrote the snapshot, else [`BackendError::Unsupported`].
     pub hypervisor: Hypervisor,
+    /// The restored guest keeps the address it was saved with (a wake from hibernation): the
+    /// VM comes back under the id of its name ([`VmBackend::vm_id_of`]) with the lease that id
+    /// already holds, and a failed restore leaves a lease that existed before the call in
+    /// place (the guest of the next attempt still carries its address).
+    pub keep_lease: bool,
 }
 
 /// A snapshot in the library, as [`VmBackend::snapshot_inspect`] sees it.
@@ -278,7 +283,8 @@ pub trait VmBackend: Send + Sync + 'static {
 
     /// Restores `req.snapshot` as a new VM named `req.name` with a fresh lease. The guest
     /// still carries the source's network configuration until [`VmBackend::configure_network`]
-    /// runs. `NotFound` when the snapshot is missing; nothing is left behind on error.
+    /// runs. `NotFound` when the snapshot is missing; nothing is left behind on error, except
+    /// a lease that existed before the call when `req.keep_lease` is set.
     /// (Not `clone_from`: that name collides with `Clone::clone_from` on `Arc<dyn VmBackend>`.)
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmInfo, BackendError>;
 
@@ -291,6 +297,14 @@ pub trait VmBackend: Send + Sync + 'static {
     /// when automatic configuration gave up (written base64-encoded as
     /// `vm.cocoonstack.io/post-clone-hint`). `None`: no hint.
     fn network_hint(&self, _vm: &VmInfo) -> Option<String> {
+        None
+    }
+
+    /// The id a VM named `name` has on this backend whether or not it exists now (a
+    /// hibernated VM's lease stays under it), when the backend's ids follow from names;
+    /// `None` when it cannot tell. The provider trusts this, never a Pod's
+    /// `vm.cocoonstack.io/id`, to name a lease it releases.
+    fn vm_id_of(&self, _name: &str) -> Option<String> {
         None
     }
 

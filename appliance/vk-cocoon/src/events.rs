@@ -1,6 +1,7 @@
 //! Pod events the provider records itself (`docs/virtual-node.md` §3.8), besides the runtime's
 //! `Provider*` events. Every Warning here also sets `vm.cocoonstack.io/lifecycle-state=failed`
-//! on the Pod (done by the caller), except a `NamespaceRefused` of a DeletePod. [`EventSink`] decouples the provider from the API client:
+//! on the Pod (done by the caller), except a `NamespaceRefused` or `VMIdRefused` of a DeletePod and
+//! a `HibernateRemoveFailed` that leaves the Pod hibernated. [`EventSink`] decouples the provider from the API client:
 //! [`KubeEvents`] writes through `vnode`'s recorder; tests use [`RecordedEvents`].
 
 use std::sync::Mutex;
@@ -29,8 +30,17 @@ pub const HIBERNATED: &str = "Hibernated";
 pub const WOKEN: &str = "Woken";
 /// Warning: saving the hibernation snapshot failed; the VM keeps running (retried).
 pub const HIBERNATE_SNAPSHOT_FAILED: &str = "HibernateSnapshotFailed";
-/// Warning: the saved VM could not be stopped; the snapshot is dropped, the VM keeps running.
+/// Warning: removing the saved VM failed. If it still runs, the snapshot is dropped and the
+/// VM keeps running (lifecycle `failed`, retried); if its hypervisor is gone (or cannot be
+/// told), the snapshot is its only copy: kept, the Pod hibernated (lifecycle `hibernated`, the
+/// one Warning that does not set `failed`) and the removal retried.
 pub const HIBERNATE_REMOVE_FAILED: &str = "HibernateRemoveFailed";
+/// Warning: `<vm-name>:hibernate` exists already and is not replaced by a VM that may be
+/// younger than it (a fresh boot); the VM keeps running.
+pub const HIBERNATE_SNAPSHOT_EXISTS: &str = "HibernateSnapshotExists";
+/// Warning: the Pod's `vm.cocoonstack.io/id` is not the id of its VM's name on this node;
+/// it is refused (a create fails, a delete releases no lease by it).
+pub const VM_ID_REFUSED: &str = "VMIdRefused";
 /// Warning: restoring a hibernated VM failed (retried); its snapshot is kept.
 pub const WAKE_CLONE_FAILED: &str = "WakeCloneFailed";
 /// Warning + pod `Failed` reasons of the VM watcher.

@@ -4,7 +4,10 @@
 //! booting new ones.
 //!
 //! * A failed VM listing fails the reconcile (the node must not register on a guess).
-//! * A VM still `Creating` was left by a crashed create: removed, its lease released.
+//! * A VM still `Creating` was left by a crashed create: removed, its lease released — unless
+//!   it was a wake: while `<vm-name>:hibernate` of its name (or of a live Pod's name that
+//!   references its id) exists, or cannot be looked up, the lease stays, since the guest the
+//!   retried wake restores carries that address.
 //! * A VM referenced by a live (not `Failed`/`Succeeded`) Pod on this node — its
 //!   `vm.cocoonstack.io/id`, else its `vm.cocoonstack.io/name` — becomes *adoptable*: the Pod's
 //!   CreatePod adopts it (by id, then name), its DeletePod removes it — when the Pod's
@@ -28,7 +31,7 @@ use crate::annotations;
 use crate::backend::VmState;
 use crate::config::OrphanPolicy;
 use crate::metrics::metrics;
-use crate::provider::{CocoonProvider, CocoonProviderError};
+use crate::provider::{hibernation_held, CocoonProvider, CocoonProviderError};
 
 /// What a reconcile found and did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -37,6 +40,8 @@ pub struct ReconcileReport {
     pub adoptable: Vec<String>,
     /// Half-created VMs removed.
     pub stale_removed: Vec<String>,
+    /// Those of them whose lease was kept for a wake (a `<vm-name>:hibernate` holds it).
+    pub leases_kept: Vec<String>,
     /// Orphans removed (`destroy`).
     pub orphans_destroyed: Vec<String>,
     /// Orphans left in place (`alert`, `keep`, or a failed removal).
@@ -53,10 +58,15 @@ impl CocoonProvider {
         // id / name → the namespaces of the Pods that reference it.
         let mut ids: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         let mut names: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        // id → the VM names of the Pods that reference it.
+        let mut named_by_id: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         for p in live {
             let ns = p.metadata.namespace.clone().unwrap_or_default();
             if let Some(id) = annotations::value(p, annotations::VM_ID) {
                 ids.entry(id.to_owned()).or_default().insert(ns.clone());
+                if let Some(n) = annotations::value(p, annotations::VM_NAME) {
+                    named_by_id.entry(id.to_owned()).or_default().insert(n.to_owned());
+                }
             }
             if let Some(n) = annotations::value(p, annotations::VM_NAME) {
                 names.entry(n.to_owned()).or_default().insert(ns);
@@ -72,7 +82,12 @@ impl CocoonProvider {
                 tracing::info!(vm = %vm.id, name = %vm.name, "removing a VM a crashed create left half-made");
                 match shared.backend.remove(&vm.id).await {
                     Ok(()) => {
-                        if let Err(e) = shared.backend.release_ip(&vm.id).await {
+                        let candidates = std::iter::once(vm.name.as_str())
+                            .chain(named_by_id.get(&vm.id).into_iter().flatten().map(String::as_str));
+                        if hibernation_held(shared, candidates).await {
+                            tracing::info!(vm = %vm.id, name = %vm.name, "it was a wake: its lease is kept (the hibernated guest carries its address)");
+                            report.leases_kept.push(vm.id.clone());
+                        } else if let Err(e) = shared.backend.release_ip(&vm.id).await {
                             tracing::warn!(vm = %vm.id, error = %error_chain(&e), "releasing its lease failed");
                         }
                         report.stale_removed.push(vm.id);

@@ -142,6 +142,17 @@ pub(crate) struct Entry {
     /// What a `CocoonHibernation` naming this Pod desires (`true`: Hibernate); it overrides
     /// the annotation while the object exists ([`crate::hibernation`]).
     pub desire: Option<bool>,
+    /// Hibernated, but the removal of the stopped VM (its TAP, its record) failed: retried by
+    /// the VM watcher, before a wake and by DeletePod.
+    pub remove_pending: bool,
+    /// The `CocoonHibernation` loop retries a failed hibernate or wake no earlier than this
+    /// (`provider/hibernate.rs`: 15 s doubling to 5 min, reset on success).
+    pub retry_at: Option<tokio::time::Instant>,
+    /// The wait before `retry_at` last time (zero: no failure since the last success).
+    pub retry_backoff: Duration,
+    /// `<vm-name>:hibernate` exists but the running VM is newer (a wake or a rolled-back
+    /// hibernate could not drop it): the next hibernate may replace it.
+    pub stale_hibernation: bool,
 }
 
 impl Entry {
@@ -326,6 +337,10 @@ impl Shared {
             probe: None,
             hibernated: false,
             desire: None,
+            remove_pending: false,
+            retry_at: None,
+            retry_backoff: Duration::ZERO,
+            stale_hibernation: false,
         };
         if let Some(mut old) = g.entries.insert(key.to_owned(), entry) {
             old.stop_probe();

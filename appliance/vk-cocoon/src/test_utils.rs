@@ -29,7 +29,10 @@ struct FakeState {
     vms: BTreeMap<String, FakeVm>,
     /// Snapshot → (the name of the VM it was saved from, its owning namespace).
     snapshots: BTreeMap<SnapshotRef, (String, Option<String>)>,
-    leases: BTreeSet<String>,
+    /// VM id → the address its lease gives.
+    leases: BTreeMap<String, Option<String>>,
+    /// VM name → the id its latest VM had (as a name-derived id would: `vm_id_of`).
+    ids: BTreeMap<String, String>,
     next: u64,
     calls: Vec<String>,
     /// op → remaining injected failures (`u32::MAX` = every call).
@@ -173,20 +176,41 @@ impl FakeBackend {
 
     /// VM ids holding a network lease.
     pub fn leases(&self) -> BTreeSet<String> {
-        self.lock().leases.clone()
+        self.lock().leases.keys().cloned().collect()
+    }
+
+    /// The next `times` calls of `remove` kill the hypervisor (the VM is `Stopped`) and then
+    /// fail, as a remove whose TAP or record deletion failed does.
+    pub fn fail_remove_after_stop(&self, times: u32) {
+        self.lock().failures.insert("remove_after_stop", times);
     }
 
     fn new_vm(s: &mut FakeState, name: &str, namespace: Option<&str>, hypervisor: Hypervisor) -> VmInfo {
         s.next += 1;
         let n = s.next;
-        s.leases.insert(format!("vm-{n}"));
+        let (id, ip) = (format!("vm-{n}"), (!s.no_ip).then(|| format!("10.88.0.{}", n % 250 + 2)));
+        s.leases.insert(id.clone(), ip.clone());
+        s.ids.insert(name.to_owned(), id.clone());
         VmInfo {
-            id: format!("vm-{n}"),
+            id,
             name: name.to_owned(),
             namespace: namespace.map(str::to_owned),
-            ip: (!s.no_ip).then(|| format!("10.88.0.{}", n % 250 + 2)),
+            ip,
             state: VmState::Running,
             hypervisor,
+        }
+    }
+
+    /// Takes one injected failure of `op`, if one is due.
+    fn due(s: &mut FakeState, op: &'static str) -> bool {
+        match s.failures.get_mut(op) {
+            Some(n) if *n > 0 => {
+                if *n != u32::MAX {
+                    *n -= 1;
+                }
+                true
+            }
+            _ => false,
         }
     }
 
@@ -195,23 +219,21 @@ impl FakeBackend {
         if !matches!(op, "probe_agent" | "list" | "inspect" | "snapshot_inspect" | "library") {
             s.calls.push(format!("{op} {arg}"));
         }
-        if let Some(n) = s.failures.get_mut(op) {
-            if *n > 0 {
-                if *n != u32::MAX {
-                    *n -= 1;
-                }
-                return Err(BackendError::failed(op, arg, Injected));
-            }
+        if Self::due(s, op) {
+            return Err(BackendError::failed(op, arg, Injected));
         }
         Ok(())
     }
 
+    /// A new VM; with `keep_lease`, under the id of its name and the lease that id holds
+    /// (a wake), when there is one.
     fn create(
         &self,
         name: &str,
         namespace: &str,
         hypervisor: Hypervisor,
         source: String,
+        keep_lease: bool,
     ) -> Result<VmInfo, BackendError> {
         let mut s = self.lock();
         if let Some(v) = s.vms.values().find(|v| v.info.name == name) {
@@ -220,7 +242,18 @@ impl FakeBackend {
         if !self.hypervisors.contains(&hypervisor) {
             return Err(BackendError::Unsupported { what: format!("hypervisor {hypervisor}") });
         }
-        let info = Self::new_vm(&mut s, name, Some(namespace), hypervisor);
+        let kept = s.ids.get(name).filter(|_| keep_lease).and_then(|id| Some((id.clone(), s.leases.get(id)?.clone())));
+        let info = match kept {
+            Some((id, ip)) => VmInfo {
+                id,
+                name: name.to_owned(),
+                namespace: Some(namespace.to_owned()),
+                ip,
+                state: VmState::Running,
+                hypervisor,
+            },
+            None => Self::new_vm(&mut s, name, Some(namespace), hypervisor),
+        };
         s.vms.insert(info.id.clone(), FakeVm { info: info.clone(), agent_ok: true, source });
         Ok(info)
     }
@@ -238,7 +271,7 @@ impl VmBackend for FakeBackend {
             let arg = format!("{} {} {}x{}", req.name, req.image, req.vcpus, req.memory_mib);
             self.enter(&mut s, "run", &arg)?;
         }
-        self.create(&req.name, &req.namespace, req.hypervisor, format!("run:{}", req.image))
+        self.create(&req.name, &req.namespace, req.hypervisor, format!("run:{}", req.image), false)
     }
 
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmInfo, BackendError> {
@@ -249,7 +282,7 @@ impl VmBackend for FakeBackend {
                 return Err(BackendError::NotFound { what: format!("snapshot {}", req.snapshot) });
             }
         }
-        self.create(&req.name, &req.namespace, req.hypervisor, format!("clone:{}", req.snapshot))
+        self.create(&req.name, &req.namespace, req.hypervisor, format!("clone:{}", req.snapshot), req.keep_lease)
     }
 
     async fn configure_network(&self, id: &str) -> Result<(), BackendError> {
@@ -260,6 +293,10 @@ impl VmBackend for FakeBackend {
             Some(_) => Err(BackendError::failed("configure_network", id, Injected)),
             None => Err(BackendError::NotFound { what: format!("VM {id}") }),
         }
+    }
+
+    fn vm_id_of(&self, name: &str) -> Option<String> {
+        self.lock().ids.get(name).cloned()
     }
 
     fn network_hint(&self, vm: &VmInfo) -> Option<String> {
@@ -289,6 +326,12 @@ impl VmBackend for FakeBackend {
     async fn remove(&self, id: &str) -> Result<(), BackendError> {
         let mut s = self.lock();
         self.enter(&mut s, "remove", id)?;
+        if Self::due(&mut s, "remove_after_stop") {
+            if let Some(v) = s.vms.get_mut(id) {
+                v.info.state = VmState::Stopped;
+            }
+            return Err(BackendError::failed("remove", id, Injected));
+        }
         s.vms.remove(id);
         Ok(())
     }

@@ -11,7 +11,8 @@
 //! | not listed, and `inspect` confirms absence | release, Warning `VMGone`, Pod deleted |
 //! | not listed, `inspect` fails | nothing this pass (logged as `VMInspectTimeout`) |
 //!
-//! A hibernated Pod has no VM by design and is not watched.
+//! A hibernated Pod has no VM by design and is not watched, except that a hibernate whose
+//! remove failed after the VM stopped (`remove_pending`) has the remove retried on every pass.
 //!
 //! Eviction is upstream's (vk-cocoon deletes the Pod, so that its Sandbox or CocoonSet
 //! controller makes a new one, which gets a fresh VM): the Warning event first, then a push
@@ -43,6 +44,7 @@ struct Watched {
 
 /// One watcher pass.
 pub(crate) async fn watch_once(s: &Arc<Shared>) {
+    retry_removals(s).await;
     let vms = match s.backend.list().await {
         Ok(v) => v,
         Err(e) => {
@@ -102,6 +104,41 @@ pub(crate) async fn watch_once(s: &Arc<Shared>) {
             },
         }
     }
+}
+
+/// Retries the removal of every VM a hibernate left behind (`remove_pending`).
+async fn retry_removals(s: &Shared) {
+    let pending: Vec<(String, u64, String)> = {
+        let g = s.lock();
+        g.entries
+            .iter()
+            .filter(|(_, e)| e.hibernated && e.remove_pending && !e.busy && e.terminal.is_none())
+            .map(|(k, e)| (k.clone(), e.gen, e.vm.id.clone()))
+            .collect()
+    };
+    for (key, gen, id) in pending {
+        match finish_removal(s, &key, gen, &id).await {
+            Ok(()) => s.push_entry(&key, gen),
+            Err(e) => {
+                tracing::warn!(pod = %key, vm = %id, error = %error_chain(&e), "removing the VM a hibernate left behind failed; retrying next pass")
+            }
+        }
+    }
+}
+
+/// Removes the VM a hibernate left behind (the entry's `remove_pending`): `Ok` once it is
+/// gone, the flag cleared.
+pub(crate) async fn finish_removal(s: &Shared, key: &str, gen: u64, id: &str) -> Result<(), crate::BackendError> {
+    s.backend.remove(id).await?;
+    let mut g = s.lock();
+    if let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen) {
+        e.remove_pending = false;
+        if e.hibernated {
+            e.message = None;
+        }
+    }
+    tracing::info!(vm = %id, "the VM a hibernate left behind is removed");
+    Ok(())
 }
 
 async fn restart_or_evict(s: &Arc<Shared>, w: &Watched) {

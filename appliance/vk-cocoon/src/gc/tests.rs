@@ -103,6 +103,7 @@ async fn removes_old_unreferenced_snapshots_and_keeps_young_foreign_and_used_one
         network: None,
         shared_network: None,
         hypervisor: Hypervisor::Qemu,
+        keep_lease: false,
     };
     r.backend.clone_vm(&req).await.unwrap();
     let before = r.backend.collections();

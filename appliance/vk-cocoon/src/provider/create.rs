@@ -249,10 +249,28 @@ async fn adopt(
                 id: vm.id.clone(),
                 source,
             })?;
-            if let Err(e) = s.backend.release_ip(&vm.id).await {
-                tracing::warn!(vm = %vm.id, error = %error_chain(&e), "releasing the half-created VM's lease failed");
+            // A wake that never finished: its guest carries the address of this lease.
+            if !hibernate::hibernation_held(s, [vm.name.as_str(), spec.vm_name.as_str()]).await {
+                if let Err(e) = s.backend.release_ip(&vm.id).await {
+                    tracing::warn!(vm = %vm.id, error = %error_chain(&e), "releasing the half-created VM's lease failed");
+                }
             }
             return boot(s, key, pod, spec, hypervisor).await;
+        }
+        VmState::Stopped if interrupted_hibernate(s, key, pod, &vm).await? => {
+            // The snapshot holds the VM; a cold boot would give the Pod a fresh guest, and the
+            // next hibernate would save that over it. The stopped leftover goes (its lease
+            // stays), and the Pod is served from the snapshot: asleep, or woken.
+            tracing::info!(vm = %vm.id, "a hibernate was interrupted after the VM stopped; finishing it");
+            s.backend.remove(&vm.id).await.map_err(|source| CocoonProviderError::Remove {
+                key: key.to_owned(),
+                id: vm.id.clone(),
+                source,
+            })?;
+            return match hibernate::create_from_hibernation(s, key, pod, &spec, hypervisor).await? {
+                Some(()) => Ok(()),
+                None => boot(s, key, pod, spec, hypervisor).await,
+            };
         }
         VmState::Stopped => match s.backend.start(&vm.id).await {
             Ok(v) => v,
@@ -283,6 +301,20 @@ async fn adopt(
     }
     loops::finish(s, key, gen).await;
     Ok(())
+}
+
+/// Whether the stopped `vm` is the leftover of a hibernate that stopped it and then crashed:
+/// its `<vm-name>:hibernate` exists. A failed lookup fails the create (retried) rather than
+/// cold-boot over a snapshot that may exist.
+async fn interrupted_hibernate(s: &Shared, key: &str, pod: &Pod, vm: &VmInfo) -> Result<bool, CocoonProviderError> {
+    let snapshot = hibernate::hibernation_of(&vm.name);
+    match s.backend.snapshot_inspect(&snapshot).await {
+        Ok(found) => Ok(found.is_some()),
+        Err(source) => {
+            let what = format!("VM {} (looking up snapshot {snapshot} before starting it)", vm.name);
+            Err(bring_up_failed(s, pod, CocoonProviderError::BringUp { key: key.to_owned(), what, source }))
+        }
+    }
 }
 
 async fn boot(
@@ -318,6 +350,7 @@ async fn boot(
                         network: spec.network.clone(),
                         shared_network: spec.shared_network.clone(),
                         hypervisor,
+                        keep_lease: false,
                     })
                     .await
                     .map_err(|source| (format!("clone of {snapshot}"), source))

@@ -1,7 +1,8 @@
 //! DeletePod: an unmanaged Pod is forgotten; a managed one's VM is snapshotted per
 //! [`annotations::delete_policy`] (a failure keeps the VM and the entry), removed, its lease
 //! released and its stale `<vm-name>:latest` dropped; a VM found at start-up is removed the same
-//! way, and a lease whose VM is gone is released only when no VM has the id now.
+//! way, and a lease whose VM is gone is released only when its id is the one of the Pod's VM
+//! name, no VM has the id now and no `<vm-name>:hibernate` holds it.
 
 use std::sync::Arc;
 
@@ -13,6 +14,7 @@ use vnode::PodKey;
 use super::error::{check_namespace, refused, CocoonProviderError};
 use crate::annotations;
 use crate::backend::{BackendError, SnapshotRef, VmInfo, VmState};
+use crate::events;
 use crate::metrics::timed_save;
 use crate::namespaces::Use;
 use crate::shared::{namespace_of, Shared};
@@ -93,26 +95,46 @@ pub(super) async fn delete(s: &Arc<Shared>, pod: &Pod) -> Result<(), CocoonProvi
             Ok(())
         }
         Plan::ReleaseOnly(id) => {
-            // The VM was not found at start-up (it was removed before a restart): only the
-            // lease may remain — released only when the backend is sure no VM has the id
-            // now (the id comes from the Pod, and a VM of another namespace may have been
-            // created under it since).
-            match s.backend.inspect(&id).await {
-                Ok(None) => {}
-                Ok(Some(_)) => {
-                    tracing::info!(vm = %id, "a VM with the pod's id exists now; its lease is not released");
-                    return Ok(());
-                }
-                Err(e) => {
-                    tracing::warn!(vm = %id, error = %error_chain(&e), "cannot tell whether the VM exists; its lease is kept");
-                    return Ok(());
-                }
-            }
-            if let Err(e) = s.backend.release_ip(&id).await {
-                tracing::warn!(vm = %id, error = %error_chain(&e), "releasing the lease of a gone VM failed");
-            }
+            release_only(s, &key, pod, &id).await;
             Ok(())
         }
+    }
+}
+
+/// A managed Pod with no entry and no VM found at start-up (it was removed before a restart):
+/// only the lease of its `vm.cocoonstack.io/id` may remain. That id comes from the Pod, so the
+/// lease is released only when the backend says it is the id of the Pod's VM name (when it can
+/// tell), is sure no VM has it now (a VM of another namespace may have been created under it
+/// since), and no `<vm-name>:hibernate` holds it for a wake.
+async fn release_only(s: &Shared, key: &str, pod: &Pod, id: &str) {
+    let name = annotations::vm_name(pod).ok();
+    if let Some(ours) = name.as_deref().and_then(|n| s.backend.vm_id_of(n)).filter(|ours| ours != id) {
+        let e = CocoonProviderError::VmIdMismatch {
+            key: key.to_owned(),
+            name: name.clone().unwrap_or_default(),
+            annotated: id.to_owned(),
+            ours,
+        };
+        s.event(pod, true, events::VM_ID_REFUSED, &format!("{}; no lease is released by it", error_chain(&e)));
+        return;
+    }
+    match s.backend.inspect(id).await {
+        Ok(None) => {}
+        Ok(Some(_)) => {
+            tracing::info!(vm = %id, "a VM with the pod's id exists now; its lease is not released");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(vm = %id, error = %error_chain(&e), "cannot tell whether the VM exists; its lease is kept");
+            return;
+        }
+    }
+    if super::hibernate::hibernation_held(s, name.as_deref()).await {
+        tracing::info!(vm = %id, "the VM is hibernated (its snapshot is kept); its lease is kept for the wake");
+        return;
+    }
+    if let Err(e) = s.backend.release_ip(id).await {
+        tracing::warn!(vm = %id, error = %error_chain(&e), "releasing the lease of a gone VM failed");
     }
 }
 
@@ -167,8 +189,11 @@ pub(super) async fn delete_vm(
             tracing::info!(state = ?current.map(|v| v.state), "the VM is not running; no snapshot");
         }
     }
-    let hibernated = tracked.is_some_and(|gen| s.lock().entries.get(key).is_some_and(|e| e.gen == gen && e.hibernated));
-    if !hibernated {
+    let (hibernated, leftover) = tracked
+        .and_then(|gen| s.lock().entries.get(key).filter(|e| e.gen == gen).map(|e| (e.hibernated, e.remove_pending)))
+        .unwrap_or((false, false));
+    // A hibernated VM is gone already, unless its hibernate could not finish the removal.
+    if !hibernated || leftover {
         s.backend
             .remove(&vm.id)
             .await

@@ -88,6 +88,16 @@ pub enum CocoonProviderError {
         #[source]
         source: BackendError,
     },
+    #[error(
+        "pod {key}: snapshot {snapshot} exists already; a hibernate does not replace it (it may hold a newer \
+         state than this VM): wake the pod to restore it, or remove the snapshot if it is stale"
+    )]
+    HibernationExists { key: String, snapshot: SnapshotRef },
+    #[error(
+        "pod {key}: its vm.cocoonstack.io/id {annotated:?} is not the id of VM {name} on this node ({ours}); \
+         the annotation is refused: remove it or set it to {ours}"
+    )]
+    VmIdMismatch { key: String, name: String, annotated: String, ours: String },
     #[error("start-up reconcile: the VMs cannot be listed")]
     Reconcile(#[source] BackendError),
 }

@@ -2,22 +2,40 @@
 //! `docs/virtual-node.md` §3.6) and the two VM sources that restore a saved VM instead of
 //! booting the image: `restore-from-hibernate` and `fork-from`.
 //!
-//! * **Hibernate** (the annotation becomes `"true"` on a running managed Pod): lifecycle
-//!   `hibernating` → the VM is saved as `<vm-name>:hibernate` through the VMM's snapshot (it
-//!   keeps running meanwhile) → removed; its address lease is *kept* → lifecycle `hibernated`,
-//!   Normal `Hibernated`, the Pod is `Pending` (no VM, so no container runs) and keeps
-//!   `vm.cocoonstack.io/id` and `ip`. A failed save (Warning `HibernateSnapshotFailed`) or
-//!   remove (Warning `HibernateRemoveFailed`, the saved snapshot dropped) leaves the VM running
-//!   with lifecycle `failed` and returns the error, so the runtime retries.
+//! * **Hibernate** (the annotation becomes `"true"` on a running managed Pod): an existing
+//!   `<vm-name>:hibernate` is never replaced (Warning `HibernateSnapshotExists`: it may hold a
+//!   newer state than a VM booted afresh; only one the entry knows to be stale, because a wake
+//!   or a rollback could not drop it, is) → lifecycle `hibernating` → the VM is saved as
+//!   `<vm-name>:hibernate` through the VMM's snapshot (it keeps running meanwhile) → removed;
+//!   its address lease is *kept* → lifecycle `hibernated`, Normal `Hibernated`, the Pod is
+//!   `Pending` (no VM, so no container runs) and keeps `vm.cocoonstack.io/id` and `ip`. A
+//!   failed save (Warning `HibernateSnapshotFailed`) leaves the VM running with lifecycle
+//!   `failed` and returns the error. A failed remove (Warning `HibernateRemoveFailed`) is
+//!   followed by an `inspect`: a VM still running gets the same treatment (the saved snapshot
+//!   dropped); a VM whose hypervisor is gone, or that cannot be inspected, has its only copy in
+//!   the snapshot, which is kept: the Pod is hibernated and the removal retried (the VM
+//!   watcher, a wake, DeletePod).
 //! * **Wake** (the annotation is anything else while hibernated): lifecycle `creating` → the
-//!   VM is restored from `<vm-name>:hibernate` under its own id, so the kept lease gives it the
-//!   same address (no re-addressing: the guest already has it) → the snapshot is dropped,
-//!   Normal `Woken`, lifecycle `ready`, the probe loop again. A failed restore (Warning
-//!   `WakeCloneFailed`) keeps the snapshot and is retried.
+//!   VM is restored from `<vm-name>:hibernate` under its own id with
+//!   [`CloneRequest::keep_lease`], so the kept lease gives it the same address (no
+//!   re-addressing: the guest already has it) and a failed restore leaves that lease in place
+//!   → the snapshot is dropped, Normal `Woken`, lifecycle `ready`, the probe loop again. A
+//!   failed restore (Warning `WakeCloneFailed`) keeps the snapshot and is retried. A provider
+//!   that crashes mid-wake leaves a `Creating` VM: the start-up reconcile removes it and keeps
+//!   its lease while the snapshot exists ([`hibernation_held`]).
+//! * **Retries** of the `CocoonHibernation` loop ([`super::CocoonProvider::apply_hibernations`]):
+//!   after a failed hibernate or wake an entry waits 15 s, doubling to 5 min, before the loop
+//!   tries again (each try is a full memory snapshot or restore and a Warning event); a
+//!   success resets the wait. UpdatePod retries are the runtime's.
 //! * **CreatePod of a Pod whose `<vm-name>:hibernate` exists** (a provider restart while it
 //!   was hibernated, or a new Pod for a hibernated name): tracked as hibernated while the Pod
-//!   asks for it, else woken. `restore-from-hibernate: "true"` without that snapshot fails the
-//!   create with `SnapshotMissing`.
+//!   asks for it, else woken. The tracked id is the backend's id of the name
+//!   ([`crate::backend::VmBackend::vm_id_of`]), never the Pod's `vm.cocoonstack.io/id`: an
+//!   annotation naming another id fails the create (Warning `VMIdRefused`), since the delete
+//!   of a hibernated Pod releases the lease of that id. A stopped VM found at start-up whose
+//!   snapshot exists (a hibernate interrupted between the kill and the record's deletion) is
+//!   removed and served the same way, never cold-booted. `restore-from-hibernate: "true"`
+//!   without that snapshot fails the create with `SnapshotMissing`.
 //! * **Fork** (`fork-from: <vm-name>`): the running VM of that name (tracked, of a namespace
 //!   this Pod may clone from) is saved once as `fork-<vm-name>:latest` (it keeps running) and
 //!   the new VM is a clone of that snapshot, re-addressed like every clone. A source that does
@@ -29,6 +47,7 @@
 //! the user or [`crate::hibernation`] (the `CocoonHibernation` objects).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use vnode::error_chain;
@@ -44,6 +63,11 @@ use crate::shared::{namespace_of, Lifecycle, Shared};
 /// The tag a hibernated VM is saved under (`<vm-name>:hibernate`, as upstream).
 pub(crate) const HIBERNATE_TAG: &str = "hibernate";
 
+/// The first wait before the `CocoonHibernation` loop retries a failed hibernate or wake (§3.6).
+pub(crate) const RETRY_FIRST: Duration = Duration::from_secs(15);
+/// The longest such wait.
+pub(crate) const RETRY_MAX: Duration = Duration::from_secs(300);
+
 /// `<vm-name>:hibernate`.
 pub(crate) fn hibernation_of(vm_name: &str) -> SnapshotRef {
     SnapshotRef::new(vm_name, HIBERNATE_TAG)
@@ -52,6 +76,23 @@ pub(crate) fn hibernation_of(vm_name: &str) -> SnapshotRef {
 /// `fork-<vm-name>:latest`, the snapshot a fork of `vm_name` clones (saved once).
 pub(crate) fn fork_of(vm_name: &str) -> SnapshotRef {
     SnapshotRef::latest(format!("fork-{vm_name}"))
+}
+
+/// Whether the lease of a VM named one of `names` must stay because a wake will rely on it:
+/// some `<name>:hibernate` exists, or the library cannot tell (never release on ambiguity).
+pub(crate) async fn hibernation_held<'a>(s: &Shared, names: impl IntoIterator<Item = &'a str>) -> bool {
+    for name in names.into_iter().filter(|n| !n.is_empty()) {
+        let snapshot = hibernation_of(name);
+        match s.backend.snapshot_inspect(&snapshot).await {
+            Ok(None) => {}
+            Ok(Some(_)) => return true,
+            Err(e) => {
+                tracing::warn!(%snapshot, error = %error_chain(&e), "cannot tell whether a hibernation holds the lease; it is kept");
+                return true;
+            }
+        }
+    }
+    false
 }
 
 /// Marks the entry `busy` with `lifecycle` and returns its Pod and VM, if it is still `gen`,
@@ -69,8 +110,18 @@ fn take(s: &Shared, key: &str, gen: u64, hibernated: bool, lifecycle: Lifecycle)
     Some((e.pod.clone(), e.vm.clone()))
 }
 
-/// Ends a failed hibernate or wake: the entry is released with lifecycle `failed` and `why`,
-/// a Warning `reason` is recorded and the probe loop restarted (the VM, if any, still runs).
+/// The next wait after a failure that followed a wait of `last` (zero: none).
+fn next_backoff(last: Duration) -> Duration {
+    if last.is_zero() {
+        RETRY_FIRST
+    } else {
+        (last * 2).min(RETRY_MAX)
+    }
+}
+
+/// Ends a failed hibernate or wake: the entry is released with lifecycle `failed` and `why`
+/// and its next retry pushed back, a Warning `reason` is recorded and the probe loop
+/// restarted (the VM, if any, still runs).
 async fn failed(
     s: &Arc<Shared>,
     key: &str,
@@ -87,6 +138,8 @@ async fn failed(
             Some(entry) => {
                 entry.lifecycle = Lifecycle::Failed;
                 entry.message = Some(msg);
+                entry.retry_backoff = next_backoff(entry.retry_backoff);
+                entry.retry_at = Some(tokio::time::Instant::now() + entry.retry_backoff);
                 !entry.hibernated
             }
             None => false,
@@ -103,6 +156,24 @@ async fn failed(
     e
 }
 
+/// The entry is hibernated (its VM saved and gone, or going: `remove_pending`), with
+/// `message`; its retry wait is reset.
+fn mark_hibernated(s: &Shared, key: &str, gen: u64, remove_pending: bool, message: Option<String>) {
+    let mut g = s.lock();
+    if let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen) {
+        e.hibernated = true;
+        e.lifecycle = Lifecycle::Hibernated;
+        e.message = message;
+        e.vm.state = VmState::Stopped;
+        e.probe_ok = false;
+        e.busy = false;
+        e.remove_pending = remove_pending;
+        e.stale_hibernation = false;
+        e.retry_at = None;
+        e.retry_backoff = Duration::ZERO;
+    }
+}
+
 /// Hibernates the VM of the entry at `key` (see the module docs).
 #[tracing::instrument(name = "hibernate", skip_all, fields(pod = %key))]
 pub(super) async fn hibernate(s: &Arc<Shared>, key: &str, gen: u64) -> Result<(), CocoonProviderError> {
@@ -116,26 +187,27 @@ pub(super) async fn hibernate(s: &Arc<Shared>, key: &str, gen: u64) -> Result<()
         snapshot: snapshot.clone(),
         source: Box::new(source),
     };
+    let stale = s.lock().entries.get(key).filter(|e| e.gen == gen).is_some_and(|e| e.stale_hibernation);
+    if !stale {
+        match s.backend.snapshot_inspect(&snapshot).await {
+            Ok(None) => {}
+            Ok(Some(_)) => {
+                let e = CocoonProviderError::HibernationExists { key: key.to_owned(), snapshot: snapshot.clone() };
+                return Err(failed(s, key, gen, &pod, events::HIBERNATE_SNAPSHOT_EXISTS, e).await);
+            }
+            Err(source) => {
+                return Err(failed(s, key, gen, &pod, events::HIBERNATE_SNAPSHOT_FAILED, snap_err(source)).await)
+            }
+        }
+    }
     if let Err(source) = s.backend.snapshot_save(&vm.id, &snapshot, &owner).await {
         return Err(failed(s, key, gen, &pod, events::HIBERNATE_SNAPSHOT_FAILED, snap_err(source)).await);
     }
     if let Err(source) = s.backend.remove(&vm.id).await {
-        if let Err(e) = s.backend.snapshot_rm(&snapshot).await {
-            tracing::warn!(%snapshot, error = %error_chain(&e), "dropping the snapshot of a failed hibernate failed");
-        }
         let e = CocoonProviderError::Remove { key: key.to_owned(), id: vm.id.clone(), source };
-        return Err(failed(s, key, gen, &pod, events::HIBERNATE_REMOVE_FAILED, e).await);
+        return remove_failed(s, key, gen, &pod, &vm, e).await;
     }
-    {
-        let mut g = s.lock();
-        if let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen) {
-            e.hibernated = true;
-            e.lifecycle = Lifecycle::Hibernated;
-            e.vm.state = VmState::Stopped;
-            e.probe_ok = false;
-            e.busy = false;
-        }
-    }
+    mark_hibernated(s, key, gen, false, None);
     let ip = vm.ip.as_deref().unwrap_or("none");
     tracing::info!(vm = %vm.id, %snapshot, ip, "hibernated");
     s.event(
@@ -148,20 +220,70 @@ pub(super) async fn hibernate(s: &Arc<Shared>, key: &str, gen: u64) -> Result<()
     Ok(())
 }
 
+/// A hibernate whose save succeeded and whose remove failed (`e`): the VM still running keeps
+/// running and the snapshot goes (`failed`); otherwise the snapshot is the VM's only copy:
+/// kept, and the entry hibernated with the removal pending.
+async fn remove_failed(
+    s: &Arc<Shared>,
+    key: &str,
+    gen: u64,
+    pod: &Pod,
+    vm: &VmInfo,
+    e: CocoonProviderError,
+) -> Result<(), CocoonProviderError> {
+    let snapshot = hibernation_of(&vm.name);
+    let seen = s.backend.inspect(&vm.id).await;
+    if let Ok(Some(v)) = &seen {
+        if v.state == VmState::Running {
+            if let Err(rm) = s.backend.snapshot_rm(&snapshot).await {
+                tracing::warn!(%snapshot, error = %error_chain(&rm), "dropping the snapshot of a failed hibernate failed; the next hibernate replaces it");
+                if let Some(entry) = s.lock().entries.get_mut(key).filter(|e| e.gen == gen) {
+                    entry.stale_hibernation = true;
+                }
+            }
+            return Err(failed(s, key, gen, pod, events::HIBERNATE_REMOVE_FAILED, e).await);
+        }
+    }
+    let state = match &seen {
+        Ok(Some(v)) => format!("{:?}", v.state).to_lowercase(),
+        Ok(None) => "gone".to_owned(),
+        Err(i) => format!("unknown ({})", error_chain(i)),
+    };
+    let msg = format!(
+        "{}; the VM no longer runs (state {state}): {snapshot} holds it and is kept, the pod is hibernated and the \
+         removal retried",
+        error_chain(&e)
+    );
+    s.event(pod, true, events::HIBERNATE_REMOVE_FAILED, &msg);
+    mark_hibernated(s, key, gen, !matches!(seen, Ok(None)), Some(msg));
+    s.push_entry(key, gen);
+    Ok(())
+}
+
 /// Wakes the hibernated VM of the entry at `key` (see the module docs).
 #[tracing::instrument(name = "wake", skip_all, fields(pod = %key))]
 pub(super) async fn wake(s: &Arc<Shared>, key: &str, gen: u64) -> Result<(), CocoonProviderError> {
     let Some((pod, vm)) = take(s, key, gen, true, Lifecycle::Creating) else { return Ok(()) };
     s.push_entry(key, gen);
+    let pending = s.lock().entries.get(key).filter(|e| e.gen == gen).is_some_and(|e| e.remove_pending);
+    if pending {
+        if let Err(source) = crate::watcher::finish_removal(s, key, gen, &vm.id).await {
+            let e = CocoonProviderError::Remove { key: key.to_owned(), id: vm.id.clone(), source };
+            return Err(failed(s, key, gen, &pod, events::WAKE_CLONE_FAILED, e).await);
+        }
+    }
     let hypervisor = vm.hypervisor;
     match restore(s, &pod, &vm.name, hypervisor).await {
-        Ok(woken) => {
+        Ok((woken, dropped)) => {
             {
                 let mut g = s.lock();
                 if let Some(e) = g.entries.get_mut(key).filter(|e| e.gen == gen) {
                     e.vm = woken;
                     e.hibernated = false;
                     e.lifecycle = Lifecycle::Ready;
+                    e.stale_hibernation = !dropped;
+                    e.retry_at = None;
+                    e.retry_backoff = Duration::ZERO;
                 }
             }
             loops::finish(s, key, gen).await;
@@ -178,8 +300,9 @@ pub(super) async fn wake(s: &Arc<Shared>, key: &str, gen: u64) -> Result<(), Coc
     }
 }
 
-/// Restores `vm_name` from its hibernation snapshot, drops the snapshot and records `Woken`.
-async fn restore(s: &Shared, pod: &Pod, vm_name: &str, hypervisor: Hypervisor) -> Result<VmInfo, BackendError> {
+/// Restores `vm_name` from its hibernation snapshot keeping its lease, drops the snapshot and
+/// records `Woken`; `true` beside the VM when the snapshot was dropped.
+async fn restore(s: &Shared, pod: &Pod, vm_name: &str, hypervisor: Hypervisor) -> Result<(VmInfo, bool), BackendError> {
     let snapshot = hibernation_of(vm_name);
     let req = CloneRequest {
         name: vm_name.to_owned(),
@@ -188,14 +311,50 @@ async fn restore(s: &Shared, pod: &Pod, vm_name: &str, hypervisor: Hypervisor) -
         network: annotations::value(pod, annotations::NETWORK).map(str::to_owned),
         shared_network: annotations::value(pod, annotations::SHARED_NETWORK).map(str::to_owned),
         hypervisor,
+        keep_lease: true,
     };
     let vm = s.backend.clone_vm(&req).await?;
-    if let Err(e) = s.backend.snapshot_rm(&snapshot).await {
-        tracing::warn!(%snapshot, error = %error_chain(&e), "dropping the hibernation snapshot after the wake failed");
-    }
+    let dropped = match s.backend.snapshot_rm(&snapshot).await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(%snapshot, error = %error_chain(&e), "dropping the hibernation snapshot after the wake failed; the next hibernate replaces it");
+            false
+        }
+    };
     let ip = vm.ip.as_deref().unwrap_or("none");
     s.event(pod, false, events::WOKEN, &format!("VM {} restored from {snapshot} with address {ip}", vm.id));
-    Ok(vm)
+    Ok((vm, dropped))
+}
+
+/// The id a hibernated Pod's entry carries: the backend's id of its VM name (`""` when the
+/// backend cannot tell: no lease is then released by it). A `vm.cocoonstack.io/id` naming
+/// another id is refused (Warning `VMIdRefused`, lifecycle `failed`).
+fn hibernated_id(s: &Shared, key: &str, pod: &Pod, vm_name: &str) -> Result<String, CocoonProviderError> {
+    let annotated = annotations::value(pod, annotations::VM_ID).filter(|a| !a.is_empty());
+    match (s.backend.vm_id_of(vm_name), annotated) {
+        (Some(ours), Some(a)) if a != ours => {
+            let e = CocoonProviderError::VmIdMismatch {
+                key: key.to_owned(),
+                name: vm_name.to_owned(),
+                annotated: a.to_owned(),
+                ours,
+            };
+            let msg = error_chain(&e);
+            s.event(pod, true, events::VM_ID_REFUSED, &msg);
+            s.push_pending(pod, Lifecycle::Failed, Some(&msg));
+            Err(e)
+        }
+        (Some(ours), _) => Ok(ours),
+        (None, a) => {
+            if a.is_some() {
+                tracing::warn!(
+                    vm = vm_name,
+                    "the backend cannot vouch for the pod's vm.cocoonstack.io/id; tracked without one"
+                );
+            }
+            Ok(String::new())
+        }
+    }
 }
 
 /// CreatePod of a managed Pod whose VM was hibernated: `Some` when it was served here
@@ -225,9 +384,10 @@ pub(super) async fn create_from_hibernation(
     };
     check_namespace(s, key, &ns, info.namespace.as_deref(), || format!("snapshot {snapshot}"), Use::Clone)?;
     if spec.hibernate {
-        // Still asked to sleep: track it as it was, with the id and address it had.
+        // Still asked to sleep: track it as it was, under the id of its name (whose lease a
+        // delete releases) and the address the Pod shows.
         let vm = VmInfo {
-            id: annotations::value(pod, annotations::VM_ID).unwrap_or_default().to_owned(),
+            id: hibernated_id(s, key, pod, &spec.vm_name)?,
             name: spec.vm_name.clone(),
             namespace: Some(ns),
             ip: annotations::value(pod, annotations::VM_IP).map(str::to_owned),
@@ -244,8 +404,8 @@ pub(super) async fn create_from_hibernation(
         return Ok(Some(()));
     }
     s.push_pending(pod, Lifecycle::Creating, None);
-    let vm = match restore(s, pod, &spec.vm_name, hypervisor).await {
-        Ok(vm) => vm,
+    let (vm, dropped) = match restore(s, pod, &spec.vm_name, hypervisor).await {
+        Ok(woken) => woken,
         Err(source) => {
             let what = format!("VM {} (wake from {snapshot})", spec.vm_name);
             let e = CocoonProviderError::BringUp { key: key.to_owned(), what, source };
@@ -254,6 +414,9 @@ pub(super) async fn create_from_hibernation(
     };
     tracing::Span::current().record("vm", vm.id.as_str());
     let gen = s.insert_entry(key, pod, spec.clone(), vm, Lifecycle::Ready);
+    if let Some(e) = s.lock().entries.get_mut(key).filter(|e| e.gen == gen) {
+        e.stale_hibernation = !dropped;
+    }
     loops::finish(s, key, gen).await;
     Ok(Some(()))
 }
@@ -317,13 +480,15 @@ pub struct HibernationView {
 impl super::CocoonProvider {
     /// Sets the hibernation desires of `CocoonHibernation` objects (Pod key → `true`:
     /// Hibernate, `false`: Wake; a tracked Pod missing from the map falls back to its
-    /// annotation), starts the hibernates and wakes they call for (on their own tasks), and
-    /// returns what each named, tracked Pod looks like now.
+    /// annotation), starts the hibernates and wakes they call for (on their own tasks; an
+    /// entry whose last try failed waits out its backoff, see the module docs), and returns
+    /// what each named, tracked Pod looks like now.
     pub fn apply_hibernations(
         &self,
         desires: &std::collections::BTreeMap<String, bool>,
     ) -> std::collections::BTreeMap<String, HibernationView> {
         let s = &self.0;
+        let now = tokio::time::Instant::now();
         let mut due = Vec::new();
         let mut views = std::collections::BTreeMap::new();
         {
@@ -333,7 +498,8 @@ impl super::CocoonProvider {
                 if !e.spec.managed || e.terminal.is_some() {
                     continue;
                 }
-                if !e.busy && e.wants_sleep() != e.hibernated {
+                let waiting = e.retry_at.is_some_and(|at| now < at);
+                if !e.busy && !waiting && e.wants_sleep() != e.hibernated {
                     due.push((key.clone(), e.gen, e.hibernated));
                 }
                 if e.desire.is_some() {
@@ -352,7 +518,7 @@ impl super::CocoonProvider {
             tokio::spawn(async move {
                 let r = if hibernated { wake(&s, &key, gen).await } else { hibernate(&s, &key, gen).await };
                 if let Err(e) = r {
-                    tracing::warn!(pod = %key, error = %error_chain(&e), "a CocoonHibernation's request failed; retried on its next pass");
+                    tracing::warn!(pod = %key, error = %error_chain(&e), "a CocoonHibernation's request failed; retried after its backoff");
                 }
             });
         }

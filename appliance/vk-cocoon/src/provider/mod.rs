@@ -8,8 +8,9 @@
 //!   hypervisor check) → 3. *unmanaged*: track the pre-assigned `id`/`ip`, no backend call →
 //!   2. *adopt* a live VM: from the start-up map by `vm.cocoonstack.io/id`, then by name, else a
 //!   VM of this name in a fresh listing (a create whose answer was lost; a failed listing fails
-//!   the create rather than boot a duplicate); a stopped one is started, a `Creating` leftover
-//!   removed → 4. *managed*: `run` the image or `clone` the snapshot (`repo[:tag]`, bare =
+//!   the create rather than boot a duplicate); a stopped one is started (unless its
+//!   `<vm-name>:hibernate` exists: removed, and served from the snapshot as in 4a), a
+//!   `Creating` leftover removed (its lease kept while that snapshot exists) → 4. *managed*: `run` the image or `clone` the snapshot (`repo[:tag]`, bare =
 //!   `latest`), pushing `lifecycle-state=creating` first; a failure records Warning
 //!   `CreateBringUpFailed`, pushes `lifecycle-state=failed` and returns the error (retried) →
 //!   6. `id`/`ip` written back on every push → 7. clones (and adopted clones not yet `ready`):
@@ -97,6 +98,7 @@ mod streams;
 
 pub use crate::shared::{Lifecycle, ProviderConfig};
 pub use error::CocoonProviderError;
+pub(crate) use hibernate::hibernation_held;
 pub use hibernate::HibernationView;
 /// The workspace's one chain formatter, where this crate's modules have always found it.
 pub use vnode::error_chain;

@@ -47,7 +47,9 @@
 //!   the agent (`VK_BOOT_TIMEOUT`, default 300 s: TCG is slow). Any failure undoes it all.
 //! * `clone_vm`: resolve the snapshot → lease + TAP → `restore_with` the clone's own NIC; the
 //!   guest keeps the parent's address until `configure_network` runs
-//!   `guest-init net-config <ip/prefix> <gw> <mac>` through the agent.
+//!   `guest-init net-config <ip/prefix> <gw> <mac>` through the agent. A wake
+//!   (`CloneRequest::keep_lease`) takes the lease its id already holds, so the guest's address
+//!   is right as restored; its undo keeps that lease.
 //! * `list`/`inspect`: the records joined with the driver's listing (process liveness) and the
 //!   leases (`ip`). A record whose hypervisor is gone is `Stopped`; a record never completed, or a
 //!   driver VM of ours without a record (a crash mid-create), is `Creating`.
@@ -74,6 +76,8 @@ mod library;
 mod network;
 mod records;
 mod snapshots;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -320,7 +324,7 @@ impl VmBackend for VmmBackend {
                 Ok(v)
             }
             Err(e) => {
-                self.undo_create(&id).await;
+                self.undo_create(&id, false).await;
                 Err(e)
             }
         }
@@ -331,6 +335,9 @@ impl VmBackend for VmmBackend {
         let span = tracing::info_span!("backend_clone", vm = %id, name = %req.name, snapshot = %req.snapshot);
         let policy =
             self.check_common(req.hypervisor, req.network.as_deref(), &req.namespace, req.shared_network.as_deref())?;
+        // A wake restores a guest that already carries the address of this id's lease: that
+        // lease outlives a failed attempt (a lease that cannot be read counts as existing).
+        let keep_lease = req.keep_lease && !matches!(self.net.lookup(&id), Ok(None));
         self.claim(&id, meta(&req.name, &req.namespace, req.hypervisor, format!("clone {}", req.snapshot)))?;
         let t0 = std::time::Instant::now();
         match tracing::Instrument::instrument(self.clone_inner(&id, req, &policy), span).await {
@@ -339,7 +346,7 @@ impl VmBackend for VmmBackend {
                 Ok(v)
             }
             Err(e) => {
-                self.undo_create(&id).await;
+                self.undo_create(&id, keep_lease).await;
                 Err(e)
             }
         }
@@ -350,6 +357,10 @@ impl VmBackend for VmmBackend {
 
     fn network_hint(&self, vm: &VmInfo) -> Option<String> {
         self.hint(&vm.id)
+    }
+
+    fn vm_id_of(&self, name: &str) -> Option<String> {
+        Some(vm_id_for(name))
     }
 
     async fn inspect(&self, id: &str) -> Result<Option<VmInfo>, BackendError> {

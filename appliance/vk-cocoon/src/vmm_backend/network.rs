@@ -29,14 +29,17 @@ impl VmmBackend {
         Ok(lease)
     }
 
-    /// Undoes a failed create: TAP, lease, record (best effort; logged).
-    pub(super) async fn undo_create(&self, id: &str) {
+    /// Undoes a failed create: TAP, lease (unless `keep_lease`: a wake's guest carries its
+    /// address), record (best effort; logged).
+    pub(super) async fn undo_create(&self, id: &str, keep_lease: bool) {
         if let Ok(Some(lease)) = self.net.lookup(id) {
             if let Err(e) = self.net.delete_tap(&lease.tap).await {
                 tracing::warn!(vm = id, error = %crate::provider::error_chain(&e), "undo: deleting the TAP failed");
             }
         }
-        if let Err(e) = self.net.release(id) {
+        if keep_lease {
+            tracing::info!(vm = id, "undo: the lease is kept (the restored guest carries its address)");
+        } else if let Err(e) = self.net.release(id) {
             tracing::warn!(vm = id, error = %crate::provider::error_chain(&e), "undo: releasing the lease failed");
         }
         if let Err(e) = self.delete_record(id) {

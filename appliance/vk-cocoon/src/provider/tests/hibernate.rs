@@ -3,7 +3,7 @@
 use super::*;
 use crate::provider::hibernate::{fork_of, hibernation_of};
 
-fn hibernating(p: &Pod, on: bool) -> Pod {
+pub(super) fn hibernating(p: &Pod, on: bool) -> Pod {
     let mut p = p.clone();
     let a = p.metadata.annotations.get_or_insert_with(Default::default);
     if on {
@@ -77,7 +77,7 @@ async fn a_failed_save_keeps_the_vm_running_marks_failed_and_a_resync_retries() 
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_failed_remove_drops_the_snapshot_and_the_vm_runs_on() {
+async fn a_failed_remove_of_a_running_vm_drops_the_snapshot_and_the_vm_runs_on() {
     let mut r = Rig::new();
     let a = run_pod("a", "vm-a", &[]);
     create(&r, &a).await.unwrap();
@@ -91,22 +91,30 @@ async fn a_failed_remove_drops_the_snapshot_and_the_vm_runs_on() {
 
 #[tokio::test(start_paused = true)]
 async fn a_restarted_provider_tracks_a_hibernated_pod_asleep_and_wakes_it_when_asked() {
-    let mut r = Rig::new();
-    r.backend.add_snapshot(NS, &hibernation_of("vm-a"));
-    let mut asleep = hibernating(&run_pod("a", "vm-a", &[]), true);
-    asleep.metadata.annotations.as_mut().unwrap().insert(VM_ID.into(), "vm-7".into());
+    let backend = Arc::new(FakeBackend::new());
+    let mut first = Rig::over(backend.clone(), |_| {});
+    let a = run_pod("a", "vm-a", &[]);
+    create(&first, &a).await.unwrap();
+    let before = first.vm(&key("a"));
+    first.provider.update_pod(&hibernating(&a, true)).await.unwrap();
+    // The API's copy of the pod carries what the first provider pushed (id, ip, hibernated).
+    let asleep = hibernating(&first.last(), true);
+    drop(first);
+
+    let mut r = Rig::over(backend.clone(), |_| {});
+    r.provider.reconcile_startup(std::slice::from_ref(&asleep)).await.unwrap();
     create(&r, &asleep).await.unwrap();
     assert!(r.backend.vms().is_empty(), "nothing boots for a Pod that asks to sleep");
     let last = r.last();
     assert_eq!((phase(&last), ann(&last, LIFECYCLE_STATE).as_deref()), ("Pending".into(), Some("hibernated")));
-    assert_eq!(r.vm(&key("a")).id, "vm-7");
+    assert_eq!(r.vm(&key("a")).id, before.id);
     r.provider.update_pod(&hibernating(&asleep, false)).await.unwrap();
     assert_eq!(r.backend.vms().len(), 1);
     assert_eq!(ann(&r.last(), LIFECYCLE_STATE).as_deref(), Some("ready"));
+    assert_eq!((r.vm(&key("a")).id, r.vm(&key("a")).ip), (before.id.clone(), before.ip), "same VM, same address");
     // Deleting it: the VM goes like any other, and its lease with it.
-    let id = r.vm(&key("a")).id;
     delete(&r, &asleep).await.unwrap();
-    assert!(r.backend.vms().is_empty() && !r.backend.leases().contains(&id));
+    assert!(r.backend.vms().is_empty() && !r.backend.leases().contains(&before.id));
 }
 
 #[tokio::test(start_paused = true)]

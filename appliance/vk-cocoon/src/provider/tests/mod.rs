@@ -134,6 +134,7 @@ async fn delete(r: &Rig, p: &Pod) -> Result<(), String> {
 mod create;
 mod delete;
 mod hibernate;
+mod hibernate_faults;
 mod loops;
 mod metrics;
 mod namespaces;
