@@ -102,7 +102,30 @@ fn fleet_with(
     a_addr: &str,
     b_addr: &str,
 ) -> Outcome {
-    // 0. A forged inventory (written here by the admin; any node identity may write one).
+    // 0. A node may write only its own inventory (manifests/nodeinventory-policy.yaml): B's
+    //    identity is refused A's name. Then a forged inventory, written by the admin, which the
+    //    policy does not bind: the readers must not believe it either.
+    let file = env.sandboxd.dir.path().join("forged-as-b.json");
+    let mut as_a = forged();
+    as_a["metadata"]["name"] = json!(NODE);
+    as_a["node"] = json!(NODE);
+    std::fs::write(&file, as_a.to_string()).map_err(|e| format!("writing {}: {e}", file.display()))?;
+    let user = format!("--as=system:node:{B_NODE}");
+    let out = env
+        .kubectl(&[
+            &user,
+            "--as-group=system:nodes",
+            "--as-group=system:authenticated",
+            "apply",
+            "-f",
+            &file.to_string_lossy(),
+        ])
+        .map_err(|e| format!("kubectl: {e}"))?;
+    let said = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && said.contains("only the NodeInventory named after itself"),
+        "B's identity wrote A's NodeInventory: {said}"
+    );
     env.apply(ns, &forged())?;
     // 1. Both boxes publish their inventory and their warm capacity.
     poll("NodeInventory objects of both boxes with their warm VMs", FOLLOW, || {
