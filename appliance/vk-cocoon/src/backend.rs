@@ -209,6 +209,9 @@ pub struct CloneRequest {
 pub struct SnapshotInfo {
     /// The namespace owning it; `None`: saved without one.
     pub namespace: Option<String>,
+    /// The image the saved VM was booted from, as [`VmBackend::base_image_of`] names images
+    /// (the production backend: the digest of its image manifest); `None`: not recorded.
+    pub base_image: Option<String>,
 }
 
 /// One snapshot in the library, as [`VmBackend::library`] lists it.
@@ -331,6 +334,12 @@ pub trait VmBackend: Send + Sync + 'static {
     /// The snapshot `snapshot` if the library holds one under that name (`Ok(None)`: none, or
     /// the name is an image's).
     async fn snapshot_inspect(&self, snapshot: &SnapshotRef) -> Result<Option<SnapshotInfo>, BackendError>;
+
+    /// The image a VM started from `source` (an image or snapshot reference, as a
+    /// [`RunRequest`] or [`CloneRequest`] names it) runs: an image's own identity, a snapshot's
+    /// base image, comparable with [`SnapshotInfo::base_image`]. `Ok(None)`: the library holds
+    /// no `source` (or records no base image for it).
+    async fn base_image_of(&self, source: &str) -> Result<Option<String>, BackendError>;
 
     /// Deletes `snapshot` from the library (its content is garbage-collected when no VM uses
     /// it). An absent snapshot is success.

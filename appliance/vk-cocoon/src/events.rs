@@ -41,6 +41,9 @@ pub const HIBERNATE_SNAPSHOT_EXISTS: &str = "HibernateSnapshotExists";
 /// Warning: the Pod's `vm.cocoonstack.io/id` is not the id of its VM's name on this node;
 /// it is refused (a create fails, a delete releases no lease by it).
 pub const VM_ID_REFUSED: &str = "VMIdRefused";
+/// Warning: `<vm-name>:hibernate` was saved from another image than the Pod's; it is not
+/// restored (the create fails, the snapshot is kept).
+pub const HIBERNATION_IMAGE_MISMATCH: &str = "HibernationImageMismatch";
 /// Warning: restoring a hibernated VM failed (retried); its snapshot is kept.
 pub const WAKE_CLONE_FAILED: &str = "WakeCloneFailed";
 /// Warning + pod `Failed` reasons of the VM watcher.

@@ -150,6 +150,10 @@ pub(crate) struct Entry {
     pub retry_at: Option<tokio::time::Instant>,
     /// The wait before `retry_at` last time (zero: no failure since the last success).
     pub retry_backoff: Duration,
+    /// Tracked asleep at a CreatePod because the Pod's lifecycle annotation said `hibernated`
+    /// before any `CocoonHibernation` listing succeeded (a provider restart: an object may
+    /// still ask it to sleep); it sleeps until the first successful listing, which clears it.
+    pub held: bool,
     /// `<vm-name>:hibernate` exists but the running VM is newer (a wake or a rolled-back
     /// hibernate could not drop it): the next hibernate may replace it.
     pub stale_hibernation: bool,
@@ -157,9 +161,9 @@ pub(crate) struct Entry {
 
 impl Entry {
     /// Whether the Pod asks its VM to sleep: the `CocoonHibernation` desire, else the
-    /// `vm.cocoonstack.io/hibernate` annotation.
+    /// `vm.cocoonstack.io/hibernate` annotation (or [`Entry::held`]).
     pub fn wants_sleep(&self) -> bool {
-        self.desire.unwrap_or(self.spec.hibernate)
+        self.desire.unwrap_or(self.spec.hibernate || self.held)
     }
 
     pub fn ready(&self) -> bool {
@@ -239,6 +243,11 @@ pub(crate) struct Inner {
     pub restarted: BTreeSet<String>,
     /// VM name → the key creating it (between the name check and the entry).
     pub reserved: BTreeMap<String, String>,
+    /// The desires of the last successful `CocoonHibernation` listing (Pod key → `true`:
+    /// Hibernate), kept through failed listings; a new entry starts with its desire.
+    pub desires: BTreeMap<String, bool>,
+    /// A complete listing succeeded (or the CRD is absent) since the provider started.
+    pub desires_known: bool,
     pub next_gen: u64,
 }
 
@@ -318,6 +327,7 @@ impl Shared {
         let mut g = self.lock();
         g.next_gen += 1;
         let gen = g.next_gen;
+        let desire = g.desires.get(key).copied();
         let started_at = pod.status.as_ref().and_then(|s| s.start_time.clone()).unwrap_or_else(now);
         let entry = Entry {
             pod: pod.clone(),
@@ -336,7 +346,8 @@ impl Shared {
             busy: true,
             probe: None,
             hibernated: false,
-            desire: None,
+            desire,
+            held: false,
             remove_pending: false,
             retry_at: None,
             retry_backoff: Duration::ZERO,

@@ -41,6 +41,10 @@ struct FakeState {
     no_ip: bool,
     /// What `usage` reports, by VM id.
     usage: BTreeMap<String, crate::backend::VmUsage>,
+    /// The base image of each VM (by id) and snapshot that records one: a run's image, a
+    /// clone's snapshot's base (`base_image_of` names an image by itself).
+    vm_bases: BTreeMap<String, String>,
+    snapshot_bases: BTreeMap<SnapshotRef, String>,
     /// When each snapshot was saved (absent: now, for `library`).
     created: BTreeMap<SnapshotRef, std::time::SystemTime>,
     /// Runs of `collect_garbage`.
@@ -216,7 +220,7 @@ impl FakeBackend {
 
     /// Logs the call and answers an injected failure, if one is due.
     fn enter(&self, s: &mut FakeState, op: &'static str, arg: &str) -> Result<(), BackendError> {
-        if !matches!(op, "probe_agent" | "list" | "inspect" | "snapshot_inspect" | "library") {
+        if !matches!(op, "probe_agent" | "list" | "inspect" | "snapshot_inspect" | "base_image_of" | "library") {
             s.calls.push(format!("{op} {arg}"));
         }
         if Self::due(s, op) {
@@ -271,7 +275,9 @@ impl VmBackend for FakeBackend {
             let arg = format!("{} {} {}x{}", req.name, req.image, req.vcpus, req.memory_mib);
             self.enter(&mut s, "run", &arg)?;
         }
-        self.create(&req.name, &req.namespace, req.hypervisor, format!("run:{}", req.image), false)
+        let vm = self.create(&req.name, &req.namespace, req.hypervisor, format!("run:{}", req.image), false)?;
+        self.lock().vm_bases.insert(vm.id.clone(), req.image.clone());
+        Ok(vm)
     }
 
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmInfo, BackendError> {
@@ -282,7 +288,14 @@ impl VmBackend for FakeBackend {
                 return Err(BackendError::NotFound { what: format!("snapshot {}", req.snapshot) });
             }
         }
-        self.create(&req.name, &req.namespace, req.hypervisor, format!("clone:{}", req.snapshot), req.keep_lease)
+        let vm =
+            self.create(&req.name, &req.namespace, req.hypervisor, format!("clone:{}", req.snapshot), req.keep_lease)?;
+        let mut s = self.lock();
+        match s.snapshot_bases.get(&req.snapshot).cloned() {
+            Some(base) => s.vm_bases.insert(vm.id.clone(), base),
+            None => s.vm_bases.remove(&vm.id),
+        };
+        Ok(vm)
     }
 
     async fn configure_network(&self, id: &str) -> Result<(), BackendError> {
@@ -345,6 +358,10 @@ impl VmBackend for FakeBackend {
             None => return Err(BackendError::NotFound { what: format!("VM {id}") }),
         };
         s.snapshots.insert(snapshot.clone(), (name, Some(namespace.to_owned())));
+        match s.vm_bases.get(id).cloned() {
+            Some(base) => s.snapshot_bases.insert(snapshot.clone(), base),
+            None => s.snapshot_bases.remove(snapshot),
+        };
         s.created.insert(snapshot.clone(), std::time::SystemTime::now());
         Ok(())
     }
@@ -352,13 +369,25 @@ impl VmBackend for FakeBackend {
     async fn snapshot_inspect(&self, snapshot: &SnapshotRef) -> Result<Option<SnapshotInfo>, BackendError> {
         let mut s = self.lock();
         self.enter(&mut s, "snapshot_inspect", &snapshot.to_string())?;
-        Ok(s.snapshots.get(snapshot).map(|(_, ns)| SnapshotInfo { namespace: ns.clone() }))
+        let base_image = s.snapshot_bases.get(snapshot).cloned();
+        Ok(s.snapshots.get(snapshot).map(|(_, ns)| SnapshotInfo { namespace: ns.clone(), base_image }))
+    }
+
+    async fn base_image_of(&self, source: &str) -> Result<Option<String>, BackendError> {
+        let mut s = self.lock();
+        self.enter(&mut s, "base_image_of", source)?;
+        // A snapshot of the library names its base; any other name is an image of itself.
+        match source.parse::<SnapshotRef>().ok().filter(|r| s.snapshots.contains_key(r)) {
+            Some(r) => Ok(s.snapshot_bases.get(&r).cloned()),
+            None => Ok(Some(source.to_owned())),
+        }
     }
 
     async fn snapshot_rm(&self, snapshot: &SnapshotRef) -> Result<(), BackendError> {
         let mut s = self.lock();
         self.enter(&mut s, "snapshot_rm", &snapshot.to_string())?;
         s.snapshots.remove(snapshot);
+        s.snapshot_bases.remove(snapshot);
         Ok(())
     }
 

@@ -98,8 +98,32 @@ pub enum CocoonProviderError {
          the annotation is refused: remove it or set it to {ours}"
     )]
     VmIdMismatch { key: String, name: String, annotated: String, ours: String },
+    /// A `<vm-name>:hibernate` left by an older Pod of the name (§3.4: a restore fails closed
+    /// when the snapshot's base image is not the Pod's).
+    #[error(
+        "pod {key}: snapshot {snapshot} was saved from a VM of image {saved}, but this pod's image {image} is \
+         {resolved}; it is not restored: delete the snapshot (chrysalis snapshot rm {snapshot}) to boot this \
+         pod's image, or set the pod's image back to the one the snapshot was saved from",
+        snapshot = .found.snapshot,
+        saved = .found.saved,
+        image = .found.image,
+        resolved = .found.resolved.as_deref().unwrap_or("not in the image library")
+    )]
+    HibernationImageMismatch { key: String, found: Box<ImageMismatch> },
     #[error("start-up reconcile: the VMs cannot be listed")]
     Reconcile(#[source] BackendError),
+}
+
+/// What [`CocoonProviderError::HibernationImageMismatch`] found.
+#[derive(Debug)]
+pub struct ImageMismatch {
+    pub snapshot: SnapshotRef,
+    /// The snapshot's recorded base image.
+    pub saved: String,
+    /// The Pod's image (or the snapshot it clones, or its fork source).
+    pub image: String,
+    /// What `image` resolves to now; `None`: the library does not hold it.
+    pub resolved: Option<String>,
 }
 
 /// `Ok` when a Pod of `ns` may use what `recorded` owns; else the refusal (the owner goes

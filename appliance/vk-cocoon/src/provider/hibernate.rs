@@ -35,7 +35,15 @@
 //!   of a hibernated Pod releases the lease of that id. A stopped VM found at start-up whose
 //!   snapshot exists (a hibernate interrupted between the kill and the record's deletion) is
 //!   removed and served the same way, never cold-booted. `restore-from-hibernate: "true"`
-//!   without that snapshot fails the create with `SnapshotMissing`.
+//!   without that snapshot fails the create with `SnapshotMissing`. The snapshot is served
+//!   only to a Pod of the image it was saved from ([`check_base_image`], §3.4): a leftover of
+//!   an older Pod of the name (a wake whose `snapshot_rm` failed, a crash before it, a
+//!   hibernated Pod deleted under `snapshot-policy: always`) whose base image is not the new
+//!   Pod's fails the create (Warning `HibernationImageMismatch`), never boots; a snapshot
+//!   recording no base image is served as before. Whether it sleeps: the last known
+//!   `CocoonHibernation` desire, else the annotation; before the first successful listing
+//!   after a restart, a Pod whose lifecycle says `hibernated` is held asleep ([`crate::hibernation`]).
+//!   Until then, a listing that fails (even 403/404) changes no desire.
 //! * **Fork** (`fork-from: <vm-name>`): the running VM of that name (tracked, of a namespace
 //!   this Pod may clone from) is saved once as `fork-<vm-name>:latest` (it keeps running) and
 //!   the new VM is a clone of that snapshot, re-addressed like every clone. A source that does
@@ -52,10 +60,10 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use vnode::error_chain;
 
-use super::error::{bring_up_failed, check_namespace, CocoonProviderError};
+use super::error::{bring_up_failed, check_namespace, CocoonProviderError, ImageMismatch};
 use super::loops;
-use crate::annotations::{self, VmSpec};
-use crate::backend::{BackendError, CloneRequest, Hypervisor, SnapshotRef, VmInfo, VmState};
+use crate::annotations::{self, Mode, VmSpec};
+use crate::backend::{BackendError, CloneRequest, Hypervisor, SnapshotInfo, SnapshotRef, VmInfo, VmState};
 use crate::events;
 use crate::namespaces::Use;
 use crate::shared::{namespace_of, Lifecycle, Shared};
@@ -357,6 +365,57 @@ fn hibernated_id(s: &Shared, key: &str, pod: &Pod, vm_name: &str) -> Result<Stri
     }
 }
 
+/// The source a VM of `spec` starts from when it boots (a fork's snapshot, the snapshot a
+/// clone restores, the image a run boots); `None`: the Pod names none (`restore-from-hibernate`
+/// alone).
+fn pod_source(spec: &VmSpec) -> Option<String> {
+    match (&spec.fork_from, &spec.snapshot, spec.mode, &spec.image) {
+        (Some(source), ..) => Some(fork_of(source).to_string()),
+        (None, Some(snapshot), Mode::Clone, _) => Some(snapshot.to_string()),
+        (None, _, Mode::Run, Some(image)) => Some(image.clone()),
+        _ => None,
+    }
+}
+
+/// §3.4: `<vm-name>:hibernate` is restored only into a Pod whose image it was saved from (a
+/// leftover of an older Pod of the name must not resume in a new one, e.g. after a rollout to
+/// a new image). A mismatch, or a Pod image the library does not hold, fails the create
+/// (Warning `HibernationImageMismatch`, lifecycle `failed`; the snapshot is kept). A snapshot
+/// that records no base image, or a Pod that names no image, is restored as before (logged).
+async fn check_base_image(
+    s: &Shared,
+    key: &str,
+    pod: &Pod,
+    spec: &VmSpec,
+    snapshot: &SnapshotRef,
+    info: &SnapshotInfo,
+) -> Result<(), CocoonProviderError> {
+    let Some(saved) = info.base_image.as_deref() else {
+        tracing::warn!(%snapshot, "the snapshot records no base image, so it cannot be checked against the pod's image; served as it is");
+        return Ok(());
+    };
+    let Some(image) = pod_source(spec) else {
+        tracing::info!(%snapshot, base = saved, "the pod names no image to check the snapshot against; served as it is");
+        return Ok(());
+    };
+    let resolved = match s.backend.base_image_of(&image).await {
+        Ok(r) => r,
+        Err(source) => {
+            let what = format!("VM {} (looking up the base image of {image} to check {snapshot})", spec.vm_name);
+            return Err(bring_up_failed(s, pod, CocoonProviderError::BringUp { key: key.to_owned(), what, source }));
+        }
+    };
+    if resolved.as_deref() == Some(saved) {
+        return Ok(());
+    }
+    let found = ImageMismatch { snapshot: snapshot.clone(), saved: saved.to_owned(), image, resolved };
+    let e = CocoonProviderError::HibernationImageMismatch { key: key.to_owned(), found: Box::new(found) };
+    let msg = error_chain(&e);
+    s.event(pod, true, events::HIBERNATION_IMAGE_MISMATCH, &msg);
+    s.push_pending(pod, Lifecycle::Failed, Some(&msg));
+    Err(e)
+}
+
 /// CreatePod of a managed Pod whose VM was hibernated: `Some` when it was served here
 /// (tracked as hibernated, or woken), `None` when there is nothing hibernated to serve.
 pub(super) async fn create_from_hibernation(
@@ -383,7 +442,15 @@ pub(super) async fn create_from_hibernation(
         return Ok(None);
     };
     check_namespace(s, key, &ns, info.namespace.as_deref(), || format!("snapshot {snapshot}"), Use::Clone)?;
-    if spec.hibernate {
+    check_base_image(s, key, pod, spec, &snapshot, &info).await?;
+    // Asleep while an object or the annotation asks for it; and, until the first successful
+    // `CocoonHibernation` listing, while the lifecycle says it was hibernated (an object may).
+    let (desire, known) = {
+        let g = s.lock();
+        (g.desires.get(key).copied(), g.desires_known)
+    };
+    let held = !known && annotations::value(pod, annotations::LIFECYCLE_STATE) == Some(Lifecycle::Hibernated.as_str());
+    if desire.unwrap_or(spec.hibernate || held) {
         // Still asked to sleep: track it as it was, under the id of its name (whose lease a
         // delete releases) and the address the Pod shows.
         let vm = VmInfo {
@@ -398,8 +465,9 @@ pub(super) async fn create_from_hibernation(
         if let Some(e) = s.lock().entries.get_mut(key).filter(|e| e.gen == gen) {
             e.hibernated = true;
             e.busy = false;
+            e.held = held;
         }
-        tracing::info!(%snapshot, "tracking a hibernated VM");
+        tracing::info!(%snapshot, held, "tracking a hibernated VM");
         s.push_entry(key, gen);
         return Ok(Some(()));
     }
@@ -487,14 +555,46 @@ impl super::CocoonProvider {
         &self,
         desires: &std::collections::BTreeMap<String, bool>,
     ) -> std::collections::BTreeMap<String, HibernationView> {
+        self.apply(desires.clone(), true)
+    }
+
+    /// [`Self::apply_hibernations`] for a listing cut short (more objects than the loop reads):
+    /// `listed` overrides the last known desires, and a desire no longer listed is kept (its
+    /// object may be among those left out), so nothing is woken on a partial view.
+    pub fn apply_incomplete_hibernations(
+        &self,
+        listed: &std::collections::BTreeMap<String, bool>,
+    ) -> std::collections::BTreeMap<String, HibernationView> {
+        let mut desires = self.0.lock().desires.clone();
+        desires.extend(listed.iter().map(|(k, v)| (k.clone(), *v)));
+        self.apply(desires, false)
+    }
+
+    /// Whether a complete `CocoonHibernation` listing (or the CRD's absence) was applied since
+    /// the provider started.
+    pub fn hibernation_desires_known(&self) -> bool {
+        self.0.lock().desires_known
+    }
+
+    fn apply(
+        &self,
+        desires: std::collections::BTreeMap<String, bool>,
+        complete: bool,
+    ) -> std::collections::BTreeMap<String, HibernationView> {
         let s = &self.0;
         let now = tokio::time::Instant::now();
         let mut due = Vec::new();
         let mut views = std::collections::BTreeMap::new();
         {
             let mut g = s.lock();
+            g.desires_known |= complete;
+            g.desires = desires;
+            let g = &mut *g;
             for (key, e) in g.entries.iter_mut() {
-                e.desire = desires.get(key).copied();
+                e.desire = g.desires.get(key).copied();
+                if complete {
+                    e.held = false;
+                }
                 if !e.spec.managed || e.terminal.is_some() {
                     continue;
                 }

@@ -23,7 +23,8 @@
 //! * **UpdatePod**: another UID under the key → CreatePod; else the Pod is stored (probe port
 //!   and snapshot policy follow it); `hibernate` turned `"true"` hibernates the VM, turned
 //!   anything else wakes it (`hibernate.rs`). Before step 4 a create serves a hibernated VM
-//!   (`<vm-name>:hibernate`: tracked asleep, or woken) and `fork-from` (clone of the source's
+//!   (`<vm-name>:hibernate`, only to a Pod of the image it was saved from: tracked asleep, or
+//!   woken) and `fork-from` (clone of the source's
 //!   `fork-<name>` snapshot); a Pod created with `hibernate: "true"` is booted, then hibernated.
 //! * **DeletePod**: unmanaged → forget. Managed: [`crate::annotations::delete_policy`] says whether to
 //!   save `<vm-name>:latest`; if so and the VM runs, `snapshot_save` (failure → the VM and the
@@ -97,7 +98,7 @@ mod metrics;
 mod streams;
 
 pub use crate::shared::{Lifecycle, ProviderConfig};
-pub use error::CocoonProviderError;
+pub use error::{CocoonProviderError, ImageMismatch};
 pub(crate) use hibernate::hibernation_held;
 pub use hibernate::HibernationView;
 /// The workspace's one chain formatter, where this crate's modules have always found it.

@@ -387,6 +387,10 @@ impl VmBackend for VmmBackend {
         self.inspect_snapshot(snapshot).await
     }
 
+    async fn base_image_of(&self, source: &str) -> Result<Option<String>, BackendError> {
+        self.base_image(source).await
+    }
+
     async fn snapshot_rm(&self, snapshot: &SnapshotRef) -> Result<(), BackendError> {
         self.remove_snapshot(snapshot).await
     }

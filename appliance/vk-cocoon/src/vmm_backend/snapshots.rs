@@ -1,5 +1,5 @@
 //! Snapshots through the `images` store: `clone_vm` (restore with the clone's own NIC, then a
-//! fresh RNG state and the host's time), `snapshot_save`, `snapshot_inspect` and `snapshot_rm` (untag only: content
+//! fresh RNG state and the host's time), `snapshot_save`, `snapshot_inspect` (owner and base image), `base_image_of` and `snapshot_rm` (untag only: content
 //! is collected by `collect_garbage`, `library.rs`, or `chrysalis image gc`).
 
 use silkd_client::AgentConn;
@@ -128,7 +128,9 @@ impl VmmBackend {
         let target = r.clone();
         blocking("looking up", &target, move || match store.lookup(&r) {
             Ok(d) => store.manifest(&d).map(|m| match m {
-                images::Manifest::Snapshot(s) => Some(SnapshotInfo { namespace: s.namespace }),
+                images::Manifest::Snapshot(s) => {
+                    Some(SnapshotInfo { namespace: s.namespace, base_image: Some(s.base_image.to_string()) })
+                }
                 images::Manifest::Image(_) => None,
             }),
             Err(images::ImageError::NotFound { .. }) => Ok(None),
@@ -136,6 +138,22 @@ impl VmmBackend {
         })
         .await?
         .map_err(|e| failed("looking up", format!("snapshot {target}"), e))
+    }
+
+    /// `base_image_of`: the digest of the image manifest `source` names, or of a snapshot's
+    /// base image (`None`: no such name in the library, or not a valid reference).
+    pub(super) async fn base_image(&self, source: &str) -> Result<Option<String>, BackendError> {
+        let (store, r) = (self.store.clone(), source.to_owned());
+        blocking("looking up", source, move || match store.lookup(&r) {
+            Ok(d) => store.manifest(&d).map(|m| match m {
+                images::Manifest::Image(_) => Some(d.to_string()),
+                images::Manifest::Snapshot(s) => Some(s.base_image.to_string()),
+            }),
+            Err(images::ImageError::NotFound { .. } | images::ImageError::BadRef { .. }) => Ok(None),
+            Err(e) => Err(e),
+        })
+        .await?
+        .map_err(|e| failed("looking up", format!("the base image of {source}"), e))
     }
 
     /// `snapshot_rm`: untags a snapshot (never an image of the name).

@@ -108,6 +108,9 @@ async fn a_restarted_provider_tracks_a_hibernated_pod_asleep_and_wakes_it_when_a
     let last = r.last();
     assert_eq!((phase(&last), ann(&last, LIFECYCLE_STATE).as_deref()), ("Pending".into(), Some("hibernated")));
     assert_eq!(r.vm(&key("a")).id, before.id);
+    // The first CocoonHibernation pass (none here): until then a Pod that was hibernated is
+    // held asleep, since an object may still ask for it.
+    r.provider.apply_hibernations(&Default::default());
     r.provider.update_pod(&hibernating(&asleep, false)).await.unwrap();
     assert_eq!(r.backend.vms().len(), 1);
     assert_eq!(ann(&r.last(), LIFECYCLE_STATE).as_deref(), Some("ready"));

@@ -135,6 +135,7 @@ mod create;
 mod delete;
 mod hibernate;
 mod hibernate_faults;
+mod hibernate_guard;
 mod loops;
 mod metrics;
 mod namespaces;
