@@ -22,11 +22,6 @@ fn in_namespace(mut p: Pod, ns: &str) -> Pod {
     p
 }
 
-/// Lets spawned tasks run (the clock is paused: sleeping advances it).
-async fn settle() {
-    tokio::time::sleep(Duration::from_millis(100)).await;
-}
-
 // ------------------------------------------------------------------- 1. the wake's lease
 
 #[tokio::test(start_paused = true)]

@@ -9,11 +9,6 @@ use super::*;
 use crate::provider::hibernate::hibernation_of;
 use vnode::error_chain;
 
-/// Lets spawned tasks run (the clock is paused: sleeping advances it).
-async fn settle() {
-    tokio::time::sleep(Duration::from_millis(100)).await;
-}
-
 // ------------------------------------------------------------- 1. the snapshot's image
 
 #[tokio::test(start_paused = true)]

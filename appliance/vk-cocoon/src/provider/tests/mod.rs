@@ -131,6 +131,11 @@ async fn delete(r: &Rig, p: &Pod) -> Result<(), String> {
     r.provider.delete_pod(p).await.map_err(|e| e.to_string())
 }
 
+/// Lets spawned tasks run (the clock is paused: sleeping advances it).
+pub(super) async fn settle() {
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
 mod create;
 mod delete;
 mod hibernate;
