@@ -3,7 +3,7 @@
 //!
 //! - [`Store`]: open a root, [`Store::import_image`] / [`Store::import_catalog_template`],
 //!   [`Store::save_snapshot`], [`Store::resolve`] to boot or restore, [`Store::list`],
-//!   [`Store::remove`] (untag), [`Store::gc`], [`Store::verify`];
+//!   [`Store::remove`] (untag; [`Store::remove_if`] only while the name still names a digest), [`Store::gc`], [`Store::verify`];
 //! - [`reference`]: the validated [`Reference`] and [`Digest`] names;
 //! - [`manifest`]: the image and snapshot manifests (JSON blobs);
 //! - `blobs`, `refs`, `lock`: content-addressed files, the name table, the flock discipline;

@@ -390,6 +390,22 @@ impl Store {
         Ok(d)
     }
 
+    /// Removes the name `s` only while it still names `expected` (checked and removed under
+    /// `.lock`, so a concurrent save or tag of the name is never undone): `Ok(true)` removed,
+    /// `Ok(false)` the name names other content now, or nothing, and stays as it is.
+    pub fn remove_if(&self, s: &str, expected: &Digest) -> Result<bool, ImageError> {
+        let r = Reference::parse(s)?;
+        let _l = self.refs_lock()?;
+        let mut refs = self.load_refs()?;
+        if refs.refs.get(&r) != Some(expected) {
+            return Ok(false);
+        }
+        refs.refs.remove(&r);
+        refs.store(&self.refs_path())?;
+        tracing::info!(reference = %r, digest = %expected, "untagged");
+        Ok(true)
+    }
+
     /// Every named entry, sorted by name.
     pub fn list(&self) -> Result<Vec<Entry>, ImageError> {
         let refs = self.load_refs()?;

@@ -124,6 +124,20 @@ fn tags_untag_and_latest_default() {
 }
 
 #[test]
+fn remove_if_untags_only_what_the_name_still_names() {
+    let f = fixture();
+    let a = f.store.import_image("rt", &source(&f.src, "a", false)).expect("import a");
+    // The name is re-pointed after `a` was seen: the conditional remove leaves it.
+    let b = f.store.import_image("rt", &source(&f.src, "b", false)).expect("import b");
+    assert!(!f.store.remove_if("rt", &a).expect("stale digest"));
+    assert_eq!(f.store.lookup("rt").expect("kept"), b);
+    assert!(f.store.remove_if("rt:latest", &b).expect("current digest"));
+    assert!(matches!(f.store.lookup("rt"), Err(ImageError::NotFound { .. })));
+    assert!(!f.store.remove_if("rt", &b).expect("an absent name"));
+    assert!(matches!(f.store.remove_if("Bad", &b), Err(ImageError::BadRef { .. })));
+}
+
+#[test]
 fn bad_references_and_inputs_are_refused() {
     let f = fixture();
     let src = source(&f.src, "a", false);

@@ -21,6 +21,9 @@
 //!   provider leaves them running, and a new provider finds them with [`VmBackend::list`].
 //! * **Idempotent teardown.** [`VmBackend::remove`], [`VmBackend::snapshot_rm`] and
 //!   [`VmBackend::release_ip`] succeed when the thing is already gone.
+//! * **Compare-and-delete.** [`VmBackend::snapshot_rm_if`] removes a name only while it still
+//!   names the content [`VmBackend::library`] listed, checked and removed atomically against
+//!   saves of that name.
 //! * **A failed listing is an error, never an empty list** (`docs/virtual-node.md` §5 pitfall 2).
 //! * Calls may run concurrently for different VMs; the provider never runs two calls for one
 //!   VM at once except [`VmBackend::inspect`] / [`VmBackend::probe_agent`] next to others.
@@ -226,6 +229,10 @@ pub struct SnapshotEntry {
     pub disk_bytes: u64,
     /// A live VM of the library uses its content (a clone restored from it).
     pub in_use: bool,
+    /// What the name pointed at when listed, opaque (the production backend: the digest of the
+    /// snapshot manifest; a new save under the name changes it): the `expected` of
+    /// [`VmBackend::snapshot_rm_if`].
+    pub content: String,
 }
 
 /// The image library as [`VmBackend::library`] sees it.
@@ -344,6 +351,13 @@ pub trait VmBackend: Send + Sync + 'static {
     /// Deletes `snapshot` from the library (its content is garbage-collected when no VM uses
     /// it). An absent snapshot is success.
     async fn snapshot_rm(&self, snapshot: &SnapshotRef) -> Result<(), BackendError>;
+
+    /// Deletes `snapshot` only while the name still points at `expected` (a
+    /// [`SnapshotEntry::content`]), checked and removed atomically with respect to
+    /// [`VmBackend::snapshot_save`] of that name: `Ok(true)` removed; `Ok(false)` the name now
+    /// points at other content (saved again since), or at nothing, and nothing was removed.
+    /// Never removes an image of the name.
+    async fn snapshot_rm_if(&self, snapshot: &SnapshotRef, expected: &str) -> Result<bool, BackendError>;
 
     /// Every snapshot of the library, with the disk its images take (the snapshot GC,
     /// `crate::gc`). An error when the listing is incomplete, never a partial list.

@@ -19,19 +19,31 @@
 //!      clone source);
 //!    * a live VM uses its content;
 //!    * it is younger than the retention, or the retention is `0` (never remove by age).
-//! 4. Remove the rest ([`VmBackend::snapshot_rm`](crate::VmBackend::snapshot_rm)), then collect the content no name or live
-//!    VM uses ([`VmBackend::collect_garbage`](crate::VmBackend::collect_garbage)).
+//! 4. Remove the rest, one at a time, each just after two checks against changes since
+//!    step 1: the provider's table is read again (a snapshot it now refers to is kept), and the
+//!    removal is a compare-and-delete
+//!    ([`VmBackend::snapshot_rm_if`](crate::VmBackend::snapshot_rm_if)) of the content step 1
+//!    listed, so a name saved again since (a DeletePod's `<name>:latest`) is kept. Then collect
+//!    the content no name or live VM uses
+//!    ([`VmBackend::collect_garbage`](crate::VmBackend::collect_garbage)).
 //!
 //! # Guarantees
 //! * Nothing is removed on ambiguity: a failed library listing, no API client yet, or a failed
 //!   Pod listing skips the pass (logged, `cocoon_vk_snapshot_gc_runs_total{result="error"}`).
 //! * The Pods come from the API, not only the provider's table, so a Pod whose create has not
 //!   run yet (after a restart, or queued) keeps its snapshots like a tracked one.
+//! * Age, owner and "in use" come from step 1, but only the content step 1 listed is removed:
+//!   a save under the name since then (it replaces the name in the library under the store's
+//!   lock, which the compare-and-delete takes too) keeps the new snapshot.
 //!
 //! # Caveats
-//! A Pod created after step 2 and cloning a snapshot that is older than the retention and
-//! otherwise unreferenced can lose it within the same pass (milliseconds); its create then
-//! fails and is retried, reporting the snapshot missing.
+//! A Pod that is not in the provider's table when its snapshot's removal starts (the API did
+//! not list it at step 2 and its create has not reserved its VM name yet) and that clones a
+//! snapshot older than the retention and otherwise unreferenced can lose it within the same
+//! pass (milliseconds); its create then fails and is retried, reporting the snapshot missing.
+//! The same holds for a clone whose create reserves its name after the table is read again
+//! and before the removal (one backend call). A live VM that started using a snapshot after
+//! step 1 does not keep its name, only its content (the collection keeps what live VMs use).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -195,16 +207,7 @@ impl CocoonProvider {
         let api = pods.pods().await?;
         let mut keep = Keep::default();
         api.iter().for_each(|p| keep.add_pod(p));
-        {
-            let g = s.lock();
-            for e in g.entries.values() {
-                keep.add_pod(&e.pod);
-                keep.names.insert(e.spec.vm_name.clone());
-                keep.names.insert(e.vm.name.clone());
-            }
-            keep.names.extend(g.reserved.keys().cloned());
-            keep.names.extend(g.adoptable.values().map(|v| v.name.clone()));
-        }
+        self.add_table(&mut keep);
         let now = SystemTime::now();
         let mut report = GcReport::default();
         for snap in &library.snapshots {
@@ -213,8 +216,20 @@ impl CocoonProvider {
                 report.kept += 1;
                 continue;
             }
-            match s.backend.snapshot_rm(&snap.reference).await {
-                Ok(()) => {
+            // The table again: a create may have started since step 2.
+            let mut table = Keep::default();
+            self.add_table(&mut table);
+            if table.refers_to(&snap.reference) {
+                tracing::debug!(snapshot = %snap.reference, "snapshot kept: the provider refers to it since the listing");
+                report.kept += 1;
+                continue;
+            }
+            match s.backend.snapshot_rm_if(&snap.reference, &snap.content).await {
+                Ok(false) => {
+                    tracing::info!(snapshot = %snap.reference, "snapshot kept: saved again (or removed) since the listing");
+                    report.kept += 1;
+                }
+                Ok(true) => {
                     tracing::info!(snapshot = %snap.reference, namespace = ?snap.namespace, disk_bytes = snap.disk_bytes, "removed a snapshot nothing on the node refers to, older than VK_SNAPSHOT_RETENTION");
                     report.removed.push(snap.reference.clone());
                 }
@@ -232,6 +247,19 @@ impl CocoonProvider {
             }
         }
         Ok(report)
+    }
+
+    /// Adds what the provider's table refers to: its tracked Pods, the VM names being
+    /// created and the VMs awaiting adoption.
+    fn add_table(&self, keep: &mut Keep) {
+        let g = self.0.lock();
+        for e in g.entries.values() {
+            keep.add_pod(&e.pod);
+            keep.names.insert(e.spec.vm_name.clone());
+            keep.names.insert(e.vm.name.clone());
+        }
+        keep.names.extend(g.reserved.keys().cloned());
+        keep.names.extend(g.adoptable.values().map(|v| v.name.clone()));
     }
 
     /// Starts the GC timer: a first pass shortly after start, then one every `cfg.interval`

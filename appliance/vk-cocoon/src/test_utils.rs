@@ -49,6 +49,20 @@ struct FakeState {
     created: BTreeMap<SnapshotRef, std::time::SystemTime>,
     /// Runs of `collect_garbage`.
     collections: u32,
+    /// What each snapshot name points at ([`SnapshotEntry::content`]): a new number per save.
+    contents: BTreeMap<SnapshotRef, u64>,
+    saves: u64,
+    /// op → a hook run once at the next call of op (see [`FakeBackend::before`]).
+    hooks: BTreeMap<&'static str, Hook>,
+}
+
+/// Code a test runs inside a backend call.
+struct Hook(Box<dyn FnOnce() + Send>);
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hook")
+    }
 }
 
 /// The fake backend. Cheap to share behind an `Arc`.
@@ -119,9 +133,31 @@ impl FakeBackend {
         info
     }
 
-    /// A snapshot in the library, owned by `namespace` (`None`: saved without one).
+    /// A snapshot in the library, owned by `namespace` (`None`: saved without one); under a
+    /// name in use, new content replaces the old (as a save does).
     pub fn add_snapshot(&self, namespace: Option<&str>, snapshot: &SnapshotRef) {
-        self.lock().snapshots.insert(snapshot.clone(), ("preexisting".into(), namespace.map(str::to_owned)));
+        let mut s = self.lock();
+        s.snapshots.insert(snapshot.clone(), ("preexisting".into(), namespace.map(str::to_owned)));
+        Self::new_content(&mut s, snapshot);
+    }
+
+    /// `f` runs once, with no lock of the backend held, at the start of the next call of
+    /// `op` (so far only `snapshot_rm_if` runs hooks): a change racing with that call.
+    pub fn before(&self, op: &'static str, f: impl FnOnce() + Send + 'static) {
+        self.lock().hooks.insert(op, Hook(Box::new(f)));
+    }
+
+    fn run_hook(&self, op: &'static str) {
+        let hook = self.lock().hooks.remove(op);
+        if let Some(Hook(f)) = hook {
+            f();
+        }
+    }
+
+    fn new_content(s: &mut FakeState, snapshot: &SnapshotRef) {
+        s.saves += 1;
+        let n = s.saves;
+        s.contents.insert(snapshot.clone(), n);
     }
 
     /// The snapshot was saved at `at` (as [`VmBackend::library`] reports it).
@@ -363,6 +399,7 @@ impl VmBackend for FakeBackend {
             None => s.snapshot_bases.remove(snapshot),
         };
         s.created.insert(snapshot.clone(), std::time::SystemTime::now());
+        Self::new_content(&mut s, snapshot);
         Ok(())
     }
 
@@ -388,7 +425,21 @@ impl VmBackend for FakeBackend {
         self.enter(&mut s, "snapshot_rm", &snapshot.to_string())?;
         s.snapshots.remove(snapshot);
         s.snapshot_bases.remove(snapshot);
+        s.contents.remove(snapshot);
         Ok(())
+    }
+
+    async fn snapshot_rm_if(&self, snapshot: &SnapshotRef, expected: &str) -> Result<bool, BackendError> {
+        self.run_hook("snapshot_rm_if");
+        let mut s = self.lock();
+        self.enter(&mut s, "snapshot_rm_if", &format!("{snapshot} {expected}"))?;
+        if s.contents.get(snapshot).map(u64::to_string).as_deref() != Some(expected) {
+            return Ok(false);
+        }
+        s.snapshots.remove(snapshot);
+        s.snapshot_bases.remove(snapshot);
+        s.contents.remove(snapshot);
+        Ok(true)
     }
 
     async fn library(&self) -> Result<Library, BackendError> {
@@ -403,6 +454,7 @@ impl VmBackend for FakeBackend {
                 created: s.created.get(r).copied().unwrap_or_else(std::time::SystemTime::now),
                 disk_bytes: 1 << 20,
                 in_use: s.vms.values().any(|v| v.source == format!("clone:{r}")),
+                content: s.contents.get(r).map(u64::to_string).unwrap_or_default(),
             })
             .collect();
         Ok(Library { snapshots, image_disk_bytes: 8 << 20 })

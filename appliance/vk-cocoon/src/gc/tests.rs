@@ -142,10 +142,50 @@ async fn a_failed_removal_is_reported_and_the_rest_goes_on() {
     let r = Rig::new();
     r.snapshot(Some("ns"), "a:latest", WEEK * 2);
     r.snapshot(Some("ns"), "b:latest", WEEK * 2);
-    r.backend.fail("snapshot_rm", 1);
+    r.backend.fail("snapshot_rm_if", 1);
     let report = r.provider.snapshot_gc_once(&Pods(Some(Vec::new())), Some(WEEK)).await.unwrap();
     assert_eq!((report.failed.len(), report.removed.len()), (1, 1), "{report:?}");
     assert!(!report.ok());
+}
+
+/// An API listing during which `vm-a:latest` is saved again (a DeletePod of the name
+/// finishing between the library listing and the Pod listing).
+struct ResavedDuringListing(Arc<FakeBackend>);
+
+#[async_trait::async_trait]
+impl PodSource for ResavedDuringListing {
+    async fn pods(&self) -> Result<Vec<Pod>, GcError> {
+        self.0.add_snapshot(Some("ns"), &snap("vm-a:latest"));
+        self.0.set_snapshot_created(&snap("vm-a:latest"), SystemTime::now());
+        Ok(Vec::new())
+    }
+}
+
+#[tokio::test]
+async fn a_snapshot_saved_again_since_the_listing_is_kept() {
+    let r = Rig::new();
+    r.snapshot(Some("ns"), "vm-a:latest", WEEK * 2);
+    r.snapshot(Some("ns"), "gone:latest", WEEK * 2);
+    let report = r.provider.snapshot_gc_once(&ResavedDuringListing(r.backend.clone()), Some(WEEK)).await.unwrap();
+    assert_eq!(report.removed, [snap("gone:latest")], "{report:?}");
+    assert!(report.ok() && report.kept == 1, "{report:?}");
+    assert_eq!(r.left(), ["vm-a:latest"], "the new snapshot under the old name stays");
+}
+
+#[tokio::test]
+async fn a_snapshot_the_provider_refers_to_since_step_2_is_kept() {
+    let r = Rig::new();
+    r.snapshot(Some("ns"), "a:latest", WEEK * 2);
+    r.snapshot(Some("ns"), "b:latest", WEEK * 2);
+    // While `a` is removed, a create reserves the VM name `b` (it will clone `b:latest`).
+    let p = CocoonProvider(r.provider.0.clone());
+    r.backend.before("snapshot_rm_if", move || {
+        p.0.lock().reserved.insert("b".into(), "ns/pod-b".into());
+    });
+    let report = r.provider.snapshot_gc_once(&Pods(Some(Vec::new())), Some(WEEK)).await.unwrap();
+    assert_eq!(report.removed, [snap("a:latest")], "{report:?}");
+    assert_eq!(report.kept, 1, "{report:?}");
+    assert_eq!(r.left(), ["b:latest"]);
 }
 
 #[tokio::test(start_paused = true)]

@@ -48,6 +48,7 @@ impl VmmBackend {
                         created: UNIX_EPOCH + Duration::from_secs(e.created),
                         disk_bytes: e.disk,
                         in_use: used.contains(&e.digest),
+                        content: e.digest.to_string(),
                     });
                 }
             }

@@ -395,6 +395,10 @@ impl VmBackend for VmmBackend {
         self.remove_snapshot(snapshot).await
     }
 
+    async fn snapshot_rm_if(&self, snapshot: &SnapshotRef, expected: &str) -> Result<bool, BackendError> {
+        self.remove_snapshot_if(snapshot, expected).await
+    }
+
     async fn library(&self) -> Result<crate::backend::Library, BackendError> {
         self.list_library().await
     }

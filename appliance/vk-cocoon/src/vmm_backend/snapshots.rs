@@ -1,6 +1,7 @@
 //! Snapshots through the `images` store: `clone_vm` (restore with the clone's own NIC, then a
-//! fresh RNG state and the host's time), `snapshot_save`, `snapshot_inspect` (owner and base image), `base_image_of` and `snapshot_rm` (untag only: content
-//! is collected by `collect_garbage`, `library.rs`, or `chrysalis image gc`).
+//! fresh RNG state and the host's time), `snapshot_save`, `snapshot_inspect` (owner and base image), `base_image_of`, `snapshot_rm` and
+//! `snapshot_rm_if` (untag only, the latter through `images::Store::remove_if`: content is
+//! collected by `collect_garbage`, `library.rs`, or `chrysalis image gc`).
 
 use silkd_client::AgentConn;
 use vmm::{AfterSnapshot, RestoreOptions, VmId, AGENT_PORT};
@@ -171,6 +172,27 @@ impl VmmBackend {
             },
             Err(images::ImageError::NotFound { .. }) => Ok(()),
             Err(e) => Err(e),
+        })
+        .await?
+        .map_err(|e| failed("removing", format!("snapshot {target}"), e))
+    }
+
+    /// `snapshot_rm_if`: untags a snapshot while the name still names the manifest `expected`
+    /// (`images::Store::remove_if`: compared and removed under the store's `.lock`, which every
+    /// save of a name takes). `expected` must be a snapshot manifest, so no image is untagged.
+    pub(super) async fn remove_snapshot_if(
+        &self,
+        snapshot: &SnapshotRef,
+        expected: &str,
+    ) -> Result<bool, BackendError> {
+        let (store, r) = (self.store.clone(), snapshot.to_string());
+        let target = r.clone();
+        let expected =
+            images::Digest::parse(expected).map_err(|e| failed("removing", format!("snapshot {target}"), e))?;
+        blocking("removing", &target, move || match store.manifest(&expected)?.kind() {
+            images::Kind::Snapshot => store.remove_if(&r, &expected),
+            // Never untag an image under a snapshot's name.
+            images::Kind::Image => Ok(false),
         })
         .await?
         .map_err(|e| failed("removing", format!("snapshot {target}"), e))

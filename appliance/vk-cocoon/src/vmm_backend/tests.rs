@@ -108,3 +108,62 @@ async fn a_failed_wake_keeps_the_lease_its_guest_carries_and_a_failed_clone_rele
     assert!(net.lookup(&other).unwrap().is_none(), "a clone's own lease goes with it");
     assert_eq!(b.vm_id_of("vm-a"), Some(id), "ids follow from names");
 }
+
+/// A driver snapshot directory of a VM booted from image files written under `dir`.
+fn saved_vm(dir: &Path, state: &[u8]) -> Snapshot {
+    let file = |name: &str, bytes: &[u8]| {
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    };
+    let spec = BootSpec {
+        overlay_bytes: None,
+        name: "t".into(),
+        kernel: file("vmlinux", b"kernel"),
+        initrd: file("initrd", b"initrd"),
+        rootfs: None,
+        overlay_base: None,
+        cmdline: "console=ttyS0".into(),
+        size: vmm::SizeClass::Small,
+        accel: vmm::AccelPreference::Tcg,
+        nic: None,
+        rng: true,
+        volumes: true,
+        ram: vmm::Ram::Anonymous,
+    };
+    let snap_dir = dir.join("snap");
+    std::fs::create_dir_all(&snap_dir).unwrap();
+    std::fs::write(snap_dir.join("state"), state).unwrap();
+    Snapshot {
+        dir: snap_dir,
+        backend: Backend::Qemu,
+        accel: vmm::Accel::Tcg,
+        source: VmId::new("src-vm").unwrap(),
+        spec,
+        overlay: None,
+        created_at_epoch_secs: 1,
+    }
+}
+
+#[tokio::test]
+async fn snapshot_rm_if_removes_only_the_content_that_was_listed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (b, _net) = backend(tmp.path());
+    let store = images::Store::open(tmp.path().join("images")).unwrap();
+    let name = SnapshotRef::latest("vm-a");
+    let old = store.save_snapshot(&name.to_string(), &saved_vm(tmp.path(), b"old")).unwrap();
+    // Saved again under the same name (a DeletePod's `<name>:latest`) after `old` was listed.
+    let new = store.save_snapshot(&name.to_string(), &saved_vm(tmp.path(), b"new")).unwrap();
+    assert_ne!(old, new);
+    assert!(!b.snapshot_rm_if(&name, &old.to_string()).await.unwrap(), "stale content: kept");
+    assert_eq!(store.lookup(&name.to_string()).unwrap(), new);
+    assert!(b.snapshot_rm_if(&name, &new.to_string()).await.unwrap());
+    assert!(b.snapshot_inspect(&name).await.unwrap().is_none());
+    assert!(!b.snapshot_rm_if(&name, &new.to_string()).await.unwrap(), "already gone: nothing removed");
+    // Never an image of the name, nor on an expected content that is no digest.
+    let base = store.tag(&old.to_string(), "img").and_then(|_| store.resolve_snapshot("img")).unwrap().base_image;
+    store.tag(&base.to_string(), "img").unwrap();
+    assert!(!b.snapshot_rm_if(&SnapshotRef::latest("img"), &base.to_string()).await.unwrap());
+    assert_eq!(store.lookup("img").unwrap(), base);
+    assert!(b.snapshot_rm_if(&SnapshotRef::latest("img"), "not-a-digest").await.is_err());
+}
