@@ -33,16 +33,7 @@ const FORGED_ADDR: &str = "127.0.0.1:1";
 /// The forged inventory: fresh for over a minute (stamped 50 s ahead, inside the allowed skew),
 /// claiming more warm VMs of B's pool than anyone.
 fn forged() -> Value {
-    let t = time::OffsetDateTime::now_utc() + time::Duration::seconds(50);
-    let at = format!(
-        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z",
-        t.year(),
-        u8::from(t.month()),
-        t.day(),
-        t.hour(),
-        t.minute(),
-        t.second()
-    );
+    let at = humantime::format_rfc3339_seconds(std::time::SystemTime::now() + Duration::from_secs(50)).to_string();
     json!({"apiVersion": "sandbox.cocoonstack.io/v1beta1", "kind": "NodeInventory", "metadata": {"name": FORGED},
         "node": FORGED, "address": FORGED_ADDR, "publishedAt": at,
         "pools": [{"template": BASE, "net": "none", "size": MEDIUM, "warm": 1000, "target": 1000}], "entries": []})

@@ -244,11 +244,7 @@ async fn adopt(
         VmState::Creating => {
             // A create that never finished: nothing is creating it any more.
             tracing::info!(vm = %vm.id, "removing a VM left half-created; booting afresh");
-            s.backend.remove(&vm.id).await.map_err(|source| CocoonProviderError::Remove {
-                key: key.to_owned(),
-                id: vm.id.clone(),
-                source,
-            })?;
+            remove_leftover(s, key, &vm).await?;
             // A wake that never finished: its guest carries the address of this lease.
             if !hibernate::hibernation_held(s, [vm.name.as_str(), spec.vm_name.as_str()]).await {
                 if let Err(e) = s.backend.release_ip(&vm.id).await {
@@ -262,11 +258,7 @@ async fn adopt(
             // next hibernate would save that over it. The stopped leftover goes (its lease
             // stays), and the Pod is served from the snapshot: asleep, or woken.
             tracing::info!(vm = %vm.id, "a hibernate was interrupted after the VM stopped; finishing it");
-            s.backend.remove(&vm.id).await.map_err(|source| CocoonProviderError::Remove {
-                key: key.to_owned(),
-                id: vm.id.clone(),
-                source,
-            })?;
+            remove_leftover(s, key, &vm).await?;
             return match hibernate::create_from_hibernation(s, key, pod, &spec, hypervisor).await? {
                 Some(()) => Ok(()),
                 None => boot(s, key, pod, spec, hypervisor).await,
@@ -306,6 +298,16 @@ async fn adopt(
 /// Whether the stopped `vm` is the leftover of a hibernate that stopped it and then crashed:
 /// its `<vm-name>:hibernate` exists. A failed lookup fails the create (retried) rather than
 /// cold-boot over a snapshot that may exist.
+/// Removes the VM a previous run left behind (half-created, or stopped mid-hibernate) before
+/// the Pod is served afresh.
+async fn remove_leftover(s: &Shared, key: &str, vm: &VmInfo) -> Result<(), CocoonProviderError> {
+    s.backend.remove(&vm.id).await.map_err(|source| CocoonProviderError::Remove {
+        key: key.to_owned(),
+        id: vm.id.clone(),
+        source,
+    })
+}
+
 async fn interrupted_hibernate(s: &Shared, key: &str, pod: &Pod, vm: &VmInfo) -> Result<bool, CocoonProviderError> {
     let snapshot = hibernate::hibernation_of(&vm.name);
     match s.backend.snapshot_inspect(&snapshot).await {

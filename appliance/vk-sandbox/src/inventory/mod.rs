@@ -44,7 +44,7 @@ pub mod warm;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use futures::FutureExt as _;
@@ -53,6 +53,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{DynamicObject, ListParams, Patch, PatchParams};
 use kube::Api;
 use vnode::error_chain;
+use vnode::kit::Locked;
 
 use crate::provider::SandboxProvider;
 use crate::sandboxd::{SandboxdClient, SandboxdError};
@@ -165,11 +166,11 @@ pub struct Publisher {
     provider: Arc<SandboxProvider>,
     node: vnode::NodeHandle,
     client: RwLock<Option<kube::Client>>,
-    absent: Mutex<Absent>,
+    absent: Locked<Absent>,
     /// The Node was read once: its absence later means it is being registered again.
     node_seen: AtomicBool,
     /// When sandboxd last answered (or the loop began).
-    last_read: Mutex<tokio::time::Instant>,
+    last_read: Locked<tokio::time::Instant>,
 }
 
 impl Publisher {
@@ -186,9 +187,9 @@ impl Publisher {
             provider,
             node,
             client: RwLock::new(None),
-            absent: Mutex::default(),
+            absent: Locked::default(),
             node_seen: AtomicBool::new(false),
-            last_read: Mutex::new(tokio::time::Instant::now()),
+            last_read: Locked::new(tokio::time::Instant::now()),
         }
     }
 
@@ -201,13 +202,9 @@ impl Publisher {
         self.client.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
-    fn absent(&self) -> std::sync::MutexGuard<'_, Absent> {
-        lock(&self.absent)
-    }
-
     /// After a stale-after window without an answer from sandboxd, every warm capacity goes to 0.
     fn zero_when_silent(&self) {
-        let silent = lock(&self.last_read).elapsed();
+        let silent = self.last_read.lock().elapsed();
         if self.cfg.advertise_warm && silent >= self.cfg.stale_after {
             let zero = warm::zeroed(&self.node.extra_resources());
             if self.node.set_extra_resources(zero) {
@@ -227,7 +224,7 @@ impl Publisher {
                 return Err(InventoryError::Sandboxd(e));
             }
         };
-        *lock(&self.last_read) = tokio::time::Instant::now();
+        *self.last_read.lock() = tokio::time::Instant::now();
         let mut pass = Pass::default();
         if self.cfg.advertise_warm {
             let resources = warm::warm_resources(&info, &rows, &self.provider.held_claims());
@@ -243,13 +240,13 @@ impl Publisher {
             tracing::debug!("no API client yet; publishing waits");
             return Ok(pass);
         };
-        if self.absent().until.is_some_and(|t| tokio::time::Instant::now() < t) {
+        if self.absent.lock().until.is_some_and(|t| tokio::time::Instant::now() < t) {
             pass.absent = true;
             return Ok(pass);
         }
         match self.publish(&client, &info, &rows, &mut pass).await {
             Err(e) if e.absent() => {
-                let mut a = self.absent();
+                let mut a = self.absent.lock();
                 if !a.logged {
                     tracing::info!(
                         error = %error_chain(&e),
@@ -265,7 +262,7 @@ impl Publisher {
             }
             Err(e) => Err(e),
             Ok(()) => {
-                let mut a = self.absent();
+                let mut a = self.absent.lock();
                 if a.logged {
                     tracing::info!("NodeInventory objects are served now; publishing");
                 }
@@ -375,11 +372,6 @@ async fn node_facts(client: &kube::Client, names: Vec<String>) -> BTreeMap<Strin
         .filter_map(std::future::ready)
         .collect()
         .await
-}
-
-/// Small plain fields: a poisoned lock still holds whole values.
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -106,7 +106,7 @@ fn disowned(
     }
     let Some(facts) = facts else { return Some("no Node of its name") };
     let owners = obj.metadata.owner_references.iter().flatten().filter(|o| o.kind == "Node");
-    if owners.clone().any(|o| o.name != name || o.uid != facts.uid) {
+    if owners.into_iter().any(|o| o.name != name || o.uid != facts.uid) {
         return Some("owned by another Node, or an earlier one of its name");
     }
     let host = crate::status::host_of(addr);

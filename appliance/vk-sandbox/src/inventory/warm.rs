@@ -75,9 +75,6 @@ pub fn warm_resources(info: &Info, rows: &[SandboxRow], held: &[HeldClaim]) -> B
         let n = counts.entry(resource_name(&pool.key)).or_default();
         *n = n.saturating_add(pool.warm);
     }
-    if info.draining {
-        return counts.into_keys().map(|k| (k, Quantity("0".into()))).collect();
-    }
     let asked: BTreeMap<&str, BTreeSet<String>> =
         held.iter().filter_map(|h| Some((h.id.as_str(), requested(h.pod.as_ref()?)))).collect();
     for row in rows {
@@ -87,7 +84,11 @@ pub fn warm_resources(info: &Info, rows: &[SandboxRow], held: &[HeldClaim]) -> B
             *n = n.saturating_add(1);
         }
     }
-    counts.into_iter().map(|(k, n)| (k, Quantity(n.to_string()))).collect()
+    let resources = counts.into_iter().map(|(k, n)| (k, Quantity(n.to_string()))).collect();
+    if info.draining {
+        return zeroed(&resources);
+    }
+    resources
 }
 
 /// `resources` with every count 0 (what the Node shows once sandboxd has not answered for a
